@@ -1,0 +1,39 @@
+# Quickstart: `make train` (sets everything up, then trains the embedded default), `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The CPU wheel of torch is pinned for machines without CUDA; on a GPU node pip's default build is used.
+TORCH_CPU ?= torch==2.13.0
+STAMP  := $(VENV)/.setup-done
+
+.PHONY: setup train test test-all bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	    echo "[setup] CUDA device found: installing the default torch build"; $(PIP) install -q torch; \
+	else \
+	    echo "[setup] no CUDA device: installing the CPU torch ($(TORCH_CPU))"; $(PIP) install -q $(TORCH_CPU); \
+	fi
+	$(PIP) install -q -e ".[dev]"
+	@touch $(STAMP)
+	@echo "[setup] done: $(VENV)"
+
+train: setup
+	$(PY) pretrain.py
+
+test: setup
+	$(PY) -m pytest -q
+
+test-all: setup
+	$(PY) -m pytest -q -m "not gpu"
+
+bench: setup
+	$(PY) bench/step.py
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache

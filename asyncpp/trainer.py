@@ -1,0 +1,145 @@
+"""The single-process training loop: every schedule's mathematics on one device.
+
+pretrain.py builds the model, optimizer, data and metrics and hands them in; this file only runs
+steps. Its step is DelayedUpdateSimulator.step, the reference the pipeline engine is tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from asyncpp.config import RunConfig
+from asyncpp.metrics import MetricsLogger
+from asyncpp.optim.lr_schedule import lr_multiplier
+from asyncpp.partition import param_stages
+from asyncpp.semantics import is_sync_step, stage_delay
+from asyncpp.simulate import DelayedUpdateSimulator, lm_loss
+
+
+class DataSource(Protocol):
+    def train_microbatch(self, index: int) -> Tensor:
+        """Global microbatch `index` (step * m + i) as a [B, T+1] token block; a pure function of index."""
+
+    def val_batches(self) -> list[Tensor]: ...
+
+
+class TrainingAborted(RuntimeError):
+    """Too many consecutive non-finite steps."""
+
+
+def parameter_delays(model: nn.Module, schedule: str, num_stages: int) -> list[int]:
+    """Steady-state delay of each trainable parameter, in model.parameters() order."""
+    stages = param_stages(model, num_stages)
+    return [
+        stage_delay(schedule, stages[name], num_stages)
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    ]
+
+
+def build_simulator(cfg: RunConfig, model: nn.Module, optimizer) -> DelayedUpdateSimulator:
+    sched = cfg.optimizer.schedule
+    return DelayedUpdateSimulator(
+        model,
+        optimizer,
+        parameter_delays(model, cfg.schedule.name, cfg.parallel.pp),
+        loss_fn=lm_loss,
+        grad_clip=cfg.train.grad_clip,
+        ef_lambda=cfg.staleness.ef_lambda,
+        lr_multiplier=functools.partial(
+            lr_multiplier,
+            total_steps=cfg.train.steps,
+            warmup_steps=sched.warmup_steps,
+            kind=sched.kind,
+            min_lr_ratio=sched.min_lr_ratio,
+            decay_fraction=sched.decay_fraction,
+        ),
+        sync_step=functools.partial(is_sync_step, total_steps=cfg.train.steps, staleness=cfg.staleness),
+    )
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[Tensor], device: torch.device) -> float:
+    """Mean validation loss on the newest weights."""
+    was_training = model.training
+    model.eval()
+    losses = [lm_loss(model, b.to(device)).item() for b in batches]
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, model: nn.Module, optimizer, data: DataSource, metrics: MetricsLogger):
+        self.cfg = cfg
+        self.model = model
+        self.data = data
+        self.metrics = metrics
+        self.device = torch.device(cfg.train.device)
+        self.sim = build_simulator(cfg, model, optimizer)
+        self.start_step = 0
+
+    def _microbatches(self, step: int) -> list[Tensor]:
+        m = self.cfg.train.num_microbatches
+        return [self.data.train_microbatch(step * m + i).to(self.device) for i in range(m)]
+
+    def run(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        val_batches = self.data.val_batches() if t.eval_every else []
+        consecutive_skips, skipped, tokens, val_loss = 0, 0, 0, math.nan
+        step_times: list[float] = []
+        started = time.perf_counter()
+        for step in range(self.start_step, t.steps):
+            batches = self._microbatches(step)
+            t0 = time.perf_counter()
+            stats = self.sim.step(step, batches)
+            dt = time.perf_counter() - t0
+            step_times.append(dt)
+            tokens += stats.tokens
+            record = {
+                "step": step,
+                "loss": stats.loss,
+                "lr": stats.lr,
+                "grad_norm": stats.grad_norm,
+                "update_norm": stats.update_norm,
+                "tokens_per_s": stats.tokens / dt,
+                "step_time_s": dt,
+                "skipped": stats.skipped,
+                "sync_step": is_sync_step(step, t.steps, cfg.staleness),
+            }
+            record.update(_moe_stats(self.model))
+            last = step == t.steps - 1
+            if val_batches and ((step + 1) % t.eval_every == 0 or last):
+                val_loss = record["val_loss"] = evaluate(self.model, val_batches, self.device)
+            self.metrics.log(record)
+            skipped += stats.skipped
+            consecutive_skips = consecutive_skips + 1 if stats.skipped else 0
+            if consecutive_skips >= t.max_consecutive_skips:
+                raise TrainingAborted(
+                    f"{consecutive_skips} consecutive steps had a non-finite gradient (last: step {step}); "
+                    "lower optimizer.lr or check the data"
+                )
+            if stats.skipped:
+                self.metrics.message(f"step {step}: non-finite gradient, update skipped")
+        wall = time.perf_counter() - started
+        steady = step_times[min(5, len(step_times) - 1):] if step_times else [math.nan]
+        return {
+            "steps": t.steps,
+            "final_loss": stats.loss,
+            "final_val_loss": val_loss,
+            "skipped_steps": skipped,
+            "tokens": tokens,
+            "wall_time_s": wall,
+            "mean_step_time_s": sum(steady) / len(steady),
+            "tokens_per_s": tokens / wall,
+        }
+
+
+def _moe_stats(model: nn.Module) -> dict[str, float]:
+    stats = getattr(model, "moe_stats", None)
+    return stats() if callable(stats) else {}
