@@ -1,0 +1,225 @@
+"""Build the base optimizer: Muon for hidden matrices and AdamW for the rest, behind one object.
+
+The split follows the Muon literature (Keller Jordan; Moonlight): Muon orthogonalises the update
+of hidden weight matrices; embeddings, the LM head and every vector/scalar parameter keep AdamW.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+try:  # private helper; its list follows torch's kernels (cuda, cpu, xpu, mps, ...)
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+except ImportError:  # pragma: no cover - older/newer torch without it
+
+    def _get_fused_kernels_supported_devices() -> list[str]:
+        return ["cuda", "cpu"]
+
+
+from asyncpp.optim.muon import Muon
+
+__all__ = ["OPTIMIZER_NAMES", "OptimizerSet", "build_optimizer", "is_muon_param", "split_params"]
+
+OPTIMIZER_NAMES = ("adamw", "muon")
+NamedParams = list[tuple[str, nn.Parameter]]
+
+# Leaf names of stacked expert weights [E, m, n] in our MoE modules (SwiGLU experts).
+_EXPERT_LEAF_PREFIXES = ("w_gate", "w_up", "w_down")
+
+
+def _is_expert_stack(name: str, param: nn.Parameter, owner: nn.Module) -> bool:
+    """A 3-D parameter is a stack of E expert matrices if its path says "experts", or if it is a
+    w_gate/w_up/w_down leaf of a module whose class or path says MoE/expert. Other 3-D parameters
+    (depthwise conv kernels [C, 1, k]) are not matrices and go to AdamW."""
+    if param.ndim != 3:
+        return False
+    if "experts" in name:
+        return True
+    leaf = name.rsplit(".", 1)[-1]
+    owner_kind = type(owner).__name__.lower()
+    path = name.lower().split(".")[:-1]
+    in_moe = "moe" in owner_kind or "expert" in owner_kind or any("moe" in part for part in path)
+    return leaf.startswith(_EXPERT_LEAF_PREFIXES) and in_moe
+
+
+def is_muon_param(name: str, param: nn.Parameter, owner: nn.Module) -> bool:
+    """The split rule. Muon takes hidden matrices:
+    - ndim == 2, unless the name contains "embed" or "lm_head" (input embedding / output head:
+      their rows are looked up or scored one token at a time, not a dense linear map) or the leaf
+      is a bias (a stacked per-expert bias [E, d] is vectors, not a matrix);
+    - ndim == 3 stacked MoE expert weights (see _is_expert_stack).
+    Everything else (embeddings, head, norm weights, biases, scalars, conv kernels) -> AdamW."""
+    lowered = name.lower()
+    if "embed" in lowered or "lm_head" in lowered or lowered.rsplit(".", 1)[-1].endswith("bias"):
+        return False
+    if param.ndim == 2:
+        return True
+    return _is_expert_stack(name, param, owner)
+
+
+def split_params(model: nn.Module) -> tuple[NamedParams, NamedParams]:
+    """(muon, adamw) lists of (qualified name, parameter), each parameter exactly once.
+
+    Tied weights (the LM head sharing the embedding Parameter) are deduplicated by identity; the
+    first name in module order wins, which is the embedding's for our models. Frozen parameters
+    (requires_grad=False) belong to no optimizer.
+    """
+    muon: NamedParams = []
+    adamw: NamedParams = []
+    seen: set[int] = set()
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for leaf, param in module.named_parameters(recurse=False):
+            if id(param) in seen or not param.requires_grad:
+                continue
+            seen.add(id(param))
+            name = f"{mod_name}.{leaf}" if mod_name else leaf
+            (muon if is_muon_param(name, param, module) else adamw).append((name, param))
+    return muon, adamw
+
+
+class OptimizerSet:
+    """Several torch optimizers (e.g. {"muon": Muon, "adamw": AdamW}) acting as one.
+
+    Every param group carries `base_lr` (its lr at construction); set_lr_multiplier(m) sets
+    lr = base_lr * m, so the schedule is one number for all groups. `base_lr` lives in the
+    param group, hence in state_dict, and survives a resume.
+    """
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]) -> None:
+        if not optimizers:
+            raise ValueError("OptimizerSet needs at least one optimizer (the model has no trainable params?)")
+        self.optimizers = dict(optimizers)
+        for group in self.param_groups:
+            group.setdefault("base_lr", group["lr"])
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
+    def params(self) -> list[nn.Parameter]:
+        out, seen = [], set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def step(self) -> None:
+        for opt in self.optimizers.values():
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def set_lr_multiplier(self, m: float) -> None:
+        if not m >= 0.0:
+            raise ValueError(f"lr multiplier={m} must be >= 0 (check the lr schedule)")
+        for group in self.param_groups:
+            group["lr"] = group["base_lr"] * m
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: opt.state_dict() for name, opt in self.optimizers.items()}
+
+    def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
+        if set(state) != set(self.optimizers):
+            raise ValueError(
+                f"optimizer state has parts {sorted(state)} but this run has {sorted(self.optimizers)}; "
+                "resume with the same optimizer.name and model as the checkpoint"
+            )
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(state[name])
+
+    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
+        return iter(self.optimizers.values())
+
+    def __repr__(self) -> str:
+        parts = ", ".join(
+            f"{k}={type(v).__name__}({sum(len(g['params']) for g in v.param_groups)} params)"
+            for k, v in self.optimizers.items()
+        )
+        return f"OptimizerSet({parts})"
+
+
+def _adamw_kernel_flags(params: list[nn.Parameter]) -> dict[str, bool]:
+    """fused=True when every param is a float tensor on one device type with a fused AdamW
+    kernel (cuda, cpu, xpu, ... as torch reports it); otherwise the multi-tensor foreach path."""
+    device_types = {p.device.type for p in params}
+    fused_ok = (
+        len(device_types) == 1
+        and device_types <= set(_get_fused_kernels_supported_devices())
+        and all(p.is_floating_point() for p in params)
+    )
+    return {"fused": True} if fused_ok else {"foreach": True}
+
+
+def _build_adamw(
+    named: NamedParams, *, lr: float, weight_decay: float, betas: tuple[float, float], eps: float
+) -> torch.optim.AdamW | None:
+    # Standard practice: no weight decay on 1-D params (norm gains, biases): decaying a norm gain
+    # towards 0 shrinks the layer's output rather than regularising it.
+    decay = [p for _, p in named if p.ndim >= 2]
+    no_decay = [p for _, p in named if p.ndim < 2]
+    groups = [
+        g
+        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
+    if not groups:
+        return None
+    flags = _adamw_kernel_flags(decay + no_decay)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **flags)
+
+
+def build_optimizer(
+    model: nn.Module,
+    *,
+    name: str,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    adjust_lr: str = "match_rms_adamw",
+    adamw_lr: float | None = None,
+    muon_compute_dtype: torch.dtype | str | None = None,
+) -> OptimizerSet:
+    """name="adamw": one AdamW over all params (lr; adamw_lr is ignored). name="muon": Muon over
+    split_params' hidden matrices (lr, adjust_lr, compute dtype muon_compute_dtype: None = the
+    params' dtype, torch.bfloat16 on GPU) and AdamW over the rest (lr = adamw_lr or lr)."""
+    if name not in OPTIMIZER_NAMES:
+        raise ValueError(f"optimizer.name={name!r} is not one of {OPTIMIZER_NAMES}")
+    muon_named, adamw_named = split_params(model)
+    if name == "adamw":
+        all_named = muon_named + adamw_named
+        adamw = _build_adamw(all_named, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        return OptimizerSet({"adamw": adamw} if adamw is not None else {})
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+    if muon_named:
+        optimizers["muon"] = Muon(
+            [p for _, p in muon_named],
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            adjust_lr=adjust_lr,
+            compute_dtype=muon_compute_dtype,
+        )
+    adamw = _build_adamw(
+        adamw_named,
+        lr=adamw_lr if adamw_lr is not None else lr,
+        weight_decay=weight_decay,
+        betas=betas,
+        eps=eps,
+    )
+    if adamw is not None:
+        optimizers["adamw"] = adamw
+    return OptimizerSet(optimizers)
