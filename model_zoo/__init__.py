@@ -1,6 +1,6 @@
 """Plain nn.Module models that know nothing about parallelism (see transformer.CausalLM)."""
 
-from model_zoo.config import GDNConfig, MoEConfig, ModelConfig
+from model_zoo.config import GDNConfig, ModelConfig, MoEConfig
 from model_zoo.counting import ParamCount, count_parameters
 from model_zoo.moe import MoE
 from model_zoo.registry import MODEL_NAMES, get_model_config

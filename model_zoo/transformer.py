@@ -1,0 +1,145 @@
+"""The decoder: embedding -> Blocks -> final norm -> LM head, plus build_model.
+
+Pipeline contract: forward(tokens) == head(layers[n-1](... layers[0](embed_tokens(tokens)))) exactly,
+and every Block maps one tensor [B, T, hidden] to one tensor of the same shape, so an engine can
+cut `layers` into stages anywhere and ship a single activation between processes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from model_zoo.attention import Attention
+from model_zoo.config import ModelConfig
+from model_zoo.gated_deltanet import GatedDeltaNet
+from model_zoo.layers import RMSNorm, SwiGLU, check_seq_len
+from model_zoo.moe import MoE
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: h + mixer(norm(h)), then h + mlp(norm(h)).
+
+    mixer is Attention ("attn") or GatedDeltaNet ("gdn") per config.layer_types[layer_idx];
+    mlp is MoE when config.moe is set, else a dense SwiGLU.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = cfg.layer_types[layer_idx]
+        self.mixer_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mixer: Attention | GatedDeltaNet
+        if self.layer_type == "attn":
+            self.mixer = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                   cfg.rope_theta, cfg.max_seq_len)
+        else:
+            g = cfg.gdn
+            assert g is not None, "validate() guarantees a GDNConfig for 'gdn' layers"
+            self.mixer = GatedDeltaNet(cfg.hidden_size, g.num_heads, g.head_k_dim, g.head_v_dim,
+                                       conv_size=g.conv_size, norm_eps=cfg.norm_eps, chunk_size=g.chunk_size)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp: MoE | SwiGLU = (MoE(cfg.hidden_size, cfg.moe) if cfg.moe is not None
+                                  else SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size))
+
+    def forward(self, h: Tensor) -> Tensor:
+        h = h + self.mixer(self.mixer_norm(h))
+        return h + self.mlp(self.mlp_norm(h))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.mixer_norm.init_weights()
+        self.mlp_norm.init_weights()
+        if isinstance(self.mixer, GatedDeltaNet):
+            self.mixer.reset_parameters(std, out_std)
+        else:
+            self.mixer.init_weights(std, out_std)
+        self.mlp.init_weights(std, out_std)
+
+
+class CausalLM(nn.Module):
+    """Plain (unparallelised) decoder-only LM. lm_head.weight IS embed.weight when tie_embeddings."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """(Re)share the embedding with the head. Needed again after to_empty(), which gives every
+        module its own fresh Parameter and so silently unties them."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """tokens [B, T] int64 -> h [B, T, hidden]."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [batch, seq_len]; got shape {tuple(tokens.shape)}.")
+        check_seq_len(tokens.shape[1], self.config.max_seq_len)
+        return self.embed(tokens)
+
+    def head(self, h: Tensor) -> Tensor:
+        """h [B, T, hidden] -> logits [B, T, vocab] (final norm included)."""
+        return self.lm_head(self.norm(h))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed_tokens(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """normal(0, init_std) for linears, experts and embeddings; ones for norms; GDN via its own
+        reset_parameters (decay/conv params have their own schemes). With scale_residual_init, the
+        projections that write into the residual stream use init_std / sqrt(2 * num_layers)
+        (GPT-2 / Megatron), since each of the 2 * num_layers residual branches adds variance."""
+        cfg = self.config
+        std = cfg.init_std
+        out_std = std / math.sqrt(2 * cfg.num_layers) if cfg.scale_residual_init else std
+        nn.init.normal_(self.embed.weight, mean=0.0, std=std)
+        for layer in self.layers:
+            layer.init_weights(std, out_std)
+        self.norm.init_weights()
+        if not cfg.tie_embeddings:
+            nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
+
+    def moe_layers(self) -> list[MoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+
+    def moe_stats(self) -> dict[str, float]:
+        """Router health from the last forward, for logging ({} for dense models or before a forward).
+
+        moe/aux_loss: mean over MoE layers of the un-weighted load-balancing loss (1.0 = balanced);
+        moe/load_max, moe/load_mean: over layers, the max and mean of (busiest expert's tokens /
+        mean tokens per expert), i.e. 1.0 = perfectly balanced. Syncs with the device (.item()).
+        """
+        moes = [m for m in self.moe_layers() if m.last_aux_loss is not None]
+        if not moes:
+            return {}
+        aux = torch.stack([m.last_aux_loss.float() for m in moes])
+        ratios = torch.stack([m.last_expert_load.max().float() / m.last_expert_load.float().mean().clamp(min=1e-9)
+                              for m in moes])
+        return {"moe/aux_loss": aux.mean().item(), "moe/load_max": ratios.max().item(),
+                "moe/load_mean": ratios.mean().item()}
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> CausalLM:
+    """Construct on the meta device (no memory, no init cost), then materialise on `device` and
+    initialise. Same torch.manual_seed -> bit-identical weights. device="meta" returns the bare
+    skeleton (for counting or for a parallelize plan that materialises shards itself)."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    if device.type == "meta":
+        return model
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights()
+    return model
