@@ -1,0 +1,37 @@
+"""The vocabulary of a pipeline schedule: what one stage does, in order, as plain data.
+
+A schedule is a list[Action] for one stage. It says nothing about processes or autograd; the engine
+derives the communication from it (a FORWARD at stage s > 0 receives its input from s-1 and, unless s
+is last, sends its output to s+1; a BACKWARD mirrors that). Because schedules are data, their
+invariants (no deadlock, one version per microbatch, version count) are checked without processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Op(str, Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    UPDATE_START = "U0"
+    """The stage finished its part of b_t: start the global reductions (DP, tied embedding, norm)."""
+    UPDATE = "U"
+    """Wait for those reductions and write x_{t+1}; placed just before the first use of x_{t+1}."""
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    op: Op
+    step: int
+    """t: the minibatch b_t this action belongs to (for updates: the step whose gradient is applied)."""
+    microbatch: int = -1
+    """Index within b_t for FORWARD/BACKWARD; -1 for updates."""
+    version: int = -1
+    """FORWARD/BACKWARD: the weight version x_v they run on. UPDATE: the version it produces (t+1)."""
+
+    def __str__(self) -> str:
+        if self.op in (Op.FORWARD, Op.BACKWARD):
+            return f"{self.op.value}{self.step}.{self.microbatch}@v{self.version}"
+        return f"{self.op.value}{self.step}"
