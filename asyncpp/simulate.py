@@ -13,6 +13,7 @@ swaps x_t back before the optimizer runs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -21,9 +22,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from asyncpp.optim.clip import clip_, grad_sq_norm
 from asyncpp.optim.staleness import ErrorFeedback
 
 LossFn = Callable[[nn.Module, Tensor], Tensor]
+
+
+@dataclass
+class TiedUse:
+    """A second use of a shared parameter (`module.attr is param`) that reads it at `delay`."""
+
+    module: nn.Module
+    attr: str
+    param: nn.Parameter
+    delay: int
 
 
 @dataclass
@@ -40,12 +52,15 @@ class StepStats:
     tokens: int
 
 
+def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean next-token cross entropy in fp32. The one loss reduction of the project: the simulator
+    and the pipeline's last stage both call it, so their losses are the same floats."""
+    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+
 def lm_loss(model: nn.Module, tokens: Tensor) -> Tensor:
-    """Next-token cross entropy in fp32 over a [B, T+1] token block."""
-    logits = model(tokens[:, :-1])
-    return nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1)
-    )
+    """Cross entropy of a whole model over a [B, T+1] token block."""
+    return cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
 
 
 class DelayedUpdateSimulator:
@@ -66,6 +81,7 @@ class DelayedUpdateSimulator:
         ef_lambda: float = 0.0,
         lr_multiplier: Callable[[int], float] | None = None,
         sync_step: Callable[[int], bool] = lambda t: False,
+        tied_use: "TiedUse | None" = None,
     ):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -77,6 +93,7 @@ class DelayedUpdateSimulator:
         self.grad_clip = grad_clip
         self.lr_multiplier = lr_multiplier
         self.sync_step = sync_step
+        self.tied_use = tied_use
         self.error_feedback = ErrorFeedback(self.params, ef_lambda)
         # history[k] holds x_{t-1-k}; only as many versions as the largest delay are kept.
         self.history: deque[list[Tensor]] = deque(maxlen=max(self.delays, default=0) or None)
@@ -103,8 +120,8 @@ class DelayedUpdateSimulator:
             if d:
                 p.copy_(x)
 
-    def _forward_backward(self, microbatches: Sequence[Tensor]) -> float:
-        """Sum the microbatch gradients, then divide by m: the mean-loss gradient of the minibatch.
+    def _accumulate(self, microbatches: Sequence[Tensor]) -> float:
+        """Sum the microbatch gradients (the caller divides by m): the mean-loss gradient of b_t.
 
         Summing first (instead of scaling each loss by 1/m) lets auxiliary losses that a model
         attaches inside its graph (MoE balancing) keep their own coefficient; the pipeline engine
@@ -115,15 +132,37 @@ class DelayedUpdateSimulator:
             loss = self.loss_fn(self.model, tokens)
             loss.backward()
             total += loss.item()
-        grads = [p.grad for p in self.params if p.grad is not None]
-        torch._foreach_mul_(grads, 1.0 / len(microbatches))
         return total / len(microbatches)
+
+    @contextlib.contextmanager
+    def _tied_second_use(self, step: int, current: list[Tensor]):
+        """A tied weight split across stages: each stage holds a copy and reads it at its own delay.
+
+        The second use (the LM head on the last stage) gets its own leaf tensor holding the version
+        of its stage's delay (original PipeDream reads the two copies at different delays). Its
+        summed gradient is added to the tied parameter's once, after all microbatches, which is
+        exactly the pipeline's first/last-stage all-reduce (same floats, same order).
+        """
+        use = self.tied_use
+        index = next((i for i, p in enumerate(self.params) if use and p is use.param), None)
+        if use is None or index is None:
+            yield
+            return
+        delay = 0 if self.sync_step(step) else use.delay
+        version = self._version(delay, current)[index]
+        copy = nn.Parameter(version.detach().clone())
+        setattr(use.module, use.attr, copy)
+        try:
+            yield
+        finally:
+            setattr(use.module, use.attr, use.param)
+        if copy.grad is not None:
+            use.param.grad = copy.grad if use.param.grad is None else use.param.grad + copy.grad
 
     def _clip(self) -> tuple[float, bool]:
         grads = [p.grad for p in self.params if p.grad is not None]
-        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-        norm = float(norm)
+        norm = math.sqrt(grad_sq_norm(grads))
+        clip_(grads, self.grad_clip, norm)
         return norm, bool(grads) and math.isfinite(norm)
 
     def step(self, step: int, microbatches: Sequence[Tensor]) -> StepStats:
@@ -132,7 +171,10 @@ class DelayedUpdateSimulator:
         current = [p.detach().clone() for p in self.params]  # x_t
         self._load(delays, current)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._forward_backward(microbatches)
+        with self._tied_second_use(step, current):
+            loss = self._accumulate(microbatches)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        torch._foreach_mul_(grads, 1.0 / len(microbatches))
         self._restore(delays, current)
 
         grad_norm, finite = self._clip()
@@ -144,9 +186,7 @@ class DelayedUpdateSimulator:
             self.error_feedback.apply(current, [d > 0 for d in delays])
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            update_norm = math.sqrt(
-                sum(float((p - x).float().pow(2).sum()) for p, x in zip(self.params, current))
-            )
+            update_norm = math.sqrt(grad_sq_norm([p - x for p, x in zip(self.params, current)]))
         if self.max_delay:
             self.history.appendleft(current)
         tokens = sum(int(mb[:, 1:].numel()) for mb in microbatches)

@@ -19,7 +19,7 @@ from asyncpp.metrics import MetricsLogger
 from asyncpp.optim.lr_schedule import lr_multiplier
 from asyncpp.partition import param_stages
 from asyncpp.semantics import is_sync_step, stage_delay
-from asyncpp.simulate import DelayedUpdateSimulator, lm_loss
+from asyncpp.simulate import DelayedUpdateSimulator, TiedUse, lm_loss
 
 
 class DataSource(Protocol):
@@ -43,6 +43,16 @@ def parameter_delays(model: nn.Module, schedule: str, num_stages: int) -> list[i
     ]
 
 
+def tied_head_use(model: nn.Module, schedule: str, num_stages: int) -> TiedUse | None:
+    """With P > 1 a tied embedding has a copy on the first and the last stage; the LM head reads the
+    last stage's copy at the last stage's delay."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(model, "embed", None)
+    if num_stages == 1 or head is None or embed is None or head.weight is not embed.weight:
+        return None
+    return TiedUse(head, "weight", embed.weight, stage_delay(schedule, num_stages - 1, num_stages))
+
+
 def build_simulator(cfg: RunConfig, model: nn.Module, optimizer) -> DelayedUpdateSimulator:
     sched = cfg.optimizer.schedule
     return DelayedUpdateSimulator(
@@ -61,6 +71,7 @@ def build_simulator(cfg: RunConfig, model: nn.Module, optimizer) -> DelayedUpdat
             decay_fraction=sched.decay_fraction,
         ),
         sync_step=functools.partial(is_sync_step, total_steps=cfg.train.steps, staleness=cfg.staleness),
+        tied_use=tied_head_use(model, cfg.schedule.name, cfg.parallel.pp),
     )
 
 

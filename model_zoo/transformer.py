@@ -111,7 +111,8 @@ class CausalLM(nn.Module):
             nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
 
     def moe_layers(self) -> list[MoE]:
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+        # getattr: a pipeline stage replaces the layers it does not own with nn.Identity.
+        return [layer.mlp for layer in self.layers if isinstance(getattr(layer, "mlp", None), MoE)]
 
     def moe_stats(self) -> dict[str, float]:
         """Router health from the last forward, for logging ({} for dense models or before a forward).

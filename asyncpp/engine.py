@@ -1,0 +1,272 @@
+"""Executes one stage's schedule: forward/backward on tagged weight versions, p2p, updates.
+
+The schedule (asyncpp/schedules) decides the order; this file owns autograd, communication and
+where each asynchronous handle is waited for:
+
+- FORWARD/BACKWARD switch the parameters to the action's weight version first (weights.py).
+- UPDATE_START(t) takes b_t's gradient, reduces it over DP and over the tied-embedding pair
+  (first/last stage), and *starts* the cross-stage all-reduce of [||g||^2, ||Δx_{t-1}||^2].
+- UPDATE(t) waits for that all-reduce only when x_{t+1} is needed, then clips, skips non-finite
+  steps consistently on every stage, runs the optimizer into the buffer of x_{t+1}, and applies
+  Error Feedback. In 2BW the wait falls m microbatches after the start, so it costs no bubble.
+
+The gradient of a step is (sum of microbatch gradients) * grad_scale, like the simulator's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from asyncpp.mesh import Mesh
+from asyncpp.optim.clip import clip_, grad_sq_norm
+from asyncpp.optim.staleness import ErrorFeedback
+from asyncpp.p2p import StageComm
+from asyncpp.schedules.actions import Action, Op
+from asyncpp.timeline import TimelineEvent
+from asyncpp.weights import WeightVersions
+
+ForwardFn = Callable[[int, int, "Tensor | None"], Tensor]
+"""forward_fn(step, microbatch, input_activation_or_None) -> output activation, or the scalar loss
+on the last stage. It runs on whatever weight version the engine has switched the module to."""
+
+
+def backward_through(output: Tensor, grad: Tensor | None) -> None:
+    """Backward from a (possibly deallocated) output. Skips autograd's shape check on purpose:
+    the output's values were freed after it was sent (p2p.StageComm.send_forward), only its graph
+    node is left, exactly as Megatron's custom_backward does."""
+    if grad is None:
+        output.backward()
+        return
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
+        inputs=(), allow_unreachable=True, accumulate_grad=True,
+    )
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float = math.nan
+    grad_norm: float = math.nan
+    update_norm: float = math.nan
+    lr: float = math.nan
+    skipped: bool = False
+
+
+@dataclass
+class _PendingUpdate:
+    grads: list[Tensor]
+    reduction: Tensor
+    work: object | None
+    delayed: bool
+    norm_of_step: int | None
+    """The earlier step whose ||Δx||^2 rides along in `reduction` (None if nothing rides)."""
+
+
+@dataclass
+class StageTimer:
+    """What this stage did and when (seconds since `origin`). F/B/U0/U are busy time; waiting for
+    an activation, a gradient or a reduction is idle (recorded as "idle" only for reductions)."""
+
+    stage: int
+    events: list[TimelineEvent] = field(default_factory=list)
+    origin: float = field(default_factory=time.perf_counter)
+
+    def add(self, action: Action, start: float, end: float, kind: str | None = None) -> None:
+        kind = kind or action.op.value
+        self.events.append(TimelineEvent(self.stage, str(action), start - self.origin, end - self.origin, kind,
+                                         action.step, action.microbatch))
+
+    def busy(self) -> float:
+        return sum(e.duration for e in self.events if e.kind != "idle")
+
+    def end_of(self, op: Op, step: int) -> float:
+        """Absolute perf_counter time at which `op` of `step` finished."""
+        for e in reversed(self.events):
+            if e.kind == op.value and e.step == step:
+                return e.end + self.origin
+        raise KeyError(f"no {op.value} event for step {step}")
+
+
+class StageEngine:
+    def __init__(
+        self,
+        *,
+        module: nn.Module,
+        mesh: Mesh,
+        comm: StageComm,
+        optimizer,
+        versions: WeightVersions,
+        forward_fn: ForwardFn,
+        grad_scale: float,
+        grad_clip: float = 0.0,
+        ef_lambda: float = 0.0,
+        lr_multiplier: Callable[[int], float] | None = None,
+        is_delayed: Callable[[int], bool] = lambda t: True,
+        tied: Iterable[nn.Parameter] = (),
+    ):
+        self.module = module
+        self.mesh = mesh
+        self.comm = comm
+        self.optimizer = optimizer
+        self.versions = versions
+        self.params = versions.params  # the module's: gradients accumulate here
+        self.masters = versions.masters  # the optimizer's: updated in place
+        versions.retarget(optimizer)
+        self.forward_fn = forward_fn
+        self.grad_scale = grad_scale
+        self.grad_clip = grad_clip
+        self.lr_multiplier = lr_multiplier
+        self.is_delayed = is_delayed
+        tied_ids = {id(p) for p in tied}
+        self.tied_mask = [id(p) in tied_ids for p in self.params]
+        # The tied weight's gradient and update are counted once in global norms: on the first stage.
+        self.count_in_norm = [not (t and not mesh.is_first_stage) for t in self.tied_mask]
+        self.error_feedback = ErrorFeedback(self.masters, ef_lambda)
+        self.inflight: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
+        self.losses: dict[int, list[Tensor]] = {}
+        self.pending: dict[int, _PendingUpdate] = {}
+        self.records: dict[int, StepRecord] = {}
+        # ||Δx_t||^2 of this stage's applied updates, waiting to ride along with a later step's
+        # gradient-norm all-reduce (no extra collective). Lag 2: in 2BW the last stage starts the
+        # reduction of b_{t+1} before it applies x_{t+1}, but always after it applied x_t.
+        self._update_sq: dict[int, float] = {}
+        self.timer = StageTimer(mesh.pp_rank)
+
+    # ---- actions -------------------------------------------------------------------------
+    def execute(self, actions: Iterable[Action]) -> None:
+        handlers = {Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
+                    Op.UPDATE_START: self._update_start, Op.UPDATE: self._update}
+        for action in actions:
+            self.comm.poll()
+            handlers[action.op](action)
+
+    def _forward(self, a: Action) -> None:
+        x = None
+        if not self.mesh.is_first_stage:
+            x = self.comm.recv_forward().requires_grad_()
+        start = time.perf_counter()
+        self.versions.use(a.version)
+        out = self.forward_fn(a.step, a.microbatch, x)
+        if self.mesh.is_last_stage:
+            self.losses.setdefault(a.step, []).append(out.detach())
+        else:
+            self.comm.send_forward(out)
+        self.inflight[(a.step, a.microbatch)] = (x, out)
+        self.timer.add(a, start, time.perf_counter())
+
+    def _backward(self, a: Action) -> None:
+        x, out = self.inflight.pop((a.step, a.microbatch))
+        grad = None if self.mesh.is_last_stage else self.comm.recv_backward()
+        start = time.perf_counter()
+        self.versions.use(a.version)
+        backward_through(out, grad)
+        if x is not None:
+            self.comm.send_backward(x.grad)
+        self.timer.add(a, start, time.perf_counter())
+
+    def _update_start(self, a: Action) -> None:
+        start = time.perf_counter()
+        grads = []
+        for p in self.params:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            p.grad = None  # the next step's microbatches accumulate into a fresh .grad
+            grads.append(g)
+        # Sum over microbatches, replicas and the tied pair first, scale once at the end: the
+        # simulator's order of floating-point operations.
+        self._reduce_data_parallel(grads)
+        self._reduce_tied(grads)
+        torch._foreach_mul_(grads, self.grad_scale / self.mesh.dims.dp)
+        grad_sq = grad_sq_norm([g for g, c in zip(grads, self.count_in_norm) if c])
+        lagged = a.step - 2
+        update_sq = self._update_sq.pop(lagged, None)
+        reduction = torch.tensor([grad_sq, update_sq or 0.0], dtype=torch.float64, device=self.mesh.device)
+        work = None
+        if self.mesh.num_stages > 1:
+            work = dist.all_reduce(reduction, group=self.mesh.pp_group, async_op=True)
+        self.pending[a.step] = _PendingUpdate(
+            grads, reduction, work, self.is_delayed(a.step), lagged if update_sq is not None else None
+        )
+        self.timer.add(a, start, time.perf_counter())
+
+    def _reduce_data_parallel(self, grads: list[Tensor]) -> None:
+        if self.mesh.dims.dp == 1:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.mesh.dp_group)
+        pieces = torch.split(flat, [g.numel() for g in grads])
+        torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in zip(pieces, grads)])
+
+    def _reduce_tied(self, grads: list[Tensor]) -> None:
+        """semantics.md: the tied weight's gradient is the sum of the first and last stage's parts."""
+        group = self.mesh.embedding_group
+        if group is None:
+            return
+        for g, tied in zip(grads, self.tied_mask):
+            if tied:
+                dist.all_reduce(g, group=group)
+
+    def _update(self, a: Action) -> None:
+        pending = self.pending.pop(a.step)
+        wait_start = time.perf_counter()
+        if pending.work is not None:
+            pending.work.wait()
+        start = time.perf_counter()
+        grad_sq, update_sq = pending.reduction.tolist()
+        if pending.norm_of_step is not None:
+            self._record(pending.norm_of_step).update_norm = math.sqrt(update_sq)
+        grad_norm = math.sqrt(grad_sq)
+        finite = math.isfinite(grad_norm)
+        record = self._record(a.step)
+        record.grad_norm, record.skipped = grad_norm, not finite
+        if self.lr_multiplier is not None:
+            self.optimizer.set_lr_multiplier(self.lr_multiplier(a.step))
+        record.lr = float(self.optimizer.param_groups[0]["lr"])
+        x_t = self.versions.begin_update(a.step)
+        self._update_sq[a.step] = self._apply(pending, grad_norm, x_t) if finite else 0.0
+        self.timer.add(a, start, time.perf_counter())
+        if start - wait_start > 1e-4:
+            self.timer.add(a, wait_start, start, kind="idle")
+
+    def _apply(self, pending: _PendingUpdate, grad_norm: float, x_t: list[Tensor]) -> float:
+        """Clip, step, Error Feedback; returns this stage's ||x_{t+1} - x_t||^2."""
+        clip_(pending.grads, self.grad_clip, grad_norm)
+        for q, g in zip(self.masters, pending.grads):
+            q.grad = g
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.error_feedback.apply(x_t, [pending.delayed] * len(self.masters))
+        with torch.no_grad():
+            return grad_sq_norm([q - x for q, x, c in zip(self.masters, x_t, self.count_in_norm) if c])
+
+    def _record(self, step: int) -> StepRecord:
+        return self.records.setdefault(step, StepRecord(step))
+
+    # ---- end of a run / drain --------------------------------------------------------------
+    def finish(self) -> None:
+        """Complete outstanding sends and reduce the last update's norm (all stages call this)."""
+        self.comm.flush()
+        steps = sorted(self._update_sq)  # the same steps on every stage: each stage ran every UPDATE
+        if not steps:
+            return
+        reduction = torch.tensor([self._update_sq.pop(t) for t in steps], dtype=torch.float64,
+                                 device=self.mesh.device)
+        if self.mesh.num_stages > 1:
+            dist.all_reduce(reduction, group=self.mesh.pp_group)
+        for t, sq in zip(steps, reduction.tolist()):
+            self._record(t).update_norm = math.sqrt(sq)
+
+    def step_loss(self, step: int) -> float:
+        """Mean loss of b_t over microbatches and DP replicas (last stage only)."""
+        losses = self.losses.pop(step)
+        total = torch.stack(losses).double().sum().reshape(1)
+        if self.mesh.dims.dp > 1:
+            dist.all_reduce(total, group=self.mesh.dp_group)
+        return float(total) / (len(losses) * self.mesh.dims.dp)

@@ -1,0 +1,125 @@
+"""Explicit process groups: built once from ParallelDims, passed to whoever needs a group.
+
+Rank layout follows Megatron's default order (tp fastest, then dp, then pp):
+
+    global_rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+
+so a pipeline's neighbours are `dp * tp` ranks apart and a TP group is contiguous (one node).
+The mesh is a torch DeviceMesh with dims ("pp", "dp", "tp"); it works with gloo on CPU and NCCL on
+GPU alike. There are no module-level groups anywhere in asyncpp.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from asyncpp.config import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def validate(self, world_size: int) -> "ParallelDims":
+        for name in ("pp", "dp", "tp", "ep"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
+        if self.world_size != world_size:
+            raise ConfigError(
+                f"parallel.pp={self.pp} x parallel.dp={self.dp} x parallel.tp={self.tp} = {self.world_size} "
+                f"ranks, but the job has {world_size}; make their product equal the number of processes "
+                "(torchrun --nproc_per_node x nodes)"
+            )
+        if self.tp > 1 or self.ep > 1:
+            raise ConfigError(
+                f"parallel.tp={self.tp}, parallel.ep={self.ep}: tensor and expert parallelism are not in "
+                "the pipeline runtime yet; set them to 1"
+            )
+        return self
+
+
+def default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class Mesh:
+    """This rank's view of the job: coordinates and groups along pp / dp / tp."""
+
+    def __init__(self, dims: ParallelDims, device: torch.device):
+        self.dims = dims
+        self.device = device
+        self.device_mesh: DeviceMesh = init_device_mesh(
+            device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp")
+        )
+        self.rank = dist.get_rank()
+        self.pp_rank = self.device_mesh.get_local_rank("pp")
+        self.dp_rank = self.device_mesh.get_local_rank("dp")
+        self.tp_rank = self.device_mesh.get_local_rank("tp")
+        self.pp_group = self.device_mesh.get_group("pp")
+        self.dp_group = self.device_mesh.get_group("dp")
+        self.tp_group = self.device_mesh.get_group("tp")
+        self.embedding_group = self._build_embedding_groups()
+
+    def _build_embedding_groups(self):
+        """{first stage, last stage} of each pipeline, for the tied embedding's gradient.
+
+        new_group is collective over the whole world, so every rank creates every pipeline's group
+        in the same order and keeps only its own.
+        """
+        if self.dims.pp == 1:
+            return None
+        mine = None
+        for dp_rank in range(self.dims.dp):
+            for tp_rank in range(self.dims.tp):
+                ranks = [self.global_rank(0, dp_rank, tp_rank), self.global_rank(self.dims.pp - 1, dp_rank, tp_rank)]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    mine = group
+        return mine
+
+    def global_rank(self, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None) -> int:
+        dp_rank = self.dp_rank if dp_rank is None else dp_rank
+        tp_rank = self.tp_rank if tp_rank is None else tp_rank
+        return (pp_rank * self.dims.dp + dp_rank) * self.dims.tp + tp_rank
+
+    @property
+    def num_stages(self) -> int:
+        return self.dims.pp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.dims.pp - 1
+
+    @property
+    def is_writer(self) -> bool:
+        """The one rank that writes metrics: last stage (it has the loss), dp 0, tp 0."""
+        return self.is_last_stage and self.dp_rank == 0 and self.tp_rank == 0
+
+
+def init_distributed(device_type: str = "cpu") -> torch.device:
+    """Initialize the default process group from torchrun's environment; returns this rank's device."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device(device_type)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=default_backend(device))
+    return device

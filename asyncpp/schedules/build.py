@@ -1,0 +1,178 @@
+"""Schedule generators: (kind, stage, P, m, per-step delays) -> the stage's list[Action]. No torch.
+
+Every kind is built the same way, which keeps them comparable:
+
+1. The steps are cut into *streams*. Synchronous kinds (gpipe, 1f1b, sync) make every step its own
+   stream. 2bw and pipedream make each maximal run of consecutive *delayed* steps (d_t > 0) one
+   stream, and each synchronous step (d_t == 0: sync start/cooldown) a stream of its own.
+2. A stream is the concatenation of its steps' microbatches, k = 0..N-1, ordered 1F1B (GPipe: all
+   F, then all B). A stream has one warm-up and one cool-down; between streams the stage flushes.
+3. UPDATE_START(t) goes right after the stage's last BACKWARD of b_t.
+4. UPDATE(t) goes right after UPDATE_START(t) ("eager"), except for the delayed steps of 2bw, where
+   it goes immediately before the first FORWARD on a version >= t+1 ("lazy"), or at the end of the
+   list when no such FORWARD exists. Lazy is what makes 2BW bubble-free: the global reductions of
+   b_t overlap m-(P-1-s) >= 1 F/B pairs on every stage. Pipedream stays eager on purpose: it
+   stashes up to P-s weight versions (the paper's memory profile) instead of deferring d gradient
+   buffers, and sync steps are eager because a flush completes the step, its update included.
+
+Every FORWARD/BACKWARD of b_t runs on version max(t - d_t, 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from asyncpp.schedules.actions import Action, Op
+
+SYNC_KINDS = ("sync", "gpipe", "1f1b")
+DELAYED_KINDS = ("2bw", "pipedream")
+KINDS = SYNC_KINDS + DELAYED_KINDS
+
+
+def build_schedule(
+    kind: str,
+    stage: int,
+    num_stages: int,
+    num_microbatches: int,
+    step_delays: Sequence[int],
+    *,
+    first_step: int = 0,
+) -> list[Action]:
+    """The actions of `stage` for len(step_delays) steps; step_delays[i] is its d_t, t = first_step + i.
+
+    first_step > 0 builds a later segment of a run (e.g. after a drain for evaluation) in absolute step
+    and version numbers; the segment starts drained, and versions <= first_step count as already produced.
+    """
+    _validate(kind, stage, num_stages, num_microbatches, step_delays)
+    delays = {first_step + i: d for i, d in enumerate(step_delays)}
+    body: list[Action] = []
+    for steps in _streams(kind, delays):
+        body.extend(_stream_actions(kind, stage, num_stages, num_microbatches, steps, delays))
+    return _place_updates(kind, body, delays)
+
+
+def version_of(step: int, delay: int) -> int:
+    """The weight version b_step runs on (x_{-k} := x_0)."""
+    return max(step - delay, 0)
+
+
+def allowed_delays(kind: str, stage: int, num_stages: int) -> tuple[int, ...]:
+    """The d_t a stage may use: 0 (sync step) or the kind's steady-state delay."""
+    if kind in SYNC_KINDS:
+        return (0,)
+    return (0, 1) if kind == "2bw" else (0, num_stages - 1 - stage)
+
+
+def _validate(kind: str, stage: int, num_stages: int, m: int, step_delays: Sequence[int]) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"schedule={kind!r} is not one of {KINDS}")
+    if num_stages < 1 or m < 1:
+        raise ValueError(f"need num_stages >= 1 and num_microbatches >= 1, got {num_stages}, {m}")
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage={stage} is outside [0, num_stages={num_stages})")
+    if kind == "2bw" and m < num_stages:
+        # In-flight microbatches of a stage span at most two minibatches only while
+        # P-1-s <= m; m >= P also leaves >= 1 F/B pair between UPDATE_START and UPDATE on
+        # stage 0, which is what hides the global reductions (see the module docstring).
+        raise ValueError(
+            f"schedule=2bw needs train.num_microbatches >= parallel.pp, got num_microbatches={m} < "
+            f"num_stages={num_stages}: with fewer microbatches than stages two weight versions cannot "
+            f"cover the in-flight work; raise num_microbatches to at least {num_stages}"
+        )
+    allowed = allowed_delays(kind, stage, num_stages)
+    bad = [(t, d) for t, d in enumerate(step_delays) if d not in allowed]
+    if bad:
+        t, d = bad[0]
+        raise ValueError(
+            f"schedule={kind!r} stage={stage} of {num_stages}: step_delays[{t}]={d} is not one of "
+            f"{allowed} (0 for synchronous steps, else the steady-state delay of asyncpp.semantics)"
+        )
+
+
+def _streams(kind: str, delays: dict[int, int]) -> Iterator[list[int]]:
+    """Consecutive delayed steps share a stream (2bw/pipedream); every other step is its own."""
+    run: list[int] = []
+    for t, d in delays.items():
+        if kind in DELAYED_KINDS and d > 0:
+            run.append(t)
+            continue
+        if run:
+            yield run
+            run = []
+        yield [t]
+    if run:
+        yield run
+
+
+def one_f_one_b(num_items: int, warmup: int) -> Iterator[tuple[Op, int]]:
+    """1F1B over items 0..N-1: `warmup` forwards, then F/B pairs, then the remaining backwards."""
+    warmup = min(warmup, num_items)
+    for k in range(warmup):
+        yield Op.FORWARD, k
+    for i in range(num_items - warmup):
+        yield Op.FORWARD, warmup + i
+        yield Op.BACKWARD, i
+    for i in range(num_items - warmup, num_items):
+        yield Op.BACKWARD, i
+
+
+def all_f_then_all_b(num_items: int) -> Iterator[tuple[Op, int]]:
+    """GPipe: every forward, then every backward (same ascending order, so p2p channels stay FIFO)."""
+    for k in range(num_items):
+        yield Op.FORWARD, k
+    for k in range(num_items):
+        yield Op.BACKWARD, k
+
+
+def _stream_actions(
+    kind: str, stage: int, num_stages: int, m: int, steps: list[int], delays: dict[int, int]
+) -> list[Action]:
+    """F/B of one stream plus UPDATE_START(t) after each step's last backward."""
+    n = len(steps) * m
+    order = all_f_then_all_b(n) if kind == "gpipe" else one_f_one_b(n, num_stages - 1 - stage)
+    out: list[Action] = []
+    for op, k in order:
+        t, j = steps[k // m], k % m
+        out.append(Action(op, t, j, version_of(t, delays[t])))
+        # Backwards run in ascending k, so j == m-1 is the step's last backward on this stage.
+        if op is Op.BACKWARD and j == m - 1:
+            out.append(Action(Op.UPDATE_START, t))
+    return out
+
+
+def _update_anchors(kind: str, body: list[Action], delays: dict[int, int]) -> list[int]:
+    """One anchor per step, in step order: UPDATE(t) goes before body[anchor] (len(body) = at the end)."""
+    start_at = {a.step: i for i, a in enumerate(body) if a.op is Op.UPDATE_START}
+    anchors: list[int] = []
+    for t, d in delays.items():
+        anchor = start_at[t] + 1
+        if kind == "2bw" and d > 0:
+            anchor = next(
+                (i for i in range(anchor, len(body)) if body[i].op is Op.FORWARD and body[i].version > t),
+                len(body),
+            )
+        # Updates apply in step order: UPDATE(t) builds on x_t, which UPDATE(t-1) wrote.
+        anchors.append(max(anchor, anchors[-1]) if anchors else anchor)
+    return anchors
+
+
+def _place_updates(kind: str, body: list[Action], delays: dict[int, int]) -> list[Action]:
+    steps, anchors = list(delays), _update_anchors(kind, body, delays)
+    out: list[Action] = []
+    k = 0
+    for i in range(len(body) + 1):
+        while k < len(anchors) and anchors[k] == i:
+            out.append(Action(Op.UPDATE, steps[k], version=steps[k] + 1))
+            k += 1
+        if i < len(body):
+            out.append(body[i])
+    return out
+
+
+def build_pipeline(
+    kind: str, num_stages: int, num_microbatches: int, step_delays: Sequence[Sequence[int]]
+) -> list[list[Action]]:
+    """All stages' schedules; step_delays[s][t] is stage s's delay at step t."""
+    if len(step_delays) != num_stages:
+        raise ValueError(f"step_delays has {len(step_delays)} rows, expected one per stage ({num_stages})")
+    return [build_schedule(kind, s, num_stages, num_microbatches, step_delays[s]) for s in range(num_stages)]

@@ -1,0 +1,166 @@
+"""Event-driven cost model of a set of schedules: predicted timeline, step time, bubble, memory.
+
+Each stage runs its list in order. An action starts when its stage is free and its inputs have
+arrived; an input sent by another stage arrives `comm` after its producer ends (sends are
+asynchronous: they occupy the link, not the stage). With collective_updates, UPDATE(t) also waits
+for UPDATE_START(t) of every stage plus `comm` (the global grad norm / tied-embedding reduction).
+UPDATE_START costs nothing on the stage: it only launches the reductions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from asyncpp.schedules.actions import Action, Op
+from asyncpp.schedules.build import build_pipeline
+from asyncpp.schedules.invariants import dependencies, execution_order, peak_in_flight, peak_versions
+from asyncpp.timeline import TimelineEvent
+
+Cost = float | Sequence[float]
+
+
+@dataclass(frozen=True)
+class OpCosts:
+    """Durations per action; each a scalar or one value per stage (comm: per sending stage)."""
+
+    forward: Cost
+    backward: Cost
+    comm: Cost = 0.0
+    update: Cost = 0.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # lists -> tuples, so a frozen OpCosts really is immutable
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)):
+                object.__setattr__(self, f.name, tuple(float(v) for v in value))
+
+    def at(self, name: str, stage: int) -> float:
+        value = getattr(self, name)
+        return float(value) if isinstance(value, (int, float)) else value[stage]
+
+    def duration(self, op: Op, stage: int) -> float:
+        if op is Op.UPDATE_START:
+            return 0.0
+        return self.at({Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.UPDATE: "update"}[op], stage)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    schedules: tuple[tuple[Action, ...], ...]
+    events: tuple[TimelineEvent, ...]
+    """Events in execution order; events of one stage are sequential."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.schedules)
+
+    @property
+    def num_steps(self) -> int:
+        return 1 + max((a.step for s in self.schedules for a in s), default=-1)
+
+    @property
+    def makespan(self) -> float:
+        return max((e.end for e in self.events), default=0.0)
+
+    def step_done(self, step: int) -> float:
+        """When b_step has finished on every stage (its last UPDATE_START)."""
+        return max(e.end for e in self.events if e.kind == "U0" and e.step == step)
+
+    def steady_window(self) -> tuple[int, int]:
+        """Steps (t1, t2) bounding the middle of the run: a quarter of the steps cut at each end."""
+        n = self.num_steps
+        if n < 3:
+            return (-1, n - 1)
+        cut = max(n // 4, 1)
+        return (cut - 1, n - 1 - cut)
+
+    def _time(self, step: int) -> float:
+        return 0.0 if step < 0 else self.step_done(step)
+
+    def step_time(self) -> float:
+        """Steady-state time per step: the spacing of step completions over the middle steps."""
+        t1, t2 = self.steady_window()
+        return (self._time(t2) - self._time(t1)) / (t2 - t1)
+
+    def bubble_fraction(self, stage: int | None = None, *, steady: bool = False) -> float:
+        """Idle / total for one stage (or averaged over stages), over the run or the steady window."""
+        if stage is None:
+            return (
+                sum(self.bubble_fraction(s, steady=steady) for s in range(self.num_stages)) / self.num_stages
+            )
+        if steady:
+            t1, t2 = self.steady_window()
+            lo, hi = self._time(t1), self._time(t2)
+        else:
+            lo, hi = 0.0, self.makespan
+        if hi <= lo:
+            return 0.0
+        busy = sum(max(0.0, min(e.end, hi) - max(e.start, lo)) for e in self.events if e.stage == stage)
+        return 1.0 - busy / (hi - lo)
+
+    def peak_activations(self) -> list[int]:
+        return [peak_in_flight(s) for s in self.schedules]
+
+    def weight_versions(self) -> list[int]:
+        return [peak_versions(s) for s in self.schedules]
+
+
+def simulate(
+    schedules: Sequence[Sequence[Action]], costs: OpCosts, *, collective_updates: bool = False
+) -> Timeline:
+    """Predicted timeline; raises DeadlockError if the schedules cannot complete."""
+    deps = dependencies(schedules, collective_updates=collective_updates)
+    order = execution_order(schedules, collective_updates=collective_updates)
+    end: dict[tuple[int, int], float] = {}
+    free = [0.0] * len(schedules)
+    events = []
+    for s, i in order:
+        a = schedules[s][i]
+        # Producers on other stages: the message leaves when the producer ends and travels `comm`.
+        ready = max((end[(r, j)] + costs.at("comm", r) for r, j in deps.get((s, i), ())), default=0.0)
+        start = max(free[s], ready)
+        free[s] = end[(s, i)] = start + costs.duration(a.op, s)
+        events.append(TimelineEvent(s, _label(a), start, free[s], a.op.value, a.step, a.microbatch))
+    return Timeline(tuple(tuple(s) for s in schedules), tuple(events))
+
+
+def _label(a: Action) -> str:
+    # Action.__str__ renders UPDATE_START(0) as "U00", too close to UPDATE(0)'s "U0" in a trace viewer.
+    if a.op is Op.UPDATE_START:
+        return f"U0({a.step})"
+    return f"U({a.step})->v{a.version}" if a.op is Op.UPDATE else str(a)
+
+
+def steady_delays(kind: str, num_stages: int, num_steps: int) -> list[list[int]]:
+    """Per-stage delays of a run without sync start/cooldown (asyncpp.semantics.stage_delay)."""
+    from asyncpp.semantics import stage_delay
+
+    return [[stage_delay(kind, s, num_stages)] * num_steps for s in range(num_stages)]
+
+
+def predict(
+    kind: str,
+    num_stages: int,
+    num_microbatches: int,
+    num_steps: int,
+    costs: OpCosts,
+    *,
+    collective_updates: bool = False,
+) -> dict:
+    """Build the schedules of a steady run and report its predicted step time, bubble and memory."""
+    schedules = build_pipeline(kind, num_stages, num_microbatches, steady_delays(kind, num_stages, num_steps))
+    tl = simulate(schedules, costs, collective_updates=collective_updates)
+    return {
+        "kind": kind,
+        "num_stages": num_stages,
+        "num_microbatches": num_microbatches,
+        "num_steps": num_steps,
+        "step_time": tl.step_time(),
+        "bubble": tl.bubble_fraction(steady=True),
+        "bubble_per_stage": [tl.bubble_fraction(s, steady=True) for s in range(num_stages)],
+        "bubble_run": tl.bubble_fraction(),
+        "makespan": tl.makespan,
+        "peak_activations": tl.peak_activations(),
+        "weight_versions": tl.weight_versions(),
+    }

@@ -1,0 +1,60 @@
+"""Cut a model_zoo-layout model (embed, layers, norm, lm_head) down to one pipeline stage.
+
+The model is pruned in place rather than wrapped, so parameter names stay those of the full model
+("layers.5.mlp.w_up", ...): checkpoints, the Muon/AdamW split and the equivalence tests compare
+stage parameters with single-process ones by name. Layers the stage does not own become
+nn.Identity (no parameters), which keeps the indices of the owned ones.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from asyncpp.partition import stage_layer_ranges
+
+
+class StageSpec:
+    def __init__(self, stage: int, num_stages: int, num_layers: int):
+        self.stage = stage
+        self.num_stages = num_stages
+        self.layers = stage_layer_ranges(num_layers, num_stages)[stage]
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+def prune_to_stage(model: nn.Module, spec: StageSpec) -> nn.Module:
+    """Drop everything `spec.stage` does not own. A tied head keeps its (shared) Parameter."""
+    for i in range(len(model.layers)):
+        if i not in spec.layers:
+            model.layers[i] = nn.Identity()
+    if not spec.is_first:
+        del model.embed
+    if not spec.is_last:
+        del model.norm
+        del model.lm_head
+    return model
+
+
+def stage_forward(model: nn.Module, spec: StageSpec, x: Tensor) -> Tensor:
+    """tokens (first stage) or activation -> activation, or logits on the last stage."""
+    h = model.embed_tokens(x) if spec.is_first else x
+    for i in spec.layers:
+        h = model.layers[i](h)
+    return model.head(h) if spec.is_last else h
+
+
+def tied_parameters(model: nn.Module, spec: StageSpec) -> list[nn.Parameter]:
+    """The embedding/head weight when it is tied *across* stages (first and last hold a copy)."""
+    if spec.num_stages == 1 or not getattr(model.config, "tie_embeddings", False):
+        return []
+    if spec.is_first:
+        return [model.embed.weight]
+    if spec.is_last:
+        return [model.lm_head.weight]
+    return []

@@ -1,0 +1,154 @@
+"""Pipeline timelines, predicted (asyncpp.schedules.costmodel) or measured (the engine), on one format.
+
+The engine records `(stage, label, start_s, end_s, kind)` tuples with kind in F/B/U0/U/comm/idle;
+the cost model produces the same events in its own time unit. Both render to a Chrome trace
+(chrome://tracing, Perfetto) and to a Gantt PNG. Times are seconds for measured runs; predicted
+runs use the cost unit, and the trace treats it as seconds too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+KINDS = ("F", "B", "U0", "U", "comm", "idle")
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    stage: int
+    label: str
+    start: float
+    end: float
+    kind: str
+    """One of KINDS."""
+    step: int = -1
+    microbatch: int = -1
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+EventLike = TimelineEvent | Sequence[object]
+
+
+def as_events(events: Iterable[EventLike]) -> list[TimelineEvent]:
+    """Accept TimelineEvents or the engine's (stage, label, start_s, end_s, kind) tuples."""
+    out = []
+    for e in events:
+        if not isinstance(e, TimelineEvent):
+            stage, label, start, end, kind = e[:5]
+            e = TimelineEvent(int(stage), str(label), float(start), float(end), str(kind))
+        if e.kind not in KINDS:
+            raise ValueError(f"timeline event kind={e.kind!r} is not one of {KINDS}: {e}")
+        out.append(e)
+    return out
+
+
+def write_chrome_trace(
+    events: Iterable[EventLike], path: str | os.PathLike, *, name: str = "asyncpp"
+) -> None:
+    """Chrome trace-event JSON: one process, one thread per stage, complete ("X") events in µs."""
+    evs = as_events(events)
+    stages = sorted({e.stage for e in evs})
+    trace: list[dict] = [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": name}}]
+    for s in stages:
+        trace.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}})
+        trace.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": s, "args": {"sort_index": s}})
+    for e in evs:
+        trace.append(
+            {
+                "name": e.label,
+                "cat": e.kind,
+                "ph": "X",
+                "pid": 0,
+                "tid": e.stage,
+                "ts": e.start * 1e6,
+                "dur": max(e.duration, 0.0) * 1e6,
+                "args": {"step": e.step, "microbatch": e.microbatch},
+            }
+        )
+    with open(path, "w") as f:
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+
+
+# Two shades per compute kind: alternate steps differ, so a continuous 2BW stream shows its steps.
+_COLOURS = {"F": ("#4C72B0", "#8DB0DD"), "B": ("#DD8452", "#F2B98F"), "comm": ("#9A9A9A",) * 2}
+
+
+def _bar_colour(e: TimelineEvent) -> str:
+    return _COLOURS[e.kind][max(e.step, 0) % 2]
+
+
+def plot_gantt(
+    events: Iterable[EventLike],
+    path: str | os.PathLike,
+    *,
+    title: str = "",
+    xlim: tuple[float, float] | None = None,
+    time_unit: str = "s",
+) -> None:
+    """One row per stage (stage 0 on top): F and B bars, updates as markers, idle as grey background."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on cluster nodes; never opens a window
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    evs = as_events(events)
+    stages = sorted({e.stage for e in evs}) or [0]
+    end = max((e.end for e in evs), default=1.0)
+    fig, ax = plt.subplots(figsize=(min(4 + 0.25 * len(evs) / len(stages), 24), 0.7 * len(stages) + 1.8))
+    for s in stages:
+        y = len(stages) - 1 - stages.index(s)
+        # Everything not covered by a bar is idle: the light background makes the bubble visible.
+        ax.broken_barh([(0, end)], (y - 0.4, 0.8), facecolors="#EEEEEE")
+        _draw_stage(ax, [e for e in evs if e.stage == s], y)
+    ax.set_yticks(range(len(stages)), [f"stage {s}" for s in reversed(stages)])
+    ax.set_xlabel(f"time [{time_unit}]")
+    ax.set_xlim(*(xlim or (0, end)))
+    ax.set_title(title)
+    legend = [
+        Patch(color=_COLOURS["F"][0], label="forward"),
+        Patch(color=_COLOURS["B"][0], label="backward"),
+        Patch(color="#EEEEEE", label="idle"),
+        Patch(color="black", label="update start (U0)"),
+        Patch(color="#C44E52", label="update (U)"),
+    ]
+    fig.legend(handles=legend, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))  # leave the bottom strip to the legend
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _draw_stage(ax: object, evs: list[TimelineEvent], y: float) -> None:
+    bars = [e for e in evs if e.kind in _COLOURS]
+    ax.broken_barh(
+        [(e.start, e.duration) for e in bars],
+        (y - 0.4, 0.8),
+        facecolors=[_bar_colour(e) for e in bars],
+        edgecolor="white",
+        linewidth=0.5,
+    )
+    idle = [e for e in evs if e.kind == "idle"]
+    ax.broken_barh(
+        [(e.start, e.duration) for e in idle],
+        (y - 0.4, 0.8),
+        facecolors="none",
+        edgecolor="#BBBBBB",
+        hatch="//",
+        linewidth=0,
+    )
+    for e in bars:
+        if e.kind in ("F", "B") and e.microbatch >= 0:
+            ax.text(e.start + e.duration / 2, y, str(e.microbatch), ha="center", va="center", fontsize=6)
+    for e in evs:
+        if e.kind == "U0":
+            ax.plot([e.start, e.start], [y - 0.45, y + 0.45], color="black", linewidth=1.2)
+        elif e.kind == "U":
+            if e.duration > 0:
+                ax.broken_barh([(e.start, e.duration)], (y - 0.4, 0.8), facecolors="#C44E52")
+            ax.plot([e.start], [y + 0.47], marker="v", color="#C44E52", markersize=5)

@@ -1,0 +1,60 @@
+"""Run a function on N gloo ranks (one process each) and collect what each rank returns."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)  # N processes share 2 cores: oversubscribed OpenMP threads spin for seconds
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # bytes, not tensors: tensors would travel as shared-memory handles that die with this process
+        buf = io.BytesIO()
+        torch.save(fn(rank, *args), buf)
+        queue.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - re-raised in the parent with the rank's traceback
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 300.0) -> list:
+    """fn(rank, *args) on every rank; returns [result of rank 0, ...]. fn must be importable (pickled)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world_size):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "error":
+                errors.append(f"rank {rank}:\n{value}")
+            results[rank] = value if status == "error" else torch.load(io.BytesIO(value), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

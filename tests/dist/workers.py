@@ -1,0 +1,113 @@
+"""What each rank runs in the multi-process tests, and the single-process references they must equal."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from asyncpp.config import RunConfig
+from asyncpp.mesh import Mesh, ParallelDims
+from asyncpp.optim import build_optimizer
+from asyncpp.pipeline import PipelineRun
+from asyncpp.trainer import build_simulator, evaluate
+from model_zoo import build_model, get_model_config
+
+
+class SyntheticData:
+    """Random tokens, a pure function of (seed, index): the same on every rank and in the reference."""
+
+    def __init__(self, vocab: int, seq_len: int, micro_batch_size: int, seed: int, eval_batches: int = 2):
+        self.vocab, self.shape, self.seed, self.eval_batches = vocab, (micro_batch_size, seq_len + 1), seed, eval_batches
+
+    def _batch(self, index: int, stream: int) -> Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index * 7 + stream)
+        # a learnable pattern (next token = token + 1 half the time) so losses move
+        x = torch.randint(0, self.vocab, self.shape, generator=g)
+        x[:, 1::2] = (x[:, 0:-1:2] + 1) % self.vocab
+        return x
+
+    def train_microbatch(self, index: int) -> Tensor:
+        return self._batch(index, 0)
+
+    def val_batches(self) -> list[Tensor]:
+        return [self._batch(i, 1) for i in range(self.eval_batches)]
+
+
+def make_config(**sections) -> RunConfig:
+    base = {
+        "model": {"name": "tiny_dense"},
+        "train": {"steps": 6, "micro_batch_size": 2, "num_microbatches": 4, "seq_len": 16, "eval_every": 0,
+                  "grad_clip": 1.0},
+        "optimizer": {"name": "muon", "lr": 0.02, "schedule": {"kind": "constant", "warmup_steps": 0}},
+        "schedule": {"name": "2bw"},
+        "logging": {"wandb_mode": "disabled", "progress": False},
+    }
+    for key, value in sections.items():
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
+    return RunConfig.from_dict(base)
+
+
+def optimizer_factory(cfg: RunConfig):
+    o = cfg.optimizer
+
+    def build(model):
+        return build_optimizer(model, name=o.name, lr=o.lr, adamw_lr=o.adamw_lr, weight_decay=o.weight_decay,
+                               betas=o.betas, eps=o.eps, momentum=o.momentum, nesterov=o.nesterov,
+                               ns_steps=o.ns_steps, adjust_lr=o.adjust_lr)
+
+    return build
+
+
+def data_for(cfg: RunConfig, vocab: int) -> SyntheticData:
+    return SyntheticData(vocab, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.seed)
+
+
+def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
+    """One rank of a pipeline run: losses (last stage) and this stage's final parameters by name."""
+    cfg = RunConfig.from_dict(cfg_dict)
+    model_cfg = get_model_config(cfg.model.name)
+    cfg.validate(model_cfg)
+    dims = ParallelDims(pp=cfg.parallel.pp, dp=cfg.parallel.dp).validate(torch.distributed.get_world_size())
+    mesh = Mesh(dims, torch.device("cpu"))
+    torch.manual_seed(cfg.seed)
+    model = build_model(model_cfg)
+    run = PipelineRun(cfg, model, mesh, data_for(cfg, model_cfg.vocab_size), optimizer_factory(cfg))
+    records = []
+
+    class Collect:
+        def log(self, record):
+            records.append(record)
+
+    summary = run.run(Collect() if mesh.is_writer else None)
+    params = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    return {"stage": mesh.pp_rank, "dp": mesh.dp_rank, "records": records, "params": params, "summary": summary}
+
+
+def reference_run(cfg: RunConfig) -> dict:
+    """The single-process simulator on the same seed, data and config.
+
+    Runs on one thread like the ranks do: CPU matmul kernels block differently with more threads,
+    and the rounding differences would otherwise be amplified by Newton-Schulz and AdamW over steps.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference_run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_run(cfg: RunConfig) -> dict:
+    model_cfg = get_model_config(cfg.model.name)
+    torch.manual_seed(cfg.seed)
+    model = build_model(model_cfg)
+    sim = build_simulator(cfg, model, optimizer_factory(cfg)(model))
+    data = data_for(cfg, model_cfg.vocab_size)
+    m = cfg.train.num_microbatches * cfg.parallel.dp
+    stats, val = [], None
+    for t in range(cfg.train.steps):
+        stats.append(sim.step(t, [data.train_microbatch(t * m + j) for j in range(m)]))
+        if cfg.train.eval_every and ((t + 1) % cfg.train.eval_every == 0 or t == cfg.train.steps - 1):
+            val = evaluate(model, data.val_batches(), torch.device("cpu"))
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"stats": stats, "params": params, "val_loss": val}
