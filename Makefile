@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 	@echo "[setup] done: $(VENV)"
 
+# The default job as a real 2-stage PipeDream-2BW pipeline: two processes, one stage each (gloo on CPU).
+NPROC ?= 2
 train: setup
-	$(PY) pretrain.py
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) pretrain.py parallel.pp=$(NPROC) schedule=2bw
 
 test: setup
 	$(PY) -m pytest -q

@@ -3,6 +3,10 @@
     python pretrain.py                                  # the embedded default (tiny_hybrid, Muon, 2BW)
     python pretrain.py model=tiny_dense optimizer=adamw schedule=sync train.steps=100
     python pretrain.py staleness.ef_lambda=1.0 parallel.pp=4 schedule=pipedream
+    torchrun --standalone --nproc_per_node=2 pretrain.py parallel.pp=2 schedule=2bw   # a real pipeline
+
+Run as one process, every schedule is simulated (asyncpp.simulate); under torchrun each rank runs
+one pipeline stage (asyncpp.pipeline) and computes the same numbers.
 
 This is the only place that reads the environment, starts wandb and touches hydra; everything below
 it receives typed, validated objects.
@@ -10,7 +14,9 @@ it receives typed, validated objects.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from asyncpp.config import ConfigError, RunConfig
 from asyncpp.metrics import MetricsLogger
-from asyncpp.optim import build_optimizer
+from asyncpp.optim import build_from_config
 from asyncpp.trainer import Trainer
 from model_zoo import ModelConfig, build_model, count_parameters, get_model_config
 
@@ -76,11 +82,19 @@ def run(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
     device = torch.device(cfg.train.device)
     data = build_data(cfg, model_cfg)
     model = build_model(model_cfg, device=device)
-    o = cfg.optimizer
-    optimizer = build_optimizer(
-        model, name=o.name, lr=o.lr, adamw_lr=o.adamw_lr, weight_decay=o.weight_decay, betas=o.betas,
-        eps=o.eps, momentum=o.momentum, nesterov=o.nesterov, ns_steps=o.ns_steps, adjust_lr=o.adjust_lr,
-    )
+    optimizer = build_from_config(model, cfg.optimizer)
+    metrics = make_metrics(cfg, model_cfg)
+    (Path(cfg.out_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    summary = {}
+    try:
+        summary = Trainer(cfg, model, optimizer, data, metrics).run()
+    finally:
+        metrics.close(summary)
+    metrics.message("summary: " + json.dumps(summary))
+    return summary
+
+
+def make_metrics(cfg: RunConfig, model_cfg: ModelConfig) -> MetricsLogger:
     metrics = MetricsLogger(
         cfg.out_dir,
         total_steps=cfg.train.steps,
@@ -92,33 +106,78 @@ def run(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
         log_every=cfg.logging.log_every,
     )
     counts = count_parameters(model_cfg)
+    t, p = cfg.train, cfg.parallel
     metrics.message(
         f"asyncpp: model={model_cfg.name} ({counts.total / 1e6:.2f}M params, {counts.active / 1e6:.2f}M active) "
-        f"optimizer={o.name} schedule={cfg.schedule.name} P={cfg.parallel.pp} "
-        f"ef_lambda={cfg.staleness.ef_lambda} m={cfg.train.num_microbatches} "
-        f"tokens/step={cfg.train.num_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len} "
-        f"out_dir={cfg.out_dir}"
+        f"optimizer={cfg.optimizer.name} schedule={cfg.schedule.name} pp={p.pp} dp={p.dp} "
+        f"ef_lambda={cfg.staleness.ef_lambda} m={t.num_microbatches} "
+        f"tokens/step={t.num_microbatches * t.micro_batch_size * t.seq_len * (p.dp or 1)} out_dir={cfg.out_dir}"
     )
-    (Path(cfg.out_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    summary = {}
+    return metrics
+
+
+def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
+    """One pipeline stage per rank (torchrun). Validated before the process group exists."""
+    import torch.distributed as dist
+
+    from asyncpp.mesh import Mesh, ParallelDims, init_distributed
+    from asyncpp.pipeline import PipelineRun
+
+    p = cfg.parallel
+    dims = ParallelDims.for_world(int(os.environ["WORLD_SIZE"]), pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
+    cfg = cfg.replace(parallel=dataclasses.replace(p, dp=dims.dp))  # the resolved layout is what gets saved
+    # N ranks share the machine's cores; oversubscribed OpenMP threads spin instead of working.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.device(cfg.train.device).type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    device = init_distributed(torch.device(cfg.train.device).type, cfg.train.timeout_s)
     try:
-        summary = Trainer(cfg, model, optimizer, data, metrics).run()
+        mesh = Mesh(dims, device)
+        shared = [cfg.out_dir]
+        dist.broadcast_object_list(shared, src=0)  # one run directory, rank 0's (hydra's ${now} differs)
+        cfg = cfg.replace(out_dir=shared[0])
+        if mesh.rank != 0:
+            dist.barrier()  # rank 0 tokenizes and fills the cache first; the others then hit it
+        data = build_data(cfg, model_cfg)
+        if mesh.rank == 0:
+            dist.barrier()
+        torch.manual_seed(cfg.seed)
+        model = build_model(model_cfg, device=device)
+        metrics = make_metrics(cfg, model_cfg) if mesh.is_writer else None
+        run = PipelineRun(cfg, model, mesh, data, lambda m: build_from_config(m, cfg.optimizer))
+        summary = {}
+        try:
+            summary = run.run(metrics)
+            run.write_timeline(cfg.out_dir)
+        finally:
+            if metrics is not None:
+                (Path(cfg.out_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+                metrics.close(summary)
+                metrics.message("summary: " + json.dumps(summary))
+        return summary
     finally:
-        metrics.close(summary)
-    metrics.message("summary: " + json.dumps(summary))
-    return summary
+        dist.destroy_process_group()
 
 
 @hydra.main(config_path="configs", config_name="pretrain", version_base="1.3")
 def main(dcfg: DictConfig) -> float:
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
         cfg, model_cfg = resolve(OmegaConf.to_container(dcfg, resolve=True))
-    except ConfigError as e:
+        summary = run_distributed(cfg, model_cfg) if distributed else run(cfg, model_cfg)
+    except ConfigError as e:  # raised before any model or process group exists
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    summary = run(cfg, model_cfg)
     return float(summary.get("final_val_loss", float("nan")))  # the value hydra sweepers optimize
 
 
+def _quiet_hydra_on_other_ranks() -> None:
+    """Under torchrun only rank 0 keeps a hydra run directory (the one metrics go to)."""
+    if int(os.environ.get("RANK", "0")) > 0:
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
+                     "hydra.run.dir=."]
+
+
 if __name__ == "__main__":
+    _quiet_hydra_on_other_ranks()
     main()

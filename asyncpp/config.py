@@ -39,7 +39,12 @@ class ParallelConfig:
     """Pipeline stages. In a single process this is the number of stages the simulator models."""
     tp: int = 1
     ep: int = 1
-    dp: int = 1
+    dp: Optional[int] = None
+    """Data-parallel replicas; None = world_size / (pp * tp) under torchrun, 1 in one process.
+    In one process, dp > 1 simulates the replicas (m * dp microbatches per step)."""
+    stage_layers: Optional[tuple[int, ...]] = None
+    """Layers per pipeline stage, e.g. [3, 1] (None = even split). The last stage also runs the LM
+    head and the loss, so giving it fewer layers balances small-vocabulary-heavy models."""
 
 
 @dataclass(kw_only=True)
@@ -55,7 +60,10 @@ class TrainConfig:
     max_consecutive_skips: int = 5
     """Abort after this many consecutive steps with a non-finite gradient."""
     device: str = "cpu"
-    """torch device for the single-process trainer ("cpu", "cuda", "cuda:1", ...)."""
+    """torch device type ("cpu", "cuda"); under torchrun each rank takes cuda:LOCAL_RANK."""
+    timeout_s: float = 300.0
+    """How long a pipeline rank waits for a neighbour or a collective before failing with an error
+    that names its stage and what it was waiting for (a dead rank must not hang the others)."""
 
 
 @dataclass(kw_only=True)
@@ -161,6 +169,8 @@ def _check_train(cfg: RunConfig, model: ModelLimits) -> None:
             f"train.seq_len={t.seq_len} is above the maximum sequence length {model.max_seq_len} of "
             f"model '{model.name}'; set train.seq_len<={model.max_seq_len}"
         )
+    if t.timeout_s <= 0:
+        raise ConfigError(f"train.timeout_s={t.timeout_s} must be > 0 (seconds)")
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     if t.eval_every < 0:
@@ -169,12 +179,31 @@ def _check_train(cfg: RunConfig, model: ModelLimits) -> None:
 
 def _check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
     p, m = cfg.parallel, cfg.train.num_microbatches
-    for name in ("pp", "tp", "ep", "dp"):
+    for name in ("pp", "tp", "ep"):
         _positive(f"parallel.{name}", getattr(p, name))
-    if p.pp > model.num_layers:
+    if p.dp is not None:
+        _positive("parallel.dp", p.dp, "or leave it null to derive it from the world size")
+    if cfg.schedule.name == "pipedream" and p.pp < 2:
+        raise ConfigError(
+            f"schedule=pipedream with parallel.pp={p.pp}: its per-stage delays P-1-s depend on the number of "
+            "stages, so say how many it models, e.g. parallel.pp=4 (one process simulates them)"
+        )
+    if p.stage_layers is not None and (
+        len(p.stage_layers) != p.pp or sum(p.stage_layers) != model.num_layers or min(p.stage_layers) < 0
+    ):
+        raise ConfigError(
+            f"parallel.stage_layers={list(p.stage_layers)} must have parallel.pp={p.pp} non-negative entries "
+            f"summing to the {model.num_layers} layers of model '{model.name}'"
+        )
+    if p.stage_layers is None and p.pp > model.num_layers:
         raise ConfigError(
             f"parallel.pp={p.pp} is more stages than model '{model.name}' has layers ({model.num_layers}); "
             f"set parallel.pp<={model.num_layers}"
+        )
+    if p.stage_layers is None and model.num_layers % p.pp:
+        raise ConfigError(
+            f"model '{model.name}' has {model.num_layers} layers, which parallel.pp={p.pp} stages cannot share "
+            f"evenly; give an explicit split, e.g. parallel.stage_layers={_example_split(model.num_layers, p.pp)}"
         )
     if cfg.schedule.name in ("2bw", "pipedream", "1f1b") and m < p.pp:
         raise ConfigError(
@@ -182,6 +211,11 @@ def _check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
             f"train.num_microbatches={m} < parallel.pp={p.pp}: 2BW keeps only two weight versions, which "
             f"covers the in-flight microbatches only when m >= P; raise train.num_microbatches to {p.pp}"
         )
+
+
+def _example_split(num_layers: int, pp: int) -> list[int]:
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if s < extra else 0) for s in range(pp)]
 
 
 def _check_optimizer(cfg: RunConfig, model: ModelLimits) -> None:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from asyncpp.mesh import Mesh
 from asyncpp.optim.clip import clip_, grad_sq_norm
 from asyncpp.optim.staleness import ErrorFeedback
-from asyncpp.p2p import StageComm
+from asyncpp.p2p import StageComm, wait_for
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.timeline import TimelineEvent
 from asyncpp.weights import WeightVersions
@@ -68,6 +68,8 @@ class _PendingUpdate:
     delayed: bool
     norm_of_step: int | None
     """The earlier step whose ||Δx||^2 rides along in `reduction` (None if nothing rides)."""
+    tied_work: object | None = None
+    """The last stage's tied-embedding all-reduce, waited for only in UPDATE."""
 
 
 @dataclass
@@ -86,6 +88,13 @@ class StageTimer:
 
     def busy(self) -> float:
         return sum(e.duration for e in self.events if e.kind != "idle")
+
+    def mean_durations(self) -> dict[str, float]:
+        """Mean duration of each kind of event (F, B, U0, U, idle): per-op costs for the cost model."""
+        sums: dict[str, list[float]] = {}
+        for e in self.events:
+            sums.setdefault(e.kind, []).append(e.duration)
+        return {kind: sum(v) / len(v) for kind, v in sums.items()}
 
     def end_of(self, op: Op, step: int) -> float:
         """Absolute perf_counter time at which `op` of `step` finished."""
@@ -141,17 +150,20 @@ class StageEngine:
         self.timer = StageTimer(mesh.pp_rank)
 
     # ---- actions -------------------------------------------------------------------------
-    def execute(self, actions: Iterable[Action]) -> None:
+    def execute(self, actions: Iterable[Action], after_update: Callable[[int], None] | None = None) -> None:
+        """Run the actions in order; `after_update(t)` is called after each UPDATE(t) (for logging)."""
         handlers = {Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
                     Op.UPDATE_START: self._update_start, Op.UPDATE: self._update}
         for action in actions:
             self.comm.poll()
             handlers[action.op](action)
+            if action.op == Op.UPDATE and after_update is not None:
+                after_update(action.step)
 
     def _forward(self, a: Action) -> None:
         x = None
         if not self.mesh.is_first_stage:
-            x = self.comm.recv_forward().requires_grad_()
+            x = self.comm.recv_forward(f"the input activation of {a}").requires_grad_()
         start = time.perf_counter()
         self.versions.use(a.version)
         out = self.forward_fn(a.step, a.microbatch, x)
@@ -164,7 +176,7 @@ class StageEngine:
 
     def _backward(self, a: Action) -> None:
         x, out = self.inflight.pop((a.step, a.microbatch))
-        grad = None if self.mesh.is_last_stage else self.comm.recv_backward()
+        grad = None if self.mesh.is_last_stage else self.comm.recv_backward(f"the output gradient of {a}")
         start = time.perf_counter()
         self.versions.use(a.version)
         backward_through(out, grad)
@@ -182,8 +194,15 @@ class StageEngine:
         # Sum over microbatches, replicas and the tied pair first, scale once at the end: the
         # simulator's order of floating-point operations.
         self._reduce_data_parallel(grads)
-        self._reduce_tied(grads)
-        torch._foreach_mul_(grads, self.grad_scale / self.mesh.dims.dp)
+        tied_work = self._start_tied(grads)
+        if tied_work is not None and self.mesh.is_first_stage:
+            # The first stage counts the tied weight in the global norm, so it needs the sum now. Free:
+            # the last stage started this all-reduce when it finished b_t, P-1 backward slots ago.
+            self._wait(tied_work, "the tied-embedding gradient all-reduce with the last stage")
+            tied_work = None
+        # The last stage's tied part may still be in flight: it is scaled in UPDATE, after the wait.
+        in_flight = [t and tied_work is not None for t in self.tied_mask]
+        torch._foreach_mul_([g for g, f in zip(grads, in_flight) if not f], self.grad_scale / self.mesh.dims.dp)
         grad_sq = grad_sq_norm([g for g, c in zip(grads, self.count_in_norm) if c])
         lagged = a.step - 2
         update_sq = self._update_sq.pop(lagged, None)
@@ -192,7 +211,7 @@ class StageEngine:
         if self.mesh.num_stages > 1:
             work = dist.all_reduce(reduction, group=self.mesh.pp_group, async_op=True)
         self.pending[a.step] = _PendingUpdate(
-            grads, reduction, work, self.is_delayed(a.step), lagged if update_sq is not None else None
+            grads, reduction, work, self.is_delayed(a.step), lagged if update_sq is not None else None, tied_work
         )
         self.timer.add(a, start, time.perf_counter())
 
@@ -200,24 +219,30 @@ class StageEngine:
         if self.mesh.dims.dp == 1:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.mesh.dp_group)
+        self._wait(dist.all_reduce(flat, group=self.mesh.dp_group, async_op=True), "the data-parallel gradient all-reduce")
         pieces = torch.split(flat, [g.numel() for g in grads])
         torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in zip(pieces, grads)])
 
-    def _reduce_tied(self, grads: list[Tensor]) -> None:
-        """semantics.md: the tied weight's gradient is the sum of the first and last stage's parts."""
+    def _start_tied(self, grads: list[Tensor]):
+        """semantics.md: the tied weight's gradient is the sum of the first and last stage's parts.
+        Started here, when this stage finished b_t; returns the handle (None if nothing is tied)."""
         group = self.mesh.embedding_group
-        if group is None:
-            return
-        for g, tied in zip(grads, self.tied_mask):
-            if tied:
-                dist.all_reduce(g, group=group)
+        tied = [g for g, t in zip(grads, self.tied_mask) if t]
+        if group is None or not tied:
+            return None
+        if len(tied) != 1:
+            raise RuntimeError(f"expected one tied embedding/head weight per stage, found {len(tied)}")
+        return dist.all_reduce(tied[0], group=group, async_op=True)
 
     def _update(self, a: Action) -> None:
         pending = self.pending.pop(a.step)
         wait_start = time.perf_counter()
         if pending.work is not None:
-            pending.work.wait()
+            self._wait(pending.work, f"the cross-stage gradient-norm all-reduce of step {a.step}")
+        if pending.tied_work is not None:
+            self._wait(pending.tied_work, f"the tied-embedding gradient all-reduce of step {a.step}")
+            tied = [g for g, t in zip(pending.grads, self.tied_mask) if t]
+            torch._foreach_mul_(tied, self.grad_scale / self.mesh.dims.dp)
         start = time.perf_counter()
         grad_sq, update_sq = pending.reduction.tolist()
         if pending.norm_of_step is not None:
@@ -246,6 +271,9 @@ class StageEngine:
         with torch.no_grad():
             return grad_sq_norm([q - x for q, x, c in zip(self.masters, x_t, self.count_in_norm) if c])
 
+    def _wait(self, work, what: str) -> None:
+        wait_for(work, self.comm.timeout_s, self.mesh, what)
+
     def _record(self, step: int) -> StepRecord:
         return self.records.setdefault(step, StepRecord(step))
 
@@ -259,7 +287,8 @@ class StageEngine:
         reduction = torch.tensor([self._update_sq.pop(t) for t in steps], dtype=torch.float64,
                                  device=self.mesh.device)
         if self.mesh.num_stages > 1:
-            dist.all_reduce(reduction, group=self.mesh.pp_group)
+            self._wait(dist.all_reduce(reduction, group=self.mesh.pp_group, async_op=True),
+                       "the final update-norm all-reduce")
         for t, sq in zip(steps, reduction.tolist()):
             self._record(t).update_norm = math.sqrt(sq)
 
@@ -268,5 +297,5 @@ class StageEngine:
         losses = self.losses.pop(step)
         total = torch.stack(losses).double().sum().reshape(1)
         if self.mesh.dims.dp > 1:
-            dist.all_reduce(total, group=self.mesh.dp_group)
+            self._wait(dist.all_reduce(total, group=self.mesh.dp_group, async_op=True), "the loss all-reduce")
         return float(total) / (len(losses) * self.mesh.dims.dp)

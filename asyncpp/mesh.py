@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,22 @@ class ParallelDims:
     dp: int = 1
     tp: int = 1
     ep: int = 1
+
+    @classmethod
+    def for_world(cls, world_size: int, *, pp: int, tp: int = 1, ep: int = 1, dp: int | None = None) -> "ParallelDims":
+        """Derive dp = world_size / (pp * tp) (Megatron's rule) and check an explicit dp against it."""
+        if world_size % (pp * tp):
+            raise ConfigError(
+                f"the job has {world_size} ranks, which is not divisible by parallel.tp={tp} x parallel.pp={pp} "
+                f"= {tp * pp}; launch a multiple of {tp * pp} processes or change the layout"
+            )
+        derived = world_size // (pp * tp)
+        if dp is not None and dp != derived:
+            raise ConfigError(
+                f"parallel.dp={dp} but {world_size} ranks / (parallel.tp={tp} x parallel.pp={pp}) gives {derived}; "
+                "set parallel.dp=null to derive it"
+            )
+        return cls(pp=pp, dp=derived, tp=tp, ep=ep).validate(world_size)
 
     @property
     def world_size(self) -> int:
@@ -112,8 +129,9 @@ class Mesh:
         return self.is_last_stage and self.dp_rank == 0 and self.tp_rank == 0
 
 
-def init_distributed(device_type: str = "cpu") -> torch.device:
-    """Initialize the default process group from torchrun's environment; returns this rank's device."""
+def init_distributed(device_type: str = "cpu", timeout_s: float = 300.0) -> torch.device:
+    """Initialize the default process group from torchrun's environment; returns this rank's device.
+    `timeout_s` bounds every collective, so a dead rank turns into an error instead of a hang."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
@@ -121,5 +139,5 @@ def init_distributed(device_type: str = "cpu") -> torch.device:
     else:
         device = torch.device(device_type)
     if not dist.is_initialized():
-        dist.init_process_group(backend=default_backend(device))
+        dist.init_process_group(backend=default_backend(device), timeout=timedelta(seconds=timeout_s))
     return device

@@ -10,6 +10,7 @@ assume (asyncpp/schedules/invariants.py).
 from __future__ import annotations
 
 from collections import deque
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -18,8 +19,24 @@ from torch import Tensor
 from asyncpp.mesh import Mesh
 
 
+class PipelineTimeout(RuntimeError):
+    """A rank waited too long for a neighbour or a collective (or the peer's connection broke)."""
+
+
+def wait_for(work: dist.Work, timeout_s: float, mesh: Mesh, what: str) -> None:
+    """work.wait() that turns a hang or a dead peer into an error naming this stage and `what`."""
+    try:
+        work.wait(timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise PipelineTimeout(
+            f"stage {mesh.pp_rank} (rank {mesh.rank}) gave up waiting for {what} (train.timeout_s={timeout_s}): "
+            f"{e}. The rank it waits for probably died or hangs; check that rank's log."
+        ) from e
+
+
 class StageComm:
-    def __init__(self, mesh: Mesh, shape: tuple[int, ...], dtype: torch.dtype):
+    def __init__(self, mesh: Mesh, shape: tuple[int, ...], dtype: torch.dtype, timeout_s: float = 300.0):
+        self.timeout_s = timeout_s
         self.mesh = mesh
         self.shape = shape
         self.dtype = dtype
@@ -29,9 +46,10 @@ class StageComm:
         # until its send completes.
         self._pending: deque[tuple[dist.Work, Tensor, Tensor | None]] = deque()
 
-    def _recv(self, src: int) -> Tensor:
+    def _recv(self, src: int, what: str) -> Tensor:
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.mesh.device)
-        dist.irecv(buf, src=src, group=self.mesh.pp_group).wait()
+        wait_for(dist.irecv(buf, src=src, group=self.mesh.pp_group), self.timeout_s, self.mesh,
+                 f"{what} from rank {src}")
         return buf
 
     def _send(self, tensor: Tensor, dst: int, free_after: bool) -> None:
@@ -39,13 +57,13 @@ class StageComm:
         work = dist.isend(payload, dst=dst, group=self.mesh.pp_group)
         self._pending.append((work, payload, tensor if free_after else None))
 
-    def recv_forward(self) -> Tensor:
+    def recv_forward(self, what: str = "an activation") -> Tensor:
         """The activation of the previous stage (blocks until it arrives)."""
-        return self._recv(self.prev)
+        return self._recv(self.prev, what)
 
-    def recv_backward(self) -> Tensor:
+    def recv_backward(self, what: str = "an output gradient") -> Tensor:
         """The gradient of this stage's output, from the next stage."""
-        return self._recv(self.next)
+        return self._recv(self.next, what)
 
     def send_forward(self, output: Tensor) -> None:
         """Send the output activation; its storage is released once the send has completed.
@@ -67,7 +85,7 @@ class StageComm:
         """Wait for every send in flight (before exit or a drain)."""
         while self._pending:
             work, payload, owner = self._pending.popleft()
-            work.wait()
+            wait_for(work, self.timeout_s, self.mesh, "a send to a neighbouring stage to complete")
             self._release(work, payload, owner)
 
     @staticmethod

@@ -13,13 +13,14 @@ import dataclasses
 import math
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from asyncpp.config import SYNC_SCHEDULES, RunConfig
-from asyncpp.engine import StageEngine
+from asyncpp.engine import StageEngine, StepRecord
 from asyncpp.mesh import Mesh
 from asyncpp.metrics import MetricsLogger
 from asyncpp.optim.lr_schedule import lr_multiplier
@@ -28,6 +29,7 @@ from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
 from asyncpp.simulate import cross_entropy
 from asyncpp.semantics import is_sync_step, stage_delay, step_delay
+from asyncpp.timeline import plot_gantt, write_chrome_trace
 from asyncpp.stage import StageSpec, prune_to_stage, stage_forward, tied_parameters
 from asyncpp.trainer import DataSource
 from asyncpp.weights import WeightVersions
@@ -64,7 +66,7 @@ def segment_bounds(total_steps: int, eval_every: int) -> list[tuple[int, int]]:
 class PipelineRun:
     def __init__(self, cfg: RunConfig, model: nn.Module, mesh: Mesh, data: DataSource, build_optimizer):
         self.cfg, self.mesh, self.data = cfg, mesh, data
-        self.spec = StageSpec(mesh.pp_rank, mesh.num_stages, len(model.layers))
+        self.spec = StageSpec(mesh.pp_rank, mesh.num_stages, len(model.layers), cfg.parallel.stage_layers)
         self.model = prune_to_stage(model, self.spec)
         self.m = cfg.train.num_microbatches
         self.delays = [
@@ -75,7 +77,8 @@ class PipelineRun:
         optimizer = build_optimizer(self.model)
         versions = WeightVersions(params, num_weight_buffers(cfg.schedule.name, self.spec.stage, mesh.num_stages))
         hidden = model.config.hidden_size
-        comm = StageComm(mesh, (cfg.train.micro_batch_size, cfg.train.seq_len, hidden), torch.float32)
+        comm = StageComm(mesh, (cfg.train.micro_batch_size, cfg.train.seq_len, hidden), torch.float32,
+                         cfg.train.timeout_s)
         sched = cfg.optimizer.schedule
         self.engine = StageEngine(
             module=self.model, mesh=mesh, comm=comm, optimizer=optimizer, versions=versions,
@@ -107,7 +110,8 @@ class PipelineRun:
         comm, total = self.engine.comm, 0.0
         for b in batches:
             b = b.to(self.mesh.device)
-            out = stage_forward(self.model, self.spec, b[:, :-1] if self.spec.is_first else comm.recv_forward())
+            x = b[:, :-1] if self.spec.is_first else comm.recv_forward("a validation activation")
+            out = stage_forward(self.model, self.spec, x)
             if self.spec.is_last:
                 total += cross_entropy(out, b[:, 1:]).item()
             else:
@@ -118,47 +122,94 @@ class PipelineRun:
     def run(self, metrics: MetricsLogger | None) -> dict:
         cfg, t = self.cfg, self.cfg.train
         val = self.data.val_batches() if t.eval_every else []
-        tokens_per_step = self.m * t.micro_batch_size * t.seq_len * self.mesh.dims.dp
-        started = time.perf_counter()
-        last_end, summary_losses, skipped = started, {}, 0
+        self.tokens_per_step = self.m * t.micro_batch_size * t.seq_len * self.mesh.dims.dp
+        dist.barrier()  # a common time origin for every stage's timeline (same-host clocks)
+        started = self.engine.timer.origin = time.perf_counter()
+        self._log = _StepLog(metrics, started)
+        val_loss = math.nan
         for t0, t1 in segment_bounds(t.steps, t.eval_every):
-            self.engine.execute(segment_actions(cfg.schedule.name, self.spec.stage, self.mesh.num_stages,
-                                                self.m, self.delays, t0, t1))
+            todo = list(range(t0, t1))
+            self.engine.execute(
+                segment_actions(cfg.schedule.name, self.spec.stage, self.mesh.num_stages, self.m, self.delays, t0, t1),
+                after_update=lambda _: self._emit_ready(todo),
+            )
             self.engine.finish()
             val_loss = self.evaluate(val) if val else math.nan
-            for step in range(t0, t1):
-                record = self.engine.records.pop(step)
-                skipped += record.skipped
-                loss = self.engine.step_loss(step) if self.spec.is_last else math.nan
-                summary_losses[step] = loss
-                end = self.engine.timer.end_of(Op.UPDATE, step)
-                dt, last_end = end - last_end, end
-                if metrics is not None:
-                    metrics.log(self._record(step, record, loss, dt, tokens_per_step, val_loss if step == t1 - 1 else None))
+            self._emit_ready(todo, flush=True, val_loss=val_loss if val else None)
         self.engine.versions.use(self.engine.versions.newest)  # leave the module on x_T
-        summary = self._summary(started, summary_losses, tokens_per_step, val_loss if val else math.nan)
-        summary["skipped_steps"] = skipped
+        summary = self._summary(started, val_loss)
+        summary["skipped_steps"] = self._log.skipped
         return summary
 
-    def _record(self, step, rec, loss, dt, tokens_per_step, val_loss) -> dict:
+    def _emit_ready(self, todo: list[int], flush: bool = False, val_loss: float | None = None) -> None:
+        """Log, in order, the steps whose record is complete. A step's update norm rides a later
+        step's reduction, so it is complete two updates later, or at the segment's end (`flush`).
+        Collective over the last stage's DP group (step_loss), at the same action on every replica."""
+        records = self.engine.records
+        while todo and (flush or math.isfinite(records.get(todo[0], _NAN_RECORD).update_norm)):
+            step = todo.pop(0)
+            loss = self.engine.step_loss(step) if self.spec.is_last else math.nan
+            end = self.engine.timer.end_of(Op.BACKWARD, step) if self.spec.is_last else math.nan
+            self._log.emit(self._record(step, records.pop(step), loss, end, val_loss if not todo else None))
+
+    def write_timeline(self, out_dir: str, max_steps: int = 6) -> None:
+        """Every stage's measured events -> timeline.json (Chrome trace) and timeline.png (Gantt of
+        the first `max_steps` steps after warm-up), written by the metrics rank. Collective."""
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (self.mesh.dp_rank, self.mesh.tp_rank, self.engine.timer.events))
+        if not self.mesh.is_writer:
+            return
+        events = [e for dp, tp, evs in gathered if dp == 0 and tp == 0 for e in evs]
+        write_chrome_trace(events, Path(out_dir) / "timeline.json")
+        first, last = 1, min(self.cfg.train.steps - 1, 1 + max_steps)
+        window = [e for e in events if first <= e.step <= last]
+        if window:
+            plot_gantt(window, Path(out_dir) / "timeline.png",
+                       title=f"{self.cfg.schedule.name}: P={self.mesh.num_stages}, m={self.m}, steps {first}-{last}",
+                       xlim=(min(e.start for e in window), max(e.end for e in window)))
+
+    def _record(self, step: int, rec, loss: float, end: float, val_loss: float | None) -> dict:
+        dt = end - self._log.last_end
+        self._log.last_end = end
         out = {"step": step, "loss": loss, "lr": rec.lr, "grad_norm": rec.grad_norm,
-               "update_norm": rec.update_norm, "tokens_per_s": tokens_per_step / dt if dt > 0 else math.nan,
+               "update_norm": rec.update_norm, "tokens_per_s": self.tokens_per_step / dt if dt > 0 else math.nan,
                "step_time_s": dt, "skipped": rec.skipped,
                "sync_step": is_sync_step(step, self.cfg.train.steps, self.cfg.staleness)}
         if val_loss is not None:
             out["val_loss"] = val_loss
         return out
 
-    def _summary(self, started: float, losses: dict, tokens_per_step: int, val_loss: float) -> dict:
+    def _summary(self, started: float, val_loss: float) -> dict:
         wall = time.perf_counter() - started
         busy = self.engine.timer.busy()
         per_stage = [None] * dist.get_world_size()
-        dist.all_gather_object(per_stage, {"stage": self.spec.stage, "busy_s": busy, "wall_s": wall})
+        dist.all_gather_object(per_stage, {"stage": self.spec.stage, "busy_s": busy, "wall_s": wall,
+                                           **self.engine.timer.mean_durations()})
         bubbles = [1.0 - s["busy_s"] / s["wall_s"] for s in per_stage]
-        steps = self.cfg.train.steps
+        steps, tokens = self.cfg.train.steps, self.tokens_per_step * self.cfg.train.steps
         return {
-            "steps": steps, "final_loss": losses.get(steps - 1, math.nan), "final_val_loss": val_loss,
-            "tokens": tokens_per_step * steps, "wall_time_s": wall, "tokens_per_s": tokens_per_step * steps / wall,
+            "steps": steps, "final_loss": self._log.last_loss, "final_val_loss": val_loss,
+            "tokens": tokens, "wall_time_s": wall, "tokens_per_s": tokens / wall,
             "bubble_fraction": sum(bubbles) / len(bubbles), "bubble_fraction_per_rank": bubbles,
+            "mean_forward_s_per_rank": [s.get("F", math.nan) for s in per_stage],
+            "mean_backward_s_per_rank": [s.get("B", math.nan) for s in per_stage],
+            "mean_update_s_per_rank": [s.get("U", 0.0) + s.get("U0", 0.0) for s in per_stage],
         }
 
+
+
+_NAN_RECORD = StepRecord(-1)
+
+
+class _StepLog:
+    """Where finished step records go (the metrics rank's logger; nowhere on other ranks)."""
+
+    def __init__(self, metrics: MetricsLogger | None, started: float):
+        self.metrics, self.last_end = metrics, started
+        self.skipped, self.last_loss = 0, math.nan
+
+    def emit(self, record: dict) -> None:
+        self.skipped += bool(record["skipped"])
+        self.last_loss = record["loss"]
+        if self.metrics is not None:
+            self.metrics.log(record)

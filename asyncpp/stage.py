@@ -8,16 +8,18 @@ nn.Identity (no parameters), which keeps the indices of the owned ones.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import Tensor, nn
 
 from asyncpp.partition import stage_layer_ranges
 
 
 class StageSpec:
-    def __init__(self, stage: int, num_stages: int, num_layers: int):
+    def __init__(self, stage: int, num_stages: int, num_layers: int, sizes: Sequence[int] | None = None):
         self.stage = stage
         self.num_stages = num_stages
-        self.layers = stage_layer_ranges(num_layers, num_stages)[stage]
+        self.layers = stage_layer_ranges(num_layers, num_stages, sizes)[stage]
 
     @property
     def is_first(self) -> bool:

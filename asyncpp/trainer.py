@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -33,9 +34,11 @@ class TrainingAborted(RuntimeError):
     """Too many consecutive non-finite steps."""
 
 
-def parameter_delays(model: nn.Module, schedule: str, num_stages: int) -> list[int]:
+def parameter_delays(
+    model: nn.Module, schedule: str, num_stages: int, stage_layers: Sequence[int] | None = None
+) -> list[int]:
     """Steady-state delay of each trainable parameter, in model.parameters() order."""
-    stages = param_stages(model, num_stages)
+    stages = param_stages(model, num_stages, stage_layers)
     return [
         stage_delay(schedule, stages[name], num_stages)
         for name, p in model.named_parameters()
@@ -58,7 +61,7 @@ def build_simulator(cfg: RunConfig, model: nn.Module, optimizer) -> DelayedUpdat
     return DelayedUpdateSimulator(
         model,
         optimizer,
-        parameter_delays(model, cfg.schedule.name, cfg.parallel.pp),
+        parameter_delays(model, cfg.schedule.name, cfg.parallel.pp, cfg.parallel.stage_layers),
         loss_fn=lm_loss,
         grad_clip=cfg.train.grad_clip,
         ef_lambda=cfg.staleness.ef_lambda,
@@ -96,7 +99,8 @@ class Trainer:
         self.start_step = 0
 
     def _microbatches(self, step: int) -> list[Tensor]:
-        m = self.cfg.train.num_microbatches
+        # dp replicas are simulated as m * dp microbatches: global index (t * dp + r) * m + j, as in the pipeline.
+        m = self.cfg.train.num_microbatches * (self.cfg.parallel.dp or 1)
         return [self.data.train_microbatch(step * m + i).to(self.device) for i in range(m)]
 
     def run(self) -> dict:

@@ -42,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="UPDATE(t) waits for UPDATE_START(t) of every stage (global grad-norm clipping)",
     )
+    p.add_argument("--pp", type=int, nargs="+", default=list(STAGES), help="pipeline depths P to predict")
     p.add_argument("--out", default="bench_results/schedules.json")
     p.add_argument("--plots", default="bench_results/schedules", help="folder for Gantt PNGs and traces")
     return p.parse_args(argv)
@@ -49,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_grid(args: argparse.Namespace, costs: OpCosts) -> list[dict]:
     rows = []
-    for p in STAGES:
+    for p in args.pp:
         for m in (p, 2 * p, 4 * p):
             for kind in KINDS:
                 steps = args.steps or max(8, 3 * p)

@@ -223,3 +223,12 @@ def build_optimizer(
     if adamw is not None:
         optimizers["adamw"] = adamw
     return OptimizerSet(optimizers)
+
+
+def build_from_config(model: nn.Module, cfg) -> OptimizerSet:
+    """build_optimizer from an asyncpp.config.OptimizerConfig (duck-typed to keep optim config-free)."""
+    return build_optimizer(
+        model, name=cfg.name, lr=cfg.lr, adamw_lr=cfg.adamw_lr, weight_decay=cfg.weight_decay,
+        betas=cfg.betas, eps=cfg.eps, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
+        adjust_lr=cfg.adjust_lr,
+    )

@@ -5,7 +5,9 @@ from __future__ import annotations
 import io
 import os
 import socket
+import time
 import traceback
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -35,18 +37,28 @@ def _entry(rank: int, world_size: int, port: int, fn, args, queue) -> None:
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 300.0) -> list:
-    """fn(rank, *args) on every rank; returns [result of rank 0, ...]. fn must be importable (pickled)."""
+def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, expect_dead: bool = False) -> list:
+    """fn(rank, *args) on every rank; returns [result of rank 0, ...]. fn must be importable (pickled).
+
+    A rank that exits without reporting counts as an error, or, with expect_dead=True, yields
+    ("died", exitcode) in its slot so a test can check how the survivors reacted.
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
-    results, errors = {}, []
+    results, errors, deadline = {}, [], time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout)
+        while len(results) < world_size and time.monotonic() < deadline:
+            try:
+                rank, status, value = queue.get(timeout=0.5)
+            except Empty:
+                for r, p in enumerate(procs):
+                    if r not in results and p.exitcode is not None and queue.empty():
+                        results[r] = ("died", p.exitcode)
+                continue
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
             results[rank] = value if status == "error" else torch.load(io.BytesIO(value), weights_only=False)
@@ -55,6 +67,12 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0) -> list:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    if errors:
+    missing = [r for r in range(world_size) if r not in results]
+    if missing:
+        raise TimeoutError(f"ranks {missing} neither reported nor exited within {timeout}s")
+    died = [r for r, v in results.items() if isinstance(v, tuple) and v[:1] == ("died",)]
+    if died and not expect_dead:
+        errors.append(f"ranks {died} died without reporting")
+    if errors and not expect_dead:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]

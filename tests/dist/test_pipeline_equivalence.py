@@ -18,7 +18,7 @@ pytestmark = pytest.mark.dist
 
 
 def run_pipeline(cfg) -> tuple[list[dict], dict]:
-    results = run_ranks(pipeline_rank, cfg.parallel.pp * cfg.parallel.dp, cfg.to_dict())
+    results = run_ranks(pipeline_rank, cfg.parallel.pp * (cfg.parallel.dp or 1), cfg.to_dict())
     records = next(r["records"] for r in results if r["records"])
     params = {}
     for r in results:
@@ -84,4 +84,11 @@ def test_tied_embedding_copies_stay_identical():
 
 def test_data_parallel_two_replicas_equal_one_with_twice_the_microbatches():
     cfg = make_config(parallel={"pp": 2, "dp": 2}, schedule={"name": "2bw"}, train={"num_microbatches": 2})
+    assert_equivalent(cfg)
+
+
+def test_uneven_stage_split_with_pipedream_delays():
+    """parallel.stage_layers moves layers between stages: PipeDream's per-stage delays follow it."""
+    cfg = make_config(parallel={"pp": 2, "stage_layers": [3, 1]}, schedule={"name": "pipedream"},
+                      train={"steps": 5})
     assert_equivalent(cfg)

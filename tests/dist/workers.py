@@ -7,7 +7,7 @@ from torch import Tensor
 
 from asyncpp.config import RunConfig
 from asyncpp.mesh import Mesh, ParallelDims
-from asyncpp.optim import build_optimizer
+from asyncpp.optim import build_from_config
 from asyncpp.pipeline import PipelineRun
 from asyncpp.trainer import build_simulator, evaluate
 from model_zoo import build_model, get_model_config
@@ -48,14 +48,7 @@ def make_config(**sections) -> RunConfig:
 
 
 def optimizer_factory(cfg: RunConfig):
-    o = cfg.optimizer
-
-    def build(model):
-        return build_optimizer(model, name=o.name, lr=o.lr, adamw_lr=o.adamw_lr, weight_decay=o.weight_decay,
-                               betas=o.betas, eps=o.eps, momentum=o.momentum, nesterov=o.nesterov,
-                               ns_steps=o.ns_steps, adjust_lr=o.adjust_lr)
-
-    return build
+    return lambda model: build_from_config(model, cfg.optimizer)
 
 
 def data_for(cfg: RunConfig, vocab: int) -> SyntheticData:
@@ -67,7 +60,7 @@ def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     cfg = RunConfig.from_dict(cfg_dict)
     model_cfg = get_model_config(cfg.model.name)
     cfg.validate(model_cfg)
-    dims = ParallelDims(pp=cfg.parallel.pp, dp=cfg.parallel.dp).validate(torch.distributed.get_world_size())
+    dims = ParallelDims.for_world(torch.distributed.get_world_size(), pp=cfg.parallel.pp, dp=cfg.parallel.dp)
     mesh = Mesh(dims, torch.device("cpu"))
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg)
@@ -103,7 +96,7 @@ def _reference_run(cfg: RunConfig) -> dict:
     model = build_model(model_cfg)
     sim = build_simulator(cfg, model, optimizer_factory(cfg)(model))
     data = data_for(cfg, model_cfg.vocab_size)
-    m = cfg.train.num_microbatches * cfg.parallel.dp
+    m = cfg.train.num_microbatches * (cfg.parallel.dp or 1)
     stats, val = [], None
     for t in range(cfg.train.steps):
         stats.append(sim.step(t, [data.train_microbatch(t * m + j) for j in range(m)]))

@@ -29,6 +29,7 @@ def test_default_config_composes_and_validates():
         (["train.seq_len=4096"], ["train.seq_len=4096", "512", "train.seq_len<=512"]),
         (["parallel.pp=4", "train.num_microbatches=2"], ["num_microbatches=2", "parallel.pp=4", "raise"]),
         (["parallel.pp=8"], ["parallel.pp=8", "layers (4)"]),
+        (["parallel.pp=2", "parallel.stage_layers=[3,2]"], ["parallel.stage_layers=[3, 2]", "summing to the 4 layers"]),
         (["+train.stepz=10"], ["train.stepz", "did you mean 'steps'"]),
         (["train.steps=abc"], ["train.steps='abc'", "expected int"]),
         (["optimizer.lr=-1"], ["optimizer.lr=-1.0", "> 0"]),

@@ -1,0 +1,374 @@
+"""A drop-in for megatron-core's `forward_backward_func`: swap 1F1B for a never-flushing 2BW pipeline.
+
+A Megatron-LM training loop keeps its shape:
+
+    fwd_bwd = get_forward_backward_func("2bw", engine_factory=lambda s: Pipeline2BW(model, opt, mesh,
+                                                                                    schedule=s, hidden_size=h))
+    for k in range(train_iters):
+        losses = fwd_bwd(forward_step_func=..., data_iterator=it, model=model, num_microbatches=m,
+                         seq_length=S, micro_batch_size=B)
+        ok, grad_norm, _ = fwd_bwd.pipeline.optimizer_step()   # reports; the update is in the schedule
+    fwd_bwd.pipeline.drain()                                      # before eval, checkpoint and exit
+
+What differs from Megatron, and why:
+- The update is part of the pipeline schedule (engine.StageEngine's UPDATE_START/UPDATE), not of the
+  user's `optimizer.step()`: under 2BW the update of b_t is applied lazily, during call t+2, just
+  before its weights x_{t+1} are first used. `optimizer_step()` therefore only *reports*
+  `(update_successful, grad_norm, num_zeros_in_grad)` of the newest update applied so far (step k-2
+  after call k with 2bw, step k with 1f1b; `applied_step` says which). Its learning rate comes from
+  `lr_multiplier(t)` (pass it to pin step t's LR, as the simulator does); without it, the optimizer's
+  current lr at the time the update runs is used.
+- Loss scaling follows Megatron, not the simulator: the last stage divides the loss returned by
+  `loss_func` by num_microbatches (and by num_tokens for the 3-tuple form) before the backward, so
+  the engine's grad_scale is 1.0 on this path. (The simulator sums microbatch gradients and divides
+  once; the two agree exactly when m is a power of two, to rounding otherwise.) Auxiliary losses
+  injected into the graph (model_zoo MoE's `aux_grad_scale`) are the model's business, as Megatron's
+  MoEAuxLossAutoScaler is: set them to 1/m for this convention.
+- Weight versions are switched by the engine (weights.WeightVersions.use) before every forward and
+  backward, by re-pointing Parameter storage: the user's model and forward_step_func need no change.
+  FP8 weight caches (TE's set_is_first_microbatch) are not refreshed on a switch: not supported.
+- Options we do not implement raise NotImplementedError naming the option; `first_val_step` (an FP8
+  hint) and `force_all_reduce` (our DP reduction is always an all-reduce) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from asyncpp.engine import StageEngine
+from asyncpp.mesh import Mesh
+from asyncpp.p2p import StageComm
+from asyncpp.schedules.actions import Action, Op
+from asyncpp.schedules.build import build_schedule
+from asyncpp.weights import WeightVersions
+
+SCHEDULES = ("2bw", "1f1b")
+_COMPUTE = (Op.FORWARD, Op.BACKWARD)
+
+
+# ---- which actions one call executes (pure; tested without processes) -----------------------------
+#
+# 2BW runs one continuous 1F1B stream across calls. Call k executes, on every stage, the stream's
+# actions up to the stage's last FORWARD/BACKWARD before F(k+1, 0); UPDATE_START/UPDATE actions that
+# sit between that compute and F(k+1, 0) are left to call k+1. So call k runs F(k, *) (exactly the m
+# microbatches of b_k drawn from this call's data_iterator) and the backwards of items
+# [k*m - w, (k+1)*m - w) with w = P-1-s the stage's warm-up depth (item = t*m + j).
+#
+# Deadlock freedom: sends never block, so a call can only hang on a wait whose counterpart lies in a
+# later call on another stage. There is none:
+# - F(k, j) at s waits for F(k, j) at s-1: call k on both stages.
+# - B(item i) at s waits for B(i) at s+1, whose window reaches one item further (w_{s+1} = w_s - 1).
+# - UPDATE_START(t) blocks on the tied-embedding all-reduce (first <-> last stage) and on DP replicas:
+#   every stage runs it in call t+1. It follows B(t, m-1), item (t+1)m - 1, which is inside call
+#   t+1's backward range when w >= 1; on the last stage (w = 0) it trails call t and is deferred.
+#   Cutting at F(k+1, 0) itself would leave the last stage blocked in that all-reduce at the end of
+#   call t until the first stage's call t+1, deadlocking any collective a training loop runs between
+#   calls (loss averaging, logging).
+# - UPDATE(t) waits for every stage's UPDATE_START(t) (call t+1); it is placed just before F(t+2, 0),
+#   i.e. trails call t+1 and runs first thing in call t+2.
+# The last stage has no warm-up (w = 0): call k ran all of b_k's forwards and backwards, so its m
+# loss reports are complete when the call returns.
+#
+# The stream is built by build_schedule over a short horizon only (steps max(k-2, start)..k+1, as a
+# drained stream): from the cut before F(k, 0) on, a 1F1B stream is in steady state, so the horizon's
+# actions there equal the unbounded stream's, and everything of the horizon that lies before that
+# cut belongs to calls k-1 and k-2 (F/B of b_{k-2}, b_{k-1}, UPDATE_START(k-2)) -- the `done` set.
+
+
+def _cut_before_forward(actions: list[Action], step: int) -> int:
+    """Index just after the last F/B that precedes F(step, 0)."""
+    first = next(i for i, a in enumerate(actions) if a.op is Op.FORWARD and a.step == step and a.microbatch == 0)
+    return 1 + max((i for i in range(first) if actions[i].op in _COMPUTE), default=-1)
+
+
+def _horizon(stage: int, num_stages: int, m: int, stream_start: int, first: int, last: int) -> list[Action]:
+    t0 = max(first, stream_start)
+    return build_schedule("2bw", stage, num_stages, m, [1] * (last + 1 - t0), first_step=t0)
+
+
+def window_2bw(stage: int, num_stages: int, m: int, step: int, stream_start: int, done: set[Action]) -> list[Action]:
+    """Actions of call `step` in a 2BW stream started (drained) at `stream_start`; `done` holds at least
+    the actions of calls step-2 and step-1."""
+    horizon = _horizon(stage, num_stages, m, stream_start, step - 2, step + 1)
+    return [a for a in horizon[:_cut_before_forward(horizon, step + 1)] if a not in done]
+
+
+def drain_2bw(stage: int, num_stages: int, m: int, last_step: int, stream_start: int, done: set[Action]) -> list[Action]:
+    """The cool-down after call `last_step`: the rest of the stream truncated there."""
+    horizon = _horizon(stage, num_stages, m, stream_start, last_step - 1, last_step)
+    return [a for a in horizon if a not in done]
+
+
+def window_1f1b(stage: int, num_stages: int, m: int, step: int) -> list[Action]:
+    """Flushed 1F1B: call k completes b_k, its reductions and its update."""
+    return build_schedule("1f1b", stage, num_stages, m, [0], first_step=step)
+
+
+# ---- the pipeline object ----------------------------------------------------------------------------
+
+
+def get_forward_backward_func(schedule: str = "2bw", *, engine_factory: Callable[[str], Pipeline2BW]):
+    """The callable a Megatron loop calls once per step; `.pipeline` is its Pipeline2BW (drain,
+    optimizer_step). engine_factory(schedule) builds the pipeline (model, optimizer, mesh, ...)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
+    return engine_factory(schedule).forward_backward_func
+
+
+def _unwrap(model: Any, attr: str) -> Any:
+    """Megatron's get_attr_wrapped_model: follow `.module` (DDP, Float16Module) until `attr` exists."""
+    while not hasattr(model, attr) and hasattr(model, "module"):
+        model = model.module
+    if not hasattr(model, attr):
+        raise AttributeError(f"model has no {attr}() (Megatron's GPTModel has one; wrap model_zoo stages)")
+    return model
+
+
+@dataclass
+class _Call:
+    """What one forward_backward_func call hands to the microbatch forwards the engine runs."""
+
+    forward_step_func: Callable
+    data_iterator: Any
+    model: nn.Module
+    num_microbatches: int
+    non_loss_data: bool
+    store: list = field(default_factory=list)
+
+
+class Pipeline2BW:
+    """One pipeline stage's persistent state across forward_backward_func calls.
+
+    model: this stage's module (any `.module` wrapper chain is fine) with set_input_tensor(list).
+    optimizer: torch.optim-style over the stage's trainable parameters, not stepped yet (the engine
+    retargets it to the weight-version masters). tied: the tied embedding/head weight on the first and
+    last stage. Activations travel as [micro_batch_size, seq_length, hidden_size]
+    ([seq, batch, hidden] with sequence_first=True, Megatron's GPTModel layout).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer,
+        mesh: Mesh,
+        *,
+        hidden_size: int,
+        schedule: str = "2bw",
+        grad_clip: float = 0.0,
+        ef_lambda: float = 0.0,
+        lr_multiplier: Callable[[int], float] | None = None,
+        tied: Iterable[nn.Parameter] = (),
+        sequence_first: bool = False,
+        pipeline_dtype: torch.dtype = torch.float32,
+    ):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
+        if schedule == "1f1b" and ef_lambda:
+            raise ValueError(f"ef_lambda={ef_lambda} corrects delayed updates; schedule='1f1b' has none, use 0")
+        self.schedule, self.mesh, self.model = schedule, mesh, model
+        self.hidden_size, self.sequence_first = hidden_size, sequence_first
+        params = [p for p in model.parameters() if p.requires_grad]
+        versions = WeightVersions(params, 2 if schedule == "2bw" else 1)
+        comm = StageComm(mesh, (0,), pipeline_dtype)  # shape set per call from seq_length/micro_batch_size
+        self.engine = StageEngine(
+            module=model, mesh=mesh, comm=comm, optimizer=optimizer, versions=versions,
+            forward_fn=self._forward, grad_scale=1.0,  # the loss is already divided by m (module docstring)
+            grad_clip=grad_clip, ef_lambda=ef_lambda, lr_multiplier=lr_multiplier,
+            is_delayed=lambda t: schedule == "2bw", tied=tied,
+        )
+        self.next_step = 0
+        """k of the next call: the minibatch b_k it consumes."""
+        self.applied_step: int | None = None
+        """The newest step whose update has been applied (None before the first)."""
+        self._stream_start: int | None = None  # first step of the open 2BW stream; None = drained
+        self._m: int | None = None
+        self._windows: deque[set[Action]] = deque(maxlen=2)  # the last two calls' actions
+        self._call: _Call | None = None  # forward_step_func, data_iterator, model, store of the running call
+        self.forward_backward_func = functools.partial(self.forward_backward)
+        self.forward_backward_func.pipeline = self  # type: ignore[attr-defined]
+
+    @property
+    def drained(self) -> bool:
+        return self._stream_start is None
+
+    # ---- Megatron's forward_backward_func ------------------------------------------------------------
+    def forward_backward(
+        self,
+        *,
+        forward_step_func,
+        data_iterator: Iterator | list[Iterator],
+        model: nn.Module | list[nn.Module],
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: int | None = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: bool | None = None,
+        adjust_tensor_shapes_fn: Callable | None = None,
+        p2p_communicator=None,
+        pg_collection=None,
+        force_all_reduce: bool | None = False,
+    ) -> list:
+        """megatron-core's forward_backward_pipelining_without_interleaving contract: consumes
+        num_microbatches microbatches of b_k from data_iterator and returns forward_data_store (one
+        entry per microbatch on the last stage, [] elsewhere)."""
+        unsupported = {"decoder_seq_length": decoder_seq_length, "adjust_tensor_shapes_fn": adjust_tensor_shapes_fn,
+                       "p2p_communicator": p2p_communicator, "pg_collection": pg_collection}
+        for name, value in unsupported.items():
+            if value is not None:
+                raise NotImplementedError(f"{name}={value!r} is not supported by asyncpp's {self.schedule} pipeline")
+        if collect_non_loss_data and not forward_only:
+            raise NotImplementedError("collect_non_loss_data=True is supported only with forward_only=True")
+        model = self._check_model(model)
+        self._set_activation_shape(seq_length, micro_batch_size)
+        if num_microbatches < 1:
+            raise ValueError(f"num_microbatches={num_microbatches} must be >= 1")
+        call = _Call(forward_step_func, data_iterator, model, num_microbatches, collect_non_loss_data)
+        self._call = call
+        try:
+            if forward_only:
+                self._forward_only(num_microbatches)
+            else:
+                self._train_step(num_microbatches)
+        finally:
+            self._call = None
+        return call.store
+
+    def _check_model(self, model) -> nn.Module:
+        if isinstance(model, list):
+            if len(model) != 1:
+                raise NotImplementedError(f"model as a list of {len(model)} chunks (virtual pipeline stages)")
+            model = model[0]
+        inner = model
+        while inner is not self.model and hasattr(inner, "module"):
+            inner = inner.module
+        if inner is not self.model:
+            raise ValueError("model is not (a wrapper of) the module this Pipeline2BW was built with")
+        return model
+
+    def _set_activation_shape(self, seq_length: int, micro_batch_size: int) -> None:
+        dims = (seq_length, micro_batch_size) if self.sequence_first else (micro_batch_size, seq_length)
+        shape = (*dims, self.hidden_size)
+        comm = self.engine.comm
+        if comm.shape == shape:
+            return
+        if not self.drained:
+            raise ValueError(f"activation shape changed from {comm.shape} to {shape} while microbatches are in "
+                             "flight: call drain() first")
+        comm.flush()  # sends of the old shape own their buffers; nothing else depends on it
+        comm.shape = shape
+
+    def _train_step(self, m: int) -> None:
+        P, s, k = self.mesh.num_stages, self.mesh.pp_rank, self.next_step
+        if self.schedule == "1f1b":
+            self._execute(window_1f1b(s, P, m, k))
+        else:
+            if m < P:
+                raise ValueError(f"schedule='2bw' needs num_microbatches >= pipeline stages, got num_microbatches={m} "
+                                 f"< {P} stages: two weight versions cannot cover the in-flight work")
+            if not self.drained and m != self._m:
+                raise ValueError(f"num_microbatches changed from {self._m} to {m} while b_{k - 1} is in flight: "
+                                 "call drain() first (e.g. at a batch-size ramp-up)")
+            if self.drained:
+                self._stream_start, self._m = k, m
+            done = set().union(*self._windows)
+            self._execute(window_2bw(s, P, m, k, self._stream_start, done))
+        self.next_step = k + 1
+
+    def _execute(self, actions: list[Action]) -> None:
+        # The engine's timeline would grow with every step of an unbounded run: keep the last call's
+        # (engine.timer then measures that call's busy time). Losses are reported via loss_func.
+        self.engine.timer.events.clear()
+        self.engine.execute(actions)
+        self.engine.losses.clear()
+        self._windows.append(set(actions))
+        applied = [a.step for a in actions if a.op is Op.UPDATE]
+        if applied:
+            self.applied_step = applied[-1]
+
+    # ---- microbatch forward (runs inside the engine, on the version the engine switched to) ---------
+    def _forward(self, step: int, microbatch: int, x: Tensor | None) -> Tensor:
+        call = self._call
+        if call is None or step != self.next_step:
+            raise RuntimeError(f"forward of b_{step} outside its call (window rule broken)")
+        return self._forward_step(call, x)
+
+    def _forward_step(self, call: _Call, x: Tensor | None) -> Tensor:
+        """Megatron's forward_step: inject the input, run the user's step, compute the scaled loss."""
+        _unwrap(call.model, "set_input_tensor").set_input_tensor([x])  # a list, as Megatron passes it
+        output, loss_func = call.forward_step_func(call.data_iterator, call.model)
+        if not self.mesh.is_last_stage:
+            return output
+        store = call.store
+        if loss_func is None:
+            store.append(output)
+            return output
+        if call.non_loss_data:
+            store.append(loss_func(output, non_loss_data=True))
+            return output
+        outputs = loss_func(output)
+        if len(outputs) == 3:
+            loss, num_tokens, report = outputs
+            loss = loss / torch.as_tensor(num_tokens, device=loss.device).clamp(min=1) / call.num_microbatches
+        elif len(outputs) == 2:
+            loss, report = outputs
+            loss = loss / call.num_microbatches  # context parallel size is 1
+        else:
+            raise ValueError(f"loss_func returned {len(outputs)} values; expected (loss, report) or "
+                             "(loss, num_tokens, report)")
+        store.append(report)
+        return loss
+
+    @torch.no_grad()
+    def _forward_only(self, m: int) -> None:
+        """Evaluation on the newest weights through a drained pipeline (Megatron's forward_only path)."""
+        if not self.drained:
+            raise RuntimeError(f"forward_only=True needs a drained pipeline, but b_{self.next_step - 1} is in "
+                               "flight: call forward_backward_func.pipeline.drain() first")
+        versions, comm = self.engine.versions, self.engine.comm
+        versions.use(versions.newest)
+        for _ in range(m):
+            x = None if self.mesh.is_first_stage else comm.recv_forward()
+            out = self._forward_step(self._call, x)
+            if not self.mesh.is_last_stage:
+                comm.send_forward(out)
+        comm.flush()
+
+    # ---- drain and optimizer report --------------------------------------------------------------
+    def drain(self) -> None:
+        """Finish every in-flight microbatch and pending update (all stages call it): before eval,
+        checkpoint, a change of num_microbatches, and exit. Training may continue afterwards; the next
+        call starts a new stream (a warm-up bubble), with the same mathematics (b_t on x_{t-1})."""
+        if not self.drained and self.schedule == "2bw":
+            done = set().union(*self._windows)
+            self._execute(drain_2bw(self.mesh.pp_rank, self.mesh.num_stages, self._m, self.next_step - 1,
+                                    self._stream_start, done))
+        self._stream_start = None
+        self._windows.clear()
+        self.engine.finish()
+        self.engine.versions.use(self.engine.versions.newest)  # leave the module on x_T
+
+    def optimizer_step(self) -> tuple[bool, float | None, int | None]:
+        """Megatron's (update_successful, grad_norm, num_zeros_in_grad) of the newest applied update.
+
+        No update happens here: it is part of the schedule. Under 2BW the update of b_t runs during
+        call t+2 (or drain()), so after call k this reports step k-2 (`applied_step`); before any update
+        it reports (True, None, None) so Megatron's loop advances its iteration counters normally.
+        """
+        if self.applied_step is None:
+            return True, None, None
+        record = self.engine.records[self.applied_step]
+        return not record.skipped, record.grad_norm, None
+
+    @property
+    def records(self) -> dict:
+        """engine.StepRecord per step (grad/update norm, lr, skipped); pop what has been logged."""
+        return self.engine.records

@@ -1,0 +1,50 @@
+"""pretrain.py under torchrun, as a user runs it: one run directory, one metrics file, clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.dist
+
+
+def torchrun(tmp_path: Path, nproc: int, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc_per_node={nproc}",
+           "pretrain.py", f"hydra.run.dir={tmp_path}", "logging=disabled", "logging.progress=false", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_two_stage_2bw_run_writes_one_metrics_file_and_a_timeline(tmp_path):
+    proc = torchrun(tmp_path, 2, "parallel.pp=2", "schedule=2bw", "model=tiny_dense", "train.steps=12",
+                    "train.eval_every=6", "train.seq_len=32", "train.micro_batch_size=2",
+                    "optimizer.schedule.warmup_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(12))
+    assert {"loss", "lr", "grad_norm", "update_norm", "tokens_per_s"} <= records[0].keys()
+    assert [r["step"] for r in records if "val_loss" in r] == [5, 11]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert len(summary["bubble_fraction_per_rank"]) == 2 and 0 <= summary["bubble_fraction"] < 1
+    trace = json.loads((tmp_path / "timeline.json").read_text())
+    assert {e["tid"] for e in trace["traceEvents"] if e.get("ph") == "X"} == {0, 1}
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["parallel"]["dp"] == 1  # derived from the world size and recorded
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.pp=2", "parallel.dp=2"], "parallel.dp=2 but 2 ranks"),
+    (["parallel.pp=2", "schedule=2bw", "train.num_microbatches=1"], "train.num_microbatches=1 < parallel.pp=2"),
+    (["parallel.pp=2", "parallel.tp=2"], "not divisible by parallel.tp=2 x parallel.pp=2"),
+])
+def test_bad_layouts_fail_before_any_process_group(tmp_path, overrides, message):
+    proc = torchrun(tmp_path, 2, *overrides)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-2000:]
+    assert "config error" in proc.stderr
+    assert "init_process_group" not in proc.stderr and "Traceback" not in proc.stderr.split("config error")[0]
