@@ -3,7 +3,9 @@
     x_{t+1} = x_t - U_t( g(x_{t-d}; b_t) ),   x_{-k} := x_0,
 
 with d = 0 (sync, GPipe, 1F1B), d = 1 (PipeDream-2BW) or d = P-1-s per stage s (original PipeDream),
-d = 0 during synchronous start/cooldown, and optionally update-level Error Feedback on top.
+d = 0 during synchronous start/cooldown, and optionally the staleness corrections of
+asyncpp.optim.staleness on top (update-level Error Feedback; and, simulator only: gradient-level EF,
+DC-ASGD, weight prediction). Optional diagnostics compare each K-th step's update with the fresh one.
 
 Written by hand (not a library) because this *is* the contract of the project: the multi-process
 engine is tested against it. It is deliberately simple: past versions are whole clones of the
@@ -17,13 +19,14 @@ import contextlib
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from copy import deepcopy
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from asyncpp.optim.clip import clip_, grad_sq_norm
-from asyncpp.optim.staleness import ErrorFeedback
+from asyncpp.optim.staleness import ErrorFeedback, GradientErrorFeedback, dc_asgd_, predict_weights
 
 LossFn = Callable[[nn.Module, Tensor], Tensor]
 
@@ -50,6 +53,12 @@ class StepStats:
     skipped: bool
     """The gradient was not finite; x_{t+1} = x_t, the version counter still advanced."""
     tokens: int
+    update_cosine: float | None = None
+    """Diagnostics steps only: cosine between the update applied at this step, x_t - x_{t+1} (delayed
+    gradient, corrections included), and the fresh update U_t(g(x_t; b_t)) synchronous training would
+    apply from the same optimizer state. None on other steps and on skipped ones."""
+    update_rel_error: float | None = None
+    """Diagnostics steps only: ||applied - fresh|| / ||fresh|| (see update_cosine)."""
 
 
 def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
@@ -68,6 +77,18 @@ class DelayedUpdateSimulator:
 
     `delays[i]` is the steady-state delay of `params[i]` (see asyncpp.semantics.stage_delay);
     `sync_step(t)` says whether step t is synchronous (delay 0 for every parameter).
+
+    Corrections (each off by default, and then bit-identical to plain delayed training; each acts only
+    on parameters whose delay at that step is > 0; order within a step as in asyncpp.optim.staleness):
+    - ef_lambda: update-level Error Feedback, x_{t+1} = x_t - u_t - lam (u_t - u_{t-1});
+    - grad_ef_lambda: gradient-level EF, the base optimizer sees g_t + lam (g_t - g_{t-1});
+    - dc_lambda: DC-ASGD, the base optimizer sees g + lam * g * g * (x_t - x_read), x_read being the
+      weights the gradient was computed on (x_{t-d});
+    - weight_prediction: the forward/backward of b_t reads x^ = x_{t-d} + d (x_{t-d} - x_{t-d-1}) instead
+      of x_{t-d} (asyncpp.optim.staleness.predict_weights); x_read is then x^.
+    diagnostics_every=K > 0: at steps t with t % K == 0 the fresh update U_t(g(x_t; b_t)) is computed
+    first, through a deep copy of the optimizer (same state, lr and clipping), and not applied; weights,
+    optimizer state and RNG are restored, so the trajectory is bit-identical with diagnostics on or off.
     """
 
     def __init__(
@@ -82,6 +103,10 @@ class DelayedUpdateSimulator:
         lr_multiplier: Callable[[int], float] | None = None,
         sync_step: Callable[[int], bool] = lambda t: False,
         tied_use: "TiedUse | None" = None,
+        grad_ef_lambda: float = 0.0,
+        dc_lambda: float = 0.0,
+        weight_prediction: bool = False,
+        diagnostics_every: int = 0,
     ):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -95,9 +120,23 @@ class DelayedUpdateSimulator:
         self.sync_step = sync_step
         self.tied_use = tied_use
         self.error_feedback = ErrorFeedback(self.params, ef_lambda)
-        # history[k] holds x_{t-1-k}; only as many versions as the largest delay are kept.
-        self.history: deque[list[Tensor]] = deque(maxlen=max(self.delays, default=0) or None)
+        self.grad_error_feedback = GradientErrorFeedback(self.params, grad_ef_lambda)
+        if dc_lambda < 0:
+            raise ValueError(f"staleness.dc_lambda={dc_lambda} must be >= 0")
+        if diagnostics_every < 0:
+            raise ValueError(f"staleness.diagnostics_every={diagnostics_every} must be >= 0 (0 = off)")
+        self.dc_lambda = dc_lambda
+        self.weight_prediction = weight_prediction
+        self.diagnostics_every = diagnostics_every
         self.max_delay = max(self.delays, default=0)
+        # history[k] holds x_{t-1-k}; as many versions as the largest delay, plus x_{t-d-1} for weight prediction.
+        extra = 1 if weight_prediction and self.max_delay else 0
+        self.history: deque[list[Tensor]] = deque(maxlen=(self.max_delay + extra) or None)
+
+    @property
+    def num_past_versions(self) -> int:
+        """How many past versions (x_{t-1}, x_{t-2}, ...) the simulator keeps (what a checkpoint must hold)."""
+        return self.history.maxlen or 0
 
     def delays_at(self, step: int) -> list[int]:
         return [0] * len(self.params) if self.sync_step(step) else self.delays
@@ -108,11 +147,21 @@ class DelayedUpdateSimulator:
             return current
         return self.history[min(delay, len(self.history)) - 1]
 
+    def _read(self, delay: int, current: list[Tensor], index: int) -> Tensor:
+        """The weights of params[index] a computation at `delay` reads: x_t, x_{t-delay}, or with weight
+        prediction x_{t-d} + d (x_{t-d} - x_{t-d-1})."""
+        if delay == 0:
+            return current[index]
+        stale = self._version(delay, current)[index]
+        if not self.weight_prediction:
+            return stale
+        return predict_weights(stale, self._version(delay + 1, current)[index], delay)
+
     @torch.no_grad()
-    def _load(self, delays: list[int], current: list[Tensor]) -> None:
-        for i, (p, d) in enumerate(zip(self.params, delays)):
+    def _load(self, delays: list[int], reads: list[Tensor]) -> None:
+        for p, d, x in zip(self.params, delays, reads):
             if d:
-                p.copy_(self._version(d, current)[i])
+                p.copy_(x)
 
     @torch.no_grad()
     def _restore(self, delays: list[int], current: list[Tensor]) -> None:
@@ -149,7 +198,7 @@ class DelayedUpdateSimulator:
             yield
             return
         delay = 0 if self.sync_step(step) else use.delay
-        version = self._version(delay, current)[index]
+        version = self._read(delay, current, index)
         copy = nn.Parameter(version.detach().clone())
         setattr(use.module, use.attr, copy)
         try:
@@ -168,14 +217,19 @@ class DelayedUpdateSimulator:
     def step(self, step: int, microbatches: Sequence[Tensor]) -> StepStats:
         """One optimizer step t consuming minibatch b_t = `microbatches`."""
         delays = self.delays_at(step)
+        delayed = [d > 0 for d in delays]
         current = [p.detach().clone() for p in self.params]  # x_t
-        self._load(delays, current)
+        diagnose = self.diagnostics_every > 0 and step % self.diagnostics_every == 0
+        fresh = self._fresh_update(step, microbatches, current) if diagnose else None
+        reads = [self._read(d, current, i) for i, d in enumerate(delays)]
+        self._load(delays, reads)
         self.optimizer.zero_grad(set_to_none=True)
         with self._tied_second_use(step, current):
             loss = self._accumulate(microbatches)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        torch._foreach_mul_(grads, 1.0 / len(microbatches))
+        self._average(len(microbatches))
         self._restore(delays, current)
+        dc_asgd_(self.params, current, reads, delayed, self.dc_lambda)
+        self.grad_error_feedback.apply(delayed)
 
         grad_norm, finite = self._clip()
         if self.lr_multiplier is not None:
@@ -183,20 +237,69 @@ class DelayedUpdateSimulator:
         lr = float(self.optimizer.param_groups[0]["lr"])
         if finite:
             self.optimizer.step()
-            self.error_feedback.apply(current, [d > 0 for d in delays])
+            self.error_feedback.apply(current, delayed)
+            self.grad_error_feedback.commit()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             update_norm = math.sqrt(grad_sq_norm([p - x for p, x in zip(self.params, current)]))
+        cosine, rel_error = self._compare(current, fresh) if fresh is not None and finite else (None, None)
         if self.max_delay:
             self.history.appendleft(current)
         tokens = sum(int(mb[:, 1:].numel()) for mb in microbatches)
-        return StepStats(loss, grad_norm, update_norm, lr, not finite, tokens)
+        return StepStats(loss, grad_norm, update_norm, lr, not finite, tokens, cosine, rel_error)
+
+    def _average(self, num_microbatches: int) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        torch._foreach_mul_(grads, 1.0 / num_microbatches)
+
+    def _fresh_update(self, step: int, microbatches: Sequence[Tensor], current: list[Tensor]) -> list[Tensor] | None:
+        """U_t(g(x_t; b_t)) through a deep copy of the optimizer (same state, lr, clipping), not applied.
+
+        Runs before the delayed forward/backward, so whatever a forward records for logging (MoE
+        router statistics) is the real step's. Weights, gradients and RNG state are left as found;
+        the real optimizer is never touched. None if the fresh gradient is not finite."""
+        shadow = deepcopy(self.optimizer, memo={id(p): p for p in self.params})
+        shadow.zero_grad(set_to_none=True)
+        cuda = sorted({p.device.index or 0 for p in self.params if p.device.type == "cuda"})
+        with torch.random.fork_rng(devices=cuda):
+            self._accumulate(microbatches)
+        self._average(len(microbatches))
+        _, finite = self._clip()
+        fresh = None
+        if finite:
+            if self.lr_multiplier is not None:
+                shadow.set_lr_multiplier(self.lr_multiplier(step))
+            shadow.step()
+            with torch.no_grad():
+                fresh = [x - p for x, p in zip(current, self.params)]
+        shadow.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, x in zip(self.params, current):
+                p.copy_(x)
+        return fresh
+
+    @torch.no_grad()
+    def _compare(self, current: list[Tensor], fresh: list[Tensor]) -> tuple[float, float]:
+        """(cosine, relative error) of the applied update x_t - x_{t+1} against `fresh`, in fp64."""
+        dot = applied_sq = fresh_sq = diff_sq = torch.zeros((), dtype=torch.float64)
+        for x, p, f in zip(current, self.params, fresh):
+            a, f = (x - p).double(), f.double()
+            dot = dot + (a * f).sum()
+            applied_sq = applied_sq + (a * a).sum()
+            fresh_sq = fresh_sq + (f * f).sum()
+            diff_sq = diff_sq + (a - f).pow(2).sum()
+        dot, applied_sq, fresh_sq, diff_sq = (float(v) for v in (dot, applied_sq, fresh_sq, diff_sq))
+        cosine = dot / math.sqrt(applied_sq * fresh_sq) if applied_sq > 0 and fresh_sq > 0 else math.nan
+        rel_error = math.sqrt(diff_sq) / math.sqrt(fresh_sq) if fresh_sq > 0 else math.nan
+        return cosine, rel_error
 
     def state_dict(self) -> dict:
-        """Everything besides model/optimizer that a resumed run needs: past versions and u_{t-1}."""
+        """Everything besides model/optimizer that a resumed run needs: past versions (num_past_versions
+        of them), u_{t-1} and, for gradient-level EF, g_{t-1}."""
         return {
             "history": [[x.clone() for x in version] for version in self.history],
             "error_feedback": self.error_feedback.state_dict(),
+            "grad_error_feedback": self.grad_error_feedback.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -204,3 +307,5 @@ class DelayedUpdateSimulator:
         for version in state["history"]:
             self.history.append([x.clone() for x in version])
         self.error_feedback.load_state_dict(state["error_feedback"])
+        if "grad_error_feedback" in state:
+            self.grad_error_feedback.load_state_dict(state["grad_error_feedback"])

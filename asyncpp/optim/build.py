@@ -1,7 +1,10 @@
-"""Build the base optimizer: Muon for hidden matrices and AdamW for the rest, behind one object.
+"""Build the base optimizer behind one object: a matrix optimizer (Muon, NorMuon, SOAP) for hidden
+matrices and AdamW for the rest, or one elementwise optimizer (AdamW, Lion, Signum, AdEMAMix, MARS)
+for everything.
 
 The split follows the Muon literature (Keller Jordan; Moonlight): Muon orthogonalises the update
 of hidden weight matrices; embeddings, the LM head and every vector/scalar parameter keep AdamW.
+NorMuon and SOAP use the same split (the asyncpp study compares them on equal terms).
 """
 
 from __future__ import annotations
@@ -20,11 +23,29 @@ except ImportError:  # pragma: no cover - older/newer torch without it
         return ["cuda", "cpu"]
 
 
+from asyncpp.optim.ademamix import AdEMAMix
+from asyncpp.optim.lion import Lion
+from asyncpp.optim.mars import MARS
 from asyncpp.optim.muon import Muon
+from asyncpp.optim.normuon import NorMuon
+from asyncpp.optim.signum import Signum
+from asyncpp.optim.soap import SOAP
 
-__all__ = ["OPTIMIZER_NAMES", "OptimizerSet", "build_optimizer", "is_muon_param", "split_params"]
+__all__ = [
+    "ELEMENTWISE_OPTIMIZERS",
+    "MATRIX_OPTIMIZERS",
+    "OPTIMIZER_NAMES",
+    "OptimizerSet",
+    "build_optimizer",
+    "is_muon_param",
+    "split_params",
+]
 
-OPTIMIZER_NAMES = ("adamw", "muon")
+#: Take split_params' hidden matrices; AdamW takes the rest (embeddings, head, norms, biases).
+MATRIX_OPTIMIZERS = ("muon", "normuon", "soap")
+#: Elementwise: one optimizer over every parameter.
+ELEMENTWISE_OPTIMIZERS = ("adamw", "lion", "signum", "ademamix", "mars")
+OPTIMIZER_NAMES = ("adamw", "muon", "normuon", "soap", "lion", "ademamix", "mars", "signum")
 NamedParams = list[tuple[str, nn.Parameter]]
 
 # Leaf names of stacked expert weights [E, m, n] in our MoE modules (SwiGLU experts).
@@ -158,22 +179,60 @@ def _adamw_kernel_flags(params: list[nn.Parameter]) -> dict[str, bool]:
     return {"fused": True} if fused_ok else {"foreach": True}
 
 
-def _build_adamw(
-    named: NamedParams, *, lr: float, weight_decay: float, betas: tuple[float, float], eps: float
-) -> torch.optim.AdamW | None:
+def _decay_groups(named: NamedParams, weight_decay: float) -> list[dict[str, Any]]:
     # Standard practice: no weight decay on 1-D params (norm gains, biases): decaying a norm gain
     # towards 0 shrinks the layer's output rather than regularising it.
     decay = [p for _, p in named if p.ndim >= 2]
     no_decay = [p for _, p in named if p.ndim < 2]
-    groups = [
+    return [
         g
         for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
         if g["params"]
     ]
+
+
+def _build_adamw(
+    named: NamedParams, *, lr: float, weight_decay: float, betas: tuple[float, float], eps: float
+) -> torch.optim.AdamW | None:
+    groups = _decay_groups(named, weight_decay)
     if not groups:
         return None
-    flags = _adamw_kernel_flags(decay + no_decay)
+    flags = _adamw_kernel_flags([p for _, p in named])
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **flags)
+
+
+def _build_elementwise(name: str, named: NamedParams, hp: dict[str, Any]) -> torch.optim.Optimizer | None:
+    """One elementwise optimizer over `named` (decay on ndim >= 2 only, as AdamW)."""
+    groups = _decay_groups(named, hp["weight_decay"])
+    if not groups:
+        return None
+    lr, betas, eps = hp["lr"], hp["betas"], hp["eps"]
+    if name == "adamw":
+        return _build_adamw(named, lr=lr, weight_decay=hp["weight_decay"], betas=betas, eps=eps)
+    if name == "lion":
+        return Lion(groups, lr=lr, betas=betas)
+    if name == "signum":
+        return Signum(groups, lr=lr, momentum=hp["momentum"])
+    if name == "ademamix":
+        return AdEMAMix(groups, lr=lr, betas=betas, beta3=hp["beta3"], alpha=hp["alpha"],
+                        warmup_steps=hp["ademamix_warmup_steps"], eps=eps)
+    if name == "mars":
+        return MARS(groups, lr=lr, betas=betas, gamma=hp["gamma"], eps=eps)
+    raise ValueError(f"optimizer.name={name!r} is not an elementwise optimizer")
+
+
+def _build_matrix(name: str, params: list[nn.Parameter], hp: dict[str, Any]) -> torch.optim.Optimizer:
+    common = {"lr": hp["lr"], "weight_decay": hp["weight_decay"]}
+    if name == "muon":
+        return Muon(params, momentum=hp["momentum"], nesterov=hp["nesterov"], ns_steps=hp["ns_steps"],
+                    adjust_lr=hp["adjust_lr"], compute_dtype=hp["muon_compute_dtype"], **common)
+    if name == "normuon":
+        return NorMuon(params, momentum=hp["momentum"], beta2=hp["betas"][1], nesterov=hp["nesterov"],
+                       eps=hp["eps"], ns_steps=hp["ns_steps"], compute_dtype=hp["muon_compute_dtype"], **common)
+    if name == "soap":
+        return SOAP(params, betas=hp["betas"], eps=hp["eps"], precondition_frequency=hp["precondition_frequency"],
+                    **common)
+    raise ValueError(f"optimizer.name={name!r} is not a matrix optimizer")
 
 
 def build_optimizer(
@@ -190,39 +249,43 @@ def build_optimizer(
     adjust_lr: str = "match_rms_adamw",
     adamw_lr: float | None = None,
     muon_compute_dtype: torch.dtype | str | None = None,
+    precondition_frequency: int = 10,
+    beta3: float = 0.9999,
+    alpha: float = 5.0,
+    ademamix_warmup_steps: int = 0,
+    gamma: float = 0.025,
 ) -> OptimizerSet:
-    """name="adamw": one AdamW over all params (lr; adamw_lr is ignored). name="muon": Muon over
-    split_params' hidden matrices (lr, adjust_lr, compute dtype muon_compute_dtype: None = the
-    params' dtype, torch.bfloat16 on GPU) and AdamW over the rest (lr = adamw_lr or lr)."""
+    """Elementwise optimizers (adamw, lion, signum, ademamix, mars) take every parameter; adamw_lr is
+    ignored. Matrix optimizers (muon, normuon, soap) take split_params' hidden matrices and AdamW takes
+    the rest (lr = adamw_lr or lr). Hyperparameters each one reads:
+    - adamw: lr, betas, eps, weight_decay
+    - lion: lr, betas (beta1 interpolation, beta2 momentum), weight_decay
+    - signum: lr, momentum, weight_decay
+    - ademamix: lr, betas, beta3 (slow EMA), alpha, ademamix_warmup_steps (alpha/beta3 warmup), eps
+    - mars: lr, betas, gamma, eps
+    - muon: lr, momentum, nesterov, ns_steps, adjust_lr, muon_compute_dtype (None = the params' dtype)
+    - normuon: lr, momentum (beta1), betas[1] (per-neuron beta2), nesterov, ns_steps, eps
+    - soap: lr, betas, eps, precondition_frequency
+    Weight decay is decoupled (x <- x * (1 - lr * wd)) and skips 1-D parameters."""
     if name not in OPTIMIZER_NAMES:
         raise ValueError(f"optimizer.name={name!r} is not one of {OPTIMIZER_NAMES}")
-    muon_named, adamw_named = split_params(model)
-    if name == "adamw":
-        all_named = muon_named + adamw_named
-        adamw = _build_adamw(all_named, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
-        return OptimizerSet({"adamw": adamw} if adamw is not None else {})
-    optimizers: dict[str, torch.optim.Optimizer] = {}
-    if muon_named:
-        optimizers["muon"] = Muon(
-            [p for _, p in muon_named],
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_steps=ns_steps,
-            adjust_lr=adjust_lr,
-            compute_dtype=muon_compute_dtype,
+    hp = {
+        "lr": lr, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps, "momentum": momentum,
+        "nesterov": nesterov, "ns_steps": ns_steps, "adjust_lr": adjust_lr, "muon_compute_dtype": muon_compute_dtype,
+        "precondition_frequency": precondition_frequency, "beta3": beta3, "alpha": alpha,
+        "ademamix_warmup_steps": ademamix_warmup_steps, "gamma": gamma,
+    }
+    matrix_named, other_named = split_params(model)
+    optimizers: dict[str, torch.optim.Optimizer | None] = {}
+    if name not in MATRIX_OPTIMIZERS:
+        optimizers[name] = _build_elementwise(name, matrix_named + other_named, hp)
+    else:
+        if matrix_named:
+            optimizers[name] = _build_matrix(name, [p for _, p in matrix_named], hp)
+        optimizers["adamw"] = _build_adamw(
+            other_named, lr=adamw_lr if adamw_lr is not None else lr, weight_decay=weight_decay, betas=betas, eps=eps
         )
-    adamw = _build_adamw(
-        adamw_named,
-        lr=adamw_lr if adamw_lr is not None else lr,
-        weight_decay=weight_decay,
-        betas=betas,
-        eps=eps,
-    )
-    if adamw is not None:
-        optimizers["adamw"] = adamw
-    return OptimizerSet(optimizers)
+    return OptimizerSet({k: v for k, v in optimizers.items() if v is not None})
 
 
 def build_from_config(model: nn.Module, cfg) -> OptimizerSet:
@@ -230,5 +293,6 @@ def build_from_config(model: nn.Module, cfg) -> OptimizerSet:
     return build_optimizer(
         model, name=cfg.name, lr=cfg.lr, adamw_lr=cfg.adamw_lr, weight_decay=cfg.weight_decay,
         betas=cfg.betas, eps=cfg.eps, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
-        adjust_lr=cfg.adjust_lr,
+        adjust_lr=cfg.adjust_lr, precondition_frequency=cfg.precondition_frequency, beta3=cfg.beta3,
+        alpha=cfg.alpha, ademamix_warmup_steps=cfg.ademamix_warmup_steps, gamma=cfg.gamma,
     )

@@ -1,8 +1,12 @@
-"""Staleness corrections that act on the optimizer's update (semantics.md, "Staleness mitigations").
+"""Staleness corrections (semantics.md, "Staleness mitigations"), each composable with any base optimizer.
 
-Written here rather than taken from a library: these corrections are the paper's contribution and no
-library implements them. They wrap any base optimizer: the base optimizer moves x_t to x_t - u_t and
-the correction adjusts the result, so Muon, AdamW, ... need no changes.
+Written here rather than taken from a library: these corrections are the paper's contribution and its
+baselines, and no library implements them for a delayed pipeline. None of them changes the optimizer:
+- ErrorFeedback acts on the update: the base optimizer moves x_t to x_t - u_t and it adjusts the result;
+- GradientErrorFeedback and dc_asgd_ act on the delayed gradient before the base optimizer sees it;
+- predict_weights changes which weights the forward/backward reads.
+Order inside one simulator step: read x_{t-d} (or its prediction) -> gradient -> DC-ASGD ->
+gradient-level EF -> clipping and the base optimizer (U_t) -> update-level EF.
 """
 
 from __future__ import annotations
@@ -55,3 +59,85 @@ class ErrorFeedback:
             )
         for dst, src in zip(self.prev_update, saved):
             dst.copy_(src)
+
+
+class GradientErrorFeedback:
+    """Gradient-level Error Feedback, the ablation that diverges (paper, App. A.10):
+
+        g~_t = g_t + lam * (g_t - g_{t-1}),   g_{-1} := 0,
+
+    applied to the delayed gradient before the base optimizer (and its clipping) sees it. g_{t-1} is
+    the previous step's gradient as computed (before this correction; after DC-ASGD when both are
+    on), one buffer per parameter. As ErrorFeedback it is refreshed on every step that takes an
+    update (synchronous ones included) and corrects only delayed parameters; a skipped (non-finite)
+    step leaves the buffer alone. lam == 0 never touches a gradient: plain delayed training, bit for bit.
+    """
+
+    def __init__(self, params: Sequence[Tensor], lam: float):
+        if lam < 0:
+            raise ValueError(f"staleness.grad_ef_lambda={lam} must be >= 0")
+        self.lam = lam
+        self.params = list(params)
+        self.prev_grad = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
+        self._pending: list[Tensor | None] | None = None
+
+    @torch.no_grad()
+    def apply(self, delayed: Sequence[bool]) -> None:
+        """Correct `params[i].grad` in place; call commit() once the step is known to be finite."""
+        if self.lam == 0.0:
+            return
+        grads = [p.grad for p in self.params]
+        self._pending = [None if g is None else g.clone() for g in grads]
+        for g, g_prev, is_delayed in zip(grads, self.prev_grad, delayed):
+            if g is not None and is_delayed:
+                g.add_(g - g_prev, alpha=self.lam)
+
+    def commit(self) -> None:
+        if self._pending is not None:
+            self.prev_grad = [prev if new is None else new for prev, new in zip(self.prev_grad, self._pending)]
+        self._pending = None
+
+    def state_dict(self) -> dict:
+        return {"lam": self.lam, "prev_grad": [g.clone() for g in self.prev_grad]}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state["prev_grad"]
+        if len(saved) != len(self.params):
+            raise ValueError(
+                f"gradient Error-Feedback state has {len(saved)} buffers but the model has {len(self.params)} "
+                "parameters; the checkpoint belongs to a different model or stage"
+            )
+        for dst, src in zip(self.prev_grad, saved):
+            dst.copy_(src)
+
+
+@torch.no_grad()
+def dc_asgd_(
+    params: Sequence[Tensor], current: Sequence[Tensor], read: Sequence[Tensor], delayed: Sequence[bool], lam: float
+) -> None:
+    """DC-ASGD Taylor compensation (Zheng et al. 2017, with their diagonal approximation of the Hessian
+    lam * g * g), in place on `params[i].grad`:
+
+        g~ = g + lam * g * g * (x_t - x_read)
+
+    x_read is the version the gradient was computed on: x_{t-d} for delay d (x_{t-1} in 2BW; for d > 1
+    the compensation spans all d steps, which is what the Taylor expansion around x_read needs), or
+    the predicted weights when weight prediction is on. Only delayed parameters; lam == 0 is a no-op.
+    """
+    if lam == 0.0:
+        return
+    for p, x, x_read, is_delayed in zip(params, current, read, delayed):
+        if p.grad is not None and is_delayed:
+            g = p.grad
+            g.add_(g * g * (x - x_read), alpha=lam)
+
+
+@torch.no_grad()
+def predict_weights(stale: Tensor, older: Tensor, delay: int) -> Tensor:
+    """SAPipe-style weight prediction: x^ = x_{t-d} + d * (x_{t-d} - x_{t-d-1}).
+
+    The newest weights a stage holds when minibatch b_t starts are x_{t-d}; the update being applied
+    meanwhile is unknown, so the last one it knows, x_{t-d} - x_{t-d-1} (everything that step applied:
+    base update, weight decay, Error Feedback), is extrapolated d steps ahead to guess x_t, the weights
+    b_t's gradient will be applied to. Versions before x_0 are x_0, so the first prediction is x_0."""
+    return torch.add(stale, stale - older, alpha=delay)

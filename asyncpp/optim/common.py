@@ -1,0 +1,40 @@
+"""Small helpers shared by the hand-written optimizers (validation, state buffers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def check_betas(name: str, betas: tuple[float, ...]) -> None:
+    for i, b in enumerate(betas):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"{name} betas[{i}]={b} must be in [0, 1)")
+
+
+def check_lr_wd(name: str, lr: float, weight_decay: float) -> None:
+    if not lr >= 0.0:
+        raise ValueError(f"{name} lr={lr} must be >= 0")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"{name} weight_decay={weight_decay} must be >= 0")
+
+
+def params_with_grad(group: dict[str, Any], name: str) -> list[Tensor]:
+    params = [p for p in group["params"] if p.grad is not None]
+    for p in params:
+        if p.grad.is_sparse:
+            raise RuntimeError(f"{name} does not support sparse gradients (shape {tuple(p.shape)})")
+    return params
+
+
+def state_buffers(optimizer: torch.optim.Optimizer, params: list[Tensor], key: str) -> list[Tensor]:
+    """state[p][key] for each p, created as zeros on first use."""
+    out = []
+    for p in params:
+        state = optimizer.state[p]
+        if key not in state:
+            state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        out.append(state[key])
+    return out
