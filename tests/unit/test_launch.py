@@ -1,0 +1,315 @@
+"""launch/: the rendered sbatch script, dry runs without slurm, the local launcher, the hydra slurm sweep
+config, and that nothing in launch/ imports torch (it runs on login nodes)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launch import local, slurm
+
+REPO = Path(__file__).resolve().parents[2]
+OVERRIDES = [
+    "model=smollm2_135m",
+    "parallel.pp=4",
+    "schedule=2bw",
+    "staleness.ef_lambda=1",
+    'logging.run_name="sync vs 2bw"',
+]
+
+
+def _job(**kw) -> slurm.SlurmJob:
+    defaults = {
+        "nodes": 4,
+        "gpus_per_node": 8,
+        "partition": "gpu",
+        "account": "proj",
+        "qos": "high",
+        "time": "12:00:00",
+        "torchrun": "/venv/bin/torchrun",
+        "workdir": "/shared/asyncpp",
+        "overrides": OVERRIDES,
+    }
+    return slurm.SlurmJob(**{**defaults, **kw})
+
+
+def _sbatch_options(script: str) -> list[str]:
+    return re.findall(r"^#SBATCH (\S+)$", script, flags=re.MULTILINE)
+
+
+def _command(script: str) -> list[str]:
+    """The srun ... torchrun ... pretrain.py ... line, joined and split into words."""
+    block = script[script.index("\nsrun ") : script.index("SRUN_PID=$!")]
+    return block.replace("\\\n", " ").split()
+
+
+def test_sbatch_for_4_nodes_x_8_gpus():
+    script = slurm.render(_job())
+    assert script.startswith("#!/bin/bash\n")
+    opts = _sbatch_options(script)
+    for expected in (
+        "--job-name=asyncpp",
+        "--nodes=4",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=8",
+        "--time=12:00:00",
+        "--partition=gpu",
+        "--account=proj",
+        "--qos=high",
+        "--exclusive",
+        "--chdir=/shared/asyncpp",
+        "--output=/shared/asyncpp/logs/slurm/%x-%j.out",
+        "--error=/shared/asyncpp/logs/slurm/%x-%j.err",
+        "--open-mode=append",
+        "--requeue",
+        "--signal=B:TERM@120",
+    ):
+        assert expected in opts, (expected, opts)
+    # every #SBATCH line precedes the first command, or sbatch ignores it
+    first_command = script.index("\nset -uo pipefail")
+    assert all(m.start() < first_command for m in re.finditer(r"^#SBATCH", script, flags=re.MULTILINE))
+
+    words = _command(script)
+    assert words[:4] == ["srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    tr = words.index("/venv/bin/torchrun")
+    entry = words.index("pretrain.py")
+    assert words[tr + 1 : entry] == [
+        "--nnodes=4",
+        "--nproc-per-node=8",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=$HEAD_NODE:29500",
+        "--rdzv-id=$SLURM_JOB_ID",
+        "--max-restarts=3",
+    ]
+    assert words[-1] == "&"
+    assert 'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
+    assert "cd /shared/asyncpp\n" in script
+
+
+def test_overrides_pass_through_quoted_with_a_stable_run_dir_and_cuda():
+    script = slurm.render(_job())
+    block = script[script.index("pretrain.py") : script.index("SRUN_PID=$!")]
+    for o in OVERRIDES[:-1]:
+        assert f"    {o} \\\n" in block
+    assert "'logging.run_name=\"sync vs 2bw\"'" in block  # one shell word, quotes kept for hydra
+    assert '"hydra.run.dir=$RUN_DIR"' in block  # expanded by bash: the run dir survives a requeue
+    assert "RUN_DIR=outputs/slurm/${SLURM_JOB_NAME}-${SLURM_JOB_ID}" in script
+    assert "train.device=cuda" in block
+    assert "train.device=cuda" not in slurm.render(_job(overrides=["train.device=cpu"]))
+    cpu = slurm.render(_job(gpus_per_node=0, nproc_per_node=4, overrides=[]))
+    assert "--gpus-per-node" not in cpu and "train.device" not in cpu and "--nproc-per-node=4" in cpu
+
+
+def test_environment_and_preemption_handling():
+    script = slurm.render(_job(env=["NCCL_SOCKET_IFNAME=ib0"], extra_sbatch=["--constraint=h100"]))
+    for line in (
+        "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+        "export NCCL_ASYNC_ERROR_HANDLING=1",
+        "export NCCL_DEBUG=${NCCL_DEBUG:-WARN}",
+        "export NCCL_SOCKET_IFNAME=ib0",
+        "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=100",
+        "#SBATCH --constraint=h100",
+        "trap on_term TERM",
+        'kill -TERM "$SRUN_PID"',
+        'scontrol requeue "$SLURM_JOB_ID"',
+    ):
+        assert line in script, line
+    assert re.search(r"^export OMP_NUM_THREADS=", script, flags=re.MULTILINE)
+    no_requeue = slurm.render(_job(requeue=False))
+    assert "#SBATCH --no-requeue" in no_requeue and "scontrol requeue" not in no_requeue
+
+
+def test_rendered_script_is_valid_bash():
+    for job in (_job(), _job(gpus_per_node=0, nproc_per_node=2, requeue=False, cpus_per_task=8, mem="0")):
+        subprocess.run(["bash", "-n"], input=slurm.render(job), text=True, check=True)
+
+
+def _fake_bin(tmp_path: Path) -> Path:
+    """srun runs its command, scontrol answers and records, torchrun records its args and its SIGTERM."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "srun": 'while [[ "$1" == --* ]]; do shift; done\nexec "$@"\n',
+        "scontrol": 'if [[ "$1" == show ]]; then echo node-a; echo node-b; else echo "$@" >> "$LOG"; fi\n',
+        "torchrun": 'printf "%s\\n" "$@" > "$ARGS"\ntrap \'echo TERM >> "$LOG"; exit 0\' TERM\n'
+        "while true; do sleep 0.05; done\n",
+    }
+    for name, body in scripts.items():
+        path = bin_dir / name
+        path.write_text("#!/bin/bash\n" + body)
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return bin_dir
+
+
+def test_script_runs_forwards_sigterm_and_requeues(tmp_path):
+    """Execute the rendered script with fake srun/scontrol/torchrun: words reach torchrun intact, SIGTERM
+    to the batch shell reaches the ranks, then the job requeues itself."""
+    bin_dir = _fake_bin(tmp_path)
+    job = _job(torchrun=str(bin_dir / "torchrun"), workdir=str(tmp_path))
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "node-[a-b]",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "asyncpp",
+        "SLURM_CPUS_ON_NODE": "64",
+        "LOG": str(tmp_path / "log"),
+        "ARGS": str(tmp_path / "args"),
+    }
+    proc = subprocess.Popen(
+        ["bash", "-c", slurm.render(job)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "args").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=10)
+    args = (tmp_path / "args").read_text().splitlines()
+    assert "--rdzv-endpoint=node-a:29500" in args and "--rdzv-id=4242" in args
+    assert args[args.index("pretrain.py") + 1 :] == [
+        "hydra.run.dir=outputs/slurm/asyncpp-4242",
+        *OVERRIDES,
+        "train.device=cuda",
+    ]
+    assert (tmp_path / "log").read_text().splitlines() == ["TERM", "requeue 4242"], out
+    assert proc.returncode == 143, out
+
+
+def test_dry_run_prints_script_and_command_and_never_calls_sbatch(monkeypatch, capsys, tmp_path):
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError("a dry run must not run anything")
+
+    monkeypatch.setattr(subprocess, "run", no_subprocess)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no slurm here
+    rc = slurm.main(
+        [
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "8",
+            "--workdir",
+            str(tmp_path),
+            "--dry-run",
+            "--",
+            "parallel.pp=4",
+            "schedule=2bw",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "#SBATCH --nodes=2" in out and "parallel.pp=4 \\\n" in out
+    assert re.search(
+        r"would write logs/slurm/asyncpp-\d{8}-\d{6}\.sbatch and run .*: sbatch --parsable logs/slurm/", out
+    )
+    assert not (tmp_path / "logs").exists()
+
+
+def test_submit_writes_script_and_calls_sbatch(monkeypatch, capsys, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/sbatch-args\necho "777;cluster"\n')
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    rc = slurm.main(
+        ["--nodes", "1", "--gpus-per-node", "8", "--workdir", str(tmp_path), "--", "train.steps=10"]
+    )
+    assert rc == 0 and "submitted job 777" in capsys.readouterr().out
+    args = (tmp_path / "sbatch-args").read_text().split()
+    assert args[0] == "--parsable" and args[1].startswith("logs/slurm/asyncpp-")
+    assert "train.steps=10" in (tmp_path / args[1]).read_text()
+
+
+def test_missing_sbatch_is_a_clear_error(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert slurm.main(["--nodes", "1", "--gpus-per-node", "8", "--workdir", str(tmp_path)]) == 1
+    assert "sbatch is not on PATH" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nodes", "0", "--gpus-per-node", "8"], "--nodes=0 must be >= 1"),
+        (["--nodes", "1", "--gpus-per-node", "8", "--time", "soon"], "--time='soon'"),
+        (["--nodes", "1", "--gpus-per-node", "8", "--env", "NOVALUE"], "KEY=VALUE"),
+        (["--nodes", "1", "--gpus-per-node", "8", "--log-dir", "my logs"], "whitespace"),
+    ],
+)
+def test_bad_launcher_options_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        slurm.main([*argv, "--dry-run"])
+    assert message in capsys.readouterr().err
+
+
+def test_local_launcher_command_and_dry_run(capsys):
+    cmd = local.command(2, ["parallel.pp=2", "schedule=2bw"], torchrun="torchrun")
+    assert cmd == [
+        "torchrun",
+        "--standalone",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--max-restarts=0",
+        "pretrain.py",
+        "parallel.pp=2",
+        "schedule=2bw",
+    ]
+    assert local.command(8, [], gpus=True, torchrun="torchrun")[-1] == "train.device=cuda"
+    assert (
+        local.main(["--nproc-per-node", "4", "--max-restarts", "2", "--dry-run", "--", "parallel.pp=4"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "--nproc-per-node=4 --max-restarts=2 pretrain.py parallel.pp=4" in out and out.startswith("cd ")
+
+
+def test_launch_imports_no_torch():
+    code = (
+        "import sys, launch, launch.slurm, launch.local, launch.torchrun; "
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_slurm_sweep_config_composes_for_every_arm():
+    """`python pretrain.py -m +experiment=sync_vs_async hydra/launcher=slurm`: the launcher is submitit's
+    slurm one, the sweep has three arms, and every arm's job config validates."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import pretrain
+
+    base = ["+experiment=sync_vs_async", "hydra/launcher=slurm"]
+    with initialize_config_dir(config_dir=str(pretrain.CONFIG_DIR), version_base="1.3"):
+        cfg = compose("pretrain", overrides=base, return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (1, 1, 1)
+    assert launcher.timeout_min > 0 and launcher.max_num_timeout > 0 and "partition" in launcher
+    arms = cfg.hydra.sweeper.params["+experiment/arm"].split(",")
+    assert arms == ["sync", "2bw", "2bw_ef"]
+
+    from hydra.utils import instantiate
+
+    assert type(instantiate(launcher)).__name__ == "SlurmLauncher"  # the plugin accepts every parameter
+
+    seen = {}
+    for arm in arms:
+        run_cfg, model_cfg = pretrain.resolve(pretrain.compose([*base, f"+experiment/arm={arm}"]))
+        seen[arm] = (run_cfg.schedule.name, run_cfg.staleness.ef_lambda)
+        assert model_cfg.name == "smollm2_135m" and run_cfg.train.device == "cuda"
+    assert seen == {"sync": ("sync", 0.0), "2bw": ("2bw", 0.0), "2bw_ef": ("2bw", 1.0)}
+    assert OmegaConf.select(cfg, "hydra.sweep.dir").startswith("multirun/sync_vs_async/")
