@@ -24,13 +24,16 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from asyncpp.config import ConfigError, RunConfig
+from asyncpp.config import ConfigError, RunConfig, simulator_only_options
 from asyncpp.metrics import MetricsLogger
 from asyncpp.optim import build_from_config
+from asyncpp.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
+from asyncpp.preemption import StopFlag
 from asyncpp.trainer import Trainer
 from model_zoo import ModelConfig, build_model, count_parameters, get_model_config
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+STOP = StopFlag()  # set by SIGTERM (slurm preemption); the loops checkpoint and stop at a step boundary
 
 
 def resolve(container: dict) -> tuple[RunConfig, ModelConfig]:
@@ -57,16 +60,27 @@ def compose(overrides: list[str] | None = None) -> dict:
 
 
 def build_data(cfg: RunConfig, model_cfg: ModelConfig):
-    from data.source import DefaultDataSource
+    """The DataSource of data.name: the embedded corpus (built into .bin/.idx on first use) or indexed
+    prefixes, both read through megatron-core's GPTDataset. Datasets are built lazily, on first read."""
+    from asyncpp.config import parse_blend
+    from data.default import default_cache_dir, default_prefix
+    from data.indexed import IndexedDataError
+    from data.source import IndexedDataSource
 
-    source = DefaultDataSource(
-        seq_len=cfg.train.seq_len,
-        micro_batch_size=cfg.train.micro_batch_size,
-        seed=cfg.seed,
-        eval_batches=cfg.train.eval_batches,
-        val_fraction=cfg.data.val_fraction,
-        cache_dir=cfg.data.cache_dir,
-    )
+    d, t = cfg.data, cfg.train
+    cache_dir = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
+    try:
+        if d.name == "default":
+            prefixes, weights = [str(default_prefix(cache_dir))], None
+        else:
+            prefixes, weights = parse_blend(d.blend)
+        source = IndexedDataSource(
+            prefixes, weights, tokenizer=d.tokenizer, split=d.split, seq_len=t.seq_len,
+            micro_batch_size=t.micro_batch_size, seed=cfg.seed,
+            train_samples=t.steps * t.num_microbatches * (cfg.parallel.dp or 1) * t.micro_batch_size,
+            eval_samples=t.eval_batches * t.micro_batch_size if t.eval_every else 0, cache_dir=cache_dir)
+    except (IndexedDataError, FileNotFoundError, ValueError) as e:  # bad files, tokenizer or blend: say which
+        raise ConfigError(f"data.name={d.name}: {e}") from None
     if source.vocab_size > model_cfg.vocab_size:
         raise ConfigError(
             f"the tokenizer of data.name={cfg.data.name} has {source.vocab_size} tokens but model "
@@ -87,7 +101,9 @@ def run(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
     (Path(cfg.out_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     summary = {}
     try:
-        summary = Trainer(cfg, model, optimizer, data, metrics).run()
+        trainer = Trainer(cfg, model, optimizer, data, metrics, stop=STOP)
+        trainer.resume()
+        summary = trainer.run()
     finally:
         metrics.close(summary)
     metrics.message("summary: " + json.dumps(summary))
@@ -124,6 +140,12 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
     from asyncpp.pipeline import PipelineRun
 
     p = cfg.parallel
+    unsupported = simulator_only_options(cfg.staleness)
+    if unsupported:
+        raise ConfigError(
+            f"{', '.join(unsupported)}: these corrections exist only in the single-process simulator; run "
+            "`python pretrain.py ...` without torchrun, or turn them off"
+        )
     dims = ParallelDims.for_world(int(os.environ["WORLD_SIZE"]), pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
     cfg = cfg.replace(parallel=dataclasses.replace(p, dp=dims.dp))  # the resolved layout is what gets saved
     # N ranks share the machine's cores; oversubscribed OpenMP threads spin instead of working.
@@ -144,7 +166,9 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
         torch.manual_seed(cfg.seed)
         model = build_model(model_cfg, device=device)
         metrics = make_metrics(cfg, model_cfg) if mesh.is_writer else None
-        run = PipelineRun(cfg, model, mesh, data, lambda m: build_from_config(m, cfg.optimizer))
+        run = PipelineRun(cfg, model, mesh, data, lambda m: build_from_config(m, cfg.optimizer), stop=STOP)
+        if run.resume() and metrics is not None:
+            metrics.message(f"resumed at step {run.start_step}")
         summary = {}
         try:
             summary = run.run(metrics)
@@ -154,12 +178,15 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
                 (Path(cfg.out_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
                 metrics.close(summary)
                 metrics.message("summary: " + json.dumps(summary))
+        # No rank tears its process group down while a peer may still talk to it (gloo aborts the
+        # process with "terminate called without an active exception" otherwise).
+        dist.barrier()
         return summary
     finally:
         dist.destroy_process_group()
 
 
-@hydra.main(config_path="configs", config_name="pretrain", version_base="1.3")
+@hydra.main(config_path=str(CONFIG_DIR), config_name="pretrain", version_base="1.3")
 def main(dcfg: DictConfig) -> float:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
@@ -168,6 +195,8 @@ def main(dcfg: DictConfig) -> float:
     except ConfigError as e:  # raised before any model or process group exists
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+    if summary.get("stopped_at") is not None:
+        sys.exit(PREEMPTED_EXIT_CODE)  # checkpointed; let the scheduler requeue the job
     return float(summary.get("final_val_loss", float("nan")))  # the value hydra sweepers optimize
 
 
@@ -180,4 +209,5 @@ def _quiet_hydra_on_other_ranks() -> None:
 
 if __name__ == "__main__":
     _quiet_hydra_on_other_ranks()
+    STOP.install()
     main()

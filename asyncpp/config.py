@@ -8,7 +8,11 @@ rules. Every error names the field, the value and the fix. Library code never se
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Optional, Protocol
 
 from asyncpp.typed import ConfigError, from_dict, to_dict
@@ -77,7 +81,8 @@ class LRScheduleConfig:
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    name: Literal["adamw", "muon"] = "muon"
+    name: Literal["adamw", "muon", "normuon", "soap", "lion", "ademamix", "mars", "signum"] = "muon"
+    """muon/normuon/soap take the hidden matrices (AdamW the rest); the others take every parameter."""
     lr: float = 0.01
     adamw_lr: Optional[float] = None
     """LR of the AdamW part of Muon runs (embeddings, head, norms); None = same as lr."""
@@ -88,6 +93,16 @@ class OptimizerConfig:
     nesterov: bool = True
     ns_steps: int = 5
     adjust_lr: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
+    precondition_frequency: int = 10
+    """SOAP: refresh the eigenbasis of the Shampoo statistics every this many steps (the paper's f)."""
+    beta3: float = 0.9999
+    """AdEMAMix: coefficient of the slow gradient EMA."""
+    alpha: float = 5.0
+    """AdEMAMix: weight of the slow EMA in the update's numerator."""
+    ademamix_warmup_steps: int = 0
+    """AdEMAMix: steps over which alpha and beta3 warm up (the paper: the whole run); 0 = no warmup."""
+    gamma: float = 0.025
+    """MARS: scale of the variance-reduction term gamma * beta1 / (1 - beta1) * (g_t - g_{t-1})."""
     schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
 
 
@@ -102,14 +117,57 @@ class StalenessConfig:
     """Update-level Error Feedback coefficient; 0 turns it off (bit-identical to plain delay)."""
     sync_start_steps: int = 0
     sync_cooldown_steps: int = 0
+    grad_ef_lambda: float = 0.0
+    """Gradient-level Error Feedback (the ablation that diverges): the base optimizer sees
+    g_t + lambda * (g_t - g_{t-1}); 0 turns it off. Simulator only."""
+    dc_lambda: float = 0.0
+    """DC-ASGD Taylor compensation: the base optimizer sees g + dc_lambda * g * g * (x_t - x_{t-d});
+    0 turns it off. Simulator only."""
+    weight_prediction: bool = False
+    """SAPipe-style weight prediction: forward/backward on x_{t-d} + d * (x_{t-d} - x_{t-d-1}) instead
+    of x_{t-d}. Simulator only."""
+    diagnostics_every: int = 0
+    """Every K steps also compute the fresh (non-delayed) update and log update_cosine and
+    update_rel_error; 0 turns it off. Simulator only."""
+
+
+#: StalenessConfig fields the single-process simulator implements and the pipeline runtime does not.
+SIMULATOR_ONLY_STALENESS = ("grad_ef_lambda", "dc_lambda", "weight_prediction", "diagnostics_every")
+
+
+def simulator_only_options(staleness: StalenessConfig) -> list[str]:
+    """'field=value' for each simulator-only staleness option that is on (a pipeline run must refuse them)."""
+    return [f"staleness.{n}={getattr(staleness, n)}" for n in SIMULATOR_ONLY_STALENESS if getattr(staleness, n)]
 
 
 @dataclass(kw_only=True)
 class DataConfig:
-    name: Literal["default"] = "default"
-    """'default' is the embedded CPython-docs corpus (no network needed)."""
-    val_fraction: float = 0.02
+    name: Literal["default", "indexed"] = "default"
+    """'default': the embedded CPython-docs corpus, built into Megatron's indexed format on first use (no
+    network). 'indexed': the .bin/.idx prefixes of `blend` (from `python -m data.preprocess` or Megatron-LM)."""
+    blend: tuple[str, ...] = ()
+    """name=indexed: entries "WEIGHT PREFIX" (e.g. "0.7 /data/fineweb_text_document"), or bare "PREFIX"es,
+    then weighted by their token counts. A prefix is the path without .bin/.idx. docs/data.md has more."""
+    split: str = "98,2,0"
+    """Shares of each prefix's documents for train,valid,test (Megatron's split: contiguous ranges)."""
+    tokenizer: Optional[str] = None
+    """name=indexed: the tokenizer the prefixes were made with (tokenizer.json or hub name); None = the one
+    recorded in <prefix>.json by data.preprocess. Its vocabulary is checked against the model's."""
     cache_dir: Optional[str] = None
+    """Dataset index caches and the default corpus' .bin/.idx; None = $ASYNCPP_CACHE or ~/.cache/asyncpp."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Where step_* checkpoints go; None = <out_dir>/checkpoints."""
+    every: int = 0
+    """Save every N steps (and at the end of the run); 0 = only at the end."""
+    keep_last: int = 3
+    resume: str = "auto"
+    """'auto' = the newest complete checkpoint in `dir` if there is one, 'none', or a step_* path."""
+    enabled: bool = True
+    """Write checkpoints (resuming is governed by `resume` alone)."""
 
 
 @dataclass(kw_only=True)
@@ -131,6 +189,7 @@ class RunConfig:
     staleness: StalenessConfig = field(default_factory=StalenessConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 1234
     out_dir: str = "outputs/run"
 
@@ -146,9 +205,42 @@ class RunConfig:
 
     def validate(self, model: ModelLimits) -> "RunConfig":
         """Cross-field checks. Raises ConfigError naming the field, the value and the fix."""
-        for check in (_check_train, _check_parallel, _check_optimizer, _check_staleness, _check_logging):
+        for check in (_check_finite, _check_run, _check_train, _check_parallel, _check_tp_ep, _check_optimizer,
+                      _check_staleness, _check_data, _check_logging, _check_checkpoint):
             check(self, model)
         return self
+
+
+def _check_finite(cfg: RunConfig, model: ModelLimits) -> None:
+    """nan passes every range check below (nan < 0 is False) and inf most of them, so refuse both first."""
+    for path, value, default in _float_fields(cfg):
+        if not math.isfinite(value):
+            raise ConfigError(f"{path}={value} must be a finite number; e.g. the default {path}={default}")
+
+
+def _float_fields(obj: object, prefix: str = "") -> Iterator[tuple[str, float, object]]:
+    """(dotted path, value, default) of every float in a config dataclass, tuple entries included."""
+    for f in dataclasses.fields(obj):
+        value, path = getattr(obj, f.name), prefix + f.name
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(value):
+            yield from _float_fields(value, path + ".")
+        elif isinstance(value, float):
+            yield path, value, default
+        elif isinstance(value, tuple):
+            defaults = default if isinstance(default, tuple) and len(default) == len(value) else [None] * len(value)
+            for i, (v, d) in enumerate(zip(value, defaults)):
+                if isinstance(v, float):
+                    yield f"{path}[{i}]", v, d
+
+
+def _check_run(cfg: RunConfig, model: ModelLimits) -> None:
+    if cfg.seed < 0:
+        raise ConfigError(f"seed={cfg.seed} must be >= 0 (the data order is seeded by numpy's SeedSequence); "
+                          "e.g. seed=1234")
+    if not cfg.out_dir.strip():
+        raise ConfigError(f"out_dir={cfg.out_dir!r} is empty; give a directory, or leave the default "
+                          "(hydra's run directory)")
 
 
 def _positive(path: str, value: float, fix: str = "") -> None:
@@ -175,6 +267,14 @@ def _check_train(cfg: RunConfig, model: ModelLimits) -> None:
         raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     if t.eval_every < 0:
         raise ConfigError(f"train.eval_every={t.eval_every} must be >= 0 (0 disables evaluation)")
+    if not _DEVICE.fullmatch(t.device):
+        raise ConfigError(
+            f"train.device={t.device!r} is not a device this runtime runs on; use train.device=cpu or "
+            "train.device=cuda (under torchrun each rank takes cuda:LOCAL_RANK)"
+        )
+
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def _check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
@@ -205,12 +305,40 @@ def _check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
             f"model '{model.name}' has {model.num_layers} layers, which parallel.pp={p.pp} stages cannot share "
             f"evenly; give an explicit split, e.g. parallel.stage_layers={_example_split(model.num_layers, p.pp)}"
         )
-    if cfg.schedule.name in ("2bw", "pipedream", "1f1b") and m < p.pp:
+    # 1F1B and PipeDream run any m (1F1B flushes every step; PipeDream stashes P-s versions); 2BW's
+    # two versions cover the microbatches in flight only when m >= P.
+    if cfg.schedule.name == "2bw" and m < p.pp:
         raise ConfigError(
             f"schedule={cfg.schedule.name} needs train.num_microbatches >= parallel.pp, got "
             f"train.num_microbatches={m} < parallel.pp={p.pp}: 2BW keeps only two weight versions, which "
             f"covers the in-flight microbatches only when m >= P; raise train.num_microbatches to {p.pp}"
         )
+
+
+def _check_tp_ep(cfg: RunConfig, model: ModelLimits) -> None:
+    """Megatron's divisibility rules: a TP rank holds whole query heads and whole KV groups, an EP rank
+    whole experts. Read with getattr: ModelLimits only promises what every caller can provide."""
+    p = cfg.parallel
+    heads = {k: getattr(model, k, None) for k in ("num_heads", "num_kv_heads")}
+    for key, n in heads.items():
+        if n is not None and n % p.tp:
+            common = math.gcd(*(v for v in heads.values() if v is not None))
+            raise ConfigError(
+                f"parallel.tp={p.tp} does not divide model.{key}={n} of model '{model.name}' (each tensor-parallel "
+                f"rank holds whole heads); choose parallel.tp in {_divisors(common)}"
+            )
+    moe = getattr(model, "moe", None)
+    if p.ep > 1 and moe is None:
+        raise ConfigError(f"parallel.ep={p.ep} but model '{model.name}' has no experts; set parallel.ep=1")
+    if moe is not None and moe.num_experts % p.ep:
+        raise ConfigError(
+            f"parallel.ep={p.ep} does not divide the {moe.num_experts} experts of model '{model.name}'; "
+            f"choose parallel.ep in {_divisors(moe.num_experts)}"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _example_split(num_layers: int, pp: int) -> list[int]:
@@ -226,12 +354,16 @@ def _check_optimizer(cfg: RunConfig, model: ModelLimits) -> None:
         raise ConfigError(f"optimizer.adamw_lr={o.adamw_lr} must be > 0 (or null to reuse optimizer.lr)")
     if o.weight_decay < 0:
         raise ConfigError(f"optimizer.weight_decay={o.weight_decay} must be >= 0")
+    if o.eps <= 0:
+        raise ConfigError(f"optimizer.eps={o.eps} must be > 0 (it keeps AdamW's denominator away from 0); "
+                          "e.g. optimizer.eps=1e-8")
     for i, b in enumerate(o.betas):
         if not 0.0 <= b < 1.0:
             raise ConfigError(f"optimizer.betas[{i}]={b} must be in [0, 1)")
     if not 0.0 <= o.momentum < 1.0:
         raise ConfigError(f"optimizer.momentum={o.momentum} must be in [0, 1)")
     _positive("optimizer.ns_steps", o.ns_steps)
+    _check_optimizer_extras(o)
     s = o.schedule
     if not 0 <= s.warmup_steps <= cfg.train.steps:
         raise ConfigError(
@@ -243,12 +375,33 @@ def _check_optimizer(cfg: RunConfig, model: ModelLimits) -> None:
         raise ConfigError(f"optimizer.schedule.decay_fraction={s.decay_fraction} must be in (0, 1]")
 
 
+def _check_optimizer_extras(o: OptimizerConfig) -> None:
+    """The fields only some optimizers read (SOAP, AdEMAMix, MARS)."""
+    _positive("optimizer.precondition_frequency", o.precondition_frequency, "SOAP refreshes its eigenbasis every "
+              "this many steps; the paper uses optimizer.precondition_frequency=10")
+    if not 0.0 <= o.beta3 < 1.0:
+        raise ConfigError(f"optimizer.beta3={o.beta3} must be in [0, 1) (AdEMAMix's slow EMA; e.g. optimizer.beta3=0.999)")
+    if o.alpha < 0:
+        raise ConfigError(f"optimizer.alpha={o.alpha} must be >= 0 (AdEMAMix's slow-EMA weight; e.g. optimizer.alpha=5)")
+    if o.ademamix_warmup_steps < 0:
+        raise ConfigError(
+            f"optimizer.ademamix_warmup_steps={o.ademamix_warmup_steps} must be >= 0 (0 = no alpha/beta3 warmup; "
+            "the paper warms up over the whole run, optimizer.ademamix_warmup_steps=${train.steps})"
+        )
+    if not 0.0 <= o.gamma <= 1.0:
+        raise ConfigError(f"optimizer.gamma={o.gamma} must be in [0, 1] (MARS's variance-reduction scale; "
+                          "the paper uses optimizer.gamma=0.025)")
+
+
 def _check_staleness(cfg: RunConfig, model: ModelLimits) -> None:
     s, sched = cfg.staleness, cfg.schedule.name
     if s.ef_lambda < 0:
         raise ConfigError(
             f"staleness.ef_lambda={s.ef_lambda} must be >= 0 (0 turns Error Feedback off; the paper uses 1)"
         )
+    for name in ("grad_ef_lambda", "dc_lambda", "diagnostics_every"):
+        if getattr(s, name) < 0:
+            raise ConfigError(f"staleness.{name}={getattr(s, name)} must be >= 0 (0 turns it off)")
     for name in ("sync_start_steps", "sync_cooldown_steps"):
         if getattr(s, name) < 0:
             raise ConfigError(f"staleness.{name}={getattr(s, name)} must be >= 0")
@@ -257,20 +410,122 @@ def _check_staleness(cfg: RunConfig, model: ModelLimits) -> None:
             f"staleness.sync_start_steps={s.sync_start_steps} + staleness.sync_cooldown_steps="
             f"{s.sync_cooldown_steps} exceed train.steps={cfg.train.steps}; shorten them"
         )
-    delayed_only = s.ef_lambda > 0 or s.sync_start_steps > 0 or s.sync_cooldown_steps > 0
-    if sched in SYNC_SCHEDULES and delayed_only:
+    delayed_only = ("ef_lambda", "sync_start_steps", "sync_cooldown_steps", "grad_ef_lambda", "dc_lambda",
+                    "weight_prediction")
+    on = [f"{n}={getattr(s, n)}" for n in delayed_only if getattr(s, n)]
+    if sched in SYNC_SCHEDULES and on:
         raise ConfigError(
-            f"staleness options (ef_lambda={s.ef_lambda}, sync_start_steps={s.sync_start_steps}, "
-            f"sync_cooldown_steps={s.sync_cooldown_steps}) only apply to delayed schedules, but "
-            f"schedule={sched}; use schedule=2bw or schedule=pipedream, or set them to 0"
+            f"staleness options ({', '.join(on)}) only apply to delayed schedules, but "
+            f"schedule={sched}; use schedule=2bw or schedule=pipedream, or set them to 0 (false for weight_prediction)"
         )
 
 
+def _check_checkpoint(cfg: RunConfig, model: ModelLimits) -> None:
+    c = cfg.checkpoint
+    if c.every < 0:
+        raise ConfigError(f"checkpoint.every={c.every} must be >= 0 (0 = only at the end)")
+    if c.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last={c.keep_last} must be >= 1")
+    if c.resume not in ("auto", "none") and not c.resume.rstrip("/").split("/")[-1].startswith("step_"):
+        raise ConfigError(
+            f"checkpoint.resume={c.resume!r} must be 'auto', 'none' or a path to a step_* checkpoint directory"
+        )
+
+
+def _check_data(cfg: RunConfig, model: ModelLimits) -> None:
+    d = cfg.data
+    shares = parse_split(d.split)
+    if cfg.train.eval_every and shares[1] == 0:
+        raise ConfigError(f"data.split={d.split!r} holds out no validation data but train.eval_every="
+                          f"{cfg.train.eval_every}; give validation a share, e.g. data.split='98,2,0', or set "
+                          "train.eval_every=0")
+    if d.name == "default":
+        if d.blend:
+            raise ConfigError(f"data.blend={list(d.blend)} applies to data.name=indexed (the default corpus is "
+                              "built in); set data.name=indexed or drop data.blend")
+        if d.tokenizer is not None:
+            raise ConfigError(f"data.tokenizer={d.tokenizer!r} applies to data.name=indexed (the default corpus "
+                              "ships its own tokenizer); set data.name=indexed or drop data.tokenizer")
+        return
+    prefixes, _ = parse_blend(d.blend)
+    for i, prefix in enumerate(prefixes):
+        for suffix in (".bin", ".idx"):
+            if prefix.endswith(suffix):
+                raise ConfigError(f"data.blend[{i}]={d.blend[i]!r} names a file; a prefix is the path without "
+                                  f"{suffix}: {prefix[: -len(suffix)]}")
+        missing = [s for s in (".idx", ".bin") if not Path(prefix + s).is_file()]
+        if missing:
+            raise ConfigError(f"data.blend[{i}]={d.blend[i]!r}: {prefix}{' and '.join(missing)} not found; make "
+                              f"the prefix with `python -m data.preprocess ... --output-prefix {prefix}` "
+                              "(docs/data.md), or fix the path")
+
+
+_SPLIT = re.compile(r"\s*\d+(\.\d*)?(\s*,\s*\d+(\.\d*)?){0,2}\s*")
+
+
+def parse_split(split: str) -> tuple[float, float, float]:
+    """'98,2,0' -> normalized (train, valid, test) shares, as megatron-core reads it (missing parts = 0)."""
+    if not _SPLIT.fullmatch(split):
+        raise ConfigError(f"data.split={split!r} must be up to three comma-separated non-negative shares "
+                          "train,valid,test; e.g. data.split='98,2,0'")
+    parts = [float(x) for x in split.split(",")] + [0.0, 0.0]
+    total = sum(parts[:3])
+    if parts[0] <= 0:
+        raise ConfigError(f"data.split={split!r} gives training no documents; e.g. data.split='98,2,0'")
+    return parts[0] / total, parts[1] / total, parts[2] / total
+
+
+def parse_blend(blend: tuple[str, ...] | list[str]) -> tuple[list[str], list[float] | None]:
+    """["0.7 /a", "0.3 /b"] -> (["/a", "/b"], [0.7, 0.3]); ["/a", "/b"] -> (["/a", "/b"], None)."""
+    if not blend:
+        raise ConfigError("data.blend is empty, but data.name=indexed reads its prefixes; e.g. "
+                          "data.blend=[/data/fineweb_edu/smollm2_text_document] (docs/data.md)")
+    prefixes, weights = [], []
+    example = "e.g. data.blend=['0.7 /data/a_text_document','0.3 /data/b_text_document']"
+    for i, entry in enumerate(blend):
+        fields = entry.split()
+        if len(fields) == 1 and _is_number(fields[0]):
+            raise ConfigError(f"data.blend[{i}]={entry!r} is a weight without a prefix; put both in one entry "
+                              f"('WEIGHT PREFIX', not Megatron's flat list), {example}")
+        if len(fields) not in (1, 2):
+            raise ConfigError(f"data.blend[{i}]={entry!r} must be 'WEIGHT PREFIX' or 'PREFIX' (prefixes with spaces "
+                              f"are not supported), {example}")
+        if len(fields) == 2:
+            if not _is_number(fields[0]):
+                raise ConfigError(f"data.blend[{i}]={entry!r}: the weight {fields[0]!r} does not parse as a number; "
+                                  f"write 'WEIGHT PREFIX', {example}")
+            w = float(fields[0])
+            if not (math.isfinite(w) and w > 0):
+                raise ConfigError(f"data.blend[{i}]={entry!r}: the weight {fields[0]} must be a finite number > 0")
+            weights.append(w)
+        prefixes.append(fields[-1])
+    if weights and len(weights) != len(prefixes):
+        raise ConfigError(f"data.blend={list(blend)} mixes weighted and bare entries; give every entry a weight, "
+                          f"or none (then prefixes are weighted by their tokens), {example}")
+    return prefixes, weights or None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _check_logging(cfg: RunConfig, model: ModelLimits) -> None:
-    _positive("logging.log_every", cfg.logging.log_every)
+    lg = cfg.logging
+    _positive("logging.log_every", lg.log_every)
+    if lg.wandb_mode != "disabled" and not lg.wandb_project.strip():
+        raise ConfigError(f"logging.wandb_project={lg.wandb_project!r} is empty with logging.wandb_mode="
+                          f"{lg.wandb_mode}; name a project, e.g. logging.wandb_project=asyncpp, "
+                          "or use logging=disabled")
 
 
 __all__ = [
+    "SIMULATOR_ONLY_STALENESS",
+    "SYNC_SCHEDULES",
+    "CheckpointConfig",
     "ConfigError",
     "DataConfig",
     "LRScheduleConfig",
@@ -280,8 +535,8 @@ __all__ = [
     "OptimizerConfig",
     "ParallelConfig",
     "RunConfig",
-    "SYNC_SCHEDULES",
     "ScheduleConfig",
     "StalenessConfig",
     "TrainConfig",
+    "simulator_only_options",
 ]

@@ -97,6 +97,8 @@ class Mesh:
         """
         if self.dims.pp == 1:
             return None
+        if self.dims.pp == 2:  # first and last stage are the whole pipeline: its group already exists
+            return self.pp_group
         mine = None
         for dp_rank in range(self.dims.dp):
             for tp_rank in range(self.dims.tp):

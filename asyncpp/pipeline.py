@@ -19,11 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from asyncpp import checkpoint as ckpt
 from asyncpp.config import SYNC_SCHEDULES, RunConfig
 from asyncpp.engine import StageEngine, StepRecord
 from asyncpp.mesh import Mesh
 from asyncpp.metrics import MetricsLogger
 from asyncpp.optim.lr_schedule import lr_multiplier
+from asyncpp.preemption import StopFlag
 from asyncpp.p2p import StageComm
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
@@ -31,7 +33,7 @@ from asyncpp.simulate import cross_entropy
 from asyncpp.semantics import is_sync_step, stage_delay, step_delay
 from asyncpp.timeline import plot_gantt, write_chrome_trace
 from asyncpp.stage import StageSpec, prune_to_stage, stage_forward, tied_parameters
-from asyncpp.trainer import DataSource
+from asyncpp.trainer import DataSource, TrainingAborted
 from asyncpp.weights import WeightVersions
 
 
@@ -56,16 +58,23 @@ def segment_actions(kind: str, stage: int, P: int, m: int, delays: Sequence[int]
     return out
 
 
-def segment_bounds(total_steps: int, eval_every: int) -> list[tuple[int, int]]:
-    """Drain points: after every eval step and at the end."""
-    cuts = sorted({t for t in range(eval_every, total_steps, eval_every)} | {total_steps}) if eval_every else [total_steps]
-    starts = [0] + cuts[:-1]
-    return list(zip(starts, cuts))
+def segment_bounds(total_steps: int, *every: int, start: int = 0) -> list[tuple[int, int]]:
+    """Drain points: every multiple of each `every` (evaluation, checkpoint; 0 = never) and the end."""
+    cuts = {total_steps}
+    for k in every:
+        if k > 0:
+            cuts |= set(range(k, total_steps, k))
+    cuts = sorted(c for c in cuts if c > start)
+    return list(zip([start] + cuts[:-1], cuts))
 
 
 class PipelineRun:
-    def __init__(self, cfg: RunConfig, model: nn.Module, mesh: Mesh, data: DataSource, build_optimizer):
+    def __init__(self, cfg: RunConfig, model: nn.Module, mesh: Mesh, data: DataSource, build_optimizer,
+                 stop: StopFlag | None = None):
         self.cfg, self.mesh, self.data = cfg, mesh, data
+        self.stop = stop or StopFlag()
+        self.stopped_at: int | None = None
+        self.start_step = 0
         self.spec = StageSpec(mesh.pp_rank, mesh.num_stages, len(model.layers), cfg.parallel.stage_layers)
         self.model = prune_to_stage(model, self.spec)
         self.m = cfg.train.num_microbatches
@@ -109,7 +118,7 @@ class PipelineRun:
         self.engine.versions.use(self.engine.versions.newest)
         comm, total = self.engine.comm, 0.0
         for b in batches:
-            b = b.to(self.mesh.device)
+            b = b.to(self.mesh.device) if b is not None else None
             x = b[:, :-1] if self.spec.is_first else comm.recv_forward("a validation activation")
             out = stage_forward(self.model, self.spec, x)
             if self.spec.is_last:
@@ -121,25 +130,73 @@ class PipelineRun:
 
     def run(self, metrics: MetricsLogger | None) -> dict:
         cfg, t = self.cfg, self.cfg.train
-        val = self.data.val_batches() if t.eval_every else []
+        # Middle stages only relay activations: they need the number of validation batches, not the data.
+        reads = self.spec.is_first or self.spec.is_last
+        val = (self.data.val_batches() if reads else [None] * t.eval_batches) if t.eval_every else []
+        if len(val) != (t.eval_batches if t.eval_every else 0):  # every stage must relay the same count
+            raise ValueError(f"the data source gave {len(val)} validation batches, train.eval_batches={t.eval_batches}")
         self.tokens_per_step = self.m * t.micro_batch_size * t.seq_len * self.mesh.dims.dp
+        if self.start_step >= t.steps:
+            raise ValueError(f"the run already reached train.steps={t.steps} (resumed at step {self.start_step}); "
+                             "raise train.steps to train further")
         dist.barrier()  # a common time origin for every stage's timeline (same-host clocks)
         started = self.engine.timer.origin = time.perf_counter()
-        self._log = _StepLog(metrics, started)
+        self._log = _StepLog(metrics, started, t.max_consecutive_skips)
         val_loss = math.nan
-        for t0, t1 in segment_bounds(t.steps, t.eval_every):
+        ck = cfg.checkpoint
+        for t0, t1 in segment_bounds(t.steps, t.eval_every, ck.every if ck.enabled else 0, start=self.start_step):
             todo = list(range(t0, t1))
             self.engine.execute(
                 segment_actions(cfg.schedule.name, self.spec.stage, self.mesh.num_stages, self.m, self.delays, t0, t1),
                 after_update=lambda _: self._emit_ready(todo),
             )
             self.engine.finish()
-            val_loss = self.evaluate(val) if val else math.nan
-            self._emit_ready(todo, flush=True, val_loss=val_loss if val else None)
+            evaluated = val and (t1 % t.eval_every == 0 or t1 == t.steps)
+            val_loss = self.evaluate(val) if evaluated else val_loss
+            self._emit_ready(todo, flush=True, val_loss=val_loss if evaluated else None)
+            preempted = t1 < t.steps and self.stop.agreed(self.mesh.device)
+            if preempted or ck.enabled and ckpt.due(t1, t.steps, ck.every):
+                self.save(t1)
+            if preempted:
+                self.stopped_at = t1
+                break
         self.engine.versions.use(self.engine.versions.newest)  # leave the module on x_T
         summary = self._summary(started, val_loss)
         summary["skipped_steps"] = self._log.skipped
+        summary["stopped_at"] = self.stopped_at
         return summary
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def stage_state(self) -> ckpt.StageState:
+        """This stage's share of a checkpoint, keyed by full-model names (a tied head as embed.weight)."""
+        tied = {id(p) for p in tied_parameters(self.model, self.spec)}
+        names = ["embed.weight" if id(p) in tied else n for n, p in self.model.named_parameters() if p.requires_grad]
+        v = self.engine.versions
+        versions = {v.newest - version: v.tensors(version) for version in v.held()}
+        return ckpt.StageState(names, versions, {"ef": self.engine.error_feedback.prev_update},
+                               self.engine.optimizer, v.masters)
+
+    def save(self, step_done: int) -> None:
+        """Collective; called at a drain point, where every stage holds x_{step_done} as its newest."""
+        c = self.cfg
+        layout = {"pp": self.mesh.num_stages, "dp": self.mesh.dims.dp, "stage_layers": c.parallel.stage_layers}
+        ckpt.save(ckpt.checkpoint_root(c), step_done, self.stage_state(), config=c.to_dict(), layout=layout,
+                  keep_last=c.checkpoint.keep_last, data=ckpt.data_position(self.data, step_done, c))
+
+    def resume(self) -> int:
+        """Collective. Load checkpoint.resume's checkpoint, if any; returns the step to start from."""
+        path = ckpt.resume_path(self.cfg)
+        if path is None:
+            return 0
+        manifest = ckpt.read_manifest(path)
+        step = manifest["step"]
+        ckpt.check_data_position(manifest, self.data, self.cfg)
+        v = self.engine.versions
+        v.set_newest(step)  # buffers now stand for x_step, x_step-1, ...: DCP fills them in place
+        ckpt.load(path, self.stage_state(), ages=[step - version for version in v.held()])
+        v.set_newest(step)
+        self.start_step = step
+        return step
 
     def _emit_ready(self, todo: list[int], flush: bool = False, val_loss: float | None = None) -> None:
         """Log, in order, the steps whose record is complete. A step's update norm rides a later
@@ -186,7 +243,8 @@ class PipelineRun:
         dist.all_gather_object(per_stage, {"stage": self.spec.stage, "busy_s": busy, "wall_s": wall,
                                            **self.engine.timer.mean_durations()})
         bubbles = [1.0 - s["busy_s"] / s["wall_s"] for s in per_stage]
-        steps, tokens = self.cfg.train.steps, self.tokens_per_step * self.cfg.train.steps
+        steps = self.cfg.train.steps
+        tokens = self.tokens_per_step * (steps - self.start_step)
         return {
             "steps": steps, "final_loss": self._log.last_loss, "final_val_loss": val_loss,
             "tokens": tokens, "wall_time_s": wall, "tokens_per_s": tokens / wall,
@@ -202,14 +260,26 @@ _NAN_RECORD = StepRecord(-1)
 
 
 class _StepLog:
-    """Where finished step records go (the metrics rank's logger; nowhere on other ranks)."""
+    """Where finished step records go (the metrics rank's logger; nowhere on other ranks).
 
-    def __init__(self, metrics: MetricsLogger | None, started: float):
+    Every rank keeps the counts: the skip decision comes from the all-reduced gradient norm, so all
+    ranks see the same skips and abort at the same step (no rank is left waiting for the others)."""
+
+    def __init__(self, metrics: MetricsLogger | None, started: float, max_consecutive_skips: int):
         self.metrics, self.last_end = metrics, started
-        self.skipped, self.last_loss = 0, math.nan
+        self.skipped, self.consecutive, self.max_consecutive = 0, 0, max_consecutive_skips
+        self.last_loss = math.nan
 
     def emit(self, record: dict) -> None:
         self.skipped += bool(record["skipped"])
+        self.consecutive = self.consecutive + 1 if record["skipped"] else 0
         self.last_loss = record["loss"]
         if self.metrics is not None:
             self.metrics.log(record)
+            if record["skipped"]:
+                self.metrics.message(f"step {record['step']}: non-finite gradient, update skipped on every stage")
+        if self.consecutive >= self.max_consecutive:
+            raise TrainingAborted(
+                f"{self.consecutive} consecutive steps had a non-finite gradient (last: step {record['step']}); "
+                "lower optimizer.lr or check the data"
+            )

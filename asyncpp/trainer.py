@@ -15,10 +15,12 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from asyncpp import checkpoint as ckpt
 from asyncpp.config import RunConfig
 from asyncpp.metrics import MetricsLogger
 from asyncpp.optim.lr_schedule import lr_multiplier
 from asyncpp.partition import param_stages
+from asyncpp.preemption import StopFlag
 from asyncpp.semantics import is_sync_step, stage_delay
 from asyncpp.simulate import DelayedUpdateSimulator, TiedUse, lm_loss
 
@@ -75,6 +77,10 @@ def build_simulator(cfg: RunConfig, model: nn.Module, optimizer) -> DelayedUpdat
         ),
         sync_step=functools.partial(is_sync_step, total_steps=cfg.train.steps, staleness=cfg.staleness),
         tied_use=tied_head_use(model, cfg.schedule.name, cfg.parallel.pp),
+        grad_ef_lambda=cfg.staleness.grad_ef_lambda,
+        dc_lambda=cfg.staleness.dc_lambda,
+        weight_prediction=cfg.staleness.weight_prediction,
+        diagnostics_every=cfg.staleness.diagnostics_every,
     )
 
 
@@ -88,8 +94,25 @@ def evaluate(model: nn.Module, batches: list[Tensor], device: torch.device) -> f
     return sum(losses) / len(losses)
 
 
+def simulator_state(sim: DelayedUpdateSimulator, model: nn.Module, num_past: int | None = None) -> ckpt.StageState:
+    """The simulator's side of a checkpoint: x_t (age 0) and its past versions (ages 1..), u_{t-1}, the
+    optimizer. With `num_past`, fresh buffers are made for that many past versions (for a load)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if num_past is not None:
+        sim.history.clear()
+        for _ in range(num_past):
+            sim.history.append([torch.empty_like(p) for p in sim.params])
+    versions = {0: [p.detach() for p in sim.params]}
+    versions.update({age + 1: v for age, v in enumerate(sim.history)})
+    buffers = {"ef": sim.error_feedback.prev_update, "gef": sim.grad_error_feedback.prev_grad}
+    return ckpt.StageState(names, versions, buffers, sim.optimizer, sim.params)
+
+
 class Trainer:
-    def __init__(self, cfg: RunConfig, model: nn.Module, optimizer, data: DataSource, metrics: MetricsLogger):
+    def __init__(self, cfg: RunConfig, model: nn.Module, optimizer, data: DataSource, metrics: MetricsLogger,
+                 stop: StopFlag | None = None):
+        self.stop = stop or StopFlag()
+        self.stopped_at: int | None = None
         self.cfg = cfg
         self.model = model
         self.data = data
@@ -97,6 +120,26 @@ class Trainer:
         self.device = torch.device(cfg.train.device)
         self.sim = build_simulator(cfg, model, optimizer)
         self.start_step = 0
+
+    def resume(self) -> int:
+        """Load the checkpoint checkpoint.resume points at, if any; returns the step to start from."""
+        path = ckpt.resume_path(self.cfg)
+        if path is None:
+            return 0
+        manifest = ckpt.read_manifest(path)
+        step = manifest["step"]
+        ckpt.check_data_position(manifest, self.data, self.cfg, warn=self.metrics.message)
+        past = min(step, self.sim.num_past_versions)
+        ckpt.load(path, simulator_state(self.sim, self.model, num_past=past), ages=range(past + 1))
+        self.start_step = step
+        self.metrics.message(f"resumed from {path} at step {step}")
+        return step
+
+    def save(self, step_done: int) -> None:
+        c = self.cfg
+        ckpt.save(ckpt.checkpoint_root(c), step_done, simulator_state(self.sim, self.model),
+                  config=c.to_dict(), layout={"pp": 1, "dp": 1, "simulated_pp": c.parallel.pp},
+                  keep_last=c.checkpoint.keep_last, data=ckpt.data_position(self.data, step_done, c))
 
     def _microbatches(self, step: int) -> list[Tensor]:
         # dp replicas are simulated as m * dp microbatches: global index (t * dp + r) * m + j, as in the pipeline.
@@ -108,6 +151,7 @@ class Trainer:
         val_batches = self.data.val_batches() if t.eval_every else []
         consecutive_skips, skipped, tokens, val_loss = 0, 0, 0, math.nan
         step_times: list[float] = []
+        stats = None
         started = time.perf_counter()
         for step in range(self.start_step, t.steps):
             batches = self._microbatches(step)
@@ -127,6 +171,8 @@ class Trainer:
                 "skipped": stats.skipped,
                 "sync_step": is_sync_step(step, t.steps, cfg.staleness),
             }
+            if stats.update_cosine is not None:  # staleness.diagnostics_every steps (their step_time_s includes it)
+                record.update(update_cosine=stats.update_cosine, update_rel_error=stats.update_rel_error)
             record.update(_moe_stats(self.model))
             last = step == t.steps - 1
             if val_batches and ((step + 1) % t.eval_every == 0 or last):
@@ -141,11 +187,19 @@ class Trainer:
                 )
             if stats.skipped:
                 self.metrics.message(f"step {step}: non-finite gradient, update skipped")
+            preempted = self.stop.requested and step + 1 < t.steps
+            if preempted or cfg.checkpoint.enabled and ckpt.due(step + 1, t.steps, cfg.checkpoint.every):
+                self.save(step + 1)
+            if preempted:
+                self.stopped_at = step + 1
+                self.metrics.message(f"stop requested (signal {self.stop.signal}): checkpoint saved after step {step}")
+                break
         wall = time.perf_counter() - started
         steady = step_times[min(5, len(step_times) - 1):] if step_times else [math.nan]
         return {
             "steps": t.steps,
-            "final_loss": stats.loss,
+            "stopped_at": self.stopped_at,
+            "final_loss": stats.loss if stats is not None else math.nan,
             "final_val_loss": val_loss,
             "skipped_steps": skipped,
             "tokens": tokens,

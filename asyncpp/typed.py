@@ -47,7 +47,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         return value
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}={value!r} must be a list, e.g. {path}=[0.9,0.95]")
+            raise ConfigError(f"{path}={value!r} must be a list, written {path}=[a,b,...] on the command line")
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_convert(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
         if len(value) != len(args):

@@ -76,23 +76,20 @@ class WeightVersions:
         self.newest = step + 1
         return src
 
-    def state_dict(self) -> dict:
-        """Every held version (oldest first), for checkpoints."""
-        held = range(max(self.newest - self.num_buffers + 1, 0), self.newest + 1)
-        return {
-            "newest": self.newest,
-            "versions": {v: [t.clone() for t in self.buffers[v % self.num_buffers]] for v in held},
-        }
+    def held(self) -> list[int]:
+        """Versions currently held, oldest first."""
+        return list(range(max(self.newest - self.num_buffers + 1, 0), self.newest + 1))
 
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        for v, tensors in state["versions"].items():
-            for dst, src in zip(self.buffers[int(v) % self.num_buffers], tensors):
-                dst.copy_(src)
-        self.newest = int(state["newest"])
+    def tensors(self, version: int) -> list[Tensor]:
+        """The buffer holding `version` (for checkpoints; written in place on load)."""
+        return self.buffers[version % self.num_buffers]
+
+    def set_newest(self, version: int) -> None:
+        """After a load: `version` is the newest; parameters and masters point at it."""
+        self.newest = version
         self._active = -1
-        self._point(self.newest % self.num_buffers)
-        for q, buf in zip(self.masters, self.buffers[self.newest % self.num_buffers]):
+        self._point(version % self.num_buffers)
+        for q, buf in zip(self.masters, self.buffers[version % self.num_buffers]):
             q.data = buf
 
     def retarget(self, optimizer) -> None:

@@ -36,3 +36,63 @@ def test_neighbour_of_a_dead_rank_fails_with_a_named_stage(victim):
     assert "PipelineTimeout" in survivor
     assert f"stage {1 - victim} (rank {1 - victim}) gave up waiting for" in survivor
     assert "probably died" in survivor
+
+
+def poisoned_rank(rank: int, cfg_dict: dict, poison: list[int]) -> dict:
+    """The last stage's loss is NaN at the `poison` steps (a bad batch)."""
+    import asyncpp.pipeline as pipeline
+
+    original = pipeline.PipelineRun._forward
+
+    def forward(self, step, microbatch, x):
+        out = original(self, step, microbatch, x)
+        return out * float("nan") if self.spec.is_last and step in poison else out
+
+    pipeline.PipelineRun._forward = forward
+    try:
+        return pipeline_rank(rank, cfg_dict)
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def test_non_finite_step_is_skipped_on_every_stage_like_the_simulator():
+    import torch
+
+    from tests.dist.workers import reference_run
+
+    cfg = make_config(parallel={"pp": 2}, train={"steps": 5})
+    results = run_ranks(poisoned_rank, 2, cfg.to_dict(), [2])
+    records = next(r["records"] for r in results if r["records"])
+    assert [r["skipped"] for r in records] == [False, False, True, False, False]
+
+    import asyncpp.simulate as simulate
+
+    original = simulate.DelayedUpdateSimulator._accumulate
+
+    def accumulate(self, microbatches, _state={"t": 0}):
+        total = original(self, microbatches)
+        if _state["t"] == 2:
+            for p in self.params:
+                p.grad.mul_(float("nan"))
+        _state["t"] += 1
+        return total
+
+    simulate.DelayedUpdateSimulator._accumulate = accumulate
+    try:
+        ref = reference_run(cfg)
+    finally:
+        simulate.DelayedUpdateSimulator._accumulate = original
+    assert [s.skipped for s in ref["stats"]] == [False, False, True, False, False]
+    for r, s in zip(records, ref["stats"]):
+        if not r["skipped"]:
+            assert r["loss"] == s.loss
+    params = {n: p for res in results for n, p in res["params"].items()}
+    for name, p in ref["params"].items():
+        assert torch.equal(params[name], p), name
+
+
+def test_consecutive_non_finite_steps_abort_every_rank_at_the_same_step():
+    cfg = make_config(parallel={"pp": 2}, train={"steps": 8, "max_consecutive_skips": 2})
+    results = run_ranks(poisoned_rank, 2, cfg.to_dict(), [3, 4, 5])
+    for r in results:
+        assert r["error"].startswith("TrainingAborted: 2 consecutive steps had a non-finite gradient (last: step 4)")

@@ -41,6 +41,7 @@ def make_config(**sections) -> RunConfig:
         "optimizer": {"name": "muon", "lr": 0.02, "schedule": {"kind": "constant", "warmup_steps": 0}},
         "schedule": {"name": "2bw"},
         "logging": {"wandb_mode": "disabled", "progress": False},
+        "checkpoint": {"enabled": False},
     }
     for key, value in sections.items():
         base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
@@ -52,7 +53,7 @@ def optimizer_factory(cfg: RunConfig):
 
 
 def data_for(cfg: RunConfig, vocab: int) -> SyntheticData:
-    return SyntheticData(vocab, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.seed)
+    return SyntheticData(vocab, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.seed, cfg.train.eval_batches)
 
 
 def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
@@ -65,11 +66,15 @@ def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg)
     run = PipelineRun(cfg, model, mesh, data_for(cfg, model_cfg.vocab_size), optimizer_factory(cfg))
+    run.resume()
     records = []
 
     class Collect:
         def log(self, record):
             records.append(record)
+
+        def message(self, text):
+            pass
 
     summary = run.run(Collect() if mesh.is_writer else None)
     params = {n: p.detach().clone() for n, p in run.model.named_parameters()}

@@ -1,0 +1,263 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): sharded, resharding, atomic, everything resume needs.
+
+Layout-free keys: every tensor is saved under the parameter's name in the *full* model, so a
+checkpoint written by a 2-stage pipeline loads into one process or a 4-stage pipeline (each rank
+asks DCP for the keys it owns). A tied LM head is saved and loaded as `embed.weight`.
+
+    weights/<age>/<name>      weight version x_{t-age} (age 0 = x_t, the newest; 2BW also needs age 1)
+    ef/<name>                 Error Feedback's u_{t-1} (and gef/<name>: gradient-level EF's g_{t-1})
+    optim/<name>/<key>        the optimizer state of that parameter (momentum, exp_avg, step, ...)
+
+Beside the DCP shards, `manifest.json` (written last, by rank 0) records the step, the resolved
+config, the code version, the layout and every rank's RNG state. A checkpoint directory is written
+under a temporary name and renamed when complete, so an interrupted save never shadows the last good
+one; only directories with a manifest are ever loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class StageState:
+    """What one rank contributes to a checkpoint (and receives on load), by full-model name."""
+
+    names: list[str]
+    versions: dict[int, list[Tensor]]
+    """age -> tensors in `names` order; written in place on load."""
+    buffers: dict[str, list[Tensor]]
+    """Per-parameter state besides weights and optimizer: {"ef": u_{t-1}, "gef": g_{t-1}}."""
+    optimizer: object
+    """An OptimizerSet (or torch optimizer) whose params are `opt_params`."""
+    opt_params: list[Tensor]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    inner = getattr(optimizer, "optimizers", None)
+    return list(inner.values()) if isinstance(inner, dict) else [optimizer]
+
+
+def _optimizer_tensors(state: StageState) -> dict[str, Tensor]:
+    name_of = {id(p): n for n, p in zip(state.names, state.opt_params)}
+    out = {}
+    for opt in _optimizers(state.optimizer):
+        for p, st in opt.state.items():
+            for key, value in st.items():
+                if not isinstance(value, Tensor):
+                    value = torch.tensor(value)
+                out[f"optim/{name_of[id(p)]}/{key}"] = value
+    return out
+
+
+def _flat(state: StageState) -> dict[str, Tensor]:
+    flat = {}
+    for age, tensors in state.versions.items():
+        flat.update({f"weights/{age}/{n}": t for n, t in zip(state.names, tensors)})
+    for kind, tensors in state.buffers.items():
+        flat.update({f"{kind}/{n}": t for n, t in zip(state.names, tensors)})
+    flat.update(_optimizer_tensors(state))
+    return flat
+
+
+def code_version() -> str:
+    try:
+        root = Path(__file__).resolve().parents[1]
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=5)
+        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if sha.returncode == 0 else "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _gather_rng() -> list[dict]:
+    mine = _rng_state()
+    if not _distributed():
+        return [mine]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def save(root: str | os.PathLike, step: int, state: StageState, *, config: dict, layout: dict,
+         keep_last: int = 3, data: dict | None = None) -> Path:
+    """Collective. Writes `root/step_<step>` atomically and prunes all but the newest `keep_last`."""
+    root = Path(root)
+    final = root / f"step_{step:08d}"
+    token = [uuid.uuid4().hex[:8]]
+    if _distributed():
+        dist.broadcast_object_list(token, src=0)
+    tmp = root / f".tmp-step_{step:08d}-{token[0]}"
+    if _rank() == 0:
+        tmp.mkdir(parents=True, exist_ok=False)
+    _barrier()
+    dcp.save(_flat(state), checkpoint_id=str(tmp), no_dist=not _distributed())
+    rng = _gather_rng()
+    if _rank() == 0:
+        manifest = {"format": FORMAT_VERSION, "step": step, "config": config, "layout": layout,
+                    "code_version": code_version(), "rng": rng, "saved_at": time.time(), "data": data}
+        (tmp / MANIFEST).write_text(json.dumps(manifest))
+        if final.exists():  # a checkpoint of the same step from an earlier attempt: replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _prune(root, keep_last)
+    _barrier()
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    complete = list_checkpoints(root)
+    for old in complete[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp-step_*"):  # leftovers of saves that died
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints (those with a manifest), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step_*") if (p / MANIFEST).is_file())
+
+
+def latest(root: str | os.PathLike) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        raise FileNotFoundError(
+            f"{path} is not a complete asyncpp checkpoint (no {MANIFEST}); pick a step_* directory that has one"
+        )
+    return json.loads((path / MANIFEST).read_text())
+
+
+def load(path: str | os.PathLike, state: StageState, ages: Sequence[int]) -> dict:
+    """Collective. Fill `state` in place from `path`; returns the manifest."""
+    manifest = read_manifest(path)
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    missing = [a for a in ages if f"weights/{a}/{state.names[0]}" not in saved] if state.names else []
+    if missing:
+        raise ValueError(
+            f"checkpoint {path} holds no weight version of age {missing} (x_(t-{missing[0]})), which this "
+            "schedule needs; it was written by a schedule with fewer versions (e.g. sync). Resume with the "
+            "schedule it was saved with"
+        )
+    request = {f"weights/{a}/{n}": t for a in ages for n, t in zip(state.names, state.versions[a])}
+    for kind, tensors in state.buffers.items():  # absent from older/other runs' checkpoints: keep zeros
+        request.update({f"{kind}/{n}": t for n, t in zip(state.names, tensors) if f"{kind}/{n}" in saved})
+    optim = _allocate_optimizer_state(state, saved)
+    request.update(optim)
+    dcp.load(request, checkpoint_id=str(path), no_dist=not _distributed())
+    _install_optimizer_state(state, optim)
+    _restore_rng(manifest)
+    return manifest
+
+
+def _allocate_optimizer_state(state: StageState, saved: dict) -> dict[str, Tensor]:
+    out = {}
+    for name, p in zip(state.names, state.opt_params):
+        prefix = f"optim/{name}/"
+        for key, meta in saved.items():
+            if key.startswith(prefix):
+                out[key] = torch.empty(meta.size, dtype=meta.properties.dtype, device=p.device)
+    return out
+
+
+def _install_optimizer_state(state: StageState, tensors: dict[str, Tensor]) -> None:
+    by_name = dict(zip(state.names, state.opt_params))
+    owner = {id(p): opt for opt in _optimizers(state.optimizer) for g in opt.param_groups for p in g["params"]}
+    for key, value in tensors.items():
+        _, name, field = key.split("/", 2)
+        p = by_name[name]
+        opt = owner[id(p)]
+        # fused/foreach AdamW keep `step` as a float32 tensor on the params' device: keep its form
+        opt.state[p][field] = value.to(p.device)
+
+
+def _restore_rng(manifest: dict) -> None:
+    rng = manifest.get("rng") or []
+    rank = _rank()
+    same_layout = _distributed() and len(rng) == dist.get_world_size() or not _distributed() and len(rng) == 1
+    if same_layout and rank < len(rng):
+        torch.set_rng_state(torch.tensor(rng[rank]["torch"], dtype=torch.uint8))
+        if "cuda" in rng[rank] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in rng[rank]["cuda"]])
+
+
+def checkpoint_root(cfg) -> Path:
+    """cfg: a RunConfig. <out_dir>/checkpoints unless checkpoint.dir says otherwise."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.out_dir) / "checkpoints"
+
+
+def resume_path(cfg) -> Path | None:
+    """The checkpoint to resume from, per checkpoint.resume ('auto', 'none' or a path)."""
+    c = cfg.checkpoint
+    if c.resume == "none":
+        return None
+    if c.resume == "auto":
+        return latest(checkpoint_root(cfg))
+    read_manifest(c.resume)  # a clear error now if the path is not a complete checkpoint
+    return Path(c.resume)
+
+
+def due(step_done: int, total_steps: int, every: int) -> bool:
+    """Save after `step_done` steps? Every `every` steps and at the end of the run."""
+    return step_done == total_steps or (every > 0 and step_done % every == 0)
+
+
+def data_position(source, step_done: int, cfg) -> dict:
+    """The data position: consumed samples (a function of the step) and what the stream depends on."""
+    t = cfg.train
+    identity = source.identity() if hasattr(source, "identity") else None
+    consumed = step_done * t.num_microbatches * (cfg.parallel.dp or 1) * t.micro_batch_size
+    return {"consumed_samples": consumed, "identity": identity}
+
+
+def check_data_position(manifest: dict, source, cfg, warn=print) -> None:
+    """Samples are a pure function of (stream identity, step): say so when a resume changes the stream."""
+    saved = (manifest.get("data") or {}).get("identity")
+    current = source.identity() if hasattr(source, "identity") else None
+    if saved is not None and current is not None and saved != current and _rank() == 0:
+        changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+        warn(f"warning: the data stream differs from the checkpoint's ({', '.join(changed)}); the resumed run "
+             "reads different samples than the uninterrupted one would have")

@@ -1,0 +1,62 @@
+"""SIGTERM (slurm preemption): checkpoint at the next step boundary, exit 143, resume exactly."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.dist
+
+COMMON = ["logging=disabled", "logging.progress=false", "model=tiny_dense", "schedule=2bw", "train.steps=24",
+          "train.eval_every=0", "train.seq_len=32", "train.micro_batch_size=2", "train.num_microbatches=2",
+          "optimizer.schedule.warmup_steps=2", "staleness.ef_lambda=1.0", "checkpoint.every=4"]
+
+
+def command(nproc: int, run_dir: Path) -> list[str]:
+    launcher = [sys.executable] if nproc == 1 else [
+        str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc_per_node={nproc}"]
+    extra = [f"parallel.pp={nproc}"] if nproc > 1 else []
+    return [*launcher, "pretrain.py", f"hydra.run.dir={run_dir}", *COMMON, *extra]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def wait_for_steps(run_dir: Path, proc: subprocess.Popen, n: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        f = run_dir / "metrics.jsonl"
+        if f.exists() and len(f.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the run did not reach {n} steps: {proc.poll()}")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigterm_checkpoints_exits_143_and_resumes_exactly(tmp_path, nproc):
+    full = tmp_path / "full"
+    subprocess.run(command(nproc, full), cwd=ROOT, check=True, capture_output=True, timeout=300)
+
+    part = tmp_path / "part"
+    proc = subprocess.Popen(command(nproc, part), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for_steps(part, proc, 2)
+    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every worker
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode != 0, err.decode()[-2000:]
+    saved = sorted(p.name for p in (part / "checkpoints").glob("step_*"))
+    assert saved and saved[-1] != "step_00000024", saved  # stopped early, with a checkpoint
+    stopped = int(saved[-1].split("_")[1])
+
+    subprocess.run(command(nproc, part), cwd=ROOT, check=True, capture_output=True, timeout=300)  # resume=auto
+    resumed, reference = losses(part), losses(full)
+    assert sorted(resumed) == list(range(24))
+    assert all(resumed[t] == reference[t] for t in range(stopped, 24)), (stopped, resumed, reference)
+

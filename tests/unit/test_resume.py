@@ -1,0 +1,93 @@
+"""semantics.md "What must hold" 5, single process: a run stopped at a step boundary and resumed from
+its checkpoint continues exactly as the uninterrupted run (weights, past versions, u_{t-1}, optimizer
+state, data position)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import pretrain
+from asyncpp import checkpoint as ckpt
+from asyncpp.trainer import Trainer
+
+BASE = ["logging=disabled", "logging.progress=false", "model=tiny_dense", "train.steps=6", "train.eval_every=0",
+        "train.micro_batch_size=2", "train.num_microbatches=2", "train.seq_len=32", "checkpoint.every=3",
+        "optimizer.schedule.warmup_steps=2"]
+
+
+class Stop(Exception):
+    pass
+
+
+def run(out_dir, *overrides, stop_at: int | None = None):
+    cfg, model_cfg = pretrain.resolve(pretrain.compose([f"out_dir={out_dir}", *BASE, *overrides]))
+    torch.manual_seed(cfg.seed)
+    model = pretrain.build_model(model_cfg)
+    trainer = Trainer(cfg, model, pretrain.build_from_config(model, cfg.optimizer),
+                      pretrain.build_data(cfg, model_cfg), pretrain.make_metrics(cfg, model_cfg))
+    trainer.resume()
+    if stop_at is not None:
+        step = trainer.sim.step
+
+        def stopping(t, batches):
+            if t == stop_at:
+                raise Stop  # like a preemption right after the step-3 checkpoint
+            return step(t, batches)
+
+        trainer.sim.step = stopping
+    try:
+        trainer.run()
+    except Stop:
+        pass
+    finally:
+        trainer.metrics.close({})
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records}, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("schedule, extra", [
+    ("2bw", ["staleness.ef_lambda=1.0"]),
+    ("pipedream", ["parallel.pp=2"]),
+    ("sync", ["optimizer=adamw"]),
+    ("2bw", ["staleness.grad_ef_lambda=0.5", "staleness.weight_prediction=true", "optimizer=lion"]),
+])
+def test_resumed_run_equals_uninterrupted_bitwise(tmp_path, schedule, extra):
+    full, full_weights = run(tmp_path / "full", f"schedule={schedule}", *extra)
+    part, _ = run(tmp_path / "part", f"schedule={schedule}", *extra, stop_at=3)
+    assert sorted(part) == [0, 1, 2]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "part" / "checkpoints")] == ["step_00000003"]
+    resumed, resumed_weights = run(tmp_path / "part", f"schedule={schedule}", *extra)  # resume=auto
+    assert sorted(resumed) == list(range(6))
+    for t in range(6):
+        assert resumed[t]["loss"] == full[t]["loss"], t
+        assert resumed[t]["grad_norm"] == full[t]["grad_norm"], t
+    for name, p in full_weights.items():
+        assert torch.equal(resumed_weights[name], p), name
+
+
+def test_checkpoint_contents_and_atomicity(tmp_path):
+    run(tmp_path, "schedule=2bw", "staleness.ef_lambda=1.0")
+    found = ckpt.list_checkpoints(tmp_path / "checkpoints")
+    assert [p.name for p in found] == ["step_00000003", "step_00000006"]
+    manifest = ckpt.read_manifest(found[-1])
+    assert manifest["step"] == 6 and manifest["config"]["schedule"]["name"] == "2bw"
+    assert manifest["code_version"] and len(manifest["rng"]) == 1
+    keys = set(torch.distributed.checkpoint.FileSystemReader(str(found[-1])).read_metadata().state_dict_metadata)
+    assert "weights/0/embed.weight" in keys and "weights/1/embed.weight" in keys  # both 2BW versions
+    assert "ef/layers.0.mlp.up_proj.weight" in keys
+    assert "optim/layers.0.mlp.up_proj.weight/momentum_buffer" in keys
+    assert "optim/embed.weight/exp_avg_sq" in keys
+    # a save that died half-way leaves a temporary directory that is never taken for a checkpoint
+    (tmp_path / "checkpoints" / ".tmp-step_00000009-dead").mkdir()
+    (tmp_path / "checkpoints" / "step_00000012").mkdir()  # no manifest: incomplete
+    assert ckpt.latest(tmp_path / "checkpoints").name == "step_00000006"
+    with pytest.raises(FileNotFoundError, match="no manifest.json"):
+        ckpt.read_manifest(tmp_path / "checkpoints" / "step_00000012")
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    run(tmp_path, "schedule=2bw", "checkpoint.every=1", "checkpoint.keep_last=2")
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step_00000005", "step_00000006"]
