@@ -1,6 +1,7 @@
 """Hugging Face Llama format <-> model_zoo's dense CausalLM (smollm2_*, tiny_dense).
 
     python -m asyncpp.hf export --model tiny_dense --state-dict weights.pt --out hf/tiny --verify
+    python -m asyncpp.hf export --checkpoint outputs/run/checkpoints/step_00000300 --out hf/run --verify
     python -m asyncpp.hf import hf/SmolLM2-135M --out smollm2.pt --verify
 
 A dense model_zoo model is HF Llama tensor for tensor: the same RMSNorm (fp32 statistics, then the
@@ -362,10 +363,31 @@ def _load_state_file(path: Path) -> tuple[dict[str, Tensor], Any]:
     return obj, None
 
 
+def load_checkpoint_weights(path: str | Path) -> tuple[dict[str, Tensor], Any]:
+    """The newest weights x_t of an asyncpp DCP checkpoint (any layout) as a CausalLM state_dict."""
+    import torch.distributed.checkpoint as dcp
+
+    from asyncpp.checkpoint import read_manifest
+    from model_zoo import get_model_config
+
+    manifest = read_manifest(path)
+    cfg = get_model_config(manifest["config"]["model"]["name"])
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = "weights/0/"
+    request = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefix)}
+    dcp.load(request, checkpoint_id=str(path), no_dist=True)
+    state = {k[len(prefix):]: v for k, v in request.items()}
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["embed.weight"]
+    return state, cfg
+
+
 def _export(args: argparse.Namespace) -> int:
     from model_zoo import build_model, get_model_config
 
-    if args.state_dict is None:
+    if args.checkpoint is not None:
+        state, cfg = load_checkpoint_weights(args.checkpoint)
+    elif args.state_dict is None:
         if args.model is None:
             raise HFFormatError("export needs --model NAME (with --init-seed) or --state-dict FILE")
         torch.manual_seed(args.init_seed)
@@ -410,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     exp.add_argument("--model", help="registered dense model (smollm2_135m, smollm2_360m, tiny_dense)")
     exp.add_argument("--state-dict", help="torch.save'd state_dict, or a file written by `import`")
+    exp.add_argument("--checkpoint", help="an asyncpp checkpoint directory (step_*), saved by any layout")
     exp.add_argument("--init-seed", type=int, default=0, help="without --state-dict: export a fresh init")
     exp.add_argument("--out", required=True, help="output directory")
     exp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: the state's dtype")

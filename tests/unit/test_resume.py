@@ -91,3 +91,15 @@ def test_checkpoint_contents_and_atomicity(tmp_path):
 def test_keep_last_prunes_old_checkpoints(tmp_path):
     run(tmp_path, "schedule=2bw", "checkpoint.every=1", "checkpoint.keep_last=2")
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step_00000005", "step_00000006"]
+
+
+def test_a_training_checkpoint_exports_to_hugging_face_with_identical_logits(tmp_path):
+    from asyncpp import hf
+
+    _, weights = run(tmp_path / "run", "schedule=2bw")
+    step_dir = ckpt.latest(tmp_path / "run" / "checkpoints")
+    assert hf.main(["export", "--checkpoint", str(step_dir), "--out", str(tmp_path / "hf"), "--verify"]) == 0
+    state, cfg = hf.load_checkpoint_weights(step_dir)
+    assert cfg.name == "tiny_dense"
+    for name, p in weights.items():
+        assert torch.equal(state[name], p), name
