@@ -131,6 +131,19 @@ class Mesh:
         return self.is_last_stage and self.dp_rank == 0 and self.tp_rank == 0
 
 
+def _elastic_store(timeout: timedelta) -> dict:
+    """Under torchrun the workers share the agent's store across restarts. The default group's keys
+    of a previous attempt (its ranks' dead addresses) would then be read by the next one, and gloo
+    fails with "connectFullMesh ... Connection refused". Namespace the keys by restart attempt."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timeout, use_libuv=True)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"asyncpp/attempt_{attempt}", client),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+
+
 def init_distributed(device_type: str = "cpu", timeout_s: float = 300.0) -> torch.device:
     """Initialize the default process group from torchrun's environment; returns this rank's device.
     `timeout_s` bounds every collective, so a dead rank turns into an error instead of a hang."""
@@ -141,5 +154,6 @@ def init_distributed(device_type: str = "cpu", timeout_s: float = 300.0) -> torc
     else:
         device = torch.device(device_type)
     if not dist.is_initialized():
-        dist.init_process_group(backend=default_backend(device), timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group(backend=default_backend(device), timeout=timeout, **_elastic_store(timeout))
     return device

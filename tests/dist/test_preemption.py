@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -60,3 +61,20 @@ def test_sigterm_checkpoints_exits_143_and_resumes_exactly(tmp_path, nproc):
     assert sorted(resumed) == list(range(24))
     assert all(resumed[t] == reference[t] for t in range(stopped, 24)), (stopped, resumed, reference)
 
+
+
+def test_rank_killed_mid_step_is_restarted_by_torchrun_from_the_last_checkpoint(tmp_path):
+    full = tmp_path / "full"
+    subprocess.run(command(2, full), cwd=ROOT, check=True, capture_output=True, timeout=300)
+    run_dir = tmp_path / "crash"
+    cmd = command(2, run_dir) + ["train.timeout_s=30"]
+    cmd[1:1] = ["--max-restarts=1"]
+    cmd[cmd.index("pretrain.py")] = "tests/dist/crash_once.py"
+    env = {**os.environ, "CRASH_RANK": "1", "CRASH_STEP": "10"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed at step 8" in proc.stdout + proc.stderr  # the step-8 checkpoint, no manual step
+    reference = losses(full)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in lines} == set(range(24))
+    assert all(r["loss"] == reference[r["step"]] for r in lines)  # both attempts match the clean run
