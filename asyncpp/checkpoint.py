@@ -115,37 +115,75 @@ def _gather_rng() -> list[dict]:
     return everyone
 
 
-def save(root: str | os.PathLike, step: int, state: StageState, *, config: dict, layout: dict,
-         keep_last: int = 3, data: dict | None = None) -> Path:
-    """Collective. Writes `root/step_<step>` atomically and prunes all but the newest `keep_last`."""
-    root = Path(root)
-    final = root / f"step_{step:08d}"
-    token = [uuid.uuid4().hex[:8]]
-    if _distributed():
-        dist.broadcast_object_list(token, src=0)
-    tmp = root / f".tmp-step_{step:08d}-{token[0]}"
-    if _rank() == 0:
-        tmp.mkdir(parents=True, exist_ok=False)
-    _barrier()
-    dcp.save(_flat(state), checkpoint_id=str(tmp), no_dist=not _distributed())
-    rng = _gather_rng()
-    if _rank() == 0:
+class Saver:
+    """Writes checkpoints. Collective: every rank calls save() at the same step boundary.
+
+    With `async_save`, DCP stages the tensors to host memory, returns, and writes the shards in a
+    background thread on a gloo group of its own (so it never interleaves with training collectives);
+    the checkpoint is committed (manifest, then rename) at the next save() or at wait(). Until then it
+    is a temporary directory that no resume ever picks up.
+    """
+
+    def __init__(self, async_save: bool = False):
+        self.async_save = async_save
+        self._group = dist.new_group(backend="gloo") if async_save and _distributed() else None
+        self._pending: tuple | None = None
+
+    def save(self, root: str | os.PathLike, step: int, state: StageState, *, config: dict, layout: dict,
+             keep_last: int = 3, data: dict | None = None) -> Path:
+        self.wait()
+        root = Path(root)
+        final = root / f"step_{step:08d}"
+        token = [uuid.uuid4().hex[:8]]
+        if _distributed():
+            dist.broadcast_object_list(token, src=0)
+        tmp = root / f".tmp-step_{step:08d}-{token[0]}"
+        if _rank() == 0:
+            tmp.mkdir(parents=True, exist_ok=False)
+        _barrier()
         manifest = {"format": FORMAT_VERSION, "step": step, "config": config, "layout": layout,
-                    "code_version": code_version(), "rng": rng, "saved_at": time.time(), "data": data}
+                    "code_version": code_version(), "rng": _gather_rng(), "saved_at": time.time(), "data": data}
+        commit = (tmp, final, root, keep_last, manifest)
+        if self.async_save:
+            future = dcp.async_save(_flat(state), checkpoint_id=str(tmp), process_group=self._group,
+                                    no_dist=not _distributed())
+            self._pending = (future, commit)
+        else:
+            dcp.save(_flat(state), checkpoint_id=str(tmp), no_dist=not _distributed())
+            _commit(*commit)
+        return final
+
+    def wait(self) -> None:
+        """Collective. Finish and commit a background save, if one is running."""
+        if self._pending is None:
+            return
+        future, commit = self._pending
+        self._pending = None
+        future.result()
+        _commit(*commit)
+
+
+def _commit(tmp: Path, final: Path, root: Path, keep_last: int, manifest: dict) -> None:
+    _barrier()  # every rank's shards are on disk
+    if _rank() == 0:
         (tmp / MANIFEST).write_text(json.dumps(manifest))
         if final.exists():  # a checkpoint of the same step from an earlier attempt: replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
         _prune(root, keep_last)
     _barrier()
-    return final
+
+
+def save(root: str | os.PathLike, step: int, state: StageState, **kwargs) -> Path:
+    """Collective, synchronous: writes `root/step_<step>` atomically and prunes old checkpoints."""
+    return Saver().save(root, step, state, **kwargs)
 
 
 def _prune(root: Path, keep_last: int) -> None:
     complete = list_checkpoints(root)
     for old in complete[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".tmp-step_*"):  # leftovers of saves that died
+    for stale in root.glob(".tmp-step_*"):  # leftovers of saves that died (none is in flight here)
         shutil.rmtree(stale, ignore_errors=True)
 
 

@@ -168,6 +168,8 @@ class CheckpointConfig:
     """'auto' = the newest complete checkpoint in `dir` if there is one, 'none', or a step_* path."""
     enabled: bool = True
     """Write checkpoints (resuming is governed by `resume` alone)."""
+    async_save: bool = False
+    """Write shards in the background (DCP async_save); committed at the next save or the run's end."""
 
 
 @dataclass(kw_only=True)

@@ -74,6 +74,7 @@ class PipelineRun:
         self.cfg, self.mesh, self.data = cfg, mesh, data
         self.stop = stop or StopFlag()
         self.stopped_at: int | None = None
+        self.saver = ckpt.Saver(cfg.checkpoint.async_save)
         self.start_step = 0
         self.spec = StageSpec(mesh.pp_rank, mesh.num_stages, len(model.layers), cfg.parallel.stage_layers)
         self.model = prune_to_stage(model, self.spec)
@@ -160,6 +161,7 @@ class PipelineRun:
             if preempted:
                 self.stopped_at = t1
                 break
+        self.saver.wait()  # commit a background save before the run counts as done
         self.engine.versions.use(self.engine.versions.newest)  # leave the module on x_T
         summary = self._summary(started, val_loss)
         summary["skipped_steps"] = self._log.skipped
@@ -180,7 +182,7 @@ class PipelineRun:
         """Collective; called at a drain point, where every stage holds x_{step_done} as its newest."""
         c = self.cfg
         layout = {"pp": self.mesh.num_stages, "dp": self.mesh.dims.dp, "stage_layers": c.parallel.stage_layers}
-        ckpt.save(ckpt.checkpoint_root(c), step_done, self.stage_state(), config=c.to_dict(), layout=layout,
+        self.saver.save(ckpt.checkpoint_root(c), step_done, self.stage_state(), config=c.to_dict(), layout=layout,
                   keep_last=c.checkpoint.keep_last, data=ckpt.data_position(self.data, step_done, c))
 
     def resume(self) -> int:

@@ -119,6 +119,7 @@ class Trainer:
         self.metrics = metrics
         self.device = torch.device(cfg.train.device)
         self.sim = build_simulator(cfg, model, optimizer)
+        self.saver = ckpt.Saver(cfg.checkpoint.async_save)
         self.start_step = 0
 
     def resume(self) -> int:
@@ -137,7 +138,7 @@ class Trainer:
 
     def save(self, step_done: int) -> None:
         c = self.cfg
-        ckpt.save(ckpt.checkpoint_root(c), step_done, simulator_state(self.sim, self.model),
+        self.saver.save(ckpt.checkpoint_root(c), step_done, simulator_state(self.sim, self.model),
                   config=c.to_dict(), layout={"pp": 1, "dp": 1, "simulated_pp": c.parallel.pp},
                   keep_last=c.checkpoint.keep_last, data=ckpt.data_position(self.data, step_done, c))
 
@@ -194,6 +195,7 @@ class Trainer:
                 self.stopped_at = step + 1
                 self.metrics.message(f"stop requested (signal {self.stop.signal}): checkpoint saved after step {step}")
                 break
+        self.saver.wait()  # a background save must be committed before the run counts as done
         wall = time.perf_counter() - started
         steady = step_times[min(5, len(step_times) - 1):] if step_times else [math.nan]
         return {

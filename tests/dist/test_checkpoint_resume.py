@@ -27,8 +27,11 @@ def config(tmp_path, pp: int, **extra):
                        checkpoint={"enabled": True, "every": 3, "dir": str(tmp_path / "ckpt")}, **extra)
 
 
-def test_pipeline_resume_is_bitwise_exact(tmp_path):
-    full, full_params = pipeline(config(tmp_path, 2))
+@pytest.mark.parametrize("async_save", [False, True])
+def test_pipeline_resume_is_bitwise_exact(tmp_path, async_save):
+    full, full_params = pipeline(config(tmp_path, 2).replace(
+        checkpoint=config(tmp_path, 2).checkpoint.__class__(enabled=True, every=3, dir=str(tmp_path / "ckpt"),
+                                                            async_save=async_save)))
     assert [p.name for p in list_checkpoints(tmp_path / "ckpt")] == ["step_00000003", "step_00000006"]
     resumed_cfg = config(tmp_path, 2).replace(
         checkpoint=config(tmp_path, 2).checkpoint.__class__(

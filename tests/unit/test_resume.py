@@ -41,7 +41,7 @@ def run(out_dir, *overrides, stop_at: int | None = None):
     try:
         trainer.run()
     except Stop:
-        pass
+        trainer.saver.wait()  # the stop comes after a background save of step 3 finished
     finally:
         trainer.metrics.close({})
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
@@ -53,6 +53,7 @@ def run(out_dir, *overrides, stop_at: int | None = None):
     ("pipedream", ["parallel.pp=2"]),
     ("sync", ["optimizer=adamw"]),
     ("2bw", ["staleness.grad_ef_lambda=0.5", "staleness.weight_prediction=true", "optimizer=lion"]),
+    ("2bw", ["checkpoint.async_save=true"]),
 ])
 def test_resumed_run_equals_uninterrupted_bitwise(tmp_path, schedule, extra):
     full, full_weights = run(tmp_path / "full", f"schedule={schedule}", *extra)
