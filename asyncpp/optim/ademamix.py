@@ -20,13 +20,13 @@ scheduler interpolates the half-life, not beta itself, from beta1 at k = 0 to be
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from asyncpp.optim.common import check_betas, check_lr_wd, params_with_grad, state_buffers
+from asyncpp.optim.common import GroupwiseOptimizer, check_betas, check_lr_wd, state_buffers
 
 __all__ = ["AdEMAMix", "alpha_schedule", "beta3_schedule"]
 
@@ -45,9 +45,11 @@ def beta3_schedule(k: int, beta1: float, beta3: float, warmup_steps: int) -> flo
     return min(math.exp(log1 * log3 / ((1.0 - frac) * log3 + frac * log1)), beta3)
 
 
-class AdEMAMix(torch.optim.Optimizer):
+class AdEMAMix(GroupwiseOptimizer):
     """AdEMAMix with decoupled weight decay; state per parameter: `step` (a float tensor, as torch's
     Adam), `exp_avg` (m1), `exp_avg_slow` (m2), `exp_avg_sq` (nu). Defaults are the paper's."""
+
+    name = "AdEMAMix"
 
     def __init__(
         self,
@@ -69,17 +71,6 @@ class AdEMAMix(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": tuple(betas), "beta3": beta3, "alpha": alpha,
                     "warmup_steps": warmup_steps, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in params_with_grad(group, "AdEMAMix"):
-                self._step_param(p, group)
-        return loss
 
     def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
         lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]

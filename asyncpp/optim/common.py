@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,3 +39,30 @@ def state_buffers(optimizer: torch.optim.Optimizer, params: list[Tensor], key: s
             state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
         out.append(state[key])
     return out
+
+
+class GroupwiseOptimizer(torch.optim.Optimizer):
+    """The step() every hand-written optimizer here shares: closure, then each param group's params
+    that have a gradient. Subclasses implement `_step_group` (foreach over the group) or
+    `_step_param` (one parameter at a time)."""
+
+    name = "optimizer"
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = params_with_grad(group, self.name)
+            if params:
+                self._step_group(params, group)
+        return loss
+
+    def _step_group(self, params: list[Tensor], group: dict[str, Any]) -> None:
+        for p in params:
+            self._step_param(p, group)
+
+    def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} implements neither _step_group nor _step_param")

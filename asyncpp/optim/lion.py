@@ -13,19 +13,21 @@ weight decay 3-10x above (the paper's and the asyncpp study's convention: lr 5e-
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from asyncpp.optim.common import check_betas, check_lr_wd, params_with_grad, state_buffers
+from asyncpp.optim.common import GroupwiseOptimizer, check_betas, check_lr_wd, state_buffers
 
 __all__ = ["Lion"]
 
 
-class Lion(torch.optim.Optimizer):
+class Lion(GroupwiseOptimizer):
     """Lion with decoupled weight decay; state per parameter: `exp_avg` (m)."""
+
+    name = "Lion"
 
     def __init__(
         self,
@@ -38,24 +40,14 @@ class Lion(torch.optim.Optimizer):
         check_betas("Lion", betas)
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = params_with_grad(group, "Lion")
-            if not params:
-                continue
-            lr, wd = float(group["lr"]), group["weight_decay"]
-            beta1, beta2 = group["betas"]
-            grads = [p.grad for p in params]
-            exp_avgs = state_buffers(self, params, "exp_avg")
-            direction = torch._foreach_lerp(exp_avgs, grads, 1.0 - beta1)
-            torch._foreach_sign_(direction)
-            if wd != 0.0:
-                torch._foreach_mul_(params, 1.0 - lr * wd)
-            torch._foreach_add_(params, direction, alpha=-lr)
-            torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)
-        return loss
+    def _step_group(self, params: list[Tensor], group: dict[str, Any]) -> None:
+        lr, wd = float(group["lr"]), group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        grads = [p.grad for p in params]
+        exp_avgs = state_buffers(self, params, "exp_avg")
+        direction = torch._foreach_lerp(exp_avgs, grads, 1.0 - beta1)
+        torch._foreach_sign_(direction)
+        if wd != 0.0:
+            torch._foreach_mul_(params, 1.0 - lr * wd)
+        torch._foreach_add_(params, direction, alpha=-lr)
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)

@@ -19,20 +19,22 @@ The norm ||c|| is taken per parameter tensor (as the authors' implementation doe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from asyncpp.optim.common import check_betas, check_lr_wd, params_with_grad, state_buffers
+from asyncpp.optim.common import GroupwiseOptimizer, check_betas, check_lr_wd, state_buffers
 
 __all__ = ["MARS"]
 
 
-class MARS(torch.optim.Optimizer):
+class MARS(GroupwiseOptimizer):
     """MARS-AdamW (approximate); state per parameter: `step` (float tensor), `exp_avg`, `exp_avg_sq`,
     `last_grad` (g_{k-1}). Defaults are the paper's GPT-2 settings."""
+
+    name = "MARS"
 
     def __init__(
         self,
@@ -49,17 +51,6 @@ class MARS(torch.optim.Optimizer):
             raise ValueError(f"MARS gamma={gamma} must be >= 0 (0 is AdamW with per-tensor gradient clipping)")
         defaults = {"lr": lr, "betas": tuple(betas), "gamma": gamma, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in params_with_grad(group, "MARS"):
-                self._step_param(p, group)
-        return loss
 
     def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
         lr, wd, eps, gamma = float(group["lr"]), group["weight_decay"], group["eps"], group["gamma"]

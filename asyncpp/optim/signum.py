@@ -12,19 +12,21 @@ Lion with beta1 = beta2; it is here as the simplest sign-based baseline of the o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from asyncpp.optim.common import check_lr_wd, params_with_grad, state_buffers
+from asyncpp.optim.common import GroupwiseOptimizer, check_lr_wd, state_buffers
 
 __all__ = ["Signum"]
 
 
-class Signum(torch.optim.Optimizer):
+class Signum(GroupwiseOptimizer):
     """Signum; state per parameter: `momentum_buffer` (m)."""
+
+    name = "Signum"
 
     def __init__(
         self,
@@ -38,20 +40,10 @@ class Signum(torch.optim.Optimizer):
             raise ValueError(f"Signum momentum={momentum} must be in [0, 1)")
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = params_with_grad(group, "Signum")
-            if not params:
-                continue
-            lr, wd = float(group["lr"]), group["weight_decay"]
-            bufs = state_buffers(self, params, "momentum_buffer")
-            torch._foreach_lerp_(bufs, [p.grad for p in params], 1.0 - group["momentum"])
-            if wd != 0.0:
-                torch._foreach_mul_(params, 1.0 - lr * wd)
-            torch._foreach_add_(params, torch._foreach_sign(bufs), alpha=-lr)
-        return loss
+    def _step_group(self, params: list[Tensor], group: dict[str, Any]) -> None:
+        lr, wd = float(group["lr"]), group["weight_decay"]
+        bufs = state_buffers(self, params, "momentum_buffer")
+        torch._foreach_lerp_(bufs, [p.grad for p in params], 1.0 - group["momentum"])
+        if wd != 0.0:
+            torch._foreach_mul_(params, 1.0 - lr * wd)
+        torch._foreach_add_(params, torch._foreach_sign(bufs), alpha=-lr)

@@ -27,13 +27,13 @@ Leading dims of a [..., m, n] parameter (stacked MoE experts) are a batch of ind
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from asyncpp.optim.common import check_betas, check_lr_wd, params_with_grad
+from asyncpp.optim.common import GroupwiseOptimizer, check_betas, check_lr_wd
 
 __all__ = ["MAX_PRECOND_DIM", "SOAP"]
 
@@ -76,10 +76,12 @@ def _power_qr(stat: Tensor, basis: Tensor) -> tuple[Tensor, Tensor]:
     return torch.linalg.qr(projected).Q, order
 
 
-class SOAP(torch.optim.Optimizer):
+class SOAP(GroupwiseOptimizer):
     """SOAP for matrices (ndim >= 2). State per parameter: `step` (float tensor), `exp_avg` (M),
     `exp_avg_sq` (V, eigenbasis), `stat_left`/`stat_right` (L, R), `basis_left`/`basis_right` (Q_L, Q_R).
     Defaults are the paper's (betas 0.95, 0.95; precondition frequency 10)."""
+
+    name = "SOAP"
 
     def __init__(
         self,
@@ -109,17 +111,6 @@ class SOAP(torch.optim.Optimizer):
                 )
         param_group["params"] = params
         super().add_param_group(param_group)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in params_with_grad(group, "SOAP"):
-                self._step_param(p, group)
-        return loss
 
     def _init_state(self, p: Tensor) -> dict[str, Tensor]:
         state = self.state[p]
