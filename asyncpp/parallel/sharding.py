@@ -1,0 +1,37 @@
+"""How each parameter of a parallelized model is laid out: the one contract shared by the TP/EP
+plans (which produce it), the engine (gradient reductions and norms), the optimizers (a Muon that
+orthogonalizes the full matrix) and the dry run (per-rank memory).
+
+Parameters not named in a plan are replicated on every rank of the stage's TP and DP groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParamSharding:
+    tp_dim: int | None = None
+    """The dim along which the parameter is split over the TP group (None: replicated over TP)."""
+    expert: bool = False
+    """An expert weight split over the EP group along dim 0: each rank holds E/ep experts. Its gradient
+    already sums the tokens of every EP rank (the all-to-all brought them), so it is all-reduced over
+    the expert-data-parallel group (dp / ep ranks) only, instead of over DP."""
+    tp_grad_reduce: bool = False
+    """Replicated over TP, but each TP rank's gradient is partial (e.g. a norm under sequence
+    parallelism): the engine all-reduces it over TP before anything else reads it."""
+
+    @property
+    def is_tp_sharded(self) -> bool:
+        return self.tp_dim is not None
+
+
+ShardingPlan = dict[str, ParamSharding]
+"""Full-model parameter name ("layers.3.mixer.q_proj.weight") -> its layout."""
+
+REPLICATED = ParamSharding()
+
+
+def layout_of(plan: ShardingPlan, name: str) -> ParamSharding:
+    return plan.get(name, REPLICATED)
