@@ -26,10 +26,11 @@ except ImportError:  # pragma: no cover - older/newer torch without it
 from asyncpp.optim.ademamix import AdEMAMix
 from asyncpp.optim.lion import Lion
 from asyncpp.optim.mars import MARS
-from asyncpp.optim.muon import Muon
+from asyncpp.optim.muon import TP_MODES, Muon
 from asyncpp.optim.normuon import NorMuon
 from asyncpp.optim.signum import Signum
 from asyncpp.optim.soap import SOAP
+from asyncpp.parallel.sharding import ShardingPlan, layout_of
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
@@ -221,11 +222,36 @@ def _build_elementwise(name: str, named: NamedParams, hp: dict[str, Any]) -> tor
     raise ValueError(f"optimizer.name={name!r} is not an elementwise optimizer")
 
 
-def _build_matrix(name: str, params: list[nn.Parameter], hp: dict[str, Any]) -> torch.optim.Optimizer:
+def _matrix_group(named: NamedParams, sharding: ShardingPlan | None) -> dict[str, Any]:
+    """The matrix optimizer's param group with each parameter's layout, aligned by position (what
+    WeightVersions.retarget preserves when it swaps in the master tensors)."""
+    layouts = [layout_of(sharding or {}, name) for name, _ in named]
+    return {"params": [p for _, p in named], "tp_dims": [s.tp_dim for s in layouts],
+            "experts": [s.expert for s in layouts]}
+
+
+def _check_blockwise_ok(name: str, group: dict[str, Any], tp_group, tp_mode: str) -> None:
+    """NorMuon and SOAP only ever see their local shard: fine as a "block" update, but not silently."""
+    tp = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+    split = [p for p, d in zip(group["params"], group["tp_dims"]) if d is not None and d % p.ndim >= p.ndim - 2]
+    if tp > 1 and split and tp_mode != "block":
+        raise ValueError(
+            f"optimizer.name={name!r} updates each TP shard of a matrix on its own ({len(split)} matrices are "
+            f"TP-sharded, e.g. one of local shape {tuple(split[0].shape)}), which is optimizer.tp_mode='block'; "
+            "set optimizer.tp_mode=block to accept that, or use optimizer.name=muon for the exact 'gather' mode"
+        )
+
+
+def _build_matrix(name: str, named: NamedParams, hp: dict[str, Any], parallel: dict[str, Any]) -> torch.optim.Optimizer:
     common = {"lr": hp["lr"], "weight_decay": hp["weight_decay"]}
+    group = _matrix_group(named, parallel["sharding"])
     if name == "muon":
-        return Muon(params, momentum=hp["momentum"], nesterov=hp["nesterov"], ns_steps=hp["ns_steps"],
-                    adjust_lr=hp["adjust_lr"], compute_dtype=hp["muon_compute_dtype"], **common)
+        return Muon([group], momentum=hp["momentum"], nesterov=hp["nesterov"], ns_steps=hp["ns_steps"],
+                    adjust_lr=hp["adjust_lr"], compute_dtype=hp["muon_compute_dtype"], tp_mode=parallel["tp_mode"],
+                    tp_group=parallel["tp_group"], dp_group=parallel["dp_group"],
+                    expert_dp_group=parallel["expert_dp_group"], **common)
+    _check_blockwise_ok(name, group, parallel["tp_group"], parallel["tp_mode"])
+    params = group["params"]
     if name == "normuon":
         return NorMuon(params, momentum=hp["momentum"], beta2=hp["betas"][1], nesterov=hp["nesterov"],
                        eps=hp["eps"], ns_steps=hp["ns_steps"], compute_dtype=hp["muon_compute_dtype"], **common)
@@ -254,6 +280,11 @@ def build_optimizer(
     alpha: float = 5.0,
     ademamix_warmup_steps: int = 0,
     gamma: float = 0.025,
+    sharding: ShardingPlan | None = None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+    dp_group: torch.distributed.ProcessGroup | None = None,
+    expert_dp_group: torch.distributed.ProcessGroup | None = None,
+    tp_mode: str = "gather",
 ) -> OptimizerSet:
     """Elementwise optimizers (adamw, lion, signum, ademamix, mars) take every parameter; adamw_lr is
     ignored. Matrix optimizers (muon, normuon, soap) take split_params' hidden matrices and AdamW takes
@@ -266,9 +297,18 @@ def build_optimizer(
     - muon: lr, momentum, nesterov, ns_steps, adjust_lr, muon_compute_dtype (None = the params' dtype)
     - normuon: lr, momentum (beta1), betas[1] (per-neuron beta2), nesterov, ns_steps, eps
     - soap: lr, betas, eps, precondition_frequency
-    Weight decay is decoupled (x <- x * (1 - lr * wd)) and skips 1-D parameters."""
+    Weight decay is decoupled (x <- x * (1 - lr * wd)) and skips 1-D parameters.
+
+    Layout (the matrix optimizers; elementwise ones need none): `sharding` maps the names
+    split_params(model) reports to their ParamSharding (absent: replicated); Muon then gathers
+    TP-sharded matrices over `tp_group` (tp_mode="gather", exact) or orthogonalises each shard
+    ("block"), and shares its Newton-Schulz work over `dp_group` (dense matrices) and
+    `expert_dp_group` (expert stacks; None: each rank its own). See docs/muon.md. NorMuon and SOAP
+    refuse TP-sharded matrices unless tp_mode="block" (they only ever see the local shard)."""
     if name not in OPTIMIZER_NAMES:
         raise ValueError(f"optimizer.name={name!r} is not one of {OPTIMIZER_NAMES}")
+    if tp_mode not in TP_MODES:
+        raise ValueError(f"optimizer.tp_mode={tp_mode!r} is not one of {TP_MODES}")
     hp = {
         "lr": lr, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps, "momentum": momentum,
         "nesterov": nesterov, "ns_steps": ns_steps, "adjust_lr": adjust_lr, "muon_compute_dtype": muon_compute_dtype,
@@ -281,18 +321,31 @@ def build_optimizer(
         optimizers[name] = _build_elementwise(name, matrix_named + other_named, hp)
     else:
         if matrix_named:
-            optimizers[name] = _build_matrix(name, [p for _, p in matrix_named], hp)
+            parallel = {"sharding": sharding, "tp_group": tp_group, "dp_group": dp_group,
+                        "expert_dp_group": expert_dp_group, "tp_mode": tp_mode}
+            optimizers[name] = _build_matrix(name, matrix_named, hp, parallel)
         optimizers["adamw"] = _build_adamw(
             other_named, lr=adamw_lr if adamw_lr is not None else lr, weight_decay=weight_decay, betas=betas, eps=eps
         )
     return OptimizerSet({k: v for k, v in optimizers.items() if v is not None})
 
 
-def build_from_config(model: nn.Module, cfg) -> OptimizerSet:
-    """build_optimizer from an asyncpp.config.OptimizerConfig (duck-typed to keep optim config-free)."""
+def build_from_config(
+    model: nn.Module,
+    cfg,
+    *,
+    sharding: ShardingPlan | None = None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+    dp_group: torch.distributed.ProcessGroup | None = None,
+    expert_dp_group: torch.distributed.ProcessGroup | None = None,
+) -> OptimizerSet:
+    """build_optimizer from an asyncpp.config.OptimizerConfig (duck-typed to keep optim config-free);
+    the layout and groups come from the caller (the mesh and the TP/EP plan), not the config."""
     return build_optimizer(
         model, name=cfg.name, lr=cfg.lr, adamw_lr=cfg.adamw_lr, weight_decay=cfg.weight_decay,
         betas=cfg.betas, eps=cfg.eps, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
         adjust_lr=cfg.adjust_lr, precondition_frequency=cfg.precondition_frequency, beta3=cfg.beta3,
         alpha=cfg.alpha, ademamix_warmup_steps=cfg.ademamix_warmup_steps, gamma=cfg.gamma,
+        muon_compute_dtype=cfg.muon_compute_dtype, sharding=sharding, tp_group=tp_group, dp_group=dp_group,
+        expert_dp_group=expert_dp_group, tp_mode=cfg.tp_mode,
     )

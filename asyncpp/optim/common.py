@@ -1,8 +1,9 @@
-"""Small helpers shared by the hand-written optimizers (validation, state buffers)."""
+"""Small helpers shared by the hand-written optimizers (validation, state buffers, shape buckets)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -20,6 +21,30 @@ def check_lr_wd(name: str, lr: float, weight_decay: float) -> None:
         raise ValueError(f"{name} lr={lr} must be >= 0")
     if not weight_decay >= 0.0:
         raise ValueError(f"{name} weight_decay={weight_decay} must be >= 0")
+
+
+def check_matrix_params(name: str, params: Tensor | Iterable[Tensor]) -> list[Tensor]:
+    """The params of a matrix optimizer's param group as a list, each checked to be a real matrix
+    (ndim >= 2; leading dims are a batch of matrices, e.g. stacked MoE experts)."""
+    params = [params] if isinstance(params, Tensor) else list(params)
+    for p in params:
+        if p.ndim < 2:
+            raise ValueError(
+                f"{name} got a parameter of shape {tuple(p.shape)} (ndim={p.ndim}); it works on matrices and "
+                "needs ndim >= 2. Put vectors and scalars (norm weights, biases) in AdamW: see "
+                "asyncpp.optim.build.split_params"
+            )
+        if torch.is_complex(p):
+            raise ValueError(f"{name} does not support complex parameters (shape {tuple(p.shape)}, dtype {p.dtype})")
+    return params
+
+
+def shape_buckets(params: list[Tensor]) -> list[list[Tensor]]:
+    """params grouped by (shape, dtype, device), in first-seen order: each bucket can be stacked."""
+    buckets: dict[tuple, list[Tensor]] = defaultdict(list)
+    for p in params:
+        buckets[(tuple(p.shape), p.dtype, p.device)].append(p)
+    return list(buckets.values())
 
 
 def params_with_grad(group: dict[str, Any], name: str) -> list[Tensor]:

@@ -14,7 +14,8 @@ Per matrix W of shape [m, n] (m = output neurons, torch's Linear layout [out, in
 The last line gives every update an RMS of exactly 0.2 * lr (the paper's "eta hat"), so NorMuon
 shares AdamW's lr and weight decay as Muon's match_rms_adamw does; `adjust_lr` is therefore not
 used. Stacked [E, m, n] expert weights are E matrices (v is [E, m, 1], norms per matrix).
-Execution is Muon's: same-shaped parameters are bucketed and share one batched NS call.
+Same-shaped parameters are bucketed and share one batched NS call. Unlike Muon, NorMuon is not
+parallel-aware: a TP-sharded matrix gets the per-shard ("block") update (see docs/muon.md).
 """
 
 from __future__ import annotations
@@ -26,16 +27,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from asyncpp.optim.muon import _DTYPES, NS_COEFFICIENTS, Muon, _dtype_name, newton_schulz
+from asyncpp.optim.common import check_lr_wd, shape_buckets
+from asyncpp.optim.orthogonal import NS_COEFFICIENTS, MatrixOptimizer, compute_dtype_name, newton_schulz
 
 __all__ = ["NorMuon"]
 
 NS_EPS = 1e-7  # Newton-Schulz's Frobenius normalisation guard (Muon's eps)
 
 
-class NorMuon(Muon):
+class NorMuon(MatrixOptimizer):
     """NorMuon for matrices (ndim >= 2). State per parameter: `momentum_buffer` (M, shaped like the
     parameter) and `second_momentum_buffer` (v, shaped [..., m, 1])."""
+
+    name = "NorMuon"
 
     def __init__(
         self,
@@ -50,10 +54,7 @@ class NorMuon(Muon):
         ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
         compute_dtype: torch.dtype | str | None = None,
     ) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"NorMuon lr={lr} must be >= 0")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"NorMuon weight_decay={weight_decay} must be >= 0")
+        check_lr_wd("NorMuon", lr, weight_decay)
         for name, beta in (("momentum", momentum), ("beta2", beta2)):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"NorMuon {name}={beta} must be in [0, 1)")
@@ -68,9 +69,9 @@ class NorMuon(Muon):
             "eps": eps,
             "ns_steps": ns_steps,
             "ns_coefficients": tuple(ns_coefficients),
-            "compute_dtype": _dtype_name(compute_dtype),
+            "compute_dtype": compute_dtype_name(compute_dtype, "NorMuon"),
         }
-        torch.optim.Optimizer.__init__(self, params, defaults)
+        super().__init__(params, defaults)
 
     def _second_moments(self, params: list[Tensor]) -> list[Tensor]:
         out = []
@@ -81,16 +82,16 @@ class NorMuon(Muon):
             out.append(state["second_momentum_buffer"])
         return out
 
+    def _step_group(self, params: list[Tensor], group: dict[str, Any]) -> None:
+        for bucket in shape_buckets(params):
+            self._step_bucket(bucket, group)
+
     def _step_bucket(self, params: list[Tensor], group: dict[str, Any]) -> None:
         """One NorMuon step for K parameters of identical shape, dtype and device."""
-        lr, wd, beta1 = float(group["lr"]), group["weight_decay"], group["momentum"]
-        grads = [p.grad for p in params]
-        bufs = self._momentum_buffers(params)
-        torch._foreach_lerp_(bufs, grads, 1.0 - beta1)
-        update = torch.stack(grads).lerp_(torch.stack(bufs), beta1) if group["nesterov"] else torch.stack(bufs)
-        dtype = group["compute_dtype"]
+        lr, wd = float(group["lr"]), group["weight_decay"]
+        update = torch.stack(self._ns_inputs(params, group["momentum"], group["nesterov"]))
         ortho = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], NS_EPS,
-                              compute_dtype=_DTYPES[dtype] if dtype is not None else None)
+                              compute_dtype=self.compute_dtype(group))
         second = self._second_moments(params)
         torch._foreach_lerp_(second, list(ortho.square().mean(dim=-1, keepdim=True).unbind(0)), 1.0 - group["beta2"])
         normed = ortho / torch.stack(second).sqrt().add_(group["eps"])

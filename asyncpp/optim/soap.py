@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from asyncpp.optim.common import GroupwiseOptimizer, check_betas, check_lr_wd
+from asyncpp.optim.common import GroupwiseOptimizer, check_betas, check_lr_wd, check_matrix_params
 
 __all__ = ["MAX_PRECOND_DIM", "SOAP"]
 
@@ -101,15 +101,7 @@ class SOAP(GroupwiseOptimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        params = param_group["params"]
-        params = [params] if isinstance(params, Tensor) else list(params)
-        for p in params:
-            if p.ndim < 2:
-                raise ValueError(
-                    f"SOAP got a parameter of shape {tuple(p.shape)} (ndim={p.ndim}); it preconditions matrices "
-                    "and needs ndim >= 2. Put vectors and scalars in AdamW: see asyncpp.optim.build.split_params"
-                )
-        param_group["params"] = params
+        param_group["params"] = check_matrix_params(self.name, param_group["params"])
         super().add_param_group(param_group)
 
     def _init_state(self, p: Tensor) -> dict[str, Tensor]:

@@ -1,4 +1,6 @@
-"""Our batched Muon against torch.optim.Muon, and the properties batching must preserve."""
+"""Our batched Muon against torch.optim.Muon, the properties batching must preserve, and the
+parallel-aware parts that need no process group (work plan, per-parameter layout). The multi-rank
+behaviour is tests/dist/test_muon_distributed.py."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 from asyncpp.optim.muon import Muon, adjusted_lr, newton_schulz
+from asyncpp.optim.muon_sharded import MatrixJob, plan_buckets
 
 # Repeated shapes make buckets of size > 1, so the stacked path is what gets compared.
 SHAPES = [(64, 32), (64, 32), (32, 64), (48, 48), (48, 48), (20, 70)]
@@ -165,3 +168,118 @@ def test_adjusted_lr_formulas() -> None:
     assert adjusted_lr(1.0, "original", (64, 16)) == pytest.approx(2.0)
     assert adjusted_lr(1.0, "original", (16, 64)) == pytest.approx(1.0)
     assert adjusted_lr(1.0, "match_rms_adamw", (8, 16, 64)) == pytest.approx(0.2 * 8.0)
+
+
+# ------------------------------------------------------------------ parallel-aware layout and plan
+def _jobs(shapes, expert: bool = False) -> tuple[tuple[int, MatrixJob], ...]:
+    return tuple((i, MatrixJob(tuple(s), torch.float32, expert=expert)) for i, s in enumerate(shapes))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_plan_covers_every_matrix_once_and_balances_cost(world: int) -> None:
+    shapes = [(64, 32), (64, 32), (32, 64), (48, 48), (5, 24, 40), (24, 40), (7, 16, 16)]
+    jobs = _jobs(shapes)
+    buckets = plan_buckets(jobs, world, bucket_numel=2 * 48 * 48)
+    # deterministic: a fresh computation (past the cache) gives the same plan
+    assert buckets == plan_buckets.__wrapped__(jobs, world, bucket_numel=2 * 48 * 48)
+    assert [b.cost for b in buckets] == sorted((b.cost for b in buckets), reverse=True)
+    covered = {i: [] for i, _ in jobs}
+    load = [0] * world
+    for b in buckets:
+        assert b.size <= max(world, (2 * 48 * 48) // (b.matrix[0] * b.matrix[1]))
+        assert sum(b.counts) == b.size and max(b.counts) - min(b.counts) <= 1  # padding <= 1 matrix
+        for r in range(world):
+            mine = b.owned(r)
+            assert sum(stop - start for _, start, stop in mine) == b.counts[r]
+            for job, start, stop in mine:
+                covered[job] += range(start, stop)
+            load[r] += b.counts[r] * b.cost
+    for i, job in jobs:
+        assert sorted(covered[i]) == list(range(job.count)), (i, covered[i])
+    assert max(load) - min(load) <= max(job.cost for _, job in jobs)
+
+
+def test_tp_gather_job_sees_the_full_shape() -> None:
+    job = MatrixJob((3, 16, 24), torch.float32, gather_dim=-1)
+    assert (job.count, job.cost) == (3, 16 * 24 * 16)
+    assert plan_buckets(((0, job),), 1, 2**20)[0].gather_dim == -1
+
+
+def _named(shapes):
+    return [(f"layers.{i}.weight", p) for i, p in enumerate(_params(shapes))]
+
+
+def test_layout_is_validated_and_named() -> None:
+    params = _params([(8, 4), (8, 4)])
+    with pytest.raises(ValueError, match=r"'tp_dims' has 1 entries but 'params' has 2"):
+        Muon([{"params": params, "tp_dims": [0]}])
+    with pytest.raises(ValueError, match=r"tp_dims\[1\]=2 is not a dim .* \(8, 4\)"):
+        Muon([{"params": params, "tp_dims": [0, 2]}])
+    with pytest.raises(ValueError, match="tp_mode='rows'"):
+        Muon(params, tp_mode="rows")
+    with pytest.raises(ValueError, match=r"contiguous .* \(4, 8\)"):
+        Muon([torch.nn.Parameter(torch.randn(8, 4).T)])
+    opt = Muon([{"params": params, "tp_dims": [-1, None], "experts": [0, 1]}])
+    assert opt.param_groups[0]["tp_dims"] == [1, None] and opt.param_groups[0]["experts"] == [False, True]
+    assert Muon(params).param_groups[0]["tp_dims"] == [None, None]
+
+
+@pytest.mark.parametrize("tp_mode", ["gather", "block"])
+def test_layout_without_a_tp_group_is_plain_muon(tp_mode: str) -> None:
+    ours, ref = _params(SHAPES), _params(SHAPES)
+    layout = {"tp_dims": [0, 1, None, 1, 0, None], "experts": [False, True, False, False, True, False]}
+    _run(Muon([{"params": ours, **layout}], lr=0.02, tp_mode=tp_mode), ours, steps=3)
+    _run(Muon(ref, lr=0.02), ref, steps=3)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+
+
+class _Stage(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(8, 16, bias=False)
+        self.o = torch.nn.Linear(16, 8, bias=False)
+        self.norm = torch.nn.LayerNorm(8)
+        self.experts = torch.nn.ParameterDict({"w_up": torch.nn.Parameter(torch.randn(4, 6, 8))})
+        self.mlp = torch.nn.Linear(8, 8, bias=False)
+
+
+def test_layout_stays_aligned_through_retarget_and_load_state_dict() -> None:
+    from asyncpp.optim import build_optimizer
+    from asyncpp.parallel.sharding import ParamSharding
+    from asyncpp.weights import WeightVersions
+
+    stage = _Stage()
+    plan = {"q.weight": ParamSharding(tp_dim=0), "o.weight": ParamSharding(tp_dim=1),
+            "experts.w_up": ParamSharding(expert=True)}
+    opt = build_optimizer(stage, name="muon", lr=0.01, weight_decay=0.1, sharding=plan)
+    muon = opt.optimizers["muon"]
+    names = {id(p): n for n, p in stage.named_parameters()}
+    group = muon.param_groups[0]
+    expected = {n: (plan.get(n, ParamSharding()).tp_dim, plan.get(n, ParamSharding()).expert)
+                for n in (names[id(p)] for p in group["params"])}
+    versions = WeightVersions(list(stage.parameters()), num_buffers=2)
+    master_name = {id(q): names[id(p)] for p, q in zip(versions.params, versions.masters)}
+    versions.retarget(opt)
+    group = muon.param_groups[0]
+    assert all(id(p) in master_name for p in group["params"])  # the masters now, same order
+    got = {master_name[id(p)]: (d, e) for p, d, e in zip(group["params"], group["tp_dims"], group["experts"])}
+    assert got == expected and got["q.weight"] == (0, False) and got["experts.w_up"] == (None, True)
+    # A checkpoint from another layout (here: none recorded) must not overwrite this run's layout.
+    saved = muon.state_dict()
+    for g in saved["param_groups"]:
+        g.pop("tp_dims")
+        g.pop("experts")
+    muon.load_state_dict(saved)
+    assert muon.param_groups[0]["tp_dims"] == group["tp_dims"]
+
+
+def test_config_refuses_gather_mode_for_shard_only_optimizers() -> None:
+    from asyncpp.config import ConfigError
+    from pretrain import compose, resolve
+
+    with pytest.raises(ConfigError, match=r"optimizer.name=normuon with parallel.tp=2 .*tp_mode=block"):
+        resolve(compose(["optimizer=normuon", "parallel.tp=2"]))
+    cfg, _ = resolve(compose(["optimizer=normuon", "parallel.tp=2", "++optimizer.tp_mode=block"]))
+    assert cfg.optimizer.tp_mode == "block"
+    assert resolve(compose([]))[0].optimizer.tp_mode == "gather"
