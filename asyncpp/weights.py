@@ -15,27 +15,118 @@ optimizer stepping those in place would bump it (and fail the backward of in-fli
 even though it writes another buffer. An update for step t points the masters at the buffer of
 version t+1, fills it with x_t and steps in place, so x_t's buffer (still used by in-flight
 microbatches) is never written.
+
+Mixed precision (train.precision=bf16, `compute_dtype=torch.bfloat16`): the K buffers hold the versions
+in the compute dtype, the masters are separate fp32 tensors holding the newest version x_t at full
+precision. The optimizer steps the masters in place (they are not the module's Parameters, so no
+in-flight backward notices); the bf16 buffer of x_{t+1} is filled from them lazily, before the next
+use() of any version (or tensors()), which keeps the engine's call sequence the same in both modes.
+Gradients: each microbatch's bf16 gradient is added, as autograd produces it, into an fp32 sum per
+parameter (GradSums); take_grads() hands the step's fp32 sums over, so reductions, clipping and the
+optimizer see fp32 only. The simulator (simulate.py) uses the same pieces and so computes the same floats.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 
+#: dtype of the master weights, the optimizer state and the gradient sums in every precision.
+MASTER_DTYPE = torch.float32
+PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def compute_dtype_of(precision: str) -> torch.dtype:
+    """train.precision -> the dtype of the module's parameters, activations and weight versions."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"train.precision={precision!r} is not one of {sorted(PRECISIONS)}; e.g. train.precision=bf16")
+    return PRECISIONS[precision]
+
+
+def is_mixed(compute_dtype: torch.dtype | None) -> bool:
+    """Whether the masters are separate from the module's parameters (compute dtype below fp32)."""
+    return compute_dtype is not None and compute_dtype != MASTER_DTYPE
+
+
+@torch.no_grad()
+def make_masters(params: Sequence[nn.Parameter], compute_dtype: torch.dtype) -> list[nn.Parameter]:
+    """fp32 copies of `params` (their current values, so no precision is lost at initialisation), after
+    which the parameters themselves are cast to `compute_dtype` in place (the same Parameter objects,
+    so optimizers, tied references and hooks built before stay valid)."""
+    masters = [nn.Parameter(p.detach().to(MASTER_DTYPE, copy=True), requires_grad=p.requires_grad) for p in params]
+    for p in params:
+        p.data = p.data.to(compute_dtype)
+    return masters
+
+
+def retarget(optimizer, params: Sequence[Tensor], masters: Sequence[Tensor]) -> None:
+    """Make a freshly built optimizer step `masters` instead of `params` (matched by identity)."""
+    swap = {id(p): q for p, q in zip(params, masters)}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if optimizer_state_of(optimizer, p):
+                raise RuntimeError("retarget() needs an optimizer that has not stepped yet")
+        group["params"] = [swap.get(id(p), p) for p in group["params"]]
+
+
+class GradSums:
+    """Per-parameter fp32 sums of the gradients autograd produces for low-precision parameters.
+
+    A post-accumulate-grad hook moves each microbatch's gradient out of `p.grad` (which autograd
+    would otherwise keep summing in bf16) into an fp32 tensor, so a step's gradient is
+    sum_fp32(bf16 g_microbatch). pop() hands the sums over and starts new ones: in 2BW the next
+    step's backwards run before the previous step's optimizer has consumed its gradient.
+    """
+
+    def __init__(self, params: Sequence[Tensor], dtype: torch.dtype = MASTER_DTYPE):
+        self.dtype = dtype
+        self.sums: list[Tensor | None] = [None] * len(params)
+        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._add, i))
+                         for i, p in enumerate(params) if p.requires_grad]
+
+    def _add(self, index: int, p: Tensor) -> None:
+        g, p.grad = p.grad, None
+        total = self.sums[index]
+        if total is None:
+            self.sums[index] = g.to(self.dtype, copy=True)
+        else:
+            total.add_(g)
+
+    def pop(self) -> list[Tensor | None]:
+        """The sums since the last pop (None where no gradient arrived)."""
+        out, self.sums = self.sums, [None] * len(self.sums)
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
 
 class WeightVersions:
-    def __init__(self, params: list[nn.Parameter], num_buffers: int):
+    def __init__(self, params: list[nn.Parameter], num_buffers: int, compute_dtype: torch.dtype | None = None):
+        """`compute_dtype` below fp32 (bf16) casts `params` to it in place and keeps fp32 masters apart;
+        None or fp32: the masters share storage with the newest version (no extra memory)."""
         if num_buffers < 1:
             raise ValueError(f"num_buffers={num_buffers} must be >= 1")
         self.params = params
         self.num_buffers = num_buffers
+        self.mixed = is_mixed(compute_dtype)
+        if self.mixed:
+            self.masters = make_masters(params, compute_dtype)
         # Buffer 0 is the parameters' own storage: K buffers in all, not K + 1.
         self.buffers: list[list[Tensor]] = [[p.data for p in params]]
         for _ in range(num_buffers - 1):
             self.buffers.append([torch.empty_like(p.data) for p in params])
-        self.masters = [nn.Parameter(p.data, requires_grad=p.requires_grad) for p in params]
+        if not self.mixed:
+            self.masters = [nn.Parameter(p.data, requires_grad=p.requires_grad) for p in params]
+        self.grad_sums = GradSums(params) if self.mixed else None
         self.newest = 0
         self._active = 0  # index of the buffer the parameters point at
+        self._unsynced: int | None = None  # mixed: the buffer of `newest` still waiting for the masters
 
     def available(self, version: int) -> bool:
         return self.newest - self.num_buffers < version <= self.newest
@@ -47,7 +138,27 @@ class WeightVersions:
                 f"weight version {version} is not held (newest {self.newest}, {self.num_buffers} buffers); "
                 "the schedule used a version out of order"
             )
+        self.sync()
         self._point(version % self.num_buffers)
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Mixed precision: fill the newest version's buffer from the masters after an update (no-op otherwise)."""
+        if self._unsynced is None:
+            return
+        torch._foreach_copy_(self.buffers[self._unsynced], self.masters)
+        self._unsynced = None
+
+    def take_grads(self) -> list[Tensor]:
+        """The step's gradient of every parameter, in the masters' dtype (zeros where none arrived);
+        the parameters start accumulating the next step's from nothing."""
+        if self.grad_sums is not None:
+            return [g if g is not None else torch.zeros_like(q) for g, q in zip(self.grad_sums.pop(), self.masters)]
+        grads = []
+        for p in self.params:
+            grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
+            p.grad = None  # the next step's microbatches accumulate into a fresh .grad
+        return grads
 
     def _point(self, index: int) -> None:
         if index != self._active:
@@ -64,6 +175,14 @@ class WeightVersions:
         """
         if step != self.newest:
             raise RuntimeError(f"update for step {step} but the newest version is {self.newest}")
+        if self.mixed:
+            # The masters hold x_t in fp32 and are stepped in place; x_t is returned in fp32 too, so Error
+            # Feedback and the update norm measure the fp32 update (bf16(x_t) would add rounding to u_t).
+            self.sync()
+            x_t = [q.detach().clone() for q in self.masters]
+            self._unsynced = (step + 1) % self.num_buffers
+            self.newest = step + 1
+            return x_t
         src = self.buffers[step % self.num_buffers]
         dst_index = (step + 1) % self.num_buffers
         if dst_index != step % self.num_buffers:
@@ -81,25 +200,30 @@ class WeightVersions:
         return list(range(max(self.newest - self.num_buffers + 1, 0), self.newest + 1))
 
     def tensors(self, version: int) -> list[Tensor]:
-        """The buffer holding `version` (for checkpoints; written in place on load)."""
+        """The tensors holding `version` at full precision (for checkpoints; written in place on load):
+        its buffer, or in mixed precision the fp32 masters for the newest version."""
+        if self.mixed and version == self.newest:
+            return [q.detach() for q in self.masters]
+        self.sync()
         return self.buffers[version % self.num_buffers]
 
+    @torch.no_grad()
     def set_newest(self, version: int) -> None:
-        """After a load: `version` is the newest; parameters and masters point at it."""
+        """After a load: `version` is the newest; parameters and masters point at it (mixed precision:
+        its buffer is refilled from the masters, which the load wrote)."""
         self.newest = version
         self._active = -1
+        if self.mixed:
+            self._unsynced = version % self.num_buffers
+            self.sync()
         self._point(version % self.num_buffers)
-        for q, buf in zip(self.masters, self.buffers[version % self.num_buffers]):
-            q.data = buf
+        if not self.mixed:
+            for q, buf in zip(self.masters, self.buffers[version % self.num_buffers]):
+                q.data = buf
 
     def retarget(self, optimizer) -> None:
         """Make a freshly built optimizer step the masters instead of the module's Parameters."""
-        swap = {id(p): q for p, q in zip(self.params, self.masters)}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if optimizer_state_of(optimizer, p):
-                    raise RuntimeError("retarget() needs an optimizer that has not stepped yet")
-            group["params"] = [swap.get(id(p), p) for p in group["params"]]
+        retarget(optimizer, self.params, self.masters)
 
 
 def optimizer_state_of(optimizer, p) -> bool:

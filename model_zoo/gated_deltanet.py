@@ -15,9 +15,10 @@ Conventions shared by both functions below:
 * Inputs below fp32 are computed in fp32; ``o`` is returned in ``v``'s dtype and the final state in the
   compute dtype (fp32, or fp64 for fp64 inputs).
 
-``chunk_gated_delta_rule`` is the single entry point ``GatedDeltaNet`` calls: a fused kernel
-(``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, same argument order and semantics) can later be
-swapped in behind the same signature without touching the module.
+``chunk_gated_delta_rule`` is the single entry point ``GatedDeltaNet`` calls. On CUDA with bf16/fp16
+activations, flash-linear-attention's fused kernel (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``,
+same argument order and semantics) is used instead when it is importable (``GatedDeltaNet.kernel``;
+model_zoo/backends/kernels.py probes it).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from model_zoo.backends.kernels import fla_chunk_gated_delta_rule
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> None:
@@ -205,6 +208,9 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(num_heads))
         # Shared over heads (weight [Dv]) as in FLA's FusedRMSNormGated; applied per head in _gated_norm.
         self.o_norm = nn.RMSNorm(head_v_dim, eps=norm_eps, elementwise_affine=True)
+        # "auto": FLA's fused kernel where it applies (CUDA, bf16/fp16, importable), else the PyTorch form;
+        # "torch": always the PyTorch form (the reference a GPU test compares FLA against).
+        self.kernel = "auto"
         # A usable default so the module is never left with torch.empty garbage; model builders call
         # reset_parameters again with the configured std. Only RNG-driven in-place ops: fine on meta.
         self.reset_parameters(std=0.02)
@@ -241,6 +247,19 @@ class GatedDeltaNet(nn.Module):
         w = _upcast(self.o_norm.weight)
         return F.rms_norm(_upcast(o), (self.head_v_dim,), w, self.norm_eps) * F.silu(_upcast(gate))
 
+    def _delta_rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, act: torch.dtype) -> Tensor:
+        """o [B, T, H, Dv]. FLA takes q/k/v in the activation dtype (it accumulates in fp32 inside; it has no
+        fp32-input guarantee across versions, hence bf16/fp16 only), g in log space and beta as fp32, the
+        same [B, T, H, *] layout and default scale Dk**-0.5. Its chunk size is fixed (64); chunking
+        changes only the rounding, not the result."""
+        fused = None
+        if self.kernel == "auto" and q.is_cuda and act in (torch.bfloat16, torch.float16):
+            fused = fla_chunk_gated_delta_rule()
+        if fused is None:
+            return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size)[0]
+        o, _ = fused(q.to(act), k.to(act), v.to(act), g, beta, output_final_state=False)
+        return o
+
     def forward(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
         h, dk, dv = self.num_heads, self.head_k_dim, self.head_v_dim
@@ -253,6 +272,6 @@ class GatedDeltaNet(nn.Module):
         k = F.normalize(_upcast(k), p=2.0, dim=-1, eps=1e-6)
         beta = _upcast(self.b_proj(x)).sigmoid()
         g = -_upcast(self.A_log).exp() * F.softplus(_upcast(self.a_proj(x)) + _upcast(self.dt_bias))
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size)
+        o = self._delta_rule(q, k, v, g, beta, x.dtype)
         o = self._gated_norm(o, self.g_proj(x).reshape(b, t, h, dv)).to(x.dtype)
         return self.o_proj(o.reshape(b, t, h * dv))

@@ -1,0 +1,371 @@
+"""Memory of one rank, item by item: weight versions, fp32 masters, optimizer state, Error Feedback,
+gradient sums and activations. Printed at the start of a run; the same functions size a dry run on the
+meta device (every tensor below may be a meta tensor: only shapes and dtypes are read).
+
+Two kinds of numbers, and the report says which is which:
+
+* allocated: the bytes of the distinct storages behind the tensors that exist (a storage shared by two
+  items, e.g. fp32 masters sharing the newest version's buffer, is counted once, in the first item);
+* estimated: things that do not exist yet when the run starts. Optimizer state is created by the first
+  step, so it is sized by one step of a copy of the optimizer on meta tensors (no memory, exact shapes);
+  activations come from `activation_bytes_per_token`, a count of the tensors autograd saves in the local
+  (PyTorch) layers, checked against a saved-tensor-hook measurement in tests/unit/test_memory.py.
+
+Not counted: the CUDA context and allocator caching (~0.5-1 GiB per GPU), communication buffers,
+temporaries of a single op (a matmul's workspace), the activations a fused kernel saves instead of the
+local ones (TE, FLA: pending a GPU measurement, docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+ALLOCATED, ESTIMATED = "allocated", "estimated"
+_MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class MemoryItem:
+    name: str
+    nbytes: int
+    how: str
+    """ALLOCATED (measured from existing tensors) or ESTIMATED (see the module docstring)."""
+
+
+@dataclass
+class MemoryReport:
+    title: str
+    items: list[MemoryItem] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(i.nbytes for i in self.items)
+
+    def get(self, name: str) -> int:
+        """Bytes of the item whose name starts with `name` (KeyError if none)."""
+        for item in self.items:
+            if item.name.startswith(name):
+                return item.nbytes
+        raise KeyError(f"no memory item named {name!r}; items: {[i.name for i in self.items]}")
+
+    def table(self) -> str:
+        width = max([len(i.name) for i in self.items] + [len("total")])
+        lines = [self.title, f"  {'item':<{width}} {'MiB':>10}  how"]
+        lines += [f"  {i.name:<{width}} {i.nbytes / _MIB:>10.2f}  {i.how}" for i in self.items]
+        lines.append(f"  {'total':<{width}} {self.total / _MIB:>10.2f}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"title": self.title, "total_bytes": self.total,
+                "items": [{"name": i.name, "bytes": i.nbytes, "how": i.how} for i in self.items]}
+
+
+# ---- tensors that exist ------------------------------------------------------------------------
+
+def _storage_id(t: Tensor) -> int:
+    # The StorageImpl's address: the one identity of a storage that views, .data aliases and meta
+    # tensors all share (data_ptr() is 0 for every meta tensor).
+    return t.untyped_storage()._cdata
+
+
+def storage_bytes(tensors: Iterable[Tensor], counted: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind `tensors` (a tensor and its views count once). Storages
+    already in `counted` count 0; the ones counted here are added to it."""
+    counted = set() if counted is None else counted
+    total = 0
+    for t in tensors:
+        key = _storage_id(t)
+        if key not in counted:
+            counted.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _optimizers(optimizer) -> list:
+    inner = getattr(optimizer, "optimizers", None)
+    return list(inner.values()) if isinstance(inner, dict) else [optimizer]
+
+
+def optimizer_state_tensors(optimizer) -> list[Tensor]:
+    """Every tensor in the optimizer's per-parameter state (an OptimizerSet's inner optimizers included)."""
+    return [v for opt in _optimizers(optimizer) for state in opt.state.values()
+            for v in state.values() if isinstance(v, Tensor)]
+
+
+def _shadow(optimizer, twins: dict[int, Tensor]):
+    """A copy of `optimizer` over `twins` (id(param) -> twin) with empty state. Built by hand, not with
+    deepcopy: torch optimizers pickle only defaults/state/param_groups, which would drop attributes such
+    as process groups that step() reads; those are shared with the original here (read-only)."""
+    shadow = object.__new__(type(optimizer))
+    shadow.__dict__.update(optimizer.__dict__)
+    inner = getattr(optimizer, "optimizers", None)
+    if isinstance(inner, dict):  # an OptimizerSet: its param_groups are its optimizers' groups
+        shadow.optimizers = {k: _shadow(opt, twins) for k, opt in inner.items()}
+        return shadow
+    # Fused kernels refuse meta tensors; the state they keep is the same as the unfused path's.
+    shadow.param_groups = [{**g, "params": [twins[id(p)] for p in g["params"]],
+                            **({"fused": False} if g.get("fused") else {})} for g in optimizer.param_groups]
+    shadow.state = collections.defaultdict(dict)
+    return shadow
+
+
+def _meta_shadow_state(optimizer) -> list[Tensor]:
+    """The state one step would create, from a copy of the optimizer over meta twins of its parameters
+    (meta ops allocate nothing and run no kernels, so this is free at any model size)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    twins = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad) for p in params}
+    shadow = _shadow(optimizer, twins)
+    for twin in twins.values():
+        twin.grad = torch.empty_like(twin)
+    shadow.step()
+    return optimizer_state_tensors(shadow)
+
+
+def optimizer_state_bytes(optimizer, counted: set[int] | None = None) -> tuple[int, str]:
+    """(bytes, how): the allocated state if the optimizer has stepped, else one meta step's state (or, if
+    the optimizer cannot step on meta tensors, 2 fp32 tensors per parameter, AdamW's, as a stated guess)."""
+    existing = optimizer_state_tensors(optimizer)
+    if existing:
+        return storage_bytes(existing, counted), ALLOCATED
+    try:
+        return storage_bytes(_meta_shadow_state(optimizer)), ESTIMATED + " (one step on meta tensors)"
+    except Exception as e:  # noqa: BLE001 - an optimizer with host syncs (.item()) cannot run on meta
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        guess = 2 * _numel_bytes(params, torch.float32)
+        return guess, f"{ESTIMATED} (guess: 2 fp32 tensors per parameter; meta step failed: {type(e).__name__})"
+
+
+def materialize_optimizer_state(optimizer) -> None:
+    """Dry runs on meta parameters: take one step so the state exists (as meta tensors) and is counted
+    as allocated. Never call it on real parameters: it applies an update with garbage gradients."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(p.device.type != "meta" for p in params):
+        raise ValueError("materialize_optimizer_state() is for meta parameters only (it steps with empty gradients)")
+    for group in optimizer.param_groups:
+        if group.get("fused"):
+            group["fused"] = False
+    for p in params:
+        p.grad = torch.empty_like(p)
+    optimizer.step()
+    for p in params:
+        p.grad = None
+
+
+def _numel_bytes(tensors: Iterable[Tensor], dtype: torch.dtype | None = None) -> int:
+    return sum(t.numel() * (dtype.itemsize if dtype is not None else t.element_size()) for t in tensors)
+
+
+# ---- activations -------------------------------------------------------------------------------
+
+class LayerShapes(Protocol):
+    """What the activation count reads from a model config (model_zoo.ModelConfig satisfies it)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    layer_types: tuple[str, ...]
+    moe: Any
+    gdn: Any
+
+
+def _norm_bytes(h: int, c: int) -> int:
+    # RMSNorm: its fp32 input, the per-token rstd, the normalised value (the weight's gradient needs
+    # it) and its output, which the next projection saves as its input.
+    return 4 * h + 4 + 2 * c * h
+
+
+def _attention_bytes(cfg: LayerShapes, c: int, micro_batch_size: int) -> float:
+    hq, hkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    # SDPA saves rotated q and k, v, its output (o_proj's input is a view of it) and the fp32 logsumexp.
+    sdpa = c * (2 * hq + 2 * hkv) + 4 * cfg.num_heads
+    # The cos/sin tables, per position (shared by the batch): fp32 as cached, or cast copies for q and k.
+    tables = (2 if c == 4 else 4) * cfg.head_dim * c / micro_batch_size
+    return sdpa + tables
+
+
+def _gdn_bytes(cfg: LayerShapes, c: int, seq_len: int, micro_batch_size: int) -> float:
+    g = cfg.gdn
+    hk, hv, h, chunk = g.num_heads * g.head_k_dim, g.num_heads * g.head_v_dim, g.num_heads, min(g.chunk_size, seq_len)
+    # Counted from model_zoo/gated_deltanet.py's saved tensors: projections and convolutions in the
+    # compute dtype; q/k normalisation, gates and the gated output norm in fp32; inside the chunked
+    # kernel (on the sequence padded to whole chunks) the WY/UT matrices [C, C] per head and chunk and
+    # one [Dk, Dv] state per chunk, in fp32. Within 1% of a measurement when seq_len is a multiple of
+    # chunk_size (what training uses), within ~12% otherwise (padding copies depend on the layout).
+    padded = math.ceil(seq_len / chunk) * chunk / seq_len
+    compute = c * (4 * hk + 3 * hv) + c * (2 * hk + hv) * (g.conv_size - 1) / seq_len
+    outside = 4 * (6 * hk + 8 * hv + 12 * h)
+    inside = 4 * (5 * hk + 6 * h * chunk + h * g.head_k_dim * g.head_v_dim / chunk) * padded
+    masks = 2 * chunk * chunk / (micro_batch_size * seq_len)
+    return compute + outside + inside + masks
+
+
+def _swiglu_bytes(ffn: int, c: int) -> int:
+    return 4 * c * ffn  # gate and up outputs, silu(gate), and down's input
+
+
+def _moe_bytes(cfg: LayerShapes, c: int, imbalance: float) -> float:
+    moe, h = cfg.moe, cfg.hidden_size
+    k, e, f = moe.top_k, moe.num_experts, moe.expert_ffn_hidden_size
+    # The grouped expert buffer ([E, busiest expert's rows, h] in the padded-bmm kernel, so `imbalance` =
+    # busiest / mean expert load; ~1 with grouped_mm) and each expert's SwiGLU on it.
+    grouped = k * imbalance * (c * h + _swiglu_bytes(f, c))
+    # Per assignment: its gathered input row, its expert output and router weight (saved by the weighting),
+    # the weighted output (saved by the scatter-add); the int64 index vectors (sort order, token of each
+    # row, buffer position, top-k), the fp32 top-k weights and their sum, the fp32 router softmax.
+    routed = k * (3 * c * h + c) + 32 * k + 4 * k + 4 + 4 * e
+    shared = 0
+    if moe.shared_expert_ffn_hidden_size:
+        shared = _swiglu_bytes(moe.shared_expert_ffn_hidden_size, c) + c * h + c
+    return grouped + routed + shared
+
+
+def activation_bytes_per_token(cfg: LayerShapes, layer: int, dtype: torch.dtype, seq_len: int,
+                               micro_batch_size: int, moe_imbalance: float = 1.0) -> float:
+    """Bytes autograd keeps per token for the backward of Block `layer` (local layers, see module doc)."""
+    c = dtype.itemsize
+    h = cfg.hidden_size
+    kind = cfg.layer_types[layer]
+    if kind == "attn":
+        mixer = _attention_bytes(cfg, c, micro_batch_size)
+    elif kind == "gdn":
+        mixer = _gdn_bytes(cfg, c, seq_len, micro_batch_size)
+    else:
+        raise ValueError(f"model.layer_types[{layer}]={kind!r} has no activation count; known: attn, gdn")
+    mlp = _moe_bytes(cfg, c, moe_imbalance) if cfg.moe is not None else _swiglu_bytes(cfg.ffn_hidden_size, c)
+    return 2 * _norm_bytes(h, c) + mixer + mlp
+
+
+def activation_bytes(cfg: LayerShapes, layers: Iterable[int], *, dtype: torch.dtype, micro_batch_size: int,
+                     seq_len: int, first: bool, last: bool, moe_imbalance: float = 1.0) -> int:
+    """Saved activations of one microbatch's forward through a stage: the given Blocks, plus the token
+    ids on the first stage, plus the final norm, LM head and fp32 cross entropy on the last.
+    `moe_imbalance`: mean over MoE layers of busiest / mean expert load (1.0 = balanced router)."""
+    tokens = micro_batch_size * seq_len
+    per_token = sum(activation_bytes_per_token(cfg, i, dtype, seq_len, micro_batch_size, moe_imbalance)
+                    for i in layers)
+    if first:
+        per_token += 8 * (seq_len + 1) / seq_len  # the int64 token block the embedding's backward indexes
+    if last:
+        c = dtype.itemsize
+        # Final norm, the head's input, and log_softmax's fp32 output over the vocabulary (the loss is
+        # computed in fp32 whatever the compute dtype: simulate.cross_entropy).
+        per_token += _norm_bytes(cfg.hidden_size, c) + 4 * cfg.vocab_size + (0 if first else 8)
+    return math.ceil(per_token * tokens)
+
+
+def measure_saved_activations(fn: Callable[[], Any], exclude: Iterable[Tensor] = ()) -> tuple[int, Any]:
+    """(bytes of the distinct storages autograd saves while `fn()` runs, fn's result). Tensors sharing
+    storage with `exclude` (pass the parameters) are not activations and are not counted."""
+    skip = {_storage_id(t) for t in exclude}
+    saved: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        key = _storage_id(t)
+        if key not in skip:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    return sum(saved.values()), result
+
+
+def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_microbatches: int, steps: int = 3) -> int:
+    """Most microbatches whose forward ran and backward did not, at once, on `stage` (from the
+    schedule's own action list, so it is right for every kind: m for GPipe, P - s for 1F1B/2BW)."""
+    from asyncpp.schedules.actions import Op
+    from asyncpp.schedules.build import build_schedule
+
+    delay = 0 if schedule in ("sync", "gpipe", "1f1b") else 1
+    live = peak = 0
+    for action in build_schedule(schedule, stage, num_stages, num_microbatches, [delay] * steps):
+        live += {Op.FORWARD: 1, Op.BACKWARD: -1}.get(action.op, 0)
+        peak = max(peak, live)
+    return peak
+
+
+# ---- reports -----------------------------------------------------------------------------------
+
+def versions_report(versions, optimizer, *, error_feedback: Sequence[Tensor], activation_bytes_per_mb: int,
+                    in_flight: int, grad_buffers: int, title: str) -> MemoryReport:
+    """One pipeline stage (asyncpp.weights.WeightVersions): K versions in the compute dtype, the fp32
+    masters if separate, the optimizer state, the EF buffer, the fp32 gradients (`grad_buffers` of them
+    live at once: 2 in 2BW, whose lazy update overlaps the next step's backward) and activations."""
+    counted: set[int] = set()
+    buffers = [t for version in versions.buffers for t in version]
+    dtype = buffers[0].dtype if buffers else torch.float32
+    items = [MemoryItem(f"weight versions ({versions.num_buffers} x {_dtype_name(dtype)})",
+                        storage_bytes(buffers, counted), ALLOCATED)]
+    masters = storage_bytes(versions.masters, counted)
+    items.append(MemoryItem("fp32 master weights" + ("" if versions.mixed else " (share the newest version)"),
+                            masters, ALLOCATED))
+    items += _optimizer_and_rest(optimizer, error_feedback, versions.masters, counted, grad_buffers)
+    if versions.mixed:  # begin_update's fp32 copy of x_t, alive during the update
+        items.append(MemoryItem("update scratch (fp32 x_t)", _numel_bytes(versions.masters), ESTIMATED))
+    items.append(_activation_item(activation_bytes_per_mb, in_flight))
+    return MemoryReport(title, items)
+
+
+def simulator_report(sim, *, activation_bytes_per_mb: int, title: str) -> MemoryReport:
+    """The single-process simulator (asyncpp.simulate): the model's parameters, its past versions
+    (allocated as the run goes: estimated from shapes until then), masters, optimizer, EF, one
+    microbatch in flight, and the fp32 copy of x_t each step makes."""
+    counted: set[int] = set()
+    past = sim.num_past_versions
+    params_bytes = storage_bytes(sim.params, counted)
+    dtype = sim.params[0].dtype if sim.params else torch.float32
+    history = [t for version in sim.history for t in version]
+    past_bytes = storage_bytes(history, counted) if len(sim.history) == past else _numel_bytes(sim.params) * past
+    items = [
+        MemoryItem(f"weights ({_dtype_name(dtype)})", params_bytes, ALLOCATED),
+        MemoryItem(f"past versions ({past} x {_dtype_name(dtype)})", past_bytes,
+                   ALLOCATED if len(sim.history) == past else ESTIMATED),
+        MemoryItem("fp32 master weights" + ("" if sim.mixed else " (are the weights)"),
+                   storage_bytes(sim.masters, counted), ALLOCATED),
+    ]
+    items += _optimizer_and_rest(sim.optimizer, sim.error_feedback.prev_update, sim.masters, counted, 1)
+    items.append(MemoryItem("step scratch (fp32 x_t)", _numel_bytes(sim.masters), ESTIMATED))
+    items.append(_activation_item(activation_bytes_per_mb, 1))
+    return MemoryReport(title, items)
+
+
+def _optimizer_and_rest(optimizer, error_feedback: Sequence[Tensor], masters: Sequence[Tensor], counted: set[int],
+                        grad_buffers: int) -> list[MemoryItem]:
+    state, how = optimizer_state_bytes(optimizer, counted)
+    return [
+        MemoryItem("optimizer state (fp32)", state, how),
+        MemoryItem("error feedback buffer", storage_bytes(error_feedback, counted), ALLOCATED),
+        MemoryItem(f"gradients (fp32, {grad_buffers} live)", grad_buffers * _numel_bytes(masters, torch.float32),
+                   ESTIMATED),
+    ]
+
+
+def _activation_item(per_microbatch: int, in_flight: int) -> MemoryItem:
+    return MemoryItem(f"activations ({in_flight} microbatch{'es' if in_flight != 1 else ''} in flight)",
+                      per_microbatch * in_flight, ESTIMATED)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
+def simulator_run_report(sim, model_cfg: LayerShapes, cfg) -> MemoryReport:
+    """The report pretrain.py prints when a single process simulates the run (`cfg`: a RunConfig): the
+    whole model, one microbatch of cfg.train's shape in flight, MoE routing assumed balanced."""
+    t = cfg.train
+    dtype = sim.params[0].dtype if sim.params else torch.float32
+    per_mb = activation_bytes(model_cfg, range(len(model_cfg.layer_types)), dtype=dtype,
+                              micro_batch_size=t.micro_batch_size, seq_len=t.seq_len, first=True, last=True)
+    title = (f"memory of this process: single-process {cfg.schedule.name} (simulating pp={cfg.parallel.pp}), "
+             f"precision={t.precision}, microbatch {t.micro_batch_size}x{t.seq_len}")
+    return simulator_report(sim, activation_bytes_per_mb=per_mb, title=title)

@@ -1,0 +1,46 @@
+"""Optional fused kernels, each probed once: flash-linear-attention (Gated DeltaNet) and NVIDIA apex.
+
+Nothing here is required: every caller keeps a pure-PyTorch path for when a probe returns None. This
+module imports nothing from model_zoo, so model_zoo's own layers can import it without a cycle.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+GPU_EXTRAS_HINT = "install the GPU extras: pip install -e .[gpu]"
+APEX_HINT = ("build NVIDIA apex from source (https://github.com/NVIDIA/apex); never `pip install apex`, "
+             "which is an unrelated PyPI package")
+
+
+def try_import(module: str) -> tuple[Any | None, str]:
+    """(module, "") or (None, why): any exception counts, since GPU packages can fail at import time for
+    reasons other than absence (a CUDA/driver mismatch, a missing shared library)."""
+    try:
+        return importlib.import_module(module), ""
+    except Exception as e:  # noqa: BLE001 - reported to the user verbatim
+        return None, f"{type(e).__name__}: {e}"
+
+
+@functools.cache
+def fla_chunk_gated_delta_rule() -> Callable | None:
+    """flash-linear-attention's fused chunk_gated_delta_rule (Triton, CUDA only), or None if not importable."""
+    ops, _ = try_import("fla.ops.gated_delta_rule")
+    return getattr(ops, "chunk_gated_delta_rule", None) if ops is not None else None
+
+
+def fla_status() -> str:
+    ops, why = try_import("fla.ops.gated_delta_rule")
+    if ops is not None and hasattr(ops, "chunk_gated_delta_rule"):
+        return "flash-linear-attention: available (Gated DeltaNet uses its fused kernel on CUDA for bf16)"
+    return f"flash-linear-attention: unavailable ({why or 'no chunk_gated_delta_rule'}); {GPU_EXTRAS_HINT}"
+
+
+@functools.cache
+def apex_fused_rms_norm() -> type | None:
+    """apex.normalization.FusedRMSNorm, or None. Only NVIDIA's apex has it (see APEX_HINT)."""
+    norm, _ = try_import("apex.normalization")
+    return getattr(norm, "FusedRMSNorm", None) if norm is not None else None

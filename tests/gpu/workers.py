@@ -1,0 +1,79 @@
+"""What each rank runs in the single-GPU pipeline test, and its GPU simulator reference.
+
+NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so these ranks use gloo. gloo all-reduces
+CUDA tensors but sends and receives only CPU tensors, so the stage link is staged through host memory
+(HostStagedComm); everything else (model, weight versions, optimizer, reductions) is on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from asyncpp.config import RunConfig
+from asyncpp.mesh import Mesh, ParallelDims
+from asyncpp.optim import build_from_config
+from asyncpp.p2p import StageComm, wait_for
+from asyncpp.trainer import build_simulator
+from model_zoo import build_model, get_model_config
+from tests.dist.workers import data_for
+
+
+class HostStagedComm(StageComm):
+    """StageComm whose payloads cross gloo as CPU tensors (gloo has no CUDA send/recv)."""
+
+    def _recv(self, src: int, what: str) -> Tensor:
+        buf = torch.empty(self.shape, dtype=self.dtype)
+        wait_for(torch.distributed.irecv(buf, src=src, group=self.mesh.pp_group), self.timeout_s, self.mesh,
+                 f"{what} from rank {src}")
+        return buf.to(self.mesh.device)
+
+    def _send(self, tensor: Tensor, dst: int, free_after: bool) -> None:
+        payload = tensor.detach().to("cpu").contiguous()
+        work = torch.distributed.isend(payload, dst=dst, group=self.mesh.pp_group)
+        self._pending.append((work, payload, tensor if free_after else None))
+
+
+def gpu_pipeline_rank(rank: int, cfg_dict: dict) -> dict:
+    os.environ["LOCAL_RANK"] = "0"  # both ranks share GPU 0; DeviceMesh would otherwise pick cuda:LOCAL_RANK
+    torch.cuda.set_device(0)
+    from asyncpp import pipeline
+
+    pipeline.StageComm = HostStagedComm
+    cfg = RunConfig.from_dict(cfg_dict)
+    model_cfg = get_model_config(cfg.model.name)
+    cfg.validate(model_cfg)
+    device = torch.device("cuda", 0)
+    mesh = Mesh(ParallelDims.for_world(torch.distributed.get_world_size(), pp=cfg.parallel.pp), device)
+    torch.manual_seed(cfg.seed)
+    model = build_model(model_cfg, device=device)
+    run = pipeline.PipelineRun(cfg, model, mesh, data_for(cfg, model_cfg.vocab_size),
+                               lambda stage, *_: build_from_config(stage, cfg.optimizer))
+    records = []
+
+    class Collect:
+        def log(self, record):
+            records.append(record)
+
+        def message(self, text):
+            pass
+
+    run.run(Collect() if mesh.is_writer else None)
+    params = {n: p.detach().cpu().clone() for n, p in run.model.named_parameters()}
+    return {"stage": mesh.pp_rank, "records": records, "params": params}
+
+
+def gpu_reference_run(cfg: RunConfig) -> dict:
+    """The single-process simulator of the same run on the GPU."""
+    model_cfg = get_model_config(cfg.model.name)
+    device = torch.device("cuda", 0)
+    torch.manual_seed(cfg.seed)
+    model = build_model(model_cfg, device=device)
+    sim = build_simulator(cfg, model, build_from_config(model, cfg.optimizer))
+    data = data_for(cfg, model_cfg.vocab_size)
+    m = cfg.train.num_microbatches
+    stats = [sim.step(t, [data.train_microbatch(t * m + j).to(device) for j in range(m)])
+             for t in range(cfg.train.steps)]
+    return {"stats": stats, "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()}}
