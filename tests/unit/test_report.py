@@ -1,0 +1,192 @@
+"""asyncpp.report on a synthetic study whose table values are computed independently here."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+
+from asyncpp import report, study
+
+SEEDS = (1, 2, 3)
+# final validation loss per (row, column) and seed; None = the run never finished (no directory)
+FINAL = {
+    ("adamw", "sync"): (3.00, 3.10, 3.20),
+    ("adamw", "2bw"): (3.30, 3.42, 3.48),
+    ("adamw", "2bw_ef"): (3.05, 3.16, 3.27),
+    ("muon", "sync"): (2.90, 2.95, 3.01),
+    ("muon", "2bw"): (2.80, 2.86, 2.90),      # delay *helps* here: the verdict must say "disagrees"
+    ("muon", "2bw_ef"): (2.85, 2.91, None),   # one seed missing
+}
+EVAL_STEPS = (10, 20, 30)
+
+
+@pytest.fixture(scope="module")
+def base_config() -> dict:
+    import pretrain
+
+    cfg, _ = pretrain.resolve(pretrain.compose(["+experiment=study", "train.steps=30", "optimizer.schedule.warmup_steps=3"]))
+    d = json.loads(json.dumps(cfg.to_dict()))
+    d.pop("out_dir")
+    return d
+
+
+def arm_config(base: dict, optimizer: str, column: str, seed: int) -> dict:
+    cfg = copy.deepcopy(base)
+    cfg["optimizer"]["name"], cfg["seed"] = optimizer, seed
+    cfg["schedule"]["name"] = "sync" if column == "sync" else "2bw"
+    cfg["staleness"]["ef_lambda"] = 1.0 if column == "2bw_ef" else 0.0
+    cfg["staleness"]["grad_ef_lambda"] = 1.0 if column == "grad_ef1" else 0.0
+    return cfg
+
+
+def write_run(out: Path, run: study.Run, final: float, diverged: bool = False) -> None:
+    """A run directory as pretrain.py leaves it: config.json, metrics.jsonl (a resumed run repeats a step),
+    summary.json; a diverged run has a NaN loss, skipped steps, a failed status and an empty summary."""
+    d = out / run.name
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({**run.config, "out_dir": str(d)}))
+    lines = []
+    for step in range(EVAL_STEPS[-1]):
+        record = {"step": step, "loss": "nan" if diverged and step > 3 else 4.0, "skipped": diverged and step > 3}
+        if step + 1 in EVAL_STEPS and not diverged:
+            # the curve ends at the final value; earlier points are offset by a per-step constant
+            record["val_loss"] = final + 0.1 * (EVAL_STEPS[-1] - step - 1) / 10
+        lines.append(json.dumps(record))
+    lines.insert(15, json.dumps({"step": 19, "loss": 9.9, "val_loss": 99.0}))  # superseded by the resumed line
+    (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    if diverged:
+        (d / "summary.json").write_text("{}")
+        (d / study.STATUS).write_text(json.dumps({"returncode": 1}))
+    else:
+        (d / "summary.json").write_text(json.dumps({"final_val_loss": final, "stopped_at": None,
+                                                    "mean_step_time_s": 0.5}))
+
+
+@pytest.fixture(scope="module")
+def study_dir(tmp_path_factory, base_config) -> Path:
+    out = tmp_path_factory.mktemp("study")
+    cells = [study.Cell("main", "Main", [{"optimizer": "adamw"}, {"optimizer": "muon"}],
+                        {c: [] for c in ("sync", "2bw", "2bw_ef")}),
+             study.Cell("grad_ef", "Gradient EF", [{"optimizer": "muon"}], {c: [] for c in ("sync", "2bw", "grad_ef1")})]
+    plan = study.Plan("synthetic", "study", "synthetic runs", "study", 30, list(SEEDS), [], cells)
+    runs: dict[str, study.Run] = {}
+    for cell in cells:
+        for row in cell.rows:
+            opt = row["optimizer"]
+            for column in cell.columns:
+                for i, seed in enumerate(SEEDS):
+                    name = f"{opt}__{column}__seed{seed}"
+                    run = runs.setdefault(name, study.Run(name, [], arm_config(base_config, opt, column, seed)))
+                    run.cells.append({"cell": cell.name, "row": opt, "column": column, "seed": seed, "x": None})
+                    if (out / name).exists():
+                        continue  # shared with an earlier cell
+                    if column == "grad_ef1":
+                        if seed != 3:  # seeds 1, 2 diverge; seed 3 never ran
+                            write_run(out, run, math.nan, diverged=True)
+                    elif FINAL[(opt, column)][i] is not None:
+                        write_run(out, run, FINAL[(opt, column)][i])
+    study.write_manifest(out, plan, list(runs.values()), [], ["run", "--plan", "synthetic", "--out", str(out)])
+    return out
+
+
+def table_row(markdown: str, first_cell: str, after: str) -> list[str]:
+    section = markdown[markdown.index(after):]
+    line = next(ln for ln in section.splitlines() if ln.startswith(f"| {first_cell} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def expected_main_row(opt: str) -> list[str]:
+    """The main table's row, computed here without asyncpp.report."""
+    s, a, e = ([v for v in FINAL[(opt, c)] if v is not None] for c in ("sync", "2bw", "2bw_ef"))
+    fmt = lambda xs: f"{statistics.mean(xs):.4f} ± {statistics.stdev(xs):.4f}"
+    gap = [x - y for x, y in zip(FINAL[(opt, "2bw")], FINAL[(opt, "sync")])]
+    ef_pairs = [(x, y) for x, y in zip(FINAL[(opt, "2bw_ef")], FINAL[(opt, "sync")]) if x is not None]
+    ef_gap = [x - y for x, y in ef_pairs]
+    seeds = [i for i, v in enumerate(FINAL[(opt, "2bw_ef")]) if v is not None]
+    m = {c: statistics.mean(FINAL[(opt, c)][i] for i in seeds) for c in ("sync", "2bw", "2bw_ef")}
+    closed = (m["2bw"] - m["2bw_ef"]) / (m["2bw"] - m["sync"])
+
+    def significant(xs: list[float]) -> bool:  # paired t-test, two-sided 95%: t(1) = 12.706, t(2) = 4.303
+        return abs(statistics.mean(xs)) > {2: 12.706, 3: 4.303}[len(xs)] * statistics.stdev(xs) / math.sqrt(len(xs))
+
+    def diff(xs: list[float]) -> str:
+        return f"{statistics.mean(xs):+.4f} ± {statistics.stdev(xs):.4f}" + ("" if significant(xs) else " (n.s.)")
+
+    ef_text = fmt(e) + ("" if len(e) == 3 else f" ({len(e)}/3; {3 - len(e)} missing)")
+    gap_resolved = significant(gap)
+    return [opt, fmt(s), fmt(a), ef_text, diff(gap), diff(ef_gap), f"{closed:.0%}" + ("" if gap_resolved else " (gap n.s.)")]
+
+
+@pytest.fixture(scope="module")
+def rendered(study_dir, tmp_path_factory) -> tuple[str, Path]:
+    out = tmp_path_factory.mktemp("docs") / "reproduction.md"
+    assert report.main([str(study_dir), "--out", str(out)]) == 0
+    return out.read_text(), out
+
+
+@pytest.mark.parametrize("opt", ["adamw", "muon"])
+def test_main_table_values(rendered, opt):
+    markdown, _ = rendered
+    assert table_row(markdown, opt, "## Main") == expected_main_row(opt)
+
+
+def test_missing_and_diverged_runs_are_reported_not_dropped(rendered):
+    markdown, _ = rendered
+    assert "| muon__2bw_ef__seed3 | pending | main |" in markdown
+    grad = next(r for r in markdown.splitlines() if r.startswith("| muon | grad_ef1 |"))
+    # seed 3 has no directory: missing, not diverged; no loss, no differences
+    assert grad == "| muon | grad_ef1 | **2 diverged, 1 missing** (0/3) | — | — | — |"
+    assert "| muon__grad_ef1__seed1 | diverged | grad_ef |" in markdown
+
+
+def test_paper_comparison_is_computed(rendered):
+    markdown, _ = rendered
+    claims = {r.split("|")[1].strip(): r.split("|")[3].strip() for r in markdown.splitlines()
+              if r.startswith(("| adamw:", "| muon:", "| gap ordering"))}
+    assert claims["adamw: one-step delay raises the loss (360M: 2.612 → 2.890, gap +0.278)"] == "agrees"
+    assert claims["adamw: EF lowers the delayed loss (360M: 2.890 → 2.640, 90% of the gap)"] == "agrees"
+    assert claims["muon: one-step delay raises the loss (360M: 2.578 → 2.590, gap +0.012)"] == "disagrees"
+    assert claims["gap ordering adamw > muon"] == "agrees"
+    assert "muon: gradient-level EF diverges (Fig. 19)" in claims
+    assert "PILOT" not in markdown.upper().split("## SETUP")[0]  # label "study": no pilot banner
+
+
+def test_figures_are_written(rendered):
+    markdown, out = rendered
+    for name in ("loss_curves", "gap_over_time"):
+        png = out.parent / "reproduction" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+        assert f"(reproduction/{name}.png)" in markdown
+
+
+def test_curves_take_the_last_record_of_a_step(study_dir):
+    records = report.read_metrics(study_dir / "adamw__sync__seed1" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(EVAL_STEPS[-1]))
+    assert records[19]["val_loss"] == pytest.approx(3.00 + 0.1 * 10 / 10)
+    curves = report.gap_curves(report.load_study([study_dir]), "main", "adamw", "2bw", "sync")
+    assert [c[0] for c in curves] == [list(EVAL_STEPS)] * 3
+    assert curves[0][1] == pytest.approx([0.30] * 3)  # same per-step offsets: the gap is the final gap
+
+
+def test_a_run_that_does_not_match_its_plan_is_refused(study_dir, tmp_path):
+    import shutil
+
+    copy_dir = tmp_path / "copy"
+    shutil.copytree(study_dir, copy_dir)
+    cfg_path = copy_dir / "adamw__sync__seed1" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["optimizer"]["lr"] *= 2
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(study.PlanError, match=r"optimizer\.lr"):
+        report.load_study([copy_dir])
+
+
+def test_the_report_lists_what_the_arms_differ_in(rendered):
+    markdown, _ = rendered
+    line = next(ln for ln in markdown.splitlines() if ln.startswith("- what differs between the columns"))
+    assert line.endswith("`schedule.name`, `staleness.ef_lambda`, `staleness.grad_ef_lambda`")

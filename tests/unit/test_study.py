@@ -1,0 +1,173 @@
+"""asyncpp.study: plan expansion (cells, shared runs, shared hyperparameters), templates, resumability."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncpp import study
+from asyncpp.study import PlanError, config_diff, expand, fill, load_plan, run_status
+
+# What may differ between the columns of one row: the schedule and its staleness options, and (PipeDream's
+# depth) the simulated layout. Everything else -- optimizer, lr, betas, model, data, steps -- must not.
+ARM_KEYS = ("schedule.", "staleness.", "parallel.pp", "parallel.stage_layers")
+
+SMOKE = """
+label: smoke
+experiment: study
+steps: 3
+seeds: [1]
+overrides:
+  - train.steps={steps}
+  - train.micro_batch_size=2
+  - train.num_microbatches=2
+  - train.seq_len=32
+  - train.eval_batches=1
+  - train.eval_every={steps}
+  - optimizer.schedule.warmup_steps=1
+  - checkpoint.enabled=false
+cells:
+  main:
+    title: smoke
+    rows: {optimizer: [muon]}
+    columns:
+      sync: [schedule=sync]
+      2bw: [schedule=2bw]
+"""
+
+
+@pytest.fixture(scope="module")
+def full_runs() -> list[study.Run]:
+    return expand(load_plan("full"))
+
+
+def memberships(runs: list[study.Run]) -> dict[tuple[str, str, str, int], study.Run]:
+    return {(c["cell"], c["row"], c["column"], c["seed"]): r for r in runs for c in r.cells}
+
+
+def test_full_plan_has_every_cell_and_shares_runs(full_runs):
+    cells = memberships(full_runs)
+    # 5 optimizers x {sync, 2bw, 2bw_ef} x 3 seeds
+    main = {k for k in cells if k[0] == "main"}
+    assert {(o, c) for _, o, c, _ in main} == {(o, c) for o in ("adamw", "muon", "normuon", "soap", "lion")
+                                              for c in ("sync", "2bw", "2bw_ef")}
+    assert {s for *_, s in main} == {1, 2, 3}
+    lam = {k[2] for k in cells if k[0] == "ef_lambda"}
+    assert lam == {"sync", "ef0", "ef0.5", "ef1", "ef1.5", "ef2"}
+    assert {k[1] for k in cells if k[0] == "ef_lambda"} == {"muon", "adamw"}
+    # the same experiment asked for by two cells runs once: lambda=0 is 2BW, lambda=1 is 2BW+EF, momentum
+    # 0.95 is Muon's default, and PipeDream's references are the main cell's runs
+    assert cells[("ef_lambda", "muon", "ef0", 2)] is cells[("main", "muon", "2bw", 2)]
+    assert cells[("ef_lambda", "adamw", "ef1", 1)] is cells[("main", "adamw", "2bw_ef", 1)]
+    assert cells[("momentum", "muon-momentum0.95", "sync", 3)] is cells[("main", "muon", "sync", 3)]
+    assert cells[("pipedream", "muon", "2bw", 1)] is cells[("main", "muon", "2bw", 1)]
+    assert cells[("momentum", "muon-momentum0.9", "2bw", 1)] is not cells[("main", "muon", "2bw", 1)]
+    # 45 main + 6 lambda + 2 grad-EF + 3 DC + 2 sync-start + 3 PipeDream + 4 momentum cells, 3 seeds each
+    assert len(full_runs) == (45 + 3 * (6 + 2 + 3 + 2 + 3 + 4))
+    assert len({json.dumps(r.config, sort_keys=True) for r in full_runs}) == len(full_runs)
+
+
+def test_arms_share_every_hyperparameter(full_runs):
+    cells = memberships(full_runs)
+    for (cell, row, column, seed), run in cells.items():
+        sync = cells[(cell, row, "sync", seed)]
+        differing = config_diff(run.config, sync.config)
+        assert all(d.startswith(ARM_KEYS) for d in differing), (cell, row, column, differing)
+        other_seed = cells[(cell, row, column, 1 if seed != 1 else 2)]
+        assert config_diff(run.config, other_seed.config) == ["seed"]
+    momentum = {row: cells[("momentum", row, "2bw", 1)].config["optimizer"]["momentum"]
+                for row in ("muon-momentum0.9", "muon-momentum0.95", "muon-momentum0.98")}
+    assert momentum == {"muon-momentum0.9": 0.9, "muon-momentum0.95": 0.95, "muon-momentum0.98": 0.98}
+    p8 = cells[("pipedream", "muon", "pipedream_p8", 1)].config
+    assert (p8["schedule"]["name"], p8["parallel"]["pp"], p8["parallel"]["stage_layers"]) == ("pipedream", 8, [1, 0, 1, 0, 1, 0, 1, 0])
+    start = cells[("sync_start", "adamw", "sync_start", 1)].config
+    assert start["staleness"]["sync_start_steps"] == 60 and start["train"]["steps"] == 600
+
+
+def test_steps_rescale_the_templated_overrides():
+    plan = load_plan("full", steps=100)
+    assert plan.steps == 100
+    filled = [fill(o, plan.steps) for o in plan.overrides]
+    assert "optimizer.schedule.warmup_steps=10" in filled and "train.eval_every=5" in filled
+    assert fill("a={steps*0.001}", 100) == "a=1"  # never 0: eval_every=0 would turn evaluation off
+    with pytest.raises(PlanError, match=r"\{stepz\} is not a template"):
+        fill("a={stepz}", 10)
+
+
+def test_plan_errors_name_the_problem(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("experiment: study\nsteps: 3\n")
+    with pytest.raises(PlanError, match=r"lacks \['seeds', 'cells'\]"):
+        load_plan(str(bad))
+    with pytest.raises(PlanError, match="is not a plan"):
+        load_plan("no_such_plan")
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(SMOKE.replace("[schedule=2bw]", "[schedule=2bw, staleness.ef_lamda=1.0]"))
+    with pytest.raises(PlanError, match="ef_lamda"):
+        expand(load_plan(str(typo)))
+
+
+def test_runs_resume_and_skip_what_is_done(tmp_path, capsys):
+    plan_file, out = tmp_path / "smoke.yaml", tmp_path / "study"
+    plan_file.write_text(SMOKE)
+    argv = ["run", "--plan", str(plan_file), "--out", str(out), "--launcher", "inprocess"]
+    assert study.main(argv) == 0
+    names = ["muon__sync__seed1", "muon__2bw__seed1"]
+    assert [run_status(out, n) for n in names] == ["done", "done"]
+    manifest = json.loads((out / "study.json").read_text())
+    assert [r["name"] for r in manifest["runs"]] == names
+    saved = json.loads((out / names[1] / "config.json").read_text())
+    assert saved["schedule"]["name"] == "2bw" and saved["optimizer"]["name"] == "muon" and saved["train"]["steps"] == 3
+
+    stamp = (out / names[0] / "summary.json").stat().st_mtime_ns
+    (out / names[1] / "summary.json").unlink()  # as if killed before the end
+    capsys.readouterr()
+    assert study.main(argv) == 0
+    assert "running 1" in capsys.readouterr().out
+    assert (out / names[0] / "summary.json").stat().st_mtime_ns == stamp  # the finished run was not rerun
+    assert run_status(out, names[1]) == "done"
+    assert len(json.loads((out / "study.json").read_text())["invocations"]) == 2
+
+    # a deterministic failure is not retried by default
+    (out / names[1] / "summary.json").unlink()
+    (out / names[1] / study.STATUS).write_text(json.dumps({"returncode": 1}))
+    assert run_status(out, names[1]) == "failed"
+    assert study.main(argv) == 0 and run_status(out, names[1]) == "failed"
+    assert study.main([*argv, "--retry-failed"]) == 0 and run_status(out, names[1]) == "done"
+
+    # the same directory with another run length is refused before anything runs
+    assert study.main([*argv, "--steps", "4"]) == 2
+    assert "holds a run of another config" in capsys.readouterr().err
+
+
+def test_local_launcher_runs_pretrain_py(tmp_path):
+    """The real path: one pretrain.py process per run, its command recorded with the outcome."""
+    plan_file, out = tmp_path / "smoke.yaml", tmp_path / "study"
+    plan_file.write_text(SMOKE.replace("      2bw: [schedule=2bw]\n", ""))
+    assert study.main(["run", "--plan", str(plan_file), "--out", str(out), "--jobs", "1"]) == 0
+    status = json.loads((out / "muon__sync__seed1" / study.STATUS).read_text())
+    assert status["returncode"] == 0 and "pretrain.py +experiment=study" in status["command"]
+    summary = json.loads((out / "muon__sync__seed1" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["final_val_loss"] < 9.1  # ln(8192) = 9.01 at initialisation
+
+
+def test_slurm_dry_run_renders_an_array_of_pending_runs(tmp_path, capsys):
+    plan_file = tmp_path / "smoke.yaml"
+    plan_file.write_text(SMOKE)
+    out = tmp_path / "study"
+    assert study.main(["run", "--plan", str(plan_file), "--out", str(out), "--launcher", "slurm", "--dry-run",
+                       "--partition", "cpu", "--time", "00:30:00"]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --array=0-1%64" in script and "#SBATCH --partition=cpu" in script
+    assert "#SBATCH --time=00:30:00" in script and "-m asyncpp.study run-one --out" in script
+    assert not out.exists()  # a dry run submits and writes nothing
+
+
+def test_command_is_a_pretrain_invocation(tmp_path):
+    cmd = study.command("study", ["optimizer=muon", "seed=1"], tmp_path / "r")
+    assert cmd[1].endswith("pretrain.py") and cmd[2:] == ["+experiment=study", "optimizer=muon", "seed=1",
+                                                          f"hydra.run.dir={tmp_path / 'r'}"]
+    with pytest.raises(PlanError, match="letters, digits"):
+        study.command("study", [], Path("/tmp/a b/r"))
