@@ -25,12 +25,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from asyncpp.config import ConfigError, RunConfig, simulator_only_options
+from asyncpp.memory import simulator_run_report
 from asyncpp.metrics import MetricsLogger
 from asyncpp.optim import build_from_config
 from asyncpp.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from asyncpp.preemption import StopFlag
 from asyncpp.trainer import Trainer
 from model_zoo import ModelConfig, build_model, count_parameters, get_model_config
+from model_zoo.backends import prepare_model
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 STOP = StopFlag()  # set by SIGTERM (slurm preemption); the loops checkpoint and stop at a step boundary
@@ -40,9 +42,9 @@ def resolve(container: dict) -> tuple[RunConfig, ModelConfig]:
     """Plain dict -> validated (RunConfig, ModelConfig). Raises ConfigError before anything is built."""
     cfg = RunConfig.from_dict(container)
     try:
-        model_cfg = get_model_config(cfg.model.name)
+        model_cfg = get_model_config(cfg.model.name, **(cfg.model.overrides or {}))
     except ValueError as e:
-        raise ConfigError(f"model.name: {e}") from None
+        raise ConfigError(f"model.overrides: {e}" if cfg.model.overrides else f"model.name: {e}") from None
     return cfg.validate(model_cfg), model_cfg
 
 
@@ -96,12 +98,15 @@ def run(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
     device = torch.device(cfg.train.device)
     data = build_data(cfg, model_cfg)
     model = build_model(model_cfg, device=device)
-    optimizer = build_from_config(model, cfg.optimizer)
     metrics = make_metrics(cfg, model_cfg)
+    # Layers swapped (train.backend) and compiled before the optimizer sees their Parameters.
+    prepare_model(model, backend=cfg.train.backend, compile=cfg.train.compile, device=device, log=metrics.message)
+    optimizer = build_from_config(model, cfg.optimizer)
     (Path(cfg.out_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     summary = {}
     try:
         trainer = Trainer(cfg, model, optimizer, data, metrics, stop=STOP)
+        metrics.message(simulator_run_report(trainer.sim, model_cfg, cfg).table())
         trainer.resume()
         summary = trainer.run()
     finally:
@@ -125,11 +130,41 @@ def make_metrics(cfg: RunConfig, model_cfg: ModelConfig) -> MetricsLogger:
     t, p = cfg.train, cfg.parallel
     metrics.message(
         f"asyncpp: model={model_cfg.name} ({counts.total / 1e6:.2f}M params, {counts.active / 1e6:.2f}M active) "
-        f"optimizer={cfg.optimizer.name} schedule={cfg.schedule.name} pp={p.pp} dp={p.dp} "
+        f"optimizer={cfg.optimizer.name} schedule={cfg.schedule.name} pp={p.pp} dp={p.dp} tp={p.tp} ep={p.ep} "
         f"ef_lambda={cfg.staleness.ef_lambda} m={t.num_microbatches} "
         f"tokens/step={t.num_microbatches * t.micro_batch_size * t.seq_len * (p.dp or 1)} out_dir={cfg.out_dir}"
     )
     return metrics
+
+
+def optimizer_for(cfg: RunConfig, mesh):
+    """stage, sharding plan -> the stage's optimizer: Muon orthogonalizes TP-sharded matrices whole
+    (optimizer.tp_mode) and shares its work over the DP replicas."""
+    def build(stage, sharding):
+        return build_from_config(stage, cfg.optimizer, sharding=sharding,
+                                 tp_group=mesh.tp_group if mesh.dims.tp > 1 else None,
+                                 dp_group=mesh.dp_group if mesh.dims.dp > 1 else None,
+                                 expert_dp_group=mesh.edp_group if mesh.dims.edp > 1 else None)
+    return build
+
+
+def parallelize_stage(mesh, sequence_parallel: bool = False):
+    """The TP/EP plan of a pipeline stage: stage -> (its ShardingPlan, the loss for its logits), or
+    None when the layout has neither (the stage then stays the plain pruned model)."""
+    from asyncpp.parallel.tp import logits_loss_for
+    from model_zoo.parallelize import apply_tensor_parallel
+
+    dims = mesh.dims
+    if dims.tp == 1 and dims.ep == 1:
+        return None
+
+    def apply(stage):
+        plan = apply_tensor_parallel(stage, mesh.tp_group if dims.tp > 1 else None,
+                                     ep_group=mesh.ep_group if dims.ep > 1 else None,
+                                     sequence_parallel=sequence_parallel and dims.tp > 1)
+        return plan, logits_loss_for(stage)
+
+    return apply
 
 
 def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
@@ -166,7 +201,16 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
         torch.manual_seed(cfg.seed)
         model = build_model(model_cfg, device=device)
         metrics = make_metrics(cfg, model_cfg) if mesh.is_writer else None
-        run = PipelineRun(cfg, model, mesh, data, lambda m: build_from_config(m, cfg.optimizer), stop=STOP)
+        if cfg.train.backend != "local" and (p.tp > 1 or p.ep > 1):
+            raise ConfigError(f"train.backend={cfg.train.backend} is not combined with tensor/expert parallelism yet "
+                              f"(parallel.tp={p.tp}, parallel.ep={p.ep}); use train.backend=local")
+        # On the whole model, before PipelineRun prunes it to this stage (compilation is lazy: free for
+        # the blocks other stages own) and builds the stage's optimizer on the swapped Parameters.
+        prepare_model(model, backend=cfg.train.backend, compile=cfg.train.compile, device=device,
+                      log=metrics.message if metrics is not None else (lambda text: None))
+        run = PipelineRun(cfg, model, mesh, data, optimizer_for(cfg, mesh), stop=STOP,
+                          parallelize=parallelize_stage(mesh, cfg.parallel.sequence_parallel))
+        _print_stage_memory(cfg, model_cfg, mesh, run, metrics)
         if run.resume() and metrics is not None:
             metrics.message(f"resumed at step {run.start_step}")
         summary = {}
@@ -186,11 +230,44 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
         dist.destroy_process_group()
 
 
+def _print_stage_memory(cfg: RunConfig, model_cfg: ModelConfig, mesh, run, metrics) -> None:
+    """Every stage's memory table (tp/dp rank 0 of each), printed once by the metrics rank. Collective."""
+    import torch.distributed as dist
+
+    from asyncpp.dryrun import stage_memory
+
+    e = run.engine
+    mine = stage_memory(cfg, model_cfg, mesh, run.spec, e.versions, e.optimizer, e.error_feedback.prev_update)
+    tables = [None] * dist.get_world_size()
+    dist.all_gather_object(tables, mine.table() if mesh.dp_rank == 0 and mesh.tp_rank == 0 else None)
+    if metrics is not None:
+        metrics.message("\n".join(t for t in tables if t is not None))
+
+
+def run_dry(cfg: RunConfig, model_cfg: ModelConfig, echo=print) -> list[dict]:
+    """dry_run=N: the layout at N ranks on a fake process group (asyncpp/dryrun.py); trains nothing.
+    Writes <out_dir>/dry_run.json and returns the per-stage reports."""
+    from asyncpp.dryrun import dry_run
+    from asyncpp.stage import prune_to_stage
+
+    def build_stage(mesh, spec):
+        stage = prune_to_stage(build_model(model_cfg, device="meta"), spec)
+        apply = parallelize_stage(mesh, cfg.parallel.sequence_parallel)
+        return (stage, apply(stage)[0]) if apply is not None else (stage, {})
+
+    return dry_run(cfg, model_cfg, cfg.dry_run, build_stage,
+                   lambda stage, plan, mesh: optimizer_for(cfg, mesh)(stage, plan),
+                   out=Path(cfg.out_dir) / "dry_run.json", echo=echo)
+
+
 @hydra.main(config_path=str(CONFIG_DIR), config_name="pretrain", version_base="1.3")
 def main(dcfg: DictConfig) -> float:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
         cfg, model_cfg = resolve(OmegaConf.to_container(dcfg, resolve=True))
+        if cfg.dry_run:
+            run_dry(cfg, model_cfg)
+            return float("nan")
         summary = run_distributed(cfg, model_cfg) if distributed else run(cfg, model_cfg)
     except ConfigError as e:  # raised before any model or process group exists
         print(f"config error: {e}", file=sys.stderr)

@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +47,20 @@ class StageState:
     optimizer: object
     """An OptimizerSet (or torch optimizer) whose params are `opt_params`."""
     opt_params: list[Tensor]
+    shards: list["Shard | None"] | None = None
+    """Per name: how this rank's tensor is a piece of the full one (TP/EP), None = the whole tensor."""
+    extra: dict[str, Tensor] | None = None
+    """Other named state, whole on every rank that holds it (versioned router biases); filled in place."""
+
+
+Shard = Callable[[Tensor], Tensor]
+"""Wraps a rank's local piece as a DTensor over its TP/EP submesh, sharing its storage: DCP then saves
+and loads global tensors (layout-free keys), and reshards when the layout changes."""
+
+
+def _global(state: StageState, i: int, t: Tensor) -> Tensor:
+    shard = state.shards[i] if state.shards is not None else None
+    return t if shard is None else shard(t)
 
 
 def _distributed() -> bool:
@@ -68,24 +82,36 @@ def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
 
 
 def _optimizer_tensors(state: StageState) -> dict[str, Tensor]:
-    name_of = {id(p): n for n, p in zip(state.names, state.opt_params)}
+    index_of = {id(p): i for i, p in enumerate(state.opt_params)}
     out = {}
     for opt in _optimizers(state.optimizer):
         for p, st in opt.state.items():
+            i = index_of[id(p)]
             for key, value in st.items():
                 if not isinstance(value, Tensor):
                     value = torch.tensor(value)
-                out[f"optim/{name_of[id(p)]}/{key}"] = value
+                out[_optim_key(state, i, key, value)] = _global(state, i, value) if value.shape == p.shape else value
     return out
+
+
+def _optim_key(state: StageState, i: int, key: str, value: Tensor) -> str:
+    """State shaped like its parameter is sharded like it. Other tensors of a sharded parameter (e.g.
+    SOAP's preconditioners of the local block) differ per shard: they are keyed per rank, and only
+    a resume with the same TP/EP layout finds them."""
+    sharded = state.shards is not None and state.shards[i] is not None
+    own = value.dim() > 0 and value.shape != state.opt_params[i].shape and sharded
+    suffix = f"/rank{_rank()}" if own else ""
+    return f"optim/{state.names[i]}/{key}{suffix}"
 
 
 def _flat(state: StageState) -> dict[str, Tensor]:
     flat = {}
     for age, tensors in state.versions.items():
-        flat.update({f"weights/{age}/{n}": t for n, t in zip(state.names, tensors)})
+        flat.update({f"weights/{age}/{n}": _global(state, i, t) for i, (n, t) in enumerate(zip(state.names, tensors))})
     for kind, tensors in state.buffers.items():
-        flat.update({f"{kind}/{n}": t for n, t in zip(state.names, tensors)})
+        flat.update({f"{kind}/{n}": _global(state, i, t) for i, (n, t) in enumerate(zip(state.names, tensors))})
     flat.update(_optimizer_tensors(state))
+    flat.update(state.extra or {})
     return flat
 
 
@@ -220,25 +246,41 @@ def load(path: str | os.PathLike, state: StageState, ages: Sequence[int]) -> dic
             "schedule needs; it was written by a schedule with fewer versions (e.g. sync). Resume with the "
             "schedule it was saved with"
         )
-    request = {f"weights/{a}/{n}": t for a in ages for n, t in zip(state.names, state.versions[a])}
+    request = {f"weights/{a}/{n}": _global(state, i, t)
+               for a in ages for i, (n, t) in enumerate(zip(state.names, state.versions[a]))}
     for kind, tensors in state.buffers.items():  # absent from older/other runs' checkpoints: keep zeros
-        request.update({f"{kind}/{n}": t for n, t in zip(state.names, tensors) if f"{kind}/{n}" in saved})
-    optim = _allocate_optimizer_state(state, saved)
-    request.update(optim)
+        request.update({f"{kind}/{n}": _global(state, i, t)
+                        for i, (n, t) in enumerate(zip(state.names, tensors)) if f"{kind}/{n}" in saved})
+    missing_extra = sorted(k for k in (state.extra or {}) if k not in saved)
+    if missing_extra:
+        raise ValueError(f"checkpoint {path} lacks {missing_extra[:3]}: it was saved without this state (e.g. "
+                         "aux-loss-free router balancing was off); resume with the model config it was saved with")
+    request.update(state.extra or {})
+    optim, wrapped = _allocate_optimizer_state(state, saved)
+    request.update(wrapped)
     dcp.load(request, checkpoint_id=str(path), no_dist=not _distributed())
     _install_optimizer_state(state, optim)
     _restore_rng(manifest)
     return manifest
 
 
-def _allocate_optimizer_state(state: StageState, saved: dict) -> dict[str, Tensor]:
-    out = {}
-    for name, p in zip(state.names, state.opt_params):
+def _allocate_optimizer_state(state: StageState, saved: dict) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Local buffers for every saved optimizer tensor of this rank's parameters, and what to ask DCP
+    for (the same buffers, wrapped as global DTensors where the parameter is sharded)."""
+    local, request = {}, {}
+    weights = state.versions[min(state.versions)]
+    for i, (name, p) in enumerate(zip(state.names, state.opt_params)):
         prefix = f"optim/{name}/"
+        full_shape = tuple(_global(state, i, weights[i]).shape)
         for key, meta in saved.items():
-            if key.startswith(prefix):
-                out[key] = torch.empty(meta.size, dtype=meta.properties.dtype, device=p.device)
-    return out
+            if not key.startswith(prefix) or "/rank" in key[len(prefix):] and not key.endswith(f"/rank{_rank()}"):
+                continue
+            if tuple(meta.size) == full_shape and full_shape != tuple(p.shape):
+                buf = torch.empty(p.shape, dtype=meta.properties.dtype, device=p.device)
+                local[key], request[key] = buf, _global(state, i, buf)
+            else:
+                local[key] = request[key] = torch.empty(meta.size, dtype=meta.properties.dtype, device=p.device)
+    return local, request
 
 
 def _install_optimizer_state(state: StageState, tensors: dict[str, Tensor]) -> None:
@@ -246,6 +288,7 @@ def _install_optimizer_state(state: StageState, tensors: dict[str, Tensor]) -> N
     owner = {id(p): opt for opt in _optimizers(state.optimizer) for g in opt.param_groups for p in g["params"]}
     for key, value in tensors.items():
         _, name, field = key.split("/", 2)
+        field = field.split("/rank")[0]
         p = by_name[name]
         opt = owner[id(p)]
         # fused/foreach AdamW keep `step` as a float32 tensor on the params' device: keep its form

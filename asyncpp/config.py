@@ -35,6 +35,9 @@ class ModelLimits(Protocol):
 class ModelSection:
     name: str = "tiny_hybrid"
     """A name from model_zoo.MODEL_NAMES."""
+    overrides: Optional[dict] = None
+    """Fields of the registered ModelConfig to change, e.g. {num_layers: 8, moe: {bias_update_rate: 1e-3}}
+    (`+model.overrides.moe.bias_update_rate=1e-3` on the command line). Checked by the model's validate()."""
 
 
 @dataclass(kw_only=True)
@@ -46,6 +49,9 @@ class ParallelConfig:
     dp: Optional[int] = None
     """Data-parallel replicas; None = world_size / (pp * tp) under torchrun, 1 in one process.
     In one process, dp > 1 simulates the replicas (m * dp microbatches per step)."""
+    sequence_parallel: bool = False
+    """With tp > 1: norms and residuals work on sequence shards (activation memory / tp); the TP
+    regions all-gather their input and reduce-scatter their output instead of all-reducing it."""
     stage_layers: Optional[tuple[int, ...]] = None
     """Layers per pipeline stage, e.g. [3, 1] (None = even split). The last stage also runs the LM
     head and the loss, so giving it fewer layers balances small-vocabulary-heavy models."""
@@ -68,6 +74,16 @@ class TrainConfig:
     timeout_s: float = 300.0
     """How long a pipeline rank waits for a neighbour or a collective before failing with an error
     that names its stage and what it was waiting for (a dead rank must not hang the others)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16: forward/backward and every weight version in bfloat16; fp32 master weights, fp32 optimizer
+    state, and each microbatch's bf16 gradient summed into an fp32 accumulator (reduced in fp32).
+    fp32: everything in float32 (bit-identical to runs before this option existed). docs/gpu.md."""
+    backend: Literal["local", "te", "mcore"] = "local"
+    """Layer implementations: local (PyTorch + SDPA), te (transformer-engine), mcore (megatron-core).
+    te/mcore need a CUDA device; without their package the run falls back to local with a message
+    (`pip install -e .[gpu]`). model_zoo/backends, docs/gpu.md."""
+    compile: bool = False
+    """torch.compile each transformer block (one graph per block, reused by every pipeline stage)."""
 
 
 @dataclass(kw_only=True)
@@ -93,6 +109,13 @@ class OptimizerConfig:
     nesterov: bool = True
     ns_steps: int = 5
     adjust_lr: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
+    muon_compute_dtype: Optional[Literal["float32", "bfloat16"]] = None
+    """Muon/NorMuon Newton-Schulz dtype; null = the parameters' (fp32). bfloat16 is torch.optim.Muon's choice
+    and ~5x faster on GPUs and AVX512-BF16 CPUs; momentum, weights and the update stay fp32."""
+    tp_mode: Literal["gather", "block"] = "gather"
+    """Muon on TP-sharded matrices: 'gather' all-gathers each shard's momentum and orthogonalizes the full
+    matrix (exact, one all-gather per step); 'block' orthogonalizes each shard on its own (no communication,
+    a different update). NorMuon/SOAP only do 'block'. docs/muon.md has the trade-off."""
     precondition_frequency: int = 10
     """SOAP: refresh the eigenbasis of the Shampoo statistics every this many steps (the paper's f)."""
     beta3: float = 0.9999
@@ -194,6 +217,9 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 1234
     out_dir: str = "outputs/run"
+    dry_run: int = 0
+    """> 0: lay the job out for this many ranks on a fake process group (no GPU, no memory: meta tensors)
+    and print each stage's shard shapes and per-rank memory instead of training."""
 
     @classmethod
     def from_dict(cls, data: dict) -> "RunConfig":
@@ -274,6 +300,13 @@ def _check_train(cfg: RunConfig, model: ModelLimits) -> None:
             f"train.device={t.device!r} is not a device this runtime runs on; use train.device=cpu or "
             "train.device=cuda (under torchrun each rank takes cuda:LOCAL_RANK)"
         )
+    # A GPU-only backend on the CPU is a contradiction in the config itself, so it fails here, before
+    # anything is built; a missing *package* on a GPU machine only falls back (model_zoo/backends).
+    if t.backend != "local" and not t.device.startswith("cuda"):
+        raise ConfigError(
+            f"train.backend={t.backend} runs only on CUDA devices, but train.device={t.device}; use "
+            "train.backend=local on the CPU, or train.device=cuda"
+        )
 
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -281,10 +314,17 @@ _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 def _check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
     p, m = cfg.parallel, cfg.train.num_microbatches
+    if cfg.dry_run < 0:
+        raise ConfigError(f"dry_run={cfg.dry_run} must be a world size (e.g. dry_run=8), or 0 to train")
     for name in ("pp", "tp", "ep"):
         _positive(f"parallel.{name}", getattr(p, name))
     if p.dp is not None:
         _positive("parallel.dp", p.dp, "or leave it null to derive it from the world size")
+    if p.sequence_parallel and cfg.train.seq_len % p.tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel=true splits the sequence over parallel.tp={p.tp} ranks, which does not "
+            f"divide train.seq_len={cfg.train.seq_len}; use a multiple of {p.tp} or parallel.sequence_parallel=false"
+        )
     if cfg.schedule.name == "pipedream" and p.pp < 2:
         raise ConfigError(
             f"schedule=pipedream with parallel.pp={p.pp}: its per-stage delays P-1-s depend on the number of "
@@ -329,7 +369,23 @@ def _check_tp_ep(cfg: RunConfig, model: ModelLimits) -> None:
                 f"parallel.tp={p.tp} does not divide model.{key}={n} of model '{model.name}' (each tensor-parallel "
                 f"rank holds whole heads); choose parallel.tp in {_divisors(common)}"
             )
+    gdn = getattr(model, "gdn", None)
+    sizes = {
+        "gdn.num_heads": getattr(gdn, "num_heads", None) if "gdn" in getattr(model, "layer_types", ()) else None,
+        "vocab_size": model.vocab_size,  # the embedding and the LM head are split by vocabulary rows
+        "ffn_hidden_size": getattr(model, "ffn_hidden_size", None) if getattr(model, "moe", None) is None else None,
+    }
     moe = getattr(model, "moe", None)
+    if moe is not None:
+        sizes["moe.expert_ffn_hidden_size"] = moe.expert_ffn_hidden_size
+        if moe.shared_expert_ffn_hidden_size:
+            sizes["moe.shared_expert_ffn_hidden_size"] = moe.shared_expert_ffn_hidden_size
+    for key, n in sizes.items():
+        if n is not None and n % p.tp:
+            raise ConfigError(
+                f"parallel.tp={p.tp} does not divide model.{key}={n} of model '{model.name}' (each tensor-parallel "
+                f"rank holds an equal slice); choose parallel.tp in {_divisors(n)}"
+            )
     if p.ep > 1 and moe is None:
         raise ConfigError(f"parallel.ep={p.ep} but model '{model.name}' has no experts; set parallel.ep=1")
     if moe is not None and moe.num_experts % p.ep:
@@ -365,6 +421,10 @@ def _check_optimizer(cfg: RunConfig, model: ModelLimits) -> None:
     if not 0.0 <= o.momentum < 1.0:
         raise ConfigError(f"optimizer.momentum={o.momentum} must be in [0, 1)")
     _positive("optimizer.ns_steps", o.ns_steps)
+    if o.name in ("normuon", "soap") and cfg.parallel.tp > 1 and o.tp_mode != "block":
+        raise ConfigError(f"optimizer.name={o.name} with parallel.tp={cfg.parallel.tp} updates each TP shard of a "
+                          "matrix on its own; set optimizer.tp_mode=block to accept that (++optimizer.tp_mode=block on the command "
+                          "line), or use optimizer.name=muon")
     _check_optimizer_extras(o)
     s = o.schedule
     if not 0 <= s.warmup_steps <= cfg.train.steps:

@@ -5,7 +5,8 @@ where each asynchronous handle is waited for:
 
 - FORWARD/BACKWARD switch the parameters to the action's weight version first (weights.py).
 - UPDATE_START(t) takes b_t's gradient, reduces it over DP and over the tied-embedding pair
-  (first/last stage), and *starts* the cross-stage all-reduce of [||g||^2, ||Δx_{t-1}||^2].
+  (first/last stage), and *starts* the all-reduce of [||g||^2, ||Δx_{t-1}||^2] over the stages and
+  the TP/EP shards (mesh.norm_group; replicas are counted once).
 - UPDATE(t) waits for that all-reduce only when x_{t+1} is needed, then clips, skips non-finite
   steps consistently on every stage, runs the optimizer into the buffer of x_{t+1}, and applies
   Error Feedback. In 2BW the wait falls m microbatches after the start, so it costs no bubble.
@@ -17,17 +18,19 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from asyncpp.balancing import RouterBiasVersions, RouterLoadStats
 from asyncpp.mesh import Mesh
 from asyncpp.optim.clip import clip_, grad_sq_norm
 from asyncpp.optim.staleness import ErrorFeedback
 from asyncpp.p2p import StageComm, wait_for
+from asyncpp.parallel.sharding import REPLICATED, ParamSharding
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.timeline import TimelineEvent
 from asyncpp.weights import WeightVersions
@@ -58,6 +61,8 @@ class StepRecord:
     update_norm: float = math.nan
     lr: float = math.nan
     skipped: bool = False
+    router_loads: list[float] = field(default_factory=list)
+    """Per layer of the model: busiest expert / mean load of this step (0 for non-MoE layers)."""
 
 
 @dataclass
@@ -70,6 +75,8 @@ class _PendingUpdate:
     """The earlier step whose ||Δx||^2 rides along in `reduction` (None if nothing rides)."""
     tied_work: object | None = None
     """The last stage's tied-embedding all-reduce, waited for only in UPDATE."""
+    loads: list[Tensor] = field(default_factory=list)
+    """b_t's expert loads per balanced router, summed over DP (aux-loss-free balancing)."""
 
 
 @dataclass
@@ -120,6 +127,9 @@ class StageEngine:
         lr_multiplier: Callable[[int], float] | None = None,
         is_delayed: Callable[[int], bool] = lambda t: True,
         tied: Iterable[nn.Parameter] = (),
+        layouts: Sequence[ParamSharding] | None = None,
+        balancing: RouterBiasVersions | None = None,
+        load_stats: RouterLoadStats | None = None,
     ):
         self.module = module
         self.mesh = mesh
@@ -136,8 +146,13 @@ class StageEngine:
         self.is_delayed = is_delayed
         tied_ids = {id(p) for p in tied}
         self.tied_mask = [id(p) in tied_ids for p in self.params]
-        # The tied weight's gradient and update are counted once in global norms: on the first stage.
-        self.count_in_norm = [not (t and not mesh.is_first_stage) for t in self.tied_mask]
+        self.layouts = list(layouts) if layouts is not None else [REPLICATED] * len(self.params)
+        if len(self.layouts) != len(self.params):
+            raise ValueError(f"{len(self.layouts)} parameter layouts for {len(self.params)} parameters")
+        self.expert_mask = [lay.expert for lay in self.layouts]
+        self.balancing = balancing if balancing else None
+        self.load_stats = load_stats if load_stats else None
+        self.count_in_norm = [self._counted(t, lay) for t, lay in zip(self.tied_mask, self.layouts)]
         self.error_feedback = ErrorFeedback(self.masters, ef_lambda)
         self.inflight: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         self.losses: dict[int, list[Tensor]] = {}
@@ -148,6 +163,16 @@ class StageEngine:
         # reduction of b_{t+1} before it applies x_{t+1}, but always after it applied x_t.
         self._update_sq: dict[int, float] = {}
         self.timer = StageTimer(mesh.pp_rank)
+
+    def _counted(self, tied: bool, layout: ParamSharding) -> bool:
+        """Whether this rank's copy enters the global norms (all-reduced over mesh.norm_group): every
+        tensor is counted exactly once. The tied weight on the first stage; a TP-replicated tensor on
+        TP rank 0; a tensor replicated over the EP group (everything but experts) on EP rank 0."""
+        if tied and not self.mesh.is_first_stage:
+            return False
+        if not layout.is_tp_sharded and self.mesh.tp_rank != 0:
+            return False
+        return layout.expert or self.mesh.ep_rank == 0
 
     # ---- actions -------------------------------------------------------------------------
     def execute(self, actions: Iterable[Action], after_update: Callable[[int], None] | None = None) -> None:
@@ -166,7 +191,13 @@ class StageEngine:
             x = self.comm.recv_forward(f"the input activation of {a}").requires_grad_()
         start = time.perf_counter()
         self.versions.use(a.version)
+        if self.balancing is not None:
+            self.balancing.use(a.version)
         out = self.forward_fn(a.step, a.microbatch, x)
+        if self.balancing is not None:
+            self.balancing.record(a.step)
+        if self.load_stats is not None:
+            self.load_stats.record(a.step)
         if self.mesh.is_last_stage:
             self.losses.setdefault(a.step, []).append(out.detach())
         else:
@@ -186,14 +217,12 @@ class StageEngine:
 
     def _update_start(self, a: Action) -> None:
         start = time.perf_counter()
-        grads = []
-        for p in self.params:
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            p.grad = None  # the next step's microbatches accumulate into a fresh .grad
-            grads.append(g)
+        grads = self.versions.take_grads()  # in the masters' dtype (fp32 sums under bf16 compute)
         # Sum over microbatches, replicas and the tied pair first, scale once at the end: the
         # simulator's order of floating-point operations.
-        self._reduce_data_parallel(grads)
+        loads = self._router_loads(a.step)
+        self._reduce_partial_tp(grads)
+        self._reduce_data_parallel(grads, loads)
         tied_work = self._start_tied(grads)
         if tied_work is not None and self.mesh.is_first_stage:
             # The first stage counts the tied weight in the global norm, so it needs the sum now. Free:
@@ -207,19 +236,44 @@ class StageEngine:
         lagged = a.step - 2
         update_sq = self._update_sq.pop(lagged, None)
         reduction = torch.tensor([grad_sq, update_sq or 0.0], dtype=torch.float64, device=self.mesh.device)
+        if self.load_stats is not None:  # router loads ride along: one slot per layer of the model
+            reduction = torch.cat([reduction, self.load_stats.vector(a.step, self.mesh.device)])
         work = None
-        if self.mesh.num_stages > 1:
-            work = dist.all_reduce(reduction, group=self.mesh.pp_group, async_op=True)
+        if self.mesh.norm_group_size > 1:
+            work = dist.all_reduce(reduction, group=self.mesh.norm_group, async_op=True)
         self.pending[a.step] = _PendingUpdate(
-            grads, reduction, work, self.is_delayed(a.step), lagged if update_sq is not None else None, tied_work
+            grads, reduction, work, self.is_delayed(a.step), lagged if update_sq is not None else None, tied_work,
+            loads,
         )
         self.timer.add(a, start, time.perf_counter())
 
-    def _reduce_data_parallel(self, grads: list[Tensor]) -> None:
-        if self.mesh.dims.dp == 1:
-            return
+    def _reduce_partial_tp(self, grads: list[Tensor]) -> None:
+        """Tensors replicated over TP whose gradient each TP rank holds only in part (a norm under
+        sequence parallelism) are summed over TP first, so every TP rank applies the same update."""
+        partial = [g for g, lay in zip(grads, self.layouts) if lay.tp_grad_reduce]
+        if partial and self.mesh.dims.tp > 1:
+            self._all_reduce_flat(partial, self.mesh.tp_group, "the tensor-parallel gradient all-reduce")
+
+    def _router_loads(self, step: int) -> list[Tensor]:
+        """This rank's expert loads of b_step, as float so they ride the DP gradient all-reduce."""
+        if self.balancing is None:
+            return []
+        return [load.float() for load in self.balancing.pop_loads(step)]
+
+    def _reduce_data_parallel(self, grads: list[Tensor], loads: Sequence[Tensor] = ()) -> None:
+        """Sum over the replicas of each tensor: DP for dense tensors; for experts the edp group only,
+        because the all-to-all already summed the tokens of the EP group into their gradients. Router
+        loads (per-rank token counts) are summed over all of DP, in the same all-reduce."""
+        dense = [g for g, e in zip(grads, self.expert_mask) if not e] + list(loads)
+        experts = [g for g, e in zip(grads, self.expert_mask) if e]
+        if dense and self.mesh.dims.dp > 1:
+            self._all_reduce_flat(dense, self.mesh.dp_group, "the data-parallel gradient all-reduce")
+        if experts and self.mesh.dims.edp > 1:
+            self._all_reduce_flat(experts, self.mesh.edp_group, "the expert-data-parallel gradient all-reduce")
+
+    def _all_reduce_flat(self, grads: list[Tensor], group, what: str) -> None:
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self._wait(dist.all_reduce(flat, group=self.mesh.dp_group, async_op=True), "the data-parallel gradient all-reduce")
+        self._wait(dist.all_reduce(flat, group=group, async_op=True), what)
         pieces = torch.split(flat, [g.numel() for g in grads])
         torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in zip(pieces, grads)])
 
@@ -244,18 +298,21 @@ class StageEngine:
             tied = [g for g, t in zip(pending.grads, self.tied_mask) if t]
             torch._foreach_mul_(tied, self.grad_scale / self.mesh.dims.dp)
         start = time.perf_counter()
-        grad_sq, update_sq = pending.reduction.tolist()
+        grad_sq, update_sq, *loads = pending.reduction.tolist()
         if pending.norm_of_step is not None:
             self._record(pending.norm_of_step).update_norm = math.sqrt(update_sq)
         grad_norm = math.sqrt(grad_sq)
         finite = math.isfinite(grad_norm)
         record = self._record(a.step)
         record.grad_norm, record.skipped = grad_norm, not finite
+        record.router_loads = loads
         if self.lr_multiplier is not None:
             self.optimizer.set_lr_multiplier(self.lr_multiplier(a.step))
         record.lr = float(self.optimizer.param_groups[0]["lr"])
         x_t = self.versions.begin_update(a.step)
         self._update_sq[a.step] = self._apply(pending, grad_norm, x_t) if finite else 0.0
+        if self.balancing is not None:
+            self.balancing.update(a.step, pending.loads, apply=finite)
         self.timer.add(a, start, time.perf_counter())
         if start - wait_start > 1e-4:
             self.timer.add(a, wait_start, start, kind="idle")
@@ -286,8 +343,8 @@ class StageEngine:
             return
         reduction = torch.tensor([self._update_sq.pop(t) for t in steps], dtype=torch.float64,
                                  device=self.mesh.device)
-        if self.mesh.num_stages > 1:
-            self._wait(dist.all_reduce(reduction, group=self.mesh.pp_group, async_op=True),
+        if self.mesh.norm_group_size > 1:
+            self._wait(dist.all_reduce(reduction, group=self.mesh.norm_group, async_op=True),
                        "the final update-norm all-reduce")
         for t, sq in zip(steps, reduction.tolist()):
             self._record(t).update_norm = math.sqrt(sq)

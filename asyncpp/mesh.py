@@ -2,11 +2,14 @@
 
 Rank layout follows Megatron's default order (tp fastest, then dp, then pp):
 
-    global_rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    global_rank = (pp_rank * dp + dp_rank) * tp + tp_rank,    dp_rank = edp_rank * ep + ep_rank
 
 so a pipeline's neighbours are `dp * tp` ranks apart and a TP group is contiguous (one node).
-The mesh is a torch DeviceMesh with dims ("pp", "dp", "tp"); it works with gloo on CPU and NCCL on
-GPU alike. There are no module-level groups anywhere in asyncpp.
+Expert parallelism is carved out of data parallelism, as in Megatron: the `ep` consecutive DP ranks
+of an EP group see different tokens and hold different experts; the `dp / ep` ranks that hold the
+same experts form the expert-data-parallel ("edp") group that reduces the expert gradients.
+The mesh is a torch DeviceMesh with dims ("pp", "edp", "ep", "tp"); it works with gloo on CPU and
+NCCL on GPU alike. There are no module-level groups anywhere in asyncpp.
 """
 
 from __future__ import annotations
@@ -59,12 +62,18 @@ class ParallelDims:
                 f"ranks, but the job has {world_size}; make their product equal the number of processes "
                 "(torchrun --nproc_per_node x nodes)"
             )
-        if self.tp > 1 or self.ep > 1:
+        if self.dp % self.ep:
             raise ConfigError(
-                f"parallel.tp={self.tp}, parallel.ep={self.ep}: tensor and expert parallelism are not in "
-                "the pipeline runtime yet; set them to 1"
+                f"parallel.ep={self.ep} does not divide the {self.dp} data-parallel ranks (expert parallelism is "
+                f"carved out of data parallelism); choose parallel.ep in {[d for d in range(1, self.dp + 1) if self.dp % d == 0]}"
+                " or launch more ranks"
             )
         return self
+
+    @property
+    def edp(self) -> int:
+        """Replicas of each expert: data-parallel ranks / expert-parallel ranks."""
+        return self.dp // self.ep
 
 
 def default_backend(device: torch.device) -> str:
@@ -78,15 +87,25 @@ class Mesh:
         self.dims = dims
         self.device = device
         self.device_mesh: DeviceMesh = init_device_mesh(
-            device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp")
+            device.type, (dims.pp, dims.edp, dims.ep, dims.tp), mesh_dim_names=("pp", "edp", "ep", "tp")
         )
+        m = self.device_mesh
         self.rank = dist.get_rank()
-        self.pp_rank = self.device_mesh.get_local_rank("pp")
-        self.dp_rank = self.device_mesh.get_local_rank("dp")
-        self.tp_rank = self.device_mesh.get_local_rank("tp")
-        self.pp_group = self.device_mesh.get_group("pp")
-        self.dp_group = self.device_mesh.get_group("dp")
-        self.tp_group = self.device_mesh.get_group("tp")
+        # _flatten: DeviceMesh's (private, but what torchtitan builds on) way to view several dims as
+        # one group; collective, so every rank makes the same calls in the same order.
+        dp_mesh = m["edp", "ep"]._flatten("dp") if dims.ep > 1 else m["edp"]
+        self.pp_rank = m.get_local_rank("pp")
+        self.dp_rank = dp_mesh.get_local_rank()
+        self.tp_rank = m.get_local_rank("tp")
+        self.ep_rank = m.get_local_rank("ep")
+        self.pp_group = m.get_group("pp")
+        self.dp_group = dp_mesh.get_group()
+        self.tp_group = m.get_group("tp")
+        self.ep_group = m.get_group("ep")
+        self.edp_group = m.get_group("edp")
+        # The global gradient norm sums over everything that is not a replica of something else:
+        # stages, TP shards and EP shards (replicated tensors are counted on tp/ep rank 0 only).
+        self.norm_group = m["pp", "ep", "tp"]._flatten("norm").get_group() if dims.tp * dims.ep > 1 else self.pp_group
         self.embedding_group = self._build_embedding_groups()
 
     def _build_embedding_groups(self):
@@ -114,6 +133,10 @@ class Mesh:
         return (pp_rank * self.dims.dp + dp_rank) * self.dims.tp + tp_rank
 
     @property
+    def norm_group_size(self) -> int:
+        return self.dims.pp * self.dims.tp * self.dims.ep
+
+    @property
     def num_stages(self) -> int:
         return self.dims.pp
 
@@ -129,6 +152,10 @@ class Mesh:
     def is_writer(self) -> bool:
         """The one rank that writes metrics: last stage (it has the loss), dp 0, tp 0."""
         return self.is_last_stage and self.dp_rank == 0 and self.tp_rank == 0
+
+    def describe(self) -> str:
+        d = self.dims
+        return f"pp={d.pp} dp={d.dp} (ep={d.ep} x edp={d.edp}) tp={d.tp}"
 
 
 def _elastic_store(timeout: timedelta) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -21,12 +21,14 @@ from torch import Tensor, nn
 
 from asyncpp import checkpoint as ckpt
 from asyncpp.config import SYNC_SCHEDULES, RunConfig
+from asyncpp.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
 from asyncpp.engine import StageEngine, StepRecord
 from asyncpp.mesh import Mesh
 from asyncpp.metrics import MetricsLogger
 from asyncpp.optim.lr_schedule import lr_multiplier
 from asyncpp.preemption import StopFlag
 from asyncpp.p2p import StageComm
+from asyncpp.parallel.sharding import ShardingPlan, global_view, layout_of
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
 from asyncpp.simulate import cross_entropy
@@ -34,7 +36,11 @@ from asyncpp.semantics import is_sync_step, stage_delay, step_delay
 from asyncpp.timeline import plot_gantt, write_chrome_trace
 from asyncpp.stage import StageSpec, prune_to_stage, stage_forward, tied_parameters
 from asyncpp.trainer import DataSource, TrainingAborted
-from asyncpp.weights import WeightVersions
+from asyncpp.weights import WeightVersions, compute_dtype_of
+
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+Parallelize = Callable[[nn.Module], tuple[ShardingPlan, LossFn]]
 
 
 def num_weight_buffers(schedule: str, stage: int, num_stages: int) -> int:
@@ -70,7 +76,10 @@ def segment_bounds(total_steps: int, *every: int, start: int = 0) -> list[tuple[
 
 class PipelineRun:
     def __init__(self, cfg: RunConfig, model: nn.Module, mesh: Mesh, data: DataSource, build_optimizer,
-                 stop: StopFlag | None = None):
+                 stop: StopFlag | None = None, parallelize: Parallelize | None = None):
+        """`parallelize(stage_model)` applies the model's TP/EP plan to the pruned stage in place and
+        returns (its ShardingPlan, the loss function for its logits); None = no TP/EP.
+        `build_optimizer(stage_model, sharding_plan)` builds the stage's optimizer."""
         self.cfg, self.mesh, self.data = cfg, mesh, data
         self.stop = stop or StopFlag()
         self.stopped_at: int | None = None
@@ -78,16 +87,22 @@ class PipelineRun:
         self.start_step = 0
         self.spec = StageSpec(mesh.pp_rank, mesh.num_stages, len(model.layers), cfg.parallel.stage_layers)
         self.model = prune_to_stage(model, self.spec)
+        self.sharding, self.loss_fn = parallelize(self.model) if parallelize is not None else ({}, cross_entropy)
         self.m = cfg.train.num_microbatches
         self.delays = [
             step_delay(cfg.schedule.name, self.spec.stage, mesh.num_stages, t, cfg.train.steps, cfg.staleness)
             for t in range(cfg.train.steps)
         ]
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = build_optimizer(self.model)
-        versions = WeightVersions(params, num_weight_buffers(cfg.schedule.name, self.spec.stage, mesh.num_stages))
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        optimizer = build_optimizer(self.model, self.sharding)
+        dtype = compute_dtype_of(cfg.train.precision)  # bf16: params cast here, fp32 masters kept apart
+        versions = WeightVersions(params, num_weight_buffers(cfg.schedule.name, self.spec.stage, mesh.num_stages),
+                                  compute_dtype=dtype)
         hidden = model.config.hidden_size
-        comm = StageComm(mesh, (cfg.train.micro_batch_size, cfg.train.seq_len, hidden), torch.float32,
+        # Under sequence parallelism a stage boundary carries this TP rank's sequence shard only.
+        seq = cfg.train.seq_len // mesh.dims.tp if cfg.parallel.sequence_parallel else cfg.train.seq_len
+        comm = StageComm(mesh, (cfg.train.micro_batch_size, seq, hidden), dtype,
                          cfg.train.timeout_s)
         sched = cfg.optimizer.schedule
         self.engine = StageEngine(
@@ -99,6 +114,12 @@ class PipelineRun:
                 min_lr_ratio=sched.min_lr_ratio, decay_fraction=sched.decay_fraction),
             is_delayed=lambda t: self.delays[t] > 0,
             tied=tied_parameters(self.model, self.spec),
+            layouts=[layout_of(self.sharding, n) for n, _ in named],
+            balancing=RouterBiasVersions(balanced_routers(self.model), versions.num_buffers),
+            load_stats=RouterLoadStats(
+                {i: layer.mlp for i, layer in enumerate(self.model.layers) if hasattr(getattr(layer, "mlp", None),
+                                                                                    "last_expert_load")},
+                len(self.model.layers), counted=mesh.tp_rank == 0 and mesh.ep_rank == 0),
         )
 
     def _tokens(self, step: int, microbatch: int) -> Tensor:
@@ -111,7 +132,7 @@ class PipelineRun:
         out = stage_forward(self.model, self.spec, tokens[:, :-1] if self.spec.is_first else x)
         if not self.spec.is_last:
             return out
-        return cross_entropy(out, tokens[:, 1:])
+        return self.loss_fn(out, tokens[:, 1:])
 
     @torch.no_grad()
     def evaluate(self, batches: list[Tensor]) -> float:
@@ -123,7 +144,7 @@ class PipelineRun:
             x = b[:, :-1] if self.spec.is_first else comm.recv_forward("a validation activation")
             out = stage_forward(self.model, self.spec, x)
             if self.spec.is_last:
-                total += cross_entropy(out, b[:, 1:]).item()
+                total += self.loss_fn(out, b[:, 1:]).item()
             else:
                 comm.send_forward(out)
         comm.flush()
@@ -169,19 +190,25 @@ class PipelineRun:
         return summary
 
     # ---- checkpoints ------------------------------------------------------------------------
-    def stage_state(self) -> ckpt.StageState:
+    def stage_state(self, extra: dict[str, Tensor] | None = None) -> ckpt.StageState:
         """This stage's share of a checkpoint, keyed by full-model names (a tied head as embed.weight)."""
         tied = {id(p) for p in tied_parameters(self.model, self.spec)}
         names = ["embed.weight" if id(p) in tied else n for n, p in self.model.named_parameters() if p.requires_grad]
         v = self.engine.versions
         versions = {v.newest - version: v.tensors(version) for version in v.held()}
+        d = self.mesh.dims
+        shards = [global_view(layout, self.mesh.device_mesh, d.tp, d.ep) for layout in self.engine.layouts]
+        balancing = self.engine.balancing
+        if extra is None:
+            extra = balancing.tensors() if balancing is not None else {}
         return ckpt.StageState(names, versions, {"ef": self.engine.error_feedback.prev_update},
-                               self.engine.optimizer, v.masters)
+                               self.engine.optimizer, v.masters, shards, extra=extra)
 
     def save(self, step_done: int) -> None:
         """Collective; called at a drain point, where every stage holds x_{step_done} as its newest."""
         c = self.cfg
-        layout = {"pp": self.mesh.num_stages, "dp": self.mesh.dims.dp, "stage_layers": c.parallel.stage_layers}
+        d = self.mesh.dims
+        layout = {"pp": d.pp, "dp": d.dp, "tp": d.tp, "ep": d.ep, "stage_layers": c.parallel.stage_layers}
         self.saver.save(ckpt.checkpoint_root(c), step_done, self.stage_state(), config=c.to_dict(), layout=layout,
                   keep_last=c.checkpoint.keep_last, data=ckpt.data_position(self.data, step_done, c))
 
@@ -195,8 +222,13 @@ class PipelineRun:
         ckpt.check_data_position(manifest, self.data, self.cfg)
         v = self.engine.versions
         v.set_newest(step)  # buffers now stand for x_step, x_step-1, ...: DCP fills them in place
-        ckpt.load(path, self.stage_state(), ages=[step - version for version in v.held()])
+        ages = [step - version for version in v.held()]
+        balancing = self.engine.balancing
+        extra = balancing.reset(step, ages) if balancing is not None else {}
+        ckpt.load(path, self.stage_state(extra), ages=ages)
         v.set_newest(step)
+        if balancing is not None:
+            balancing.use(step)
         self.start_step = step
         return step
 
@@ -236,6 +268,7 @@ class PipelineRun:
                "sync_step": is_sync_step(step, self.cfg.train.steps, self.cfg.staleness)}
         if val_loss is not None:
             out["val_loss"] = val_loss
+        out.update(RouterLoadStats.as_metrics(rec.router_loads))
         return out
 
     def _summary(self, started: float, val_loss: float) -> dict:

@@ -11,6 +11,11 @@ Written by hand (not a library) because this *is* the contract of the project: t
 engine is tested against it. It is deliberately simple: past versions are whole clones of the
 parameters, and a step swaps the stale version into the live parameters for forward/backward, then
 swaps x_t back before the optimizer runs.
+
+Mixed precision (compute_dtype=bf16, train.precision=bf16) uses the pieces of asyncpp.weights, so the
+floats are the pipeline's: the module's parameters and the past versions are bf16, the optimizer steps
+fp32 masters (x_t), and each microbatch's bf16 gradient is summed in fp32 (GradSums). With
+compute_dtype None or fp32, `masters` *are* the parameters and nothing changes.
 """
 
 from __future__ import annotations
@@ -20,13 +25,15 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from copy import deepcopy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from asyncpp.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
 from asyncpp.optim.clip import clip_, grad_sq_norm
 from asyncpp.optim.staleness import ErrorFeedback, GradientErrorFeedback, dc_asgd_, predict_weights
+from asyncpp.weights import GradSums, is_mixed, make_masters, retarget
 
 LossFn = Callable[[nn.Module, Tensor], Tensor]
 
@@ -59,6 +66,8 @@ class StepStats:
     apply from the same optimizer state. None on other steps and on skipped ones."""
     update_rel_error: float | None = None
     """Diagnostics steps only: ||applied - fresh|| / ||fresh|| (see update_cosine)."""
+    router_loads: list[float] = field(default_factory=list)
+    """Per layer: busiest expert / mean load over the step's microbatches (0 for non-MoE layers)."""
 
 
 def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
@@ -107,20 +116,35 @@ class DelayedUpdateSimulator:
         dc_lambda: float = 0.0,
         weight_prediction: bool = False,
         diagnostics_every: int = 0,
+        compute_dtype: torch.dtype | None = None,
     ):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.balancing = RouterBiasVersions(balanced_routers(model), max(delays, default=0) + 1)
+        layers = getattr(model, "layers", [])
+        self.load_stats = RouterLoadStats({i: layer.mlp for i, layer in enumerate(layers)
+                                           if hasattr(getattr(layer, "mlp", None), "last_expert_load")}, len(layers))
+        index = {n: i for i, (n, p) in enumerate((n, p) for n, p in model.named_parameters() if p.requires_grad)}
+        # A router's bias is read at the delay of its own weights (PipeDream: its stage's delay).
+        self._router_param = [index[f"{name}.router.weight"] for name in self.balancing.names]
         if len(delays) != len(self.params):
             raise ValueError(f"got {len(delays)} delays for {len(self.params)} parameters")
         self.optimizer = optimizer
+        # What the optimizer and every correction act on: fp32 masters under mixed precision (the
+        # parameters are cast to compute_dtype here), else the parameters themselves.
+        self.mixed = is_mixed(compute_dtype)
+        self.masters = make_masters(self.params, compute_dtype) if self.mixed else self.params
+        self.grad_sums = GradSums(self.params) if self.mixed else None
+        if self.mixed:
+            retarget(optimizer, self.params, self.masters)
         self.delays = list(delays)
         self.loss_fn = loss_fn
         self.grad_clip = grad_clip
         self.lr_multiplier = lr_multiplier
         self.sync_step = sync_step
         self.tied_use = tied_use
-        self.error_feedback = ErrorFeedback(self.params, ef_lambda)
-        self.grad_error_feedback = GradientErrorFeedback(self.params, grad_ef_lambda)
+        self.error_feedback = ErrorFeedback(self.masters, ef_lambda)
+        self.grad_error_feedback = GradientErrorFeedback(self.masters, grad_ef_lambda)
         if dc_lambda < 0:
             raise ValueError(f"staleness.dc_lambda={dc_lambda} must be >= 0")
         if diagnostics_every < 0:
@@ -169,7 +193,7 @@ class DelayedUpdateSimulator:
             if d:
                 p.copy_(x)
 
-    def _accumulate(self, microbatches: Sequence[Tensor]) -> float:
+    def _accumulate(self, microbatches: Sequence[Tensor], step: int | None = None) -> float:
         """Sum the microbatch gradients (the caller divides by m): the mean-loss gradient of b_t.
 
         Summing first (instead of scaling each loss by 1/m) lets auxiliary losses that a model
@@ -179,9 +203,24 @@ class DelayedUpdateSimulator:
         total = 0.0
         for tokens in microbatches:
             loss = self.loss_fn(self.model, tokens)
+            if step is not None:  # the step's own forwards (not the diagnostics' fresh one)
+                self.load_stats.record(step)
             loss.backward()
             total += loss.item()
+        if self.grad_sums is not None:  # mixed precision: the fp32 sums become the masters' gradients
+            for q, g in zip(self.masters, self.grad_sums.pop()):
+                q.grad = g
         return total / len(microbatches)
+
+    @torch.no_grad()
+    def sync_params(self) -> None:
+        """Mixed precision: the parameters (bf16) take the masters' values x_t (no-op otherwise)."""
+        if self.mixed:
+            torch._foreach_copy_(self.params, [q.detach() for q in self.masters])
+
+    def _stored(self, version: list[Tensor]) -> list[Tensor]:
+        """A past version as kept in `history`: in the parameters' (compute) dtype, like the pipeline's buffers."""
+        return [x.to(p.dtype) for x, p in zip(version, self.params)]
 
     @contextlib.contextmanager
     def _tied_second_use(self, step: int, current: list[Tensor]):
@@ -199,17 +238,20 @@ class DelayedUpdateSimulator:
             return
         delay = 0 if self.sync_step(step) else use.delay
         version = self._read(delay, current, index)
-        copy = nn.Parameter(version.detach().clone())
+        copy = nn.Parameter(version.detach().to(use.param.dtype, copy=True))
+        sums = GradSums([copy]) if self.mixed else None
         setattr(use.module, use.attr, copy)
         try:
             yield
         finally:
             setattr(use.module, use.attr, use.param)
-        if copy.grad is not None:
-            use.param.grad = copy.grad if use.param.grad is None else use.param.grad + copy.grad
+        grad = sums.pop()[0] if sums is not None else copy.grad
+        target = self.masters[index]  # the parameter itself unless mixed precision
+        if grad is not None:
+            target.grad = grad if target.grad is None else target.grad + grad
 
     def _clip(self) -> tuple[float, bool]:
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [q.grad for q in self.masters if q.grad is not None]
         norm = math.sqrt(grad_sq_norm(grads))
         clip_(grads, self.grad_clip, norm)
         return norm, bool(grads) and math.isfinite(norm)
@@ -218,17 +260,23 @@ class DelayedUpdateSimulator:
         """One optimizer step t consuming minibatch b_t = `microbatches`."""
         delays = self.delays_at(step)
         delayed = [d > 0 for d in delays]
-        current = [p.detach().clone() for p in self.params]  # x_t
+        current = [q.detach().clone() for q in self.masters]  # x_t (fp32 under mixed precision)
         diagnose = self.diagnostics_every > 0 and step % self.diagnostics_every == 0
+        if diagnose:
+            self.balancing.use(step)
         fresh = self._fresh_update(step, microbatches, current) if diagnose else None
+        self.balancing.discard()
         reads = [self._read(d, current, i) for i, d in enumerate(delays)]
         self._load(delays, reads)
+        self.balancing.use([step - delays[i] for i in self._router_param])
         self.optimizer.zero_grad(set_to_none=True)
         with self._tied_second_use(step, current):
-            loss = self._accumulate(microbatches)
+            loss = self._accumulate(microbatches, step)
+        if self.balancing:
+            self.balancing.record(step)
         self._average(len(microbatches))
         self._restore(delays, current)
-        dc_asgd_(self.params, current, reads, delayed, self.dc_lambda)
+        dc_asgd_(self.masters, current, reads, delayed, self.dc_lambda)
         self.grad_error_feedback.apply(delayed)
 
         grad_norm, finite = self._clip()
@@ -240,16 +288,20 @@ class DelayedUpdateSimulator:
             self.error_feedback.apply(current, delayed)
             self.grad_error_feedback.commit()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.balancing:
+            self.balancing.update(step, self.balancing.pop_loads(step), apply=finite)
         with torch.no_grad():
-            update_norm = math.sqrt(grad_sq_norm([p - x for p, x in zip(self.params, current)]))
+            update_norm = math.sqrt(grad_sq_norm([q - x for q, x in zip(self.masters, current)]))
         cosine, rel_error = self._compare(current, fresh) if fresh is not None and finite else (None, None)
+        self.sync_params()
         if self.max_delay:
-            self.history.appendleft(current)
+            self.history.appendleft(self._stored(current))
         tokens = sum(int(mb[:, 1:].numel()) for mb in microbatches)
-        return StepStats(loss, grad_norm, update_norm, lr, not finite, tokens, cosine, rel_error)
+        loads = self.load_stats.vector(step, torch.device("cpu")).tolist() if self.load_stats else []
+        return StepStats(loss, grad_norm, update_norm, lr, not finite, tokens, cosine, rel_error, loads)
 
     def _average(self, num_microbatches: int) -> None:
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [q.grad for q in self.masters if q.grad is not None]
         torch._foreach_mul_(grads, 1.0 / num_microbatches)
 
     def _fresh_update(self, step: int, microbatches: Sequence[Tensor], current: list[Tensor]) -> list[Tensor] | None:
@@ -258,7 +310,7 @@ class DelayedUpdateSimulator:
         Runs before the delayed forward/backward, so whatever a forward records for logging (MoE
         router statistics) is the real step's. Weights, gradients and RNG state are left as found;
         the real optimizer is never touched. None if the fresh gradient is not finite."""
-        shadow = deepcopy(self.optimizer, memo={id(p): p for p in self.params})
+        shadow = deepcopy(self.optimizer, memo={id(q): q for q in self.masters})
         shadow.zero_grad(set_to_none=True)
         cuda = sorted({p.device.index or 0 for p in self.params if p.device.type == "cuda"})
         with torch.random.fork_rng(devices=cuda):
@@ -271,18 +323,18 @@ class DelayedUpdateSimulator:
                 shadow.set_lr_multiplier(self.lr_multiplier(step))
             shadow.step()
             with torch.no_grad():
-                fresh = [x - p for x, p in zip(current, self.params)]
+                fresh = [x - q for x, q in zip(current, self.masters)]
         shadow.zero_grad(set_to_none=True)
         with torch.no_grad():
-            for p, x in zip(self.params, current):
-                p.copy_(x)
+            for q, x in zip(self.masters, current):
+                q.copy_(x)
         return fresh
 
     @torch.no_grad()
     def _compare(self, current: list[Tensor], fresh: list[Tensor]) -> tuple[float, float]:
         """(cosine, relative error) of the applied update x_t - x_{t+1} against `fresh`, in fp64."""
         dot = applied_sq = fresh_sq = diff_sq = torch.zeros((), dtype=torch.float64)
-        for x, p, f in zip(current, self.params, fresh):
+        for x, p, f in zip(current, self.masters, fresh):
             a, f = (x - p).double(), f.double()
             dot = dot + (a * f).sum()
             applied_sq = applied_sq + (a * a).sum()

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from asyncpp import checkpoint as ckpt
+from asyncpp.balancing import RouterLoadStats
 from asyncpp.config import RunConfig
 from asyncpp.metrics import MetricsLogger
 from asyncpp.optim.lr_schedule import lr_multiplier
@@ -23,6 +24,7 @@ from asyncpp.partition import param_stages
 from asyncpp.preemption import StopFlag
 from asyncpp.semantics import is_sync_step, stage_delay
 from asyncpp.simulate import DelayedUpdateSimulator, TiedUse, lm_loss
+from asyncpp.weights import compute_dtype_of
 
 
 class DataSource(Protocol):
@@ -81,6 +83,7 @@ def build_simulator(cfg: RunConfig, model: nn.Module, optimizer) -> DelayedUpdat
         dc_lambda=cfg.staleness.dc_lambda,
         weight_prediction=cfg.staleness.weight_prediction,
         diagnostics_every=cfg.staleness.diagnostics_every,
+        compute_dtype=compute_dtype_of(cfg.train.precision),
     )
 
 
@@ -94,18 +97,22 @@ def evaluate(model: nn.Module, batches: list[Tensor], device: torch.device) -> f
     return sum(losses) / len(losses)
 
 
-def simulator_state(sim: DelayedUpdateSimulator, model: nn.Module, num_past: int | None = None) -> ckpt.StageState:
+def simulator_state(sim: DelayedUpdateSimulator, model: nn.Module, num_past: int | None = None,
+                    step: int = 0) -> ckpt.StageState:
     """The simulator's side of a checkpoint: x_t (age 0) and its past versions (ages 1..), u_{t-1}, the
-    optimizer. With `num_past`, fresh buffers are made for that many past versions (for a load)."""
+    optimizer. With `num_past`, fresh buffers are made for that many past versions (for a load). x_t is
+    the optimizer's copy: the fp32 masters under mixed precision (past versions stay in the compute dtype)."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     if num_past is not None:
         sim.history.clear()
         for _ in range(num_past):
             sim.history.append([torch.empty_like(p) for p in sim.params])
-    versions = {0: [p.detach() for p in sim.params]}
+    versions = {0: [q.detach() for q in sim.masters]}
     versions.update({age + 1: v for age, v in enumerate(sim.history)})
     buffers = {"ef": sim.error_feedback.prev_update, "gef": sim.grad_error_feedback.prev_grad}
-    return ckpt.StageState(names, versions, buffers, sim.optimizer, sim.params)
+    balancing = sim.balancing
+    extra = balancing.reset(step, range(num_past + 1)) if num_past is not None and balancing else balancing.tensors()
+    return ckpt.StageState(names, versions, buffers, sim.optimizer, sim.masters, extra=extra)
 
 
 class Trainer:
@@ -131,7 +138,9 @@ class Trainer:
         step = manifest["step"]
         ckpt.check_data_position(manifest, self.data, self.cfg, warn=self.metrics.message)
         past = min(step, self.sim.num_past_versions)
-        ckpt.load(path, simulator_state(self.sim, self.model, num_past=past), ages=range(past + 1))
+        ckpt.load(path, simulator_state(self.sim, self.model, num_past=past, step=step), ages=range(past + 1))
+        self.sim.balancing.use(step)
+        self.sim.sync_params()  # mixed precision: the load wrote the fp32 masters
         self.start_step = step
         self.metrics.message(f"resumed from {path} at step {step}")
         return step
@@ -175,6 +184,7 @@ class Trainer:
             if stats.update_cosine is not None:  # staleness.diagnostics_every steps (their step_time_s includes it)
                 record.update(update_cosine=stats.update_cosine, update_rel_error=stats.update_rel_error)
             record.update(_moe_stats(self.model))
+            record.update(RouterLoadStats.as_metrics(stats.router_loads))
             last = step == t.steps - 1
             if val_batches and ((step + 1) % t.eval_every == 0 or last):
                 val_loss = record["val_loss"] = evaluate(self.model, val_batches, self.device)
@@ -212,5 +222,7 @@ class Trainer:
 
 
 def _moe_stats(model: nn.Module) -> dict[str, float]:
+    """The auxiliary loss of the step's last microbatch (the loads come from RouterLoadStats: the
+    whole step's, per layer, as the pipeline logs them)."""
     stats = getattr(model, "moe_stats", None)
-    return stats() if callable(stats) else {}
+    return {k: v for k, v in stats().items() if k == "moe/aux_loss"} if callable(stats) else {}

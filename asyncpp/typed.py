@@ -72,6 +72,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             return value
     elif tp is Any:
         return value
+    elif tp is dict:
+        if isinstance(value, dict):
+            return value
     raise ConfigError(f"{path}={value!r} has type {type(value).__name__}; expected {_type_name(tp)}")
 
 

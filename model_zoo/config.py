@@ -20,6 +20,9 @@ class MoEConfig:
     """Weight of the Switch load-balancing loss (1.0 when perfectly balanced) added to the LM loss gradient."""
     normalize_topk: bool = True
     """Renormalise the top-k router probabilities to sum to 1 per token (Qwen3 / Mixtral style)."""
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): > 0 adds a per-expert bias to the router scores for
+    top-k selection only, moved by this much per step towards equal load; 0 disables it."""
 
     def validate(self) -> None:
         _positive("model.moe.num_experts", self.num_experts)
@@ -36,6 +39,11 @@ class MoEConfig:
             )
         if self.aux_loss_coef < 0:
             raise ValueError(f"model.moe.aux_loss_coef={self.aux_loss_coef} is negative; use >= 0 (0 disables).")
+        if self.bias_update_rate < 0:
+            raise ValueError(
+                f"model.moe.bias_update_rate={self.bias_update_rate} is negative; use >= 0 "
+                "(0 disables aux-loss-free balancing; DeepSeek-V3 uses 1e-3)."
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,12 +1,19 @@
 """Mixture-of-experts MLP: softmax top-k router, stacked SwiGLU experts, optional gated shared expert,
 and a Switch-style load-balancing loss whose gradient rides along with the activation.
 
-Shapes: d = hidden_size, f = expert_ffn_hidden_size, E = num_experts, N = tokens in the microbatch.
+Shapes: d = hidden_size, f = expert_ffn_hidden_size, E = num_experts, N = tokens in the microbatch,
+k = top_k. An "assignment" is one (token, chosen expert) pair; there are N * k of them.
+
+The routed experts run as one grouped computation over the experts this rank holds (grouped_swiglu),
+not a loop. Where the experts live is the dispatcher's business (the seam below): the default keeps
+every expert here; asyncpp.parallel.experts installs one that shards them over TP/EP groups.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +21,45 @@ from torch import Tensor, nn
 
 from model_zoo.config import MoEConfig
 from model_zoo.layers import SwiGLU
+
+ExpertFn = Callable[[Tensor, Tensor], Tensor]
+"""(rows [M, d] sorted by local expert, counts [E_local] int64 summing to M) -> outputs [M, d], same order."""
+
+Kernel = Literal["bmm", "grouped_mm"]
+
+
+class Dispatcher(Protocol):
+    """The seam between the plain model and expert/tensor parallelism.
+
+    MoE.forward calls, in this order: enter(x) on the input the experts read; scale(w) on every
+    value that multiplies an expert output (routing weights, the shared expert's gate); dispatch()
+    to run the routed experts; leave(out) on the sum of the weighted expert outputs. The router
+    itself reads the input *before* enter(), so a replicated router never needs a reduction.
+    """
+
+    def enter(self, x: Tensor) -> Tensor: ...
+    def scale(self, w: Tensor) -> Tensor: ...
+    def leave(self, y: Tensor) -> Tensor: ...
+
+    def dispatch(self, rows: Tensor, counts: Tensor, experts: ExpertFn) -> Tensor:
+        """rows [M, d] sorted by global expert, counts [E] -> every row's expert output [M, d], same order."""
+        ...
+
+
+class LocalDispatcher:
+    """All experts on this rank, input not shared with any other rank: nothing to move or reduce."""
+
+    def enter(self, x: Tensor) -> Tensor:
+        return x
+
+    def scale(self, w: Tensor) -> Tensor:
+        return w
+
+    def leave(self, y: Tensor) -> Tensor:
+        return y
+
+    def dispatch(self, rows: Tensor, counts: Tensor, experts: ExpertFn) -> Tensor:
+        return experts(rows, counts)
 
 
 class AttachAuxLoss(torch.autograd.Function):
@@ -47,9 +93,88 @@ def load_balancing_loss(probs: Tensor, topk_idx: Tensor, num_experts: int) -> tu
     return num_experts * torch.sum(frac * probs.mean(dim=0)), counts
 
 
+# ---- grouped expert computation ------------------------------------------------------------------
+
+def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """torch._grouped_mm's CUDA kernel (bf16, SM80+) exists here; elsewhere the padded bmm is used."""
+    return device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+def grouped_swiglu(rows: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                   kernel: Kernel = "bmm") -> Tensor:
+    """Expert e's SwiGLU, down(silu(gate(x)) * up(x)), on its rows, for every local expert at once.
+
+    rows [M, d] sorted by expert, counts [E] int64 (sum M, zeros allowed), w_gate/w_up [E, f, d],
+    w_down [E, d, f] -> [M, d] in the order of `rows`. Dropless: every row is computed; the buffers
+    only add zero rows. "bmm" syncs with the host once (the busiest expert sizes the buffer);
+    "grouped_mm" does not, and wastes at most 16 bytes of rows per expert.
+    """
+    if kernel == "grouped_mm":
+        return _swiglu_grouped_mm(rows, counts, w_gate, w_up, w_down)
+    if kernel != "bmm":
+        raise ValueError(f"kernel={kernel!r} is not a grouped expert kernel; use 'bmm' or 'grouped_mm'.")
+    return _swiglu_padded_bmm(rows, counts, w_gate, w_up, w_down)
+
+
+def _padded_positions(counts: Tensor, group_sizes: Tensor, num_rows: int) -> Tensor:
+    """Row i of the expert-sorted input -> its row in a buffer where group e occupies group_sizes[e] rows."""
+    group_starts = torch.cumsum(group_sizes, 0) - group_sizes
+    row_starts = torch.cumsum(counts, 0) - counts
+    shift = torch.repeat_interleave(group_starts - row_starts, counts, output_size=num_rows)
+    return shift + torch.arange(num_rows, device=counts.device)
+
+
+def _swiglu_padded_bmm(rows: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    E, (M, d) = counts.numel(), rows.shape
+    cap = int(counts.max()) if M else 0  # host sync: the buffer is [E, busiest expert's rows, d]
+    pos = _padded_positions(counts, torch.full_like(counts, cap), M)
+    buf = rows.new_zeros(E * cap, d).index_copy(0, pos, rows).view(E, cap, d)
+    h = F.silu(torch.bmm(buf, w_gate.transpose(1, 2))) * torch.bmm(buf, w_up.transpose(1, 2))
+    return torch.bmm(h, w_down.transpose(1, 2)).reshape(E * cap, d).index_select(0, pos)
+
+
+def _swiglu_grouped_mm(rows: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    # Every group must start 16-byte aligned: in the weight-gradient GEMM the token dim is the
+    # contiguous one, and TMA loads need aligned starts. So round each group up to `align` rows.
+    # The buffer length is a static bound (no host sync); the last group absorbs the slack, so no
+    # row of the buffer is left outside a group (uninitialised output).
+    E, (M, d) = counts.numel(), rows.shape
+    align = max(1, 16 // rows.element_size())
+    total = M + E * (align - 1)
+    sizes = (counts + align - 1) // align * align
+    sizes = torch.cat([sizes[:-1], (total - sizes[:-1].sum()).reshape(1)])
+    pos = _padded_positions(counts, sizes, M)
+    offs = torch.cumsum(sizes, 0).to(torch.int32)
+    buf = rows.new_zeros(total, d).index_copy(0, pos, rows)
+    gmm = torch._grouped_mm
+    h = F.silu(gmm(buf, w_gate.transpose(1, 2), offs=offs)) * gmm(buf, w_up.transpose(1, 2), offs=offs)
+    return gmm(h, w_down.transpose(1, 2), offs=offs).index_select(0, pos)
+
+
+def sort_assignments(idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """idx [N, k] -> (order [N*k]: assignments sorted by expert (stable), token_of [N*k]: the token of
+    each sorted assignment, counts [E] int64)."""
+    flat = idx.flatten()
+    order = torch.argsort(flat, stable=True)
+    token_of = torch.div(order, idx.shape[1], rounding_mode="floor")  # assignment j is token j // k
+    return order, token_of, torch.bincount(flat, minlength=num_experts)
+
+
+# ---- the module ----------------------------------------------------------------------------------
+
 class MoE(nn.Module):
     """[B, T, d] -> [B, T, d]. Expert weights are stacked 3-D parameters so an optimizer (Muon) can
-    treat them as a batch of E matrices and an expert-parallel plan can shard dim 0."""
+    treat them as a batch of E matrices and an expert-parallel plan can shard dim 0.
+
+    Aux-loss-free balancing (cfg.bias_update_rate > 0), the hooks a trainer drives:
+      * `expert_bias` [E] (persistent fp32 buffer) is added to the router probabilities to choose the
+        top-k experts; the weights of the chosen experts are still the un-biased probabilities.
+      * every forward in training mode adds its per-expert assignment counts to `step_load`
+        (non-persistent). Call pop_step_load() once per optimizer step to take and reset them, sum
+        them over every rank that saw different tokens (DP and EP, not TP) and pass them to
+        update_bias() together with the weight update of that step, so the microbatches of step t
+        read the bias of version t-1. Activation recomputation would count a microbatch twice.
+    """
 
     def __init__(self, hidden_size: int, cfg: MoEConfig) -> None:
         super().__init__()
@@ -61,6 +186,11 @@ class MoE(nn.Module):
         # Factor on the aux-loss gradient: 1.0 counts the aux loss once per microbatch backward;
         # a trainer that scales each microbatch's LM loss by 1/m can set 1/m here to match.
         self.aux_grad_scale = 1.0
+        self.bias_update_rate = cfg.bias_update_rate
+        # The one switch for torch._grouped_mm; honoured where grouped_mm_available(), else padded bmm.
+        self.use_grouped_mm = False
+        # Parallel plans replace this (asyncpp.parallel.experts.parallelize_moe); the model never looks inside.
+        self.dispatcher: Dispatcher = LocalDispatcher()
         self.router = nn.Linear(d, E, bias=False)
         self.w_gate = nn.Parameter(torch.empty(E, f, d))
         self.w_up = nn.Parameter(torch.empty(E, f, d))
@@ -71,6 +201,12 @@ class MoE(nn.Module):
             self.shared_expert = SwiGLU(d, cfg.shared_expert_ffn_hidden_size)
             # Qwen3-Next "shared expert trainable weight": a per-token scalar sigmoid gate.
             self.shared_gate = nn.Linear(d, 1, bias=False)
+        self.expert_bias: Tensor | None
+        self.step_load: Tensor | None
+        # Registered only when enabled, so models without it keep their state_dict keys.
+        enabled = cfg.bias_update_rate > 0
+        self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32) if enabled else None)
+        self.register_buffer("step_load", torch.zeros(E, dtype=torch.int64) if enabled else None, persistent=False)
         # Logging only; detached, overwritten every forward.
         self.last_aux_loss: Tensor | None = None
         self.last_expert_load: Tensor | None = None
@@ -78,7 +214,12 @@ class MoE(nn.Module):
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [N, d] -> (probs [N, E] float32, topk_weight [N, k] float32, topk_idx [N, k])."""
         probs = torch.softmax(self.router(x).float(), dim=-1)
-        weight, idx = probs.topk(self.top_k, dim=-1)
+        if self.expert_bias is None:
+            weight, idx = probs.topk(self.top_k, dim=-1)
+        else:
+            # The bias steers which experts are chosen, never how much they weigh (DeepSeek-V3).
+            idx = (probs + self.expert_bias.float()).topk(self.top_k, dim=-1).indices
+            weight = probs.gather(-1, idx)
         if self.normalize_topk:
             weight = weight / weight.sum(dim=-1, keepdim=True)
         return probs, weight, idx
@@ -86,16 +227,38 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        probs, weight, idx = self.route(x2)
-        out = self.experts_reference(x2, weight, idx)
+        probs, weight, idx = self.route(x2)  # reads x2 before enter(): a replicated router needs no reduction
+        region = self.dispatcher
+        xe = region.enter(x2)
+        out = self.experts_grouped(xe, region.scale(weight), idx)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_gate(x2)) * self.shared_expert(x2)
+            out = out + region.scale(torch.sigmoid(self.shared_gate(x2))) * self.shared_expert(xe)
+        out = region.leave(out)
         aux, counts = load_balancing_loss(probs, idx, self.num_experts)
         self.last_aux_loss = aux.detach()
         self.last_expert_load = counts.detach()
+        if self.step_load is not None and self.training:
+            self.step_load += counts.detach()
         if self.aux_loss_coef > 0 and torch.is_grad_enabled():
             out = AttachAuxLoss.apply(out, aux * self.aux_loss_coef, self.aux_grad_scale)
         return out.reshape(shape)
+
+    def experts_grouped(self, x: Tensor, weight: Tensor, idx: Tensor) -> Tensor:
+        """x [N, d], weight/idx [N, k] -> sum_j weight[:, j] * expert_{idx[:, j]}(x) [N, d].
+
+        Sort assignments by expert, let the dispatcher run them where the experts live (one grouped
+        computation per rank), then weight and scatter-add back per token. Same contract as
+        experts_reference.
+        """
+        order, token_of, counts = sort_assignments(idx, self.num_experts)
+        rows = x.index_select(0, token_of)
+        y = self.dispatcher.dispatch(rows, counts, self._local_experts)
+        w_sorted = weight.flatten()[order].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, y * w_sorted[:, None])
+
+    def _local_experts(self, rows: Tensor, counts: Tensor) -> Tensor:
+        fast = self.use_grouped_mm and grouped_mm_available(rows.device, rows.dtype)
+        return grouped_swiglu(rows, counts, self.w_gate, self.w_up, self.w_down, "grouped_mm" if fast else "bmm")
 
     def experts_reference(self, x: Tensor, weight: Tensor, idx: Tensor) -> Tensor:
         """Loop over experts that received tokens: gather, SwiGLU, scale by router weight, scatter-add.
@@ -122,6 +285,32 @@ class MoE(nn.Module):
             start += n
         return out
 
+    # ---- aux-loss-free balancing hooks (see the class docstring for the contract) -----------------
+
+    def pop_step_load(self) -> Tensor:
+        """This rank's assignments per expert [E] (int64) since the last call; resets the count."""
+        if self.step_load is None:
+            raise RuntimeError("pop_step_load() needs model.moe.bias_update_rate > 0 (aux-loss-free balancing is off).")
+        load = self.step_load.clone()
+        self.step_load.zero_()
+        return load
+
+    @torch.no_grad()
+    def update_bias(self, load: Tensor) -> None:
+        """b_i += rate * sign(mean(load) - load_i): under-loaded experts become likelier to be chosen."""
+        if self.expert_bias is None:
+            raise RuntimeError("update_bias() needs model.moe.bias_update_rate > 0 (aux-loss-free balancing is off).")
+        load = load.to(device=self.expert_bias.device, dtype=torch.float32)
+        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> MoE:
+        # model.to(bfloat16) casts every floating buffer; the bias moves in steps (~1e-3) that bf16
+        # would round away, so it goes back to fp32 (device moves are kept).
+        super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return self
+
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.router.weight, mean=0.0, std=std)
         nn.init.normal_(self.w_gate, mean=0.0, std=std)
@@ -130,6 +319,10 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             self.shared_expert.init_weights(std, out_std)
             nn.init.normal_(self.shared_gate.weight, mean=0.0, std=std)
+        # to_empty() leaves the buffers uninitialised too.
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+            self.step_load.zero_()
 
     def params_per_expert(self) -> int:
         return math.prod(self.w_gate.shape[1:]) + math.prod(self.w_up.shape[1:]) + math.prod(self.w_down.shape[1:])

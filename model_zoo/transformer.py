@@ -114,21 +114,29 @@ class CausalLM(nn.Module):
         # getattr: a pipeline stage replaces the layers it does not own with nn.Identity.
         return [layer.mlp for layer in self.layers if isinstance(getattr(layer, "mlp", None), MoE)]
 
-    def moe_stats(self) -> dict[str, float]:
+    def moe_stats(self, per_layer: bool = False) -> dict[str, float]:
         """Router health from the last forward, for logging ({} for dense models or before a forward).
 
         moe/aux_loss: mean over MoE layers of the un-weighted load-balancing loss (1.0 = balanced);
         moe/load_max, moe/load_mean: over layers, the max and mean of (busiest expert's tokens /
-        mean tokens per expert), i.e. 1.0 = perfectly balanced. Syncs with the device (.item()).
+        mean tokens per expert), i.e. 1.0 = perfectly balanced. With per_layer, also
+        moe/layer{i}/load_max_over_mean and moe/layer{i}/aux_loss for every MoE layer i this model
+        (or pipeline stage) holds, i being the global layer index. Syncs with the device (.item()).
         """
-        moes = [m for m in self.moe_layers() if m.last_aux_loss is not None]
-        if not moes:
+        layers = [(i, layer.mlp) for i, layer in enumerate(self.layers)
+                  if isinstance(getattr(layer, "mlp", None), MoE) and layer.mlp.last_aux_loss is not None]
+        if not layers:
             return {}
-        aux = torch.stack([m.last_aux_loss.float() for m in moes])
-        ratios = torch.stack([m.last_expert_load.max().float() / m.last_expert_load.float().mean().clamp(min=1e-9)
-                              for m in moes])
-        return {"moe/aux_loss": aux.mean().item(), "moe/load_max": ratios.max().item(),
-                "moe/load_mean": ratios.mean().item()}
+        aux = torch.stack([m.last_aux_loss.float() for _, m in layers])
+        load = torch.stack([m.last_expert_load.float() for _, m in layers])  # [layers, E]
+        ratios = load.max(dim=1).values / load.mean(dim=1).clamp(min=1e-9)
+        stats = {"moe/aux_loss": aux.mean().item(), "moe/load_max": ratios.max().item(),
+                 "moe/load_mean": ratios.mean().item()}
+        if per_layer:
+            for (i, _), r, a in zip(layers, ratios.tolist(), aux.tolist()):  # one host sync for all layers
+                stats[f"moe/layer{i}/load_max_over_mean"] = r
+                stats[f"moe/layer{i}/aux_loss"] = a
+        return stats
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> CausalLM:

@@ -35,3 +35,20 @@ REPLICATED = ParamSharding()
 
 def layout_of(plan: ShardingPlan, name: str) -> ParamSharding:
     return plan.get(name, REPLICATED)
+
+
+def global_view(layout: ParamSharding, device_mesh, tp: int, ep: int):
+    """A function wrapping a local piece as the global tensor it is part of (a DTensor over the
+    ("ep", "tp") dims of `device_mesh` that shard it, sharing storage), or None when the rank holds
+    the whole tensor. For checkpoints: DCP then reads and writes by global offsets."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    dims, placements = [], []
+    if layout.expert and ep > 1:
+        dims.append("ep"), placements.append(Shard(0))
+    if layout.is_tp_sharded and tp > 1:
+        dims.append("tp"), placements.append(Shard(layout.tp_dim))
+    if not dims:
+        return None
+    sub = device_mesh[tuple(dims)] if len(dims) > 1 else device_mesh[dims[0]]
+    return lambda t: DTensor.from_local(t, sub, placements, run_check=False)

@@ -69,8 +69,8 @@ def test_non_finite_step_is_skipped_on_every_stage_like_the_simulator():
 
     original = simulate.DelayedUpdateSimulator._accumulate
 
-    def accumulate(self, microbatches, _state={"t": 0}):
-        total = original(self, microbatches)
+    def accumulate(self, microbatches, step=None, _state={"t": 0}):
+        total = original(self, microbatches, step)
         if _state["t"] == 2:
             for p in self.params:
                 p.grad.mul_(float("nan"))

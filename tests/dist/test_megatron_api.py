@@ -132,7 +132,7 @@ def mean_loss(store: list[dict]) -> float:
 
 # ---- one rank --------------------------------------------------------------------------------------
 def build(cfg: RunConfig, mesh: Mesh):
-    model_cfg = get_model_config(cfg.model.name)
+    model_cfg = get_model_config(cfg.model.name, **(cfg.model.overrides or {}))
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg)
     spec = StageSpec(mesh.pp_rank, mesh.num_stages, len(model.layers))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+import pretrain
 from asyncpp.config import RunConfig
 from asyncpp.mesh import Mesh, ParallelDims
 from asyncpp.optim import build_from_config
@@ -49,7 +50,7 @@ def make_config(**sections) -> RunConfig:
 
 
 def optimizer_factory(cfg: RunConfig):
-    return lambda model: build_from_config(model, cfg.optimizer)
+    return lambda model, sharding=None: build_from_config(model, cfg.optimizer)
 
 
 def data_for(cfg: RunConfig, vocab: int) -> SyntheticData:
@@ -59,13 +60,15 @@ def data_for(cfg: RunConfig, vocab: int) -> SyntheticData:
 def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     """One rank of a pipeline run: losses (last stage) and this stage's final parameters by name."""
     cfg = RunConfig.from_dict(cfg_dict)
-    model_cfg = get_model_config(cfg.model.name)
+    model_cfg = get_model_config(cfg.model.name, **(cfg.model.overrides or {}))
     cfg.validate(model_cfg)
-    dims = ParallelDims.for_world(torch.distributed.get_world_size(), pp=cfg.parallel.pp, dp=cfg.parallel.dp)
+    p = cfg.parallel
+    dims = ParallelDims.for_world(torch.distributed.get_world_size(), pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
     mesh = Mesh(dims, torch.device("cpu"))
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg)
-    run = PipelineRun(cfg, model, mesh, data_for(cfg, model_cfg.vocab_size), optimizer_factory(cfg))
+    run = PipelineRun(cfg, model, mesh, data_for(cfg, model_cfg.vocab_size), pretrain.optimizer_for(cfg, mesh),
+                      parallelize=pretrain.parallelize_stage(mesh, p.sequence_parallel))
     run.resume()
     records = []
 
@@ -78,7 +81,8 @@ def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
 
     summary = run.run(Collect() if mesh.is_writer else None)
     params = {n: p.detach().clone() for n, p in run.model.named_parameters()}
-    return {"stage": mesh.pp_rank, "dp": mesh.dp_rank, "records": records, "params": params, "summary": summary}
+    return {"stage": mesh.pp_rank, "dp": mesh.dp_rank, "tp": mesh.tp_rank, "ep": mesh.ep_rank, "records": records,
+            "params": params, "summary": summary, "layouts": {n: (l.tp_dim, l.expert) for n, l in run.sharding.items()}}
 
 
 def reference_run(cfg: RunConfig) -> dict:
@@ -96,7 +100,7 @@ def reference_run(cfg: RunConfig) -> dict:
 
 
 def _reference_run(cfg: RunConfig) -> dict:
-    model_cfg = get_model_config(cfg.model.name)
+    model_cfg = get_model_config(cfg.model.name, **(cfg.model.overrides or {}))
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg)
     sim = build_simulator(cfg, model, optimizer_factory(cfg)(model))

@@ -68,6 +68,26 @@ CORPUS: dict[str, Bad] = {
         "model.num_kv_heads=3",
         "parallel.tp in [1, 3]",
     ),
+    "tp-splits-gdn-heads": Bad(
+        ["model=tiny_hybrid", "+model.overrides.gdn.num_heads=3", "parallel.tp=2"],
+        "model.gdn.num_heads=3", "parallel.tp in [1, 3]",
+    ),
+    "tp-splits-vocab": Bad(
+        ["model=tiny_dense", "+model.overrides.vocab_size=8191", "parallel.tp=2"],
+        "model.vocab_size=8191", "parallel.tp in [1, 8191]",
+    ),
+    "tp-splits-expert-ffn": Bad(
+        ["model=tiny_moe", "+model.overrides.moe.expert_ffn_hidden_size=127", "parallel.tp=2"],
+        "model.moe.expert_ffn_hidden_size=127", "parallel.tp in [1, 127]",
+    ),
+    "top-k-above-experts": Bad(
+        ["model=tiny_moe", "+model.overrides.moe.top_k=9"], "model.moe.top_k=9", "lower top_k or raise num_experts",
+    ),
+    "sequence-parallel-splits-seq": Bad(
+        ["model=tiny_dense", "parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=127"],
+        "train.seq_len=127", "multiple of 2",
+    ),
+    "negative-dry-run": Bad(["dry_run=-1"], "dry_run=-1", "dry_run=8"),
     "ep-on-dense": Bad(["model=tiny_dense", "parallel.ep=2"], "parallel.ep=2", "set parallel.ep=1"),
     "ep-splits-experts": Bad(
         ["model=tiny_moe", "parallel.ep=3"], "parallel.ep=3", "parallel.ep in [1, 2, 4, 8]"
@@ -159,6 +179,11 @@ WORLD_CORPUS: dict[str, tuple[dict, str, str]] = {
         {"world_size": 8, "pp": 4, "tp": 4},
         "parallel.tp=4 x parallel.pp=4",
         "launch a multiple of 16",
+    ),
+    "ep-does-not-divide-dp": (
+        {"world_size": 8, "pp": 2, "ep": 3},
+        "parallel.ep=3 does not divide the 4 data-parallel ranks",
+        "parallel.ep in [1, 2, 4]",
     ),
     "dp-contradicts-world": ({"world_size": 8, "pp": 2, "dp": 3}, "parallel.dp=3", "set parallel.dp=null"),
 }

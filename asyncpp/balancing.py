@@ -1,0 +1,141 @@
+"""Versioned router-balancing state: the auxiliary-loss-free bias of MoE routers (semantics.md).
+
+The bias is not a gradient-trained parameter but it changes every step, so the delayed-update rule
+applies to it as to the weights: the microbatches of b_t read the bias of the weight version they run
+on (x_{t-1} in 2BW), and the update of step t moves it, with b_t's expert loads, at the same moment
+as the weights: bias(x_{t+1}) = bias(x_t) + rate * sign(mean(load_t) - load_t).
+
+Written here (not in a library) because it is part of the staleness contract. Routers are duck-typed
+(model_zoo.moe.MoE): `expert_bias` [E] buffer, `pop_step_load()` -> [E] assignments since the last
+call, `update_bias(load)` applying the sign rule in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+def balanced_routers(model: nn.Module) -> dict[str, nn.Module]:
+    """Modules (by name) whose router carries an aux-loss-free bias."""
+    return {name: m for name, m in model.named_modules()
+            if getattr(m, "expert_bias", None) is not None and hasattr(m, "pop_step_load")}
+
+
+class RouterBiasVersions:
+    """Bias versions of every balanced router of one stage (or of the whole model in the simulator).
+
+    Version v is the bias belonging to weights x_v. Only `num_buffers` versions are kept, like the
+    weights. use() copies a version into the routers (E floats per layer: a copy is cheaper than a
+    storage swap's bookkeeping and keeps the module's buffer the one object hooks and checkpoints see).
+    """
+
+    def __init__(self, routers: dict[str, nn.Module], num_buffers: int):
+        self.routers = routers
+        self.names = list(routers)
+        self.num_buffers = max(1, num_buffers)
+        self.versions: dict[int, list[Tensor]] = {0: [m.expert_bias.detach().clone() for m in routers.values()]}
+        self.loads: dict[int, list[Tensor]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.routers)
+
+    @property
+    def newest(self) -> int:
+        return max(self.versions)
+
+    @torch.no_grad()
+    def use(self, version: int | Sequence[int]) -> None:
+        """Put the bias of `version` (one per router, or one for all) into the routers. Versions before
+        the oldest held are the oldest (x_{-k} := x_0, the pipeline warm-up)."""
+        per_router = [version] * len(self.names) if isinstance(version, int) else list(version)
+        for m, v, i in zip(self.routers.values(), per_router, range(len(self.names))):
+            m.expert_bias.copy_(self.versions[max(min(v, self.newest), min(self.versions))][i])
+
+    def record(self, step: int) -> None:
+        """After a forward of b_`step`: move the routers' counted loads into that step's sum."""
+        loads = [m.pop_step_load() for m in self.routers.values()]
+        mine = self.loads.get(step)
+        self.loads[step] = loads if mine is None else [a + b for a, b in zip(mine, loads)]
+
+    def discard(self) -> None:
+        """Drop loads counted by forwards that are not part of training (diagnostics, evaluation)."""
+        for m in self.routers.values():
+            m.pop_step_load()
+
+    def pop_loads(self, step: int) -> list[Tensor]:
+        """b_`step`'s loads (this rank's; a caller sums them over data-parallel replicas)."""
+        loads = self.loads.pop(step, None)
+        return loads if loads is not None else [torch.zeros(m.expert_bias.shape, dtype=torch.int64, device=m.expert_bias.device)
+                                             for m in self.routers.values()]
+
+    @torch.no_grad()
+    def update(self, step: int, loads: Sequence[Tensor], apply: bool = True) -> None:
+        """bias(x_{step+1}) from bias(x_step) and b_step's global loads; `apply=False` (a skipped step)
+        carries the bias over unchanged, as the weights are."""
+        self.use(step)
+        if apply:
+            for m, load in zip(self.routers.values(), loads):
+                m.update_bias(load)
+        self.versions[step + 1] = [m.expert_bias.detach().clone() for m in self.routers.values()]
+        for old in [v for v in self.versions if v <= step + 1 - self.num_buffers]:
+            del self.versions[old]
+        self.use(step + 1)
+
+    # ---- checkpoints: the same ages as the weights --------------------------------------------
+    def tensors(self) -> dict[str, Tensor]:
+        """{"balancing/<age>/<router name>": bias} for every held version (age 0 = newest)."""
+        out = {}
+        for v, biases in self.versions.items():
+            out.update({f"balancing/{self.newest - v}/{n}": b for n, b in zip(self.names, biases)})
+        return out
+
+    def reset(self, newest: int, ages: Sequence[int]) -> dict[str, Tensor]:
+        """Fresh buffers for versions newest-age (filled in place by a checkpoint load)."""
+        self.versions = {newest - a: [torch.empty_like(m.expert_bias) for m in self.routers.values()] for a in ages}
+        self.loads.clear()
+        return self.tensors()
+
+
+class RouterLoadStats:
+    """Each step's per-layer expert load (busiest expert / mean, 1.0 = balanced), for the metrics.
+
+    Counts are summed over the step's microbatches on this rank (routers expose `last_expert_load`,
+    the counts of their last forward). The values travel as one slot per layer of the whole model in
+    the engine's gradient-norm all-reduce (no extra collective): a stage fills its own layers' slots on
+    the rank that counts (`counted`: TP rank 0, EP rank 0) and leaves zeros elsewhere.
+    """
+
+    def __init__(self, routers: dict[int, nn.Module], num_layers: int, counted: bool = True):
+        self.routers, self.num_layers, self.counted = routers, num_layers, counted
+        self.counts: dict[int, dict[int, Tensor]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.routers)
+
+    def record(self, step: int) -> None:
+        mine = self.counts.setdefault(step, {})
+        for i, m in self.routers.items():
+            load = m.last_expert_load
+            if load is not None:
+                mine[i] = load.double() if i not in mine else mine[i] + load.double()
+
+    def vector(self, step: int, device: torch.device) -> Tensor:
+        out = torch.zeros(self.num_layers, dtype=torch.float64, device=device)
+        for i, load in self.counts.pop(step, {}).items():
+            if self.counted:
+                out[i] = load.max() / load.mean().clamp(min=1e-9)
+        return out
+
+    @staticmethod
+    def as_metrics(values: Sequence[float]) -> dict[str, float]:
+        """Slots -> {"moe/layer{i}/load_max_over_mean", "moe/load_max", "moe/load_mean"} (MoE layers only)."""
+        layers = {i: v for i, v in enumerate(values) if v > 0}
+        if not layers:
+            return {}
+        out = {f"moe/layer{i}/load_max_over_mean": v for i, v in layers.items()}
+        out["moe/load_max"] = max(layers.values())
+        out["moe/load_mean"] = sum(layers.values()) / len(layers)
+        return out

@@ -1,0 +1,123 @@
+"""Lay a job out at its real world size without GPUs: a fake process group, meta tensors.
+
+For every pipeline stage, one of its ranks builds the mesh (real DeviceMesh code, groups on the fake
+backend), the stage (model on meta, pruned, TP/EP plan applied: every shard gets its real shape), the
+optimizer, the weight versions and the Error-Feedback buffer, and reports the per-rank memory with
+asyncpp.memory. Nothing is allocated and nothing is communicated, so a 10B model on 64 ranks lays out
+on a laptop in seconds. All ranks of a stage hold the same shapes (TP/EP shards are equal), so one
+rank per stage is representative.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from asyncpp.config import RunConfig
+from asyncpp.memory import activation_bytes, in_flight_microbatches, versions_report
+from asyncpp.mesh import Mesh, ParallelDims
+from asyncpp.optim.staleness import ErrorFeedback
+from asyncpp.parallel.sharding import ShardingPlan, layout_of
+from asyncpp.pipeline import num_weight_buffers
+from asyncpp.stage import StageSpec
+from asyncpp.weights import compute_dtype_of
+
+BuildStage = Callable[[Mesh, StageSpec], tuple[nn.Module, ShardingPlan]]
+BuildOptimizer = Callable[[nn.Module, ShardingPlan, Mesh], object]
+
+
+def _fake_group(rank: int, world_size: int) -> None:
+    # torch's in-process fake backend: every collective returns at once. Internal to torch's test
+    # utilities, but it is the supported way to trace a distributed program without peers.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def local_shapes_config(model_cfg, dims: ParallelDims):
+    """The model config as one TP rank sees it (heads, ffn, vocab divided by tp), for the activation
+    estimate: the residual stream stays full width (it is replicated unless sequence parallel)."""
+    tp = dims.tp
+    if tp == 1:
+        return model_cfg
+    changes = {"num_heads": model_cfg.num_heads // tp, "num_kv_heads": model_cfg.num_kv_heads // tp,
+               "ffn_hidden_size": model_cfg.ffn_hidden_size // tp, "vocab_size": model_cfg.vocab_size // tp}
+    if model_cfg.gdn is not None:
+        changes["gdn"] = dataclasses.replace(model_cfg.gdn, num_heads=model_cfg.gdn.num_heads // tp)
+    if model_cfg.moe is not None:
+        m = model_cfg.moe
+        changes["moe"] = dataclasses.replace(m, expert_ffn_hidden_size=m.expert_ffn_hidden_size // tp,
+                                             shared_expert_ffn_hidden_size=m.shared_expert_ffn_hidden_size // tp)
+    return dataclasses.replace(model_cfg, **changes)
+
+
+def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, versions, optimizer, error_feedback):
+    """One pipeline rank's memory (asyncpp.memory.versions_report) for its stage, shards and schedule:
+    the same function sizes a dry run (meta tensors) and a real run (printed at start)."""
+    t = cfg.train
+    dtype = compute_dtype_of(t.precision)
+    act = activation_bytes(local_shapes_config(model_cfg, mesh.dims), spec.layers, dtype=dtype,
+                           micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
+                           first=spec.is_first, last=spec.is_last)
+    in_flight = in_flight_microbatches(cfg.schedule.name, spec.stage, mesh.num_stages, t.num_microbatches)
+    grad_buffers = 2 if cfg.schedule.name == "2bw" else 1  # 2BW: b_{t+1}'s backward overlaps U(t)
+    return versions_report(versions, optimizer, error_feedback=error_feedback, activation_bytes_per_mb=act,
+                           in_flight=in_flight, grad_buffers=grad_buffers,
+                           title=f"stage {spec.stage} (rank {mesh.rank}, layers {list(spec.layers)})")
+
+
+def stage_report(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, build_stage: BuildStage,
+                 build_optimizer: BuildOptimizer) -> dict:
+    from asyncpp.weights import WeightVersions
+
+    stage, plan = build_stage(mesh, spec)
+    named = [(n, p) for n, p in stage.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    optimizer = build_optimizer(stage, plan, mesh)
+    dtype = compute_dtype_of(cfg.train.precision)
+    versions = WeightVersions(params, num_weight_buffers(cfg.schedule.name, spec.stage, mesh.num_stages),
+                              compute_dtype=dtype)
+    versions.retarget(optimizer)
+    ef = ErrorFeedback(versions.masters, cfg.staleness.ef_lambda).prev_update
+    report = stage_memory(cfg, model_cfg, mesh, spec, versions, optimizer, ef)
+    shards = {n: {"shape": list(p.shape), "tp_dim": layout_of(plan, n).tp_dim, "expert": layout_of(plan, n).expert}
+              for n, p in named}
+    return {"stage": spec.stage, "rank": mesh.rank, "params": sum(p.numel() for p in params),
+            "memory": report.to_dict(), "table": report.table(), "shards": shards}
+
+
+def dry_run(cfg: RunConfig, model_cfg, world_size: int, build_stage: BuildStage, build_optimizer: BuildOptimizer,
+            out: Path | None = None, echo: Callable[[str], None] = print) -> list[dict]:
+    """Per-stage reports of `cfg`'s layout at `world_size` ranks (JSON to `out` if given)."""
+    p = cfg.parallel
+    dims = ParallelDims.for_world(world_size, pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
+    echo(f"dry run: model={model_cfg.name} world={world_size} -> pp={dims.pp} dp={dims.dp} (ep={dims.ep} x "
+         f"edp={dims.edp}) tp={dims.tp}, schedule={cfg.schedule.name}, precision={cfg.train.precision}, "
+         f"optimizer={cfg.optimizer.name}, ef_lambda={cfg.staleness.ef_lambda} (meta tensors: \"allocated\" "
+         "rows are sized from the real shard shapes, nothing is allocated)")
+    reports = []
+    for s in range(dims.pp):
+        rank = (s * dims.dp) * dims.tp  # dp rank 0, tp rank 0 of stage s
+        _fake_group(rank, world_size)
+        try:
+            mesh = Mesh(dims, torch.device("cpu"))
+            spec = StageSpec(s, dims.pp, model_cfg.num_layers, p.stage_layers)
+            reports.append(stage_report(cfg, model_cfg, mesh, spec, build_stage, build_optimizer))
+        finally:
+            dist.destroy_process_group()
+        echo(reports[-1]["table"] + f"\n  parameters on this rank: {reports[-1]['params'] / 1e6:.1f}M")
+    worst = max(reports, key=lambda r: r["memory"]["total_bytes"])
+    echo(f"largest rank: stage {worst['stage']}, {worst['memory']['total_bytes'] / 2**30:.2f} GiB "
+         "(+ CUDA context, allocator slack and communication buffers, not counted)")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"world_size": world_size, "layout": dataclasses.asdict(dims), "stages": reports},
+                                  indent=1))
+        echo(f"wrote {out}")
+    return reports

@@ -1,0 +1,68 @@
+"""dry_run=N lays a job out at N ranks on a fake process group: real mesh, real shard shapes, per-rank memory."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch.distributed as dist
+
+import pretrain
+from model_zoo import build_model, get_model_config
+from model_zoo.moe import MoE
+
+
+def dry(overrides: list[str], tmp_path) -> list[dict]:
+    cfg, model_cfg = pretrain.resolve(pretrain.compose(overrides + ["logging=disabled", f"out_dir={tmp_path}"]))
+    reports = pretrain.run_dry(cfg, model_cfg, echo=lambda text: None)
+    assert (tmp_path / "dry_run.json").is_file()
+    assert not dist.is_initialized(), "the fake process group must be torn down"
+    return reports
+
+
+def test_tiny_moe_layout_shapes_every_shard(tmp_path):
+    full = get_model_config("tiny_moe")
+    reports = dry(["model=tiny_moe", "parallel.pp=2", "parallel.tp=2", "parallel.ep=2", "dry_run=8",
+                   "optimizer=adamw", "staleness.ef_lambda=1.0"], tmp_path)
+    assert [r["stage"] for r in reports] == [0, 1]
+    first, last = reports[0]["shards"], reports[1]["shards"]
+    heads = full.num_heads * full.head_dim
+    assert first["embed.weight"]["shape"] == [full.vocab_size // 2, full.hidden_size]
+    assert first["layers.0.mixer.q_proj.weight"]["shape"] == [heads // 2, full.hidden_size]
+    assert first["layers.0.mixer.o_proj.weight"]["shape"] == [full.hidden_size, heads // 2]
+    e, f = full.moe.num_experts, full.moe.expert_ffn_hidden_size
+    assert first["layers.0.mlp.w_gate"]["shape"] == [e // 2, f // 2, full.hidden_size]
+    assert first["layers.0.mlp.w_gate"]["expert"] and first["layers.0.mlp.w_gate"]["tp_dim"] == 1
+    assert first["layers.0.mlp.router.weight"]["shape"] == [e, full.hidden_size]  # replicated
+    assert "lm_head.weight" in last or "embed.weight" in last
+
+
+def test_memory_items_follow_from_the_shard_shapes(tmp_path):
+    reports = dry(["model=tiny_moe", "parallel.pp=2", "parallel.tp=2", "parallel.ep=2", "dry_run=8",
+                   "optimizer=adamw", "staleness.ef_lambda=1.0", "train.precision=bf16"], tmp_path)
+    for r in reports:
+        numel = sum(math.prod(s["shape"]) for s in r["shards"].values())
+        assert numel == r["params"]
+        items = {i["name"].split(" (")[0]: i["bytes"] for i in r["memory"]["items"]}
+        assert items["weight versions"] == 2 * 2 * numel   # two bf16 versions (2BW)
+        assert items["fp32 master weights"] == 4 * numel
+        assert items["error feedback buffer"] == 4 * numel
+        assert items["optimizer state"] >= 2 * 4 * numel     # AdamW: exp_avg + exp_avg_sq (+ step scalars)
+
+
+def test_sharded_parameters_add_up_to_the_model(tmp_path):
+    """Every parameter of moe_2b is on exactly one (stage, tp, ep) shard: the per-rank counts of a
+    pp=2 x ep=4 layout, scaled back by the shards, give the model's total."""
+    cfg = get_model_config("moe_2b")
+    reports = dry(["model=moe_2b", "parallel.pp=2", "parallel.ep=4", "dry_run=8", "optimizer=adamw"], tmp_path)
+    total = 0
+    for r in reports:
+        for s in r["shards"].values():
+            total += math.prod(s["shape"]) * (4 if s["expert"] else 1)
+    model = build_model(cfg, device="meta")
+    assert total == sum(p.numel() for p in model.parameters())
+
+
+def test_ep_must_divide_dp_before_anything_is_built(tmp_path):
+    with pytest.raises(Exception, match="parallel.ep=4 does not divide the 2 data-parallel ranks"):
+        dry(["model=tiny_moe", "parallel.pp=2", "parallel.ep=4", "dry_run=4"], tmp_path)
