@@ -423,8 +423,7 @@ def _check_optimizer(cfg: RunConfig, model: ModelLimits) -> None:
     _positive("optimizer.ns_steps", o.ns_steps)
     if o.name in ("normuon", "soap") and cfg.parallel.tp > 1 and o.tp_mode != "block":
         raise ConfigError(f"optimizer.name={o.name} with parallel.tp={cfg.parallel.tp} updates each TP shard of a "
-                          "matrix on its own; set optimizer.tp_mode=block to accept that (++optimizer.tp_mode=block on the command "
-                          "line), or use optimizer.name=muon")
+                          "matrix on its own; set optimizer.tp_mode=block to accept that, or use optimizer.name=muon")
     _check_optimizer_extras(o)
     s = o.schedule
     if not 0 <= s.warmup_steps <= cfg.train.steps:
