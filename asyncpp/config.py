@@ -358,44 +358,43 @@ def _check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
 
 
 def _check_tp_ep(cfg: RunConfig, model: ModelLimits) -> None:
-    """Megatron's divisibility rules: a TP rank holds whole query heads and whole KV groups, an EP rank
-    whole experts. Read with getattr: ModelLimits only promises what every caller can provide."""
-    p = cfg.parallel
+    check_parallel_sizes(model, cfg.parallel.tp, cfg.parallel.ep)
+
+
+def check_parallel_sizes(model: ModelLimits, tp: int, ep: int = 1) -> None:
+    """Megatron's divisibility rules, the one copy of them (config validation and the TP plan both call
+    it): a TP rank holds whole query heads, whole KV groups, whole GDN heads and an equal slice of the
+    ffn, every expert's ffn and the vocabulary; an EP rank holds whole experts. Read with getattr:
+    ModelLimits only promises what every caller can provide. Needs no process group."""
     heads = {k: getattr(model, k, None) for k in ("num_heads", "num_kv_heads")}
-    for key, n in heads.items():
-        if n is not None and n % p.tp:
-            common = math.gcd(*(v for v in heads.values() if v is not None))
-            raise ConfigError(
-                f"parallel.tp={p.tp} does not divide model.{key}={n} of model '{model.name}' (each tensor-parallel "
-                f"rank holds whole heads); choose parallel.tp in {_divisors(common)}"
-            )
-    gdn = getattr(model, "gdn", None)
+    common = math.gcd(*(v for v in heads.values() if v is not None))
+    gdn, moe = getattr(model, "gdn", None), getattr(model, "moe", None)
     sizes = {
-        "gdn.num_heads": getattr(gdn, "num_heads", None) if "gdn" in getattr(model, "layer_types", ()) else None,
-        "vocab_size": model.vocab_size,  # the embedding and the LM head are split by vocabulary rows
-        "ffn_hidden_size": getattr(model, "ffn_hidden_size", None) if getattr(model, "moe", None) is None else None,
+        **{key: (n, "whole heads", common) for key, n in heads.items()},
+        "gdn.num_heads": (getattr(gdn, "num_heads", None) if "gdn" in getattr(model, "layer_types", ()) else None,
+                          "whole heads", None),
+        "vocab_size": (model.vocab_size, "an equal slice of the embedding and LM head rows", None),
+        "ffn_hidden_size": (getattr(model, "ffn_hidden_size", None) if moe is None else None, "an equal slice", None),
     }
-    moe = getattr(model, "moe", None)
-    if moe is not None:
-        sizes["moe.expert_ffn_hidden_size"] = moe.expert_ffn_hidden_size
-        if moe.shared_expert_ffn_hidden_size:
-            sizes["moe.shared_expert_ffn_hidden_size"] = moe.shared_expert_ffn_hidden_size
-    for key, n in sizes.items():
-        if n is not None and n % p.tp:
+    if moe is not None:  # each TP rank holds a slice of every expert's (and the shared expert's) ffn
+        sizes["moe.expert_ffn_hidden_size"] = (moe.expert_ffn_hidden_size, "an equal slice of every expert", None)
+        sizes["moe.shared_expert_ffn_hidden_size"] = (moe.shared_expert_ffn_hidden_size, "an equal slice", None)
+    for key, (n, holds, choices_of) in sizes.items():
+        if n is not None and n % tp:
             raise ConfigError(
-                f"parallel.tp={p.tp} does not divide model.{key}={n} of model '{model.name}' (each tensor-parallel "
-                f"rank holds an equal slice); choose parallel.tp in {_divisors(n)}"
+                f"model.{key}={n} is not divisible by parallel.tp={tp} (model '{model.name}': each "
+                f"tensor-parallel rank holds {holds}); choose parallel.tp in {divisors(choices_of or n)}"
             )
-    if p.ep > 1 and moe is None:
-        raise ConfigError(f"parallel.ep={p.ep} but model '{model.name}' has no experts; set parallel.ep=1")
-    if moe is not None and moe.num_experts % p.ep:
+    if ep > 1 and moe is None:
+        raise ConfigError(f"parallel.ep={ep} but model '{model.name}' has no experts; set parallel.ep=1")
+    if moe is not None and moe.num_experts % ep:
         raise ConfigError(
-            f"parallel.ep={p.ep} does not divide the {moe.num_experts} experts of model '{model.name}'; "
-            f"choose parallel.ep in {_divisors(moe.num_experts)}"
+            f"parallel.ep={ep} does not divide the {moe.num_experts} experts of model '{model.name}'; "
+            f"choose parallel.ep in {divisors(moe.num_experts)}"
         )
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from asyncpp.config import ConfigError
+from asyncpp.config import ConfigError, divisors
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class ParallelDims:
         if self.dp % self.ep:
             raise ConfigError(
                 f"parallel.ep={self.ep} does not divide the {self.dp} data-parallel ranks (expert parallelism is "
-                f"carved out of data parallelism); choose parallel.ep in {[d for d in range(1, self.dp + 1) if self.dp % d == 0]}"
+                f"carved out of data parallelism); choose parallel.ep in {divisors(self.dp)}"
                 " or launch more ranks"
             )
         return self

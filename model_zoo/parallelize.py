@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from asyncpp.config import check_parallel_sizes
 from asyncpp.parallel.collectives import Group, group_size
 from asyncpp.parallel.experts import parallelize_moe
 from asyncpp.parallel.sharding import ParamSharding, ShardingPlan
@@ -79,22 +80,9 @@ def apply_tensor_parallel(model: CausalLM, tp_group: Group | None, *, sequence_p
 
 
 def validate_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
-    """Every size the plan splits must divide by tp. Needs no process group (call it at config time)."""
-    sizes = {"model.num_heads": cfg.num_heads, "model.num_kv_heads": cfg.num_kv_heads,
-             "model.vocab_size": cfg.vocab_size}
-    if "gdn" in cfg.layer_types and cfg.gdn is not None:
-        sizes["model.gdn.num_heads"] = cfg.gdn.num_heads
-    if cfg.moe is None:
-        sizes["model.ffn_hidden_size"] = cfg.ffn_hidden_size
-    else:  # each TP rank holds a slice of every expert's (and the shared expert's) ffn
-        sizes["model.moe.expert_ffn_hidden_size"] = cfg.moe.expert_ffn_hidden_size
-        sizes["model.moe.shared_expert_ffn_hidden_size"] = cfg.moe.shared_expert_ffn_hidden_size
-    for field, value in sizes.items():
-        if value % tp:
-            fits = [d for d in range(1, value + 1) if value % d == 0]
-            raise ValueError(f"{field}={value} is not divisible by the tensor-parallel degree parallel.tp={tp}: "
-                             f"tensor parallelism gives each rank {field} / tp of them; choose parallel.tp in "
-                             f"{fits} or change {field} to a multiple of {tp}.")
+    """Every size the plan splits must divide by tp (asyncpp.config's rules, also run at config time).
+    Needs no process group. Raises ConfigError, a ValueError."""
+    check_parallel_sizes(cfg, tp)
 
 
 def _parallelize_ends(model: CausalLM, group: Group | None, sp: bool) -> ShardingPlan:

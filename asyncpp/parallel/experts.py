@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from asyncpp.config import divisors
 from asyncpp.parallel.collectives import Group, all_to_all, copy_to, group_size, reduce_from
 from asyncpp.parallel.sharding import ParamSharding, ShardingPlan
 
@@ -133,17 +134,14 @@ def _validate(moe: nn.Module, tp: int, ep: int) -> None:
     E = moe.num_experts
     if E % ep:
         raise ValueError(f"model.moe.num_experts={E} is not divisible by parallel.ep={ep} (each EP rank holds "
-                         f"E/ep whole experts); choose ep in {_divisors(E)}.")
+                         f"E/ep whole experts); choose ep in {divisors(E)}.")
     f = moe.w_gate.shape[1]
     if f % tp:
         raise ValueError(f"model.moe.expert_ffn_hidden_size={f} is not divisible by parallel.tp={tp} (each TP rank "
-                         f"holds f/tp of every expert); choose tp in {_divisors(f)} or change the ffn size.")
+                         f"holds f/tp of every expert); choose tp in {divisors(f)} or change the ffn size.")
     shared = getattr(moe, "shared_expert", None)
     if shared is not None and shared.gate_proj.out_features % tp:
         fs = shared.gate_proj.out_features
         raise ValueError(f"model.moe.shared_expert_ffn_hidden_size={fs} is not divisible by parallel.tp={tp}; "
-                         f"choose tp in {_divisors(fs)} or change the shared expert's size.")
+                         f"choose tp in {divisors(fs)} or change the shared expert's size.")
 
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
