@@ -112,6 +112,14 @@ class RouterLoadStats:
         self.routers, self.num_layers, self.counted = routers, num_layers, counted
         self.counts: dict[int, dict[int, Tensor]] = {}
 
+    @classmethod
+    def of(cls, model: nn.Module, counted: bool = True) -> "RouterLoadStats":
+        """The routers of `model`'s layers (a pipeline stage's Identity layers have none)."""
+        layers = getattr(model, "layers", [])
+        routers = {i: layer.mlp for i, layer in enumerate(layers)
+                   if hasattr(getattr(layer, "mlp", None), "last_expert_load")}
+        return cls(routers, len(layers), counted)
+
     def __bool__(self) -> bool:
         return bool(self.routers)
 

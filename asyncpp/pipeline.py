@@ -116,10 +116,7 @@ class PipelineRun:
             tied=tied_parameters(self.model, self.spec),
             layouts=[layout_of(self.sharding, n) for n, _ in named],
             balancing=RouterBiasVersions(balanced_routers(self.model), versions.num_buffers),
-            load_stats=RouterLoadStats(
-                {i: layer.mlp for i, layer in enumerate(self.model.layers) if hasattr(getattr(layer, "mlp", None),
-                                                                                    "last_expert_load")},
-                len(self.model.layers), counted=mesh.tp_rank == 0 and mesh.ep_rank == 0),
+            load_stats=RouterLoadStats.of(self.model, counted=mesh.tp_rank == 0 and mesh.ep_rank == 0),
         )
 
     def _tokens(self, step: int, microbatch: int) -> Tensor:

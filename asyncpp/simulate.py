@@ -121,9 +121,7 @@ class DelayedUpdateSimulator:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.balancing = RouterBiasVersions(balanced_routers(model), max(delays, default=0) + 1)
-        layers = getattr(model, "layers", [])
-        self.load_stats = RouterLoadStats({i: layer.mlp for i, layer in enumerate(layers)
-                                           if hasattr(getattr(layer, "mlp", None), "last_expert_load")}, len(layers))
+        self.load_stats = RouterLoadStats.of(model)
         index = {n: i for i, (n, p) in enumerate((n, p) for n, p in model.named_parameters() if p.requires_grad)}
         # A router's bias is read at the delay of its own weights (PipeDream: its stage's delay).
         self._router_param = [index[f"{name}.router.weight"] for name in self.balancing.names]
