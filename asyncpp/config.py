@@ -97,7 +97,7 @@ class LRScheduleConfig:
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    name: Literal["adamw", "muon", "normuon", "soap", "lion", "ademamix", "mars", "signum"] = "muon"
+    name: Literal["adamw", "muon", "normuon", "soap", "lion", "ademamix", "mars", "signum", "adan"] = "muon"
     """muon/normuon/soap take the hidden matrices (AdamW the rest); the others take every parameter."""
     lr: float = 0.01
     adamw_lr: Optional[float] = None
@@ -119,7 +119,7 @@ class OptimizerConfig:
     precondition_frequency: int = 10
     """SOAP: refresh the eigenbasis of the Shampoo statistics every this many steps (the paper's f)."""
     beta3: float = 0.9999
-    """AdEMAMix: coefficient of the slow gradient EMA."""
+    """AdEMAMix: coefficient of the slow gradient EMA. Adan: coefficient of the second moment (its third beta)."""
     alpha: float = 5.0
     """AdEMAMix: weight of the slow EMA in the update's numerator."""
     ademamix_warmup_steps: int = 0
@@ -436,11 +436,12 @@ def _check_optimizer(cfg: RunConfig, model: ModelLimits) -> None:
 
 
 def _check_optimizer_extras(o: OptimizerConfig) -> None:
-    """The fields only some optimizers read (SOAP, AdEMAMix, MARS)."""
+    """The fields only some optimizers read (SOAP, AdEMAMix, MARS, Adan)."""
     _positive("optimizer.precondition_frequency", o.precondition_frequency, "SOAP refreshes its eigenbasis every "
               "this many steps; the paper uses optimizer.precondition_frequency=10")
     if not 0.0 <= o.beta3 < 1.0:
-        raise ConfigError(f"optimizer.beta3={o.beta3} must be in [0, 1) (AdEMAMix's slow EMA; e.g. optimizer.beta3=0.999)")
+        raise ConfigError(f"optimizer.beta3={o.beta3} must be in [0, 1) (AdEMAMix's slow EMA, Adan's second "
+                          "moment; e.g. optimizer.beta3=0.999)")
     if o.alpha < 0:
         raise ConfigError(f"optimizer.alpha={o.alpha} must be >= 0 (AdEMAMix's slow-EMA weight; e.g. optimizer.alpha=5)")
     if o.ademamix_warmup_steps < 0:

@@ -1,7 +1,8 @@
-"""Optimizers (our batched Muon and NorMuon, SOAP, Lion, Signum, AdEMAMix, MARS; AdamW via torch),
+"""Optimizers (our batched Muon and NorMuon, SOAP, Lion, Signum, AdEMAMix, MARS, Adan; AdamW via torch),
 the matrix/AdamW split, LR schedules and the staleness corrections."""
 
 from asyncpp.optim.ademamix import AdEMAMix
+from asyncpp.optim.adan import Adan
 from asyncpp.optim.build import (
     ELEMENTWISE_OPTIMIZERS,
     MATRIX_OPTIMIZERS,
@@ -28,6 +29,7 @@ __all__ = [
     "SCHEDULE_KINDS",
     "SOAP",
     "AdEMAMix",
+    "Adan",
     "Lion",
     "Muon",
     "NorMuon",

@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover - older/newer torch without it
 
 
 from asyncpp.optim.ademamix import AdEMAMix
+from asyncpp.optim.adan import Adan
 from asyncpp.optim.lion import Lion
 from asyncpp.optim.mars import MARS
 from asyncpp.optim.muon import TP_MODES, Muon
@@ -45,8 +46,8 @@ __all__ = [
 #: Take split_params' hidden matrices; AdamW takes the rest (embeddings, head, norms, biases).
 MATRIX_OPTIMIZERS = ("muon", "normuon", "soap")
 #: Elementwise: one optimizer over every parameter.
-ELEMENTWISE_OPTIMIZERS = ("adamw", "lion", "signum", "ademamix", "mars")
-OPTIMIZER_NAMES = ("adamw", "muon", "normuon", "soap", "lion", "ademamix", "mars", "signum")
+ELEMENTWISE_OPTIMIZERS = ("adamw", "lion", "signum", "ademamix", "mars", "adan")
+OPTIMIZER_NAMES = ("adamw", "muon", "normuon", "soap", "lion", "ademamix", "mars", "signum", "adan")
 NamedParams = list[tuple[str, nn.Parameter]]
 
 # Leaf names of stacked expert weights [E, m, n] in our MoE modules (SwiGLU experts).
@@ -219,6 +220,8 @@ def _build_elementwise(name: str, named: NamedParams, hp: dict[str, Any]) -> tor
                         warmup_steps=hp["ademamix_warmup_steps"], eps=eps)
     if name == "mars":
         return MARS(groups, lr=lr, betas=betas, gamma=hp["gamma"], eps=eps)
+    if name == "adan":
+        return Adan(groups, lr=lr, betas=(*betas, hp["beta3"]), eps=eps)
     raise ValueError(f"optimizer.name={name!r} is not an elementwise optimizer")
 
 
@@ -286,7 +289,7 @@ def build_optimizer(
     expert_dp_group: torch.distributed.ProcessGroup | None = None,
     tp_mode: str = "gather",
 ) -> OptimizerSet:
-    """Elementwise optimizers (adamw, lion, signum, ademamix, mars) take every parameter; adamw_lr is
+    """Elementwise optimizers (adamw, lion, signum, ademamix, mars, adan) take every parameter; adamw_lr is
     ignored. Matrix optimizers (muon, normuon, soap) take split_params' hidden matrices and AdamW takes
     the rest (lr = adamw_lr or lr). Hyperparameters each one reads:
     - adamw: lr, betas, eps, weight_decay
@@ -294,6 +297,7 @@ def build_optimizer(
     - signum: lr, momentum, weight_decay
     - ademamix: lr, betas, beta3 (slow EMA), alpha, ademamix_warmup_steps (alpha/beta3 warmup), eps
     - mars: lr, betas, gamma, eps
+    - adan: lr, betas (gradient EMA, difference EMA), beta3 (second moment), eps
     - muon: lr, momentum, nesterov, ns_steps, adjust_lr, muon_compute_dtype (None = the params' dtype)
     - normuon: lr, momentum (beta1), betas[1] (per-neuron beta2), nesterov, ns_steps, eps
     - soap: lr, betas, eps, precondition_frequency

@@ -1,4 +1,4 @@
-"""NorMuon, SOAP, Lion, Signum, AdEMAMix and MARS against their published update rules.
+"""NorMuon, SOAP, Lion, Signum, AdEMAMix, MARS and Adan against their published update rules.
 
 Each reference below is the paper's algorithm written out by hand, one matrix / tensor at a time in
 float64, independent of the implementation's batching, foreach calls and state layout.
@@ -18,6 +18,7 @@ from asyncpp.optim import (
     OPTIMIZER_NAMES,
     SOAP,
     AdEMAMix,
+    Adan,
     Lion,
     NorMuon,
     Signum,
@@ -116,6 +117,41 @@ def test_ademamix_beta3_schedule_endpoints():
     assert beta3_schedule(100, 0.9, 0.9999, 100) == pytest.approx(0.9999)
     assert beta3_schedule(500, 0.9, 0.9999, 100) == pytest.approx(0.9999)
     assert 0.9 < beta3_schedule(50, 0.9, 0.9999, 100) < 0.9999
+
+
+# ---------------------------------------------------------------------------------------------- Adan
+def test_adan_matches_the_paper():
+    """Algorithm 1 with the paper's betas (1 - ours), m_0 = g_0 replaced by the released code's bias
+    correction, and g_0 = g_1 (v_1 = 0), decoupled decay: the authors' `no_prox=True` update."""
+    shapes, lr, (b1, b2, b3), eps, wd, steps = [(3, 4), (5,)], 0.01, (0.98, 0.92, 0.99), 1e-8, 0.1, 7
+    params, grads = make_params(shapes), make_grads(shapes, steps)
+    expected = []
+    for i, x in enumerate(p.detach().clone() for p in params):
+        m, v, n = (torch.zeros_like(x) for _ in range(3))
+        g_prev = grads[0][i]
+        for t in range(1, steps + 1):
+            g = grads[t - 1][i]
+            m = (1 - (1 - b1)) * m + (1 - b1) * g          # paper: (1 - beta1') m + beta1' g, beta1' = 1 - b1
+            v = b2 * v + (1 - b2) * (g - g_prev)
+            n = b3 * n + (1 - b3) * (g + b2 * (g - g_prev)) ** 2
+            eta = lr / ((n / (1 - b3**t)).sqrt() + eps)
+            x = x * (1 - lr * wd) - eta * (m / (1 - b1**t) + b2 * v / (1 - b2**t))
+            g_prev = g
+        expected.append(x)
+    run(Adan(params, lr=lr, betas=(b1, b2, b3), eps=eps, weight_decay=wd), params, grads)
+    assert_close(params, expected)
+
+
+def test_adan_first_step_has_no_difference_term_and_checks_betas():
+    (p,) = make_params([(2, 3)])
+    x0, g = p.detach().clone(), torch.full((2, 3), 0.5, dtype=DT)
+    p.grad = g.clone()
+    Adan([p], lr=0.1, eps=0.0).step()  # v_1 = 0 and n_1/(1-b3) = g^2: a sign step of size lr
+    torch.testing.assert_close(p.detach(), x0 - 0.1 * torch.ones_like(x0), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="three coefficients"):
+        Adan([p], betas=(0.9, 0.9))
+    with pytest.raises(ValueError, match=r"betas\[2\]=1.0"):
+        Adan([p], betas=(0.9, 0.9, 1.0))
 
 
 # ---------------------------------------------------------------------------------------------- MARS
@@ -264,6 +300,7 @@ ALL = {
     "lion": lambda ps: Lion(ps, lr=0.01, weight_decay=0.1),
     "signum": lambda ps: Signum(ps, lr=0.01, weight_decay=0.1),
     "ademamix": lambda ps: AdEMAMix(ps, lr=0.01, warmup_steps=4, weight_decay=0.1),
+    "adan": lambda ps: Adan(ps, lr=0.01, weight_decay=0.1),
     "mars": lambda ps: MARS(ps, lr=0.01, weight_decay=0.1),
     "normuon": lambda ps: NorMuon(ps, lr=0.01),
     "soap": lambda ps: SOAP(ps, lr=0.01, precondition_frequency=2, weight_decay=0.1),
