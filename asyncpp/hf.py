@@ -367,7 +367,7 @@ def load_checkpoint_weights(path: str | Path) -> tuple[dict[str, Tensor], Any]:
     """The newest weights x_t of an asyncpp DCP checkpoint (any layout) as a CausalLM state_dict."""
     import torch.distributed.checkpoint as dcp
 
-    from asyncpp.checkpoint import read_manifest
+    from asyncpp.checkpoint import quiet_single_process_dcp, read_manifest
     from model_zoo import get_model_config
 
     manifest = read_manifest(path)
@@ -375,6 +375,7 @@ def load_checkpoint_weights(path: str | Path) -> tuple[dict[str, Tensor], Any]:
     meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     prefix = "weights/0/"
     request = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefix)}
+    quiet_single_process_dcp()
     dcp.load(request, checkpoint_id=str(path), no_dist=True)
     state = {k[len(prefix):]: v for k, v in request.items()}
     if cfg.tie_embeddings:
