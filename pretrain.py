@@ -212,6 +212,7 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
                           parallelize=parallelize_stage(mesh, cfg.parallel.sequence_parallel))
         _print_stage_memory(cfg, model_cfg, mesh, run, metrics)
         if run.resume() and metrics is not None:
+            metrics.rewind(run.start_step)
             metrics.message(f"resumed at step {run.start_step}")
         summary = {}
         try:

@@ -22,6 +22,14 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _record_step(line: str) -> float:
+    """The step of one metrics.jsonl line; a torn last line (a killed writer) sorts last, so it is dropped."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf
+
+
 class MetricsLogger:
     def __init__(
         self,
@@ -69,6 +77,20 @@ class MetricsLogger:
             if "tokens_per_s" in record:
                 shown["tok/s"] = f"{record['tokens_per_s']:.0f}"
             self._bar.set_postfix(shown, refresh=False)
+
+    def rewind(self, step: int) -> None:
+        """A run resumed at `step` recomputes steps >= step: drop their records (written before the
+        interruption) so metrics.jsonl holds each step once. Rewritten through a temporary file and
+        an atomic rename, so a crash here leaves the old file, never a truncated one."""
+        self._file.close()
+        path = self.out_dir / "metrics.jsonl"
+        kept = [line for line in path.read_text().splitlines(keepends=True) if _record_step(line) < step]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+        self._file = open(path, "a", buffering=1)
+        self._bar.reset(total=self._bar.total)
+        self._bar.update(step)
 
     def message(self, text: str) -> None:
         """A console line that does not break the progress bar."""

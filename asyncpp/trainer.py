@@ -142,6 +142,7 @@ class Trainer:
         self.sim.balancing.use(step)
         self.sim.sync_params()  # mixed precision: the load wrote the fp32 masters
         self.start_step = step
+        self.metrics.rewind(step)
         self.metrics.message(f"resumed from {path} at step {step}")
         return step
 

@@ -60,7 +60,8 @@ def test_checkpoint_saved_by_two_stages_resumes_in_one_process(tmp_path):
         trainer = Trainer.__new__(Trainer)
         trainer.cfg, trainer.model = cfg, model
         trainer.sim = build_simulator(cfg, model, optimizer_factory(cfg)(model))
-        trainer.metrics = type("Quiet", (), {"message": staticmethod(lambda text: None)})()
+        trainer.metrics = type("Quiet", (), {"message": staticmethod(lambda text: None),
+                                             "rewind": staticmethod(lambda step: None)})()
         trainer.data = data = data_for(cfg, model_cfg.vocab_size)
         assert trainer.resume() == 3
         m = cfg.train.num_microbatches

@@ -69,6 +69,21 @@ def test_resumed_run_equals_uninterrupted_bitwise(tmp_path, schedule, extra):
         assert torch.equal(resumed_weights[name], p), name
 
 
+def test_resume_after_the_checkpoint_rewrites_the_lost_steps_once(tmp_path):
+    """Killed at step 5, two steps after the step-3 checkpoint: the resumed run recomputes steps 3-4, and
+    metrics.jsonl ends with each step once (the killed run's records of 3-4 dropped, a torn line too)."""
+    full, _ = run(tmp_path / "full", "schedule=2bw")
+    part, _ = run(tmp_path / "part", "schedule=2bw", stop_at=5)
+    assert sorted(part) == [0, 1, 2, 3, 4]
+    with open(tmp_path / "part" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 1.2')  # a writer killed mid-line
+    run(tmp_path / "part", "schedule=2bw")
+    lines = (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == list(range(6))
+    assert [r["loss"] for r in records] == [full[t]["loss"] for t in range(6)]
+
+
 def test_checkpoint_contents_and_atomicity(tmp_path):
     run(tmp_path, "schedule=2bw", "staleness.ef_lambda=1.0")
     found = ckpt.list_checkpoints(tmp_path / "checkpoints")
