@@ -362,17 +362,25 @@ def _write_status(run_dir: Path, rc: int, seconds: float, cmd: str) -> None:
 Executor = Callable[[str, dict, Path, int], int]
 
 
+def _hms(seconds: float) -> str:
+    minutes = round(seconds / 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m"
+
+
 def run_local(manifest: dict, out: Path, names: list[str], jobs: int, executor: Executor = execute) -> dict[str, int]:
     """Run `names` `jobs` at a time; each gets cpu_count // jobs threads. Returns name -> exit code."""
     threads = max(1, (os.cpu_count() or 1) // jobs)
     runs = {r["name"]: r for r in manifest["runs"]}
     codes: dict[str, int] = {}
+    begun = time.time()
 
     def one(name: str) -> None:
         started = time.time()
         codes[name] = executor(manifest["experiment"], runs[name], out, threads)
-        print(f"[study] {len(codes)}/{len(names)} {name}: exit {codes[name]} after {time.time() - started:.0f} s",
-              flush=True)
+        done, now = len(codes), time.time()
+        left = (now - begun) / done * (len(names) - done)  # wall time per finished run so far, jobs included
+        print(f"[study] {done}/{len(names)} {name}: exit {codes[name]} after {now - started:.0f} s; "
+              f"elapsed {_hms(now - begun)}, about {_hms(left)} left", flush=True)
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         list(pool.map(one, names))

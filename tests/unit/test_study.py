@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -125,7 +126,9 @@ def test_runs_resume_and_skip_what_is_done(tmp_path, capsys):
     (out / names[1] / "summary.json").unlink()  # as if killed before the end
     capsys.readouterr()
     assert study.main(argv) == 0
-    assert "running 1" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "running 1" in printed
+    assert re.search(r"\[study\] 1/1 muon__2bw__seed1: exit 0 after \d+ s; elapsed 0h\d\dm, about 0h00m left", printed)
     assert (out / names[0] / "summary.json").stat().st_mtime_ns == stamp  # the finished run was not rerun
     assert run_status(out, names[1]) == "done"
     assert len(json.loads((out / "study.json").read_text())["invocations"]) == 2
