@@ -142,6 +142,9 @@ def test_missing_and_diverged_runs_are_reported_not_dropped(rendered):
     # seed 3 has no directory: missing, not diverged; no loss, no differences
     assert grad == "| muon | grad_ef1 | **2 diverged, 1 missing** (0/3) | — | — | — |"
     assert "| muon__grad_ef1__seed1 | diverged | grad_ef |" in markdown
+    # never-run: the missing main seed and grad_ef1's seed 3; diverged runs have ended
+    total, pending = len(FINAL) * len(SEEDS) + len(SEEDS), sum(v is None for vs in FINAL.values() for v in vs) + 1
+    assert f"**The study is still running: {total - pending} of {total} runs have ended.**" in markdown
 
 
 def test_paper_comparison_is_computed(rendered):
