@@ -468,7 +468,8 @@ def _momentum(study: Study) -> tuple[str, str, str]:
         return finding, "—", "missing"
     keyed.sort(key=lambda t: t[0])
     diff = paired(keyed[-1][1], keyed[0][1])  # gap at the highest momentum minus gap at the lowest, per seed
-    ours = ", ".join(f"{x:g}: {g.mean:+.4f}" for x, g in keyed) + f"; highest − lowest {fmt_diff(diff)}"
+    ours = ", ".join(f"{x:g}: {g.mean:+.4f}" if g.values else f"{x:g}: —" for x, g in keyed)
+    ours += f"; highest − lowest {fmt_diff(diff)}"
     return finding, ours, direction(diff, -1)
 
 
