@@ -72,7 +72,8 @@ def quiet_single_process_dcp() -> None:
     """DCP warns on every save/load without a process group ("assuming the intent is to save in a
     single process"), which is exactly what a single-process run means; keep it out of run logs. A
     process-wide filter for that one message, because async saves write from a background thread
-    (a catch_warnings block would be gone by then). Idempotent: warnings keeps one copy of a filter."""
+    (a catch_warnings block would be gone by then). Idempotent: warnings keeps one copy of a filter.
+    Harmless with a process group: DCP only says this without one."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
@@ -179,8 +180,7 @@ class Saver:
         manifest = {"format": FORMAT_VERSION, "step": step, "config": config, "layout": layout,
                     "code_version": code_version(), "rng": _gather_rng(), "saved_at": time.time(), "data": data}
         commit = (tmp, final, root, keep_last, manifest)
-        if not _distributed():
-            quiet_single_process_dcp()
+        quiet_single_process_dcp()
         if self.async_save:
             future = dcp.async_save(_flat(state), checkpoint_id=str(tmp), process_group=self._group,
                                     no_dist=not _distributed())
@@ -269,8 +269,7 @@ def load(path: str | os.PathLike, state: StageState, ages: Sequence[int]) -> dic
     request.update(state.extra or {})
     optim, wrapped = _allocate_optimizer_state(state, saved)
     request.update(wrapped)
-    if not _distributed():
-        quiet_single_process_dcp()
+    quiet_single_process_dcp()
     dcp.load(request, checkpoint_id=str(path), no_dist=not _distributed())
     _install_optimizer_state(state, optim)
     _restore_rng(manifest)

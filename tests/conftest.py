@@ -1,5 +1,19 @@
 import os
 
+import pytest
+import torch
+
 # Tests must never try to reach wandb's servers, and share one tokenization cache per checkout.
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("ASYNCPP_CACHE", os.path.join(os.path.dirname(os.path.dirname(__file__)), ".cache", "asyncpp"))
+
+
+@pytest.fixture
+def one_thread():
+    """torch at 1 intra-op thread for the test, restored after. Modules that compare floats bit for bit
+    (they depend on the matmul blocking) or spawn gloo ranks onto the 2 cores use it module-wide via
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -17,17 +17,9 @@ import torch
 from tests.dist import muon_workers as w
 from tests.dist.harness import run_ranks
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.usefixtures("one_thread")]
 STEPS = 3
 DTYPES = [None, "bfloat16"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,19 @@ def data_for(cfg: RunConfig, vocab: int) -> SyntheticData:
     return SyntheticData(vocab, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.seed, cfg.train.eval_batches)
 
 
+class Collect:
+    """The metrics sink PipelineRun.run logs to on the writer rank: keeps the records, drops messages."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def log(self, record: dict) -> None:
+        self.records.append(record)
+
+    def message(self, text: str) -> None:
+        pass
+
+
 def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     """One rank of a pipeline run: losses (last stage) and this stage's final parameters by name."""
     cfg = RunConfig.from_dict(cfg_dict)
@@ -70,18 +83,10 @@ def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     run = PipelineRun(cfg, model, mesh, data_for(cfg, model_cfg.vocab_size), pretrain.optimizer_for(cfg, mesh),
                       parallelize=pretrain.parallelize_stage(mesh, p.sequence_parallel))
     run.resume()
-    records = []
-
-    class Collect:
-        def log(self, record):
-            records.append(record)
-
-        def message(self, text):
-            pass
-
-    summary = run.run(Collect() if mesh.is_writer else None)
+    sink = Collect()
+    summary = run.run(sink if mesh.is_writer else None)
     params = {n: p.detach().clone() for n, p in run.model.named_parameters()}
-    return {"stage": mesh.pp_rank, "dp": mesh.dp_rank, "tp": mesh.tp_rank, "ep": mesh.ep_rank, "records": records,
+    return {"stage": mesh.pp_rank, "dp": mesh.dp_rank, "tp": mesh.tp_rank, "ep": mesh.ep_rank, "records": sink.records,
             "params": params, "summary": summary, "layouts": {n: (l.tp_dim, l.expert) for n, l in run.sharding.items()}}
 
 

@@ -18,7 +18,7 @@ from asyncpp.optim import build_from_config
 from asyncpp.p2p import StageComm, wait_for
 from asyncpp.trainer import build_simulator
 from model_zoo import build_model, get_model_config
-from tests.dist.workers import data_for
+from tests.dist.workers import Collect, data_for
 
 
 class HostStagedComm(StageComm):
@@ -51,18 +51,10 @@ def gpu_pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     model = build_model(model_cfg, device=device)
     run = pipeline.PipelineRun(cfg, model, mesh, data_for(cfg, model_cfg.vocab_size),
                                lambda stage, *_: build_from_config(stage, cfg.optimizer))
-    records = []
-
-    class Collect:
-        def log(self, record):
-            records.append(record)
-
-        def message(self, text):
-            pass
-
-    run.run(Collect() if mesh.is_writer else None)
+    sink = Collect()
+    run.run(sink if mesh.is_writer else None)
     params = {n: p.detach().cpu().clone() for n, p in run.model.named_parameters()}
-    return {"stage": mesh.pp_rank, "records": records, "params": params}
+    return {"stage": mesh.pp_rank, "records": sink.records, "params": params}
 
 
 def gpu_reference_run(cfg: RunConfig) -> dict:

@@ -28,6 +28,8 @@ from asyncpp.trainer import build_simulator
 from asyncpp.weights import WeightVersions
 from model_zoo import build_model, get_model_config
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 BF16 = torch.bfloat16
 
 
@@ -139,14 +141,6 @@ def test_in_flight_microbatches_follow_the_schedule():
     assert [in_flight_microbatches("1f1b", s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
     assert in_flight_microbatches("gpipe", 0, 4, 8) == 8
     assert in_flight_microbatches("1f1b", 0, 4, 2) == 2  # never more than m
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 CASES = [

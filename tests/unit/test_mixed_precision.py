@@ -17,6 +17,8 @@ from asyncpp.trainer import build_simulator
 from asyncpp.weights import GradSums, WeightVersions, compute_dtype_of
 from model_zoo import build_model, get_model_config
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # floats compared bit for bit depend on the matmul blocking
+
 BF16 = torch.bfloat16
 
 
@@ -130,14 +132,6 @@ def train(precision: str, steps: int, model_name: str = "tiny_hybrid", optimizer
     m = cfg.train.num_microbatches
     losses = [sim.step(t, [batch(t * m + j) for j in range(m)]).loss for t in range(steps)]
     return sim, losses
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the floats compared bit for bit below depend on the matmul blocking
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_bf16_simulator_keeps_bf16_weights_and_fp32_masters_state_and_ef():
