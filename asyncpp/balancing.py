@@ -113,7 +113,7 @@ class RouterLoadStats:
         self.counts: dict[int, dict[int, Tensor]] = {}
 
     @classmethod
-    def of(cls, model: nn.Module, counted: bool = True) -> "RouterLoadStats":
+    def of(cls, model: nn.Module, counted: bool = True) -> RouterLoadStats:
         """The routers of `model`'s layers (a pipeline stage's Identity layers have none)."""
         layers = getattr(model, "layers", [])
         routers = {i: layer.mlp for i, layer in enumerate(layers)

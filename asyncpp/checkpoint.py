@@ -48,7 +48,7 @@ class StageState:
     optimizer: object
     """An OptimizerSet (or torch optimizer) whose params are `opt_params`."""
     opt_params: list[Tensor]
-    shards: list["Shard | None"] | None = None
+    shards: list[Shard | None] | None = None
     """Per name: how this rank's tensor is a piece of the full one (TP/EP), None = the whole tensor."""
     extra: dict[str, Tensor] | None = None
     """Other named state, whole on every rank that holds it (versioned router biases); filled in place."""
@@ -128,8 +128,8 @@ def _flat(state: StageState) -> dict[str, Tensor]:
 def code_version() -> str:
     try:
         root = Path(__file__).resolve().parents[1]
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=5)
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=root, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain"], check=False, cwd=root, capture_output=True, text=True, timeout=5)
         return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if sha.returncode == 0 else "unknown"
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"

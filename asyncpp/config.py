@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional, Protocol
+from typing import Literal, Protocol
 
 from asyncpp.typed import ConfigError, from_dict, to_dict
 
@@ -35,7 +35,7 @@ class ModelLimits(Protocol):
 class ModelSection:
     name: str = "tiny_hybrid"
     """A name from model_zoo.MODEL_NAMES."""
-    overrides: Optional[dict] = None
+    overrides: dict | None = None
     """Fields of the registered ModelConfig to change, e.g. {num_layers: 8, moe: {bias_update_rate: 1e-3}}
     (`+model.overrides.moe.bias_update_rate=1e-3` on the command line). Checked by the model's validate()."""
 
@@ -46,13 +46,13 @@ class ParallelConfig:
     """Pipeline stages. In a single process this is the number of stages the simulator models."""
     tp: int = 1
     ep: int = 1
-    dp: Optional[int] = None
+    dp: int | None = None
     """Data-parallel replicas; None = world_size / (pp * tp) under torchrun, 1 in one process.
     In one process, dp > 1 simulates the replicas (m * dp microbatches per step)."""
     sequence_parallel: bool = False
     """With tp > 1: norms and residuals work on sequence shards (activation memory / tp); the TP
     regions all-gather their input and reduce-scatter their output instead of all-reducing it."""
-    stage_layers: Optional[tuple[int, ...]] = None
+    stage_layers: tuple[int, ...] | None = None
     """Layers per pipeline stage, e.g. [3, 1] (None = even split). The last stage also runs the LM
     head and the loss, so giving it fewer layers balances small-vocabulary-heavy models."""
 
@@ -100,7 +100,7 @@ class OptimizerConfig:
     name: Literal["adamw", "muon", "normuon", "soap", "lion", "ademamix", "mars", "signum", "adan"] = "muon"
     """muon/normuon/soap take the hidden matrices (AdamW the rest); the others take every parameter."""
     lr: float = 0.01
-    adamw_lr: Optional[float] = None
+    adamw_lr: float | None = None
     """LR of the AdamW part of Muon runs (embeddings, head, norms); None = same as lr."""
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
@@ -109,7 +109,7 @@ class OptimizerConfig:
     nesterov: bool = True
     ns_steps: int = 5
     adjust_lr: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
-    muon_compute_dtype: Optional[Literal["float32", "bfloat16"]] = None
+    muon_compute_dtype: Literal["float32", "bfloat16"] | None = None
     """Muon/NorMuon Newton-Schulz dtype; null = the parameters' (fp32). bfloat16 is torch.optim.Muon's choice
     and ~5x faster on GPUs and AVX512-BF16 CPUs; momentum, weights and the update stay fp32."""
     tp_mode: Literal["gather", "block"] = "gather"
@@ -173,16 +173,16 @@ class DataConfig:
     then weighted by their token counts. A prefix is the path without .bin/.idx. docs/data.md has more."""
     split: str = "98,2,0"
     """Shares of each prefix's documents for train,valid,test (Megatron's split: contiguous ranges)."""
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
     """name=indexed: the tokenizer the prefixes were made with (tokenizer.json or hub name); None = the one
     recorded in <prefix>.json by data.preprocess. Its vocabulary is checked against the model's."""
-    cache_dir: Optional[str] = None
+    cache_dir: str | None = None
     """Dataset index caches and the default corpus' .bin/.idx; None = $ASYNCPP_CACHE or ~/.cache/asyncpp."""
 
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    dir: Optional[str] = None
+    dir: str | None = None
     """Where step_* checkpoints go; None = <out_dir>/checkpoints."""
     every: int = 0
     """Save every N steps (and at the end of the run); 0 = only at the end."""
@@ -199,7 +199,7 @@ class CheckpointConfig:
 class LoggingConfig:
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "asyncpp"
-    run_name: Optional[str] = None
+    run_name: str | None = None
     log_every: int = 10
     progress: bool = True
 
@@ -222,16 +222,16 @@ class RunConfig:
     and print each stage's shard shapes and per-rank memory instead of training."""
 
     @classmethod
-    def from_dict(cls, data: dict) -> "RunConfig":
+    def from_dict(cls, data: dict) -> RunConfig:
         return from_dict(cls, data)
 
     def to_dict(self) -> dict:
         return to_dict(self)
 
-    def replace(self, **sections) -> "RunConfig":
+    def replace(self, **sections) -> RunConfig:
         return dataclasses.replace(self, **sections)
 
-    def validate(self, model: ModelLimits) -> "RunConfig":
+    def validate(self, model: ModelLimits) -> RunConfig:
         """Cross-field checks. Raises ConfigError naming the field, the value and the fix."""
         for check in (_check_finite, _check_run, _check_train, _check_parallel, _check_tp_ep, _check_optimizer,
                       _check_staleness, _check_data, _check_logging, _check_checkpoint):

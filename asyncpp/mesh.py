@@ -33,7 +33,7 @@ class ParallelDims:
     ep: int = 1
 
     @classmethod
-    def for_world(cls, world_size: int, *, pp: int, tp: int = 1, ep: int = 1, dp: int | None = None) -> "ParallelDims":
+    def for_world(cls, world_size: int, *, pp: int, tp: int = 1, ep: int = 1, dp: int | None = None) -> ParallelDims:
         """Derive dp = world_size / (pp * tp) (Megatron's rule) and check an explicit dp against it."""
         if world_size % (pp * tp):
             raise ConfigError(
@@ -52,7 +52,7 @@ class ParallelDims:
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
 
-    def validate(self, world_size: int) -> "ParallelDims":
+    def validate(self, world_size: int) -> ParallelDims:
         for name in ("pp", "dp", "tp", "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")

@@ -45,7 +45,7 @@ class MetricsLogger:
     ):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.out_dir / "metrics.jsonl", "a", buffering=1)
+        self._file = open(self.out_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - open until close()
         self.log_every = log_every
         self._bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True, disable=not progress)
         self._last_val: float | None = None
@@ -88,7 +88,7 @@ class MetricsLogger:
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(kept))
         os.replace(tmp, path)
-        self._file = open(path, "a", buffering=1)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - open until close()
         self._bar.reset(total=self._bar.total)
         self._bar.update(step)
 

@@ -20,24 +20,23 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from asyncpp import checkpoint as ckpt
-from asyncpp.config import SYNC_SCHEDULES, RunConfig
 from asyncpp.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
+from asyncpp.config import SYNC_SCHEDULES, RunConfig
 from asyncpp.engine import StageEngine, StepRecord
 from asyncpp.mesh import Mesh
 from asyncpp.metrics import MetricsLogger
 from asyncpp.optim.lr_schedule import lr_multiplier
-from asyncpp.preemption import StopFlag
 from asyncpp.p2p import StageComm
 from asyncpp.parallel.sharding import ShardingPlan, global_view, layout_of
+from asyncpp.preemption import StopFlag
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
-from asyncpp.simulate import cross_entropy
 from asyncpp.semantics import is_sync_step, stage_delay, step_delay
-from asyncpp.timeline import plot_gantt, write_chrome_trace
+from asyncpp.simulate import cross_entropy
 from asyncpp.stage import StageSpec, prune_to_stage, stage_forward, tied_parameters
+from asyncpp.timeline import plot_gantt, write_chrome_trace
 from asyncpp.trainer import DataSource, TrainingAborted
 from asyncpp.weights import WeightVersions, compute_dtype_of
-
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Parallelize = Callable[[nn.Module], tuple[ShardingPlan, LossFn]]
@@ -167,7 +166,7 @@ class PipelineRun:
             todo = list(range(t0, t1))
             self.engine.execute(
                 segment_actions(cfg.schedule.name, self.spec.stage, self.mesh.num_stages, self.m, self.delays, t0, t1),
-                after_update=lambda _: self._emit_ready(todo),
+                after_update=lambda _, todo=todo: self._emit_ready(todo),
             )
             self.engine.finish()
             evaluated = val and (t1 % t.eval_every == 0 or t1 == t.steps)

@@ -26,7 +26,7 @@ class StopFlag:
     def set(self, signum: int = signal.SIGTERM, frame=None) -> None:
         self.requested, self.signal = True, signum
 
-    def install(self, *signals: int) -> "StopFlag":
+    def install(self, *signals: int) -> StopFlag:
         for s in signals or (signal.SIGTERM,):
             signal.signal(s, self.set)
         return self

@@ -523,10 +523,10 @@ def _banner(study: Study) -> list[str]:
         ended = sum(status not in ("pending", "interrupted") for status in runs.values())  # failed/diverged ended
         if ended == len(runs):
             return []
-        return [f"> **The study is still running: {ended} of {len(runs)} runs have ended.** Runs go seed by "
+        return [(f"> **The study is still running: {ended} of {len(runs)} runs have ended.** Runs go seed by "
                 "seed, so most cells have fewer seeds than planned (n/planned below) and their verdicts are "
                 "provisional; with one seed no difference can be called significant. Rerunning the study command "
-                "resumes it; rerunning the report command updates this page.", ""]
+                "resumes it; rerunning the report command updates this page."), ""]
     banner = (f"> **This is a {', '.join(sorted(labels))}, not the study.** Its runs are "
               f"{', '.join(str(m['steps']) for m in study.manifests)} steps long and prove that the pipeline works "
               "end to end (runs → tables → plots → verdicts); they are far too short to confirm or refute the "

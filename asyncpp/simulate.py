@@ -111,7 +111,7 @@ class DelayedUpdateSimulator:
         ef_lambda: float = 0.0,
         lr_multiplier: Callable[[int], float] | None = None,
         sync_step: Callable[[int], bool] = lambda t: False,
-        tied_use: "TiedUse | None" = None,
+        tied_use: TiedUse | None = None,
         grad_ef_lambda: float = 0.0,
         dc_lambda: float = 0.0,
         weight_prediction: bool = False,

@@ -70,11 +70,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
-    elif tp is Any:
+    elif tp is Any or (tp is dict and isinstance(value, dict)):
         return value
-    elif tp is dict:
-        if isinstance(value, dict):
-            return value
     raise ConfigError(f"{path}={value!r} has type {type(value).__name__}; expected {_type_name(tp)}")
 
 

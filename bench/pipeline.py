@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncpp.schedules.costmodel import OpCosts, predict  # noqa: E402
+from asyncpp.schedules.costmodel import OpCosts, predict
 
 
 def run_job(schedule: str, pp: int, m: int, steps: int, extra: list[str]) -> dict:
@@ -31,7 +31,7 @@ def run_job(schedule: str, pp: int, m: int, steps: int, extra: list[str]) -> dic
             f"train.num_microbatches={m}", "train.eval_every=0", "logging=disabled", "logging.progress=false",
             f"hydra.run.dir={out}", *extra,
         ]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
         summary = json.loads((Path(out) / "summary.json").read_text())

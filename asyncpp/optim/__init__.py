@@ -1,8 +1,8 @@
 """Optimizers (our batched Muon and NorMuon, SOAP, Lion, Signum, AdEMAMix, MARS, Adan; AdamW via torch),
 the matrix/AdamW split, LR schedules and the staleness corrections."""
 
-from asyncpp.optim.ademamix import AdEMAMix
 from asyncpp.optim.adan import Adan
+from asyncpp.optim.ademamix import AdEMAMix
 from asyncpp.optim.build import (
     ELEMENTWISE_OPTIMIZERS,
     MATRIX_OPTIMIZERS,

@@ -23,8 +23,8 @@ except ImportError:  # pragma: no cover - older/newer torch without it
         return ["cuda", "cpu"]
 
 
-from asyncpp.optim.ademamix import AdEMAMix
 from asyncpp.optim.adan import Adan
+from asyncpp.optim.ademamix import AdEMAMix
 from asyncpp.optim.lion import Lion
 from asyncpp.optim.mars import MARS
 from asyncpp.optim.muon import TP_MODES, Muon

@@ -9,7 +9,6 @@ import torch.distributed as dist
 
 import pretrain
 from model_zoo import build_model, get_model_config
-from model_zoo.moe import MoE
 
 
 def dry(overrides: list[str], tmp_path) -> list[dict]:

@@ -34,8 +34,8 @@ def small_run(tmp_path, *extra: str) -> tuple[dict, list[dict]]:
 
 @pytest.mark.parametrize("model, optimizer", [("tiny_dense", "muon"), ("tiny_hybrid", "adamw")])
 def test_training_run_writes_metrics_and_learns(tmp_path, model, optimizer):
-    summary, records = small_run(tmp_path, f"model={model}", f"optimizer={optimizer}", "schedule=2bw",
-                                 "staleness.ef_lambda=1.0")
+    _, records = small_run(tmp_path, f"model={model}", f"optimizer={optimizer}", "schedule=2bw",
+                           "staleness.ef_lambda=1.0")
     assert [r["step"] for r in records] == list(range(40))
     for r in records:
         assert REQUIRED <= r.keys()

@@ -141,7 +141,7 @@ def test_each_stage_sees_its_delay(schedule):
                 "layers.3.weight": 3, "norm.weight": 3, "lm_head.weight": 3}
     for name, p in model.named_parameters():
         d = stage_delay(schedule, stage_of[name], P)
-        expected = scalar_recurrence(init[name], lambda t: d, steps, lr)[-1]
+        expected = scalar_recurrence(init[name], lambda t, d=d: d, steps, lr)[-1]
         assert float(p) == pytest.approx(expected, abs=1e-12), (name, d)
 
 
