@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_CPU ?= torch==2.13.0
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup train test test-all bench clean
+.PHONY: setup train lint test test-all bench clean
 
 setup: $(STAMP)
 
@@ -28,7 +28,11 @@ NPROC ?= 2
 train: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) pretrain.py parallel.pp=$(NPROC) schedule=2bw
 
-test: setup
+# Lint first: it takes a second and fails before twenty minutes of tests do.
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest -q
 
 test-all: setup
