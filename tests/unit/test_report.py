@@ -193,3 +193,33 @@ def test_the_report_lists_what_the_arms_differ_in(rendered):
     markdown, _ = rendered
     line = next(ln for ln in markdown.splitlines() if ln.startswith("- what differs between the columns"))
     assert line.endswith("`schedule.name`, `staleness.ef_lambda`, `staleness.grad_ef_lambda`")
+
+
+def lambda_study(finals: dict[float, tuple[float, ...]]) -> report.Study:
+    """A Study with one ef_lambda row whose arms have these final losses per seed."""
+    cols = [f"ef{lam:g}" for lam in finals]
+    results = {("ef_lambda", "muon", f"ef{lam:g}"): [(seed, report.RunResult(f"ef{lam:g}_{seed}", "done", {}, v))
+                                                     for seed, v in enumerate(values, 1)]
+               for lam, values in finals.items()}
+    return report.Study([], [], {"ef_lambda": {"rows": ["muon"], "columns": cols}}, results,
+                        {("ef_lambda", "muon", f"ef{lam:g}"): lam for lam in finals})
+
+
+@pytest.mark.parametrize("finals, verdict", [
+    # λ=1.5 is best on every seed by a margin far above the seed-to-seed spread of the difference
+    ({0.0: (3.5, 3.6, 3.7), 0.5: (3.4, 3.5, 3.6), 1.0: (3.3, 3.4, 3.5), 1.5: (3.2, 3.31, 3.4)}, "agrees"),
+    ({0.0: (3.5, 3.6, 3.7), 0.5: (3.1, 3.2, 3.31), 1.0: (3.3, 3.4, 3.5), 1.5: (3.4, 3.5, 3.6)}, "disagrees"),
+    # the lowest mean is at λ=1.5, but one seed cannot tell it from λ=0.5
+    ({0.0: (3.5,), 0.5: (3.4,), 1.0: (3.3,), 1.5: (3.2,)}, report.NOT_RESOLVED),
+    # the lowest mean is at λ=1.5, but seeds disagree on the sign of the difference
+    ({0.5: (3.40, 3.10, 3.30), 1.5: (3.20, 3.25, 3.15)}, report.NOT_RESOLVED),
+])
+def test_best_lambda_verdict_needs_a_resolved_difference(finals, verdict):
+    finding, ours, got = report._best_lambda(lambda_study(finals), "muon")
+    assert got == verdict, ours
+    assert finding.startswith("muon: the best λ is ≥ 1")
+
+
+def test_best_lambda_with_an_unfinished_arm_is_missing():
+    study_ = lambda_study({0.5: (3.4,), 1.5: ()})
+    assert report._best_lambda(study_, "muon")[2] == "missing"
