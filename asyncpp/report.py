@@ -194,8 +194,12 @@ def reference(study: Study, cell: str, row: str, test) -> str | None:
 
 
 def fmt_stat(s: Stat) -> str:
-    shortfall = {k: v for k, v in s.statuses.items() if k != "done"}
-    note = ", ".join(f"{v} {'missing' if k in ('pending', 'interrupted') else k}" for k, v in sorted(shortfall.items()))
+    shortfall: dict[str, int] = {}
+    for status, count in s.statuses.items():  # pending and interrupted runs both have no result yet
+        if status != "done":
+            word = "missing" if status in ("pending", "interrupted") else status
+            shortfall[word] = shortfall.get(word, 0) + count
+    note = ", ".join(f"{v} {k}" for k, v in sorted(shortfall.items()))
     if not s.values:
         return f"**{note or 'missing'}** (0/{s.planned or '?'})"
     text = f"{s.mean:.4f} ± {s.std:.4f}" if len(s.values) > 1 else f"{s.mean:.4f}"
@@ -431,7 +435,9 @@ def _treatments_vs_2bw(study: Study, cell: str, row: str, finding: str, expected
         if expected > 0:
             verdicts.append("agrees" if diverged == st.planned else direction(diff, +1))
         else:
-            verdicts.append("missing" if diff[2] == 0 else "disagrees" if resolved(diff) and diff[0] < 0 else "agrees")
+            # "none is better" is only supported once a better treatment could have been detected (>= 2 pairs)
+            verdicts.append("missing" if diff[2] == 0 else "disagrees" if resolved(diff) and diff[0] < 0
+                            else "agrees" if diff[2] >= 2 else NOT_RESOLVED)
     verdict = next((v for v in ("missing", "disagrees") if v in verdicts), None) or (
         "agrees" if all(v == "agrees" for v in verdicts) else NOT_RESOLVED)
     return f"{row}: {finding}", "; ".join(parts), verdict

@@ -223,3 +223,30 @@ def test_best_lambda_verdict_needs_a_resolved_difference(finals, verdict):
 def test_best_lambda_with_an_unfinished_arm_is_missing():
     study_ = lambda_study({0.5: (3.4,), 1.5: ()})
     assert report._best_lambda(study_, "muon")[2] == "missing"
+
+
+def dc_study(finals: dict[str, tuple[float, ...]]) -> report.Study:
+    """A Study with one dc_asgd row: a plain-2BW column and DC-ASGD columns with these losses per seed."""
+    def config(column: str) -> dict:
+        return {"schedule": {"name": "2bw"}, "staleness": {"dc_lambda": 0.0 if column == "2bw" else 100.0}}
+
+    results = {("dc_asgd", "muon", c): [(seed, report.RunResult(f"{c}_{seed}", "done", config(c), v))
+                                        for seed, v in enumerate(values, 1)] for c, values in finals.items()}
+    return report.Study([], [], {"dc_asgd": {"rows": ["muon"], "columns": list(finals)}}, results, {})
+
+
+@pytest.mark.parametrize("finals, verdict", [
+    ({"2bw": (3.9, 4.0, 4.1), "dc100": (3.95, 3.98, 4.12)}, "agrees"),          # no seed-resolved gain
+    ({"2bw": (3.9, 4.0, 4.1), "dc100": (3.80, 3.91, 4.00)}, "disagrees"),       # better on every seed
+    ({"2bw": (3.9,), "dc100": (3.95,)}, report.NOT_RESOLVED),                    # one seed cannot show "no gain"
+])
+def test_a_no_gain_claim_needs_seeds_that_could_have_shown_a_gain(finals, verdict):
+    got = report._treatments_vs_2bw(dc_study(finals), "dc_asgd", "muon", "no DC-ASGD coefficient beats plain delay", 0)
+    assert got[2] == verdict, got[1]
+
+
+def test_pending_and_interrupted_runs_are_counted_together_as_missing():
+    s = report.Stat(planned=3, statuses={"interrupted": 1, "pending": 2})
+    assert report.fmt_stat(s) == "**3 missing** (0/3)"
+    s = report.Stat(values={1: 3.5}, planned=3, statuses={"done": 1, "interrupted": 1, "failed": 1})
+    assert report.fmt_stat(s) == "3.5000 (1/3; 1 failed, 1 missing)"
