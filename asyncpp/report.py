@@ -253,7 +253,10 @@ def cell_table(study: Study, name: str) -> str:
             vs_sync = fmt_diff(paired(st, stat(study, name, row, sync_col))) if sync_col and column != sync_col else "—"
             treated = bool(sync_col and async_col) and column not in (sync_col, async_col)
             vs_async = fmt_diff(paired(st, stat(study, name, row, async_col))) if treated else "—"
-            frac = closes(study, name, row, column, sync_col, async_col) if treated else "—"
+            # "gap closed" describes a correction applied to 2BW, not another schedule (PipeDream at depth P)
+            correction = treated and all(r.config["schedule"]["name"] == "2bw" for _, r in study.results.get(
+                (name, row, column), []))
+            frac = closes(study, name, row, column, sync_col, async_col) if correction else "—"
             xcol = ["—" if x is None else f"{x:g}"] if cell.get("x") else []
             rows.append([row, column, *xcol, fmt_stat(st), vs_sync, vs_async, frac])
     header = ["row", "column", *([cell["x"]] if cell.get("x") else []), "final val loss", "Δ vs sync", "Δ vs 2BW",

@@ -250,3 +250,18 @@ def test_pending_and_interrupted_runs_are_counted_together_as_missing():
     assert report.fmt_stat(s) == "**3 missing** (0/3)"
     s = report.Stat(values={1: 3.5}, planned=3, statuses={"done": 1, "interrupted": 1, "failed": 1})
     assert report.fmt_stat(s) == "3.5000 (1/3; 1 failed, 1 missing)"
+
+
+def test_gap_closed_is_shown_for_corrections_of_2bw_only():
+    """PipeDream at depth P is compared with 2BW, but it closes no gap: only a 2BW run with a correction does."""
+    arms = {"sync": ("sync", 0.0, (3.0, 3.1)), "2bw": ("2bw", 0.0, (3.4, 3.5)),
+            "2bw_ef": ("2bw", 1.0, (3.2, 3.3)), "pipedream_p4": ("pipedream", 0.0, (3.6, 3.7))}
+    results = {("pd", "muon", c): [(seed, report.RunResult(f"{c}_{seed}", "done",
+                                                           {"schedule": {"name": sched}, "staleness": {"ef_lambda": ef}}, v))
+                                   for seed, v in enumerate(values, 1)] for c, (sched, ef, values) in arms.items()}
+    study_ = report.Study([], [], {"pd": {"rows": ["muon"], "columns": list(arms)}}, results, {})
+    lines = {ln.split("|")[2].strip(): [c.strip() for c in ln.strip("|").split("|")]
+             for ln in report.cell_table(study_, "pd").splitlines()[2:]}
+    assert lines["2bw_ef"][-1] == "50%"                 # (3.45 - 3.25) / (3.45 - 3.05)
+    assert lines["pipedream_p4"][-1] == "—"
+    assert lines["pipedream_p4"][-2].startswith("+0.2000")  # its Δ vs 2BW is still shown
