@@ -407,7 +407,9 @@ def _gap_ordering(study: Study, ranked: list[str]) -> tuple[str, str, str]:
 
 def _best_lambda(study: Study, row: str) -> tuple[str, str, str]:
     """The claim is about where the optimum lies, so the best arm at λ ≥ 1 is paired (over seeds) with the
-    best arm at λ < 1: which λ has the lowest mean is not evidence until that difference is resolved."""
+    best arm at λ < 1: which λ has the lowest mean is not evidence until that difference is resolved.
+    Picking each group's best before the test slightly favours resolving (a selection effect); with a
+    handful of arms and seeds that is kept rather than a multiple-comparison correction."""
     cols = [c for c in study.cells["ef_lambda"]["columns"] if study.xs.get(("ef_lambda", row, c)) is not None]
     stats = {c: stat(study, "ef_lambda", row, c) for c in cols}
     finding = f"{row}: the best λ is ≥ 1 (Fig. 15: AdamW, Muon, SOAP best somewhat above 1)"
