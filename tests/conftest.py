@@ -1,7 +1,8 @@
 import os
 
 import pytest
-import torch
+
+from tests.threads import single_thread
 
 # Tests must never try to reach wandb's servers, and share one tokenization cache per checkout.
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -13,7 +14,5 @@ def one_thread():
     """torch at 1 intra-op thread for the test, restored after. Modules that compare floats bit for bit
     (they depend on the matmul blocking) or spawn gloo ranks onto the 2 cores use it module-wide via
     `pytestmark = pytest.mark.usefixtures("one_thread")`."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with single_thread():
+        yield

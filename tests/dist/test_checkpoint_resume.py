@@ -9,6 +9,7 @@ from asyncpp.checkpoint import list_checkpoints
 from asyncpp.trainer import Trainer, build_simulator
 from tests.dist.harness import run_ranks
 from tests.dist.workers import data_for, make_config, optimizer_factory, pipeline_rank
+from tests.threads import single_thread
 
 pytestmark = pytest.mark.dist
 
@@ -54,9 +55,7 @@ def test_checkpoint_saved_by_two_stages_resumes_in_one_process(tmp_path):
     model_cfg = get_model_config(cfg.model.name, **(cfg.model.overrides or {}))
     torch.manual_seed(0)  # different init on purpose: everything must come from the checkpoint
     model = build_model(model_cfg)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with single_thread():
         trainer = Trainer.__new__(Trainer)
         trainer.cfg, trainer.model = cfg, model
         trainer.sim = build_simulator(cfg, model, optimizer_factory(cfg)(model))
@@ -68,8 +67,6 @@ def test_checkpoint_saved_by_two_stages_resumes_in_one_process(tmp_path):
         for t in range(3, cfg.train.steps):
             stats = trainer.sim.step(t, [data.train_microbatch(t * m + j) for j in range(m)])
             assert stats.loss == pytest.approx(full[t]["loss"], rel=1e-6), t
-    finally:
-        torch.set_num_threads(threads)
     for name, p in model.named_parameters():
         ref = full_params.get(name, full_params.get("lm_head.weight"))
         assert float((p.detach() - ref).norm() / ref.norm()) < 1e-5, name

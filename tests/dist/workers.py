@@ -12,6 +12,7 @@ from asyncpp.optim import build_from_config
 from asyncpp.pipeline import PipelineRun
 from asyncpp.trainer import build_simulator, evaluate
 from model_zoo import build_model, get_model_config
+from tests.threads import single_thread
 
 
 class SyntheticData:
@@ -96,12 +97,8 @@ def reference_run(cfg: RunConfig) -> dict:
     Runs on one thread like the ranks do: CPU matmul kernels block differently with more threads,
     and the rounding differences would otherwise be amplified by Newton-Schulz and AdamW over steps.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with single_thread():
         return _reference_run(cfg)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _reference_run(cfg: RunConfig) -> dict:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,15 +14,10 @@ from model_zoo.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule, recu
 B, H, DK, DV = 2, 3, 8, 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Iterator[None]:
-    # These are many tiny ops. On a small shared box several pytest processes oversubscribe the cores and
-    # OpenMP's spinning barriers then cost 10-1000x (measured: 40 ms fwd+bwd becomes 0.1-5 s); one thread
-    # keeps the suite fast and the reported timing reproducible.
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+# These are many tiny ops. On a small shared box several pytest processes oversubscribe the cores and
+# OpenMP's spinning barriers then cost 10-1000x (measured: 40 ms fwd+bwd becomes 0.1-5 s); one thread
+# keeps the suite fast and the reported timing reproducible.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _inputs(t: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
