@@ -247,16 +247,15 @@ def cell_table(study: Study, name: str) -> str:
     cell, rows = study.cells[name], []
     for row in cell["rows"]:
         sync_col, async_col = reference(study, name, row, is_sync), reference(study, name, row, is_plain_2bw)
+        # "gap closed" describes a correction applied to 2BW, not another schedule (PipeDream at depth P)
+        on_2bw = _columns(study, name, row, lambda c: c["schedule"]["name"] == "2bw")
         for column in cell["columns"]:
             st = stat(study, name, row, column)
             x = study.xs.get((name, row, column))
             vs_sync = fmt_diff(paired(st, stat(study, name, row, sync_col))) if sync_col and column != sync_col else "—"
             treated = bool(sync_col and async_col) and column not in (sync_col, async_col)
             vs_async = fmt_diff(paired(st, stat(study, name, row, async_col))) if treated else "—"
-            # "gap closed" describes a correction applied to 2BW, not another schedule (PipeDream at depth P)
-            correction = treated and all(r.config["schedule"]["name"] == "2bw" for _, r in study.results.get(
-                (name, row, column), []))
-            frac = closes(study, name, row, column, sync_col, async_col) if correction else "—"
+            frac = closes(study, name, row, column, sync_col, async_col) if treated and column in on_2bw else "—"
             xcol = ["—" if x is None else f"{x:g}"] if cell.get("x") else []
             rows.append([row, column, *xcol, fmt_stat(st), vs_sync, vs_async, frac])
     header = ["row", "column", *([cell["x"]] if cell.get("x") else []), "final val loss", "Δ vs sync", "Δ vs 2BW",
