@@ -333,6 +333,17 @@ def resume_path(cfg) -> Path | None:
     return Path(c.resume)
 
 
+def resume_point(cfg, source, warn=print) -> tuple[Path, int] | None:
+    """The checkpoint to resume from and its step, or None; warns (via `warn`) when the data stream
+    changed since it was written. What the simulator's and the pipeline's resume share."""
+    path = resume_path(cfg)
+    if path is None:
+        return None
+    manifest = read_manifest(path)
+    check_data_position(manifest, source, cfg, warn=warn)
+    return path, manifest["step"]
+
+
 def due(step_done: int, total_steps: int, every: int) -> bool:
     """Save after `step_done` steps? Every `every` steps and at the end of the run."""
     return step_done == total_steps or (every > 0 and step_done % every == 0)

@@ -210,12 +210,10 @@ class PipelineRun:
 
     def resume(self) -> int:
         """Collective. Load checkpoint.resume's checkpoint, if any; returns the step to start from."""
-        path = ckpt.resume_path(self.cfg)
-        if path is None:
+        point = ckpt.resume_point(self.cfg, self.data)
+        if point is None:
             return 0
-        manifest = ckpt.read_manifest(path)
-        step = manifest["step"]
-        ckpt.check_data_position(manifest, self.data, self.cfg)
+        path, step = point
         v = self.engine.versions
         v.set_newest(step)  # buffers now stand for x_step, x_step-1, ...: DCP fills them in place
         ages = [step - version for version in v.held()]

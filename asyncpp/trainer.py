@@ -131,12 +131,10 @@ class Trainer:
 
     def resume(self) -> int:
         """Load the checkpoint checkpoint.resume points at, if any; returns the step to start from."""
-        path = ckpt.resume_path(self.cfg)
-        if path is None:
+        point = ckpt.resume_point(self.cfg, self.data, warn=self.metrics.message)
+        if point is None:
             return 0
-        manifest = ckpt.read_manifest(path)
-        step = manifest["step"]
-        ckpt.check_data_position(manifest, self.data, self.cfg, warn=self.metrics.message)
+        path, step = point
         past = min(step, self.sim.num_past_versions)
         ckpt.load(path, simulator_state(self.sim, self.model, num_past=past, step=step), ages=range(past + 1))
         self.sim.balancing.use(step)

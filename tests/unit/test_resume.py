@@ -119,3 +119,29 @@ def test_a_training_checkpoint_exports_to_hugging_face_with_identical_logits(tmp
     assert cfg.name == "tiny_dense"
     for name, p in weights.items():
         assert torch.equal(state[name], p), name
+
+
+class _Stream:
+    def __init__(self, **identity):
+        self._identity = identity
+
+    def identity(self) -> dict:
+        return self._identity
+
+
+def test_resume_point_finds_the_latest_checkpoint_and_warns_when_the_data_stream_changed(tmp_path):
+    def cfg(resume):
+        return pretrain.resolve(pretrain.compose([f"out_dir={tmp_path}", *BASE, f"checkpoint.resume={resume}"]))[0]
+
+    root = tmp_path / "checkpoints"
+    for step in (3, 6):
+        (root / f"step_{step:08d}").mkdir(parents=True)
+        data = {"identity": {"dataset": "corpus-a", "seq_len": 32}}
+        (root / f"step_{step:08d}" / ckpt.MANIFEST).write_text(json.dumps({"step": step, "data": data}))
+    warnings: list[str] = []
+    assert ckpt.resume_point(cfg("none"), _Stream(dataset="corpus-a", seq_len=32), warnings.append) is None
+    same = ckpt.resume_point(cfg("auto"), _Stream(dataset="corpus-a", seq_len=32), warnings.append)
+    assert same == (root / "step_00000006", 6) and warnings == []
+    chosen = ckpt.resume_point(cfg(root / "step_00000003"), _Stream(dataset="corpus-b", seq_len=32), warnings.append)
+    assert chosen == (root / "step_00000003", 3)
+    assert len(warnings) == 1 and "(dataset)" in warnings[0] and "different samples" in warnings[0]
