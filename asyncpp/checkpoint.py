@@ -322,24 +322,17 @@ def checkpoint_root(cfg) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.out_dir) / "checkpoints"
 
 
-def resume_path(cfg) -> Path | None:
-    """The checkpoint to resume from, per checkpoint.resume ('auto', 'none' or a path)."""
+def resume_point(cfg, source, warn=print) -> tuple[Path, int] | None:
+    """The checkpoint to resume from, per checkpoint.resume ('auto', 'none' or a path), and its step, or
+    None; warns (via `warn`) when the data stream changed since it was written. What the simulator's and
+    the pipeline's resume share."""
     c = cfg.checkpoint
     if c.resume == "none":
         return None
-    if c.resume == "auto":
-        return latest(checkpoint_root(cfg))
-    read_manifest(c.resume)  # a clear error now if the path is not a complete checkpoint
-    return Path(c.resume)
-
-
-def resume_point(cfg, source, warn=print) -> tuple[Path, int] | None:
-    """The checkpoint to resume from and its step, or None; warns (via `warn`) when the data stream
-    changed since it was written. What the simulator's and the pipeline's resume share."""
-    path = resume_path(cfg)
-    if path is None:
+    path = latest(checkpoint_root(cfg)) if c.resume == "auto" else Path(c.resume)
+    if path is None:  # 'auto' before the first checkpoint
         return None
-    manifest = read_manifest(path)
+    manifest = read_manifest(path)  # a clear error if an explicit path is not a complete checkpoint
     check_data_position(manifest, source, cfg, warn=warn)
     return path, manifest["step"]
 

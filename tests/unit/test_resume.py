@@ -145,3 +145,6 @@ def test_resume_point_finds_the_latest_checkpoint_and_warns_when_the_data_stream
     chosen = ckpt.resume_point(cfg(root / "step_00000003"), _Stream(dataset="corpus-b", seq_len=32), warnings.append)
     assert chosen == (root / "step_00000003", 3)
     assert len(warnings) == 1 and "(dataset)" in warnings[0] and "different samples" in warnings[0]
+    (root / "step_00000009").mkdir()  # no manifest: a save that never finished
+    with pytest.raises(FileNotFoundError, match="not a complete asyncpp checkpoint"):
+        ckpt.resume_point(cfg(root / "step_00000009"), _Stream(dataset="corpus-a", seq_len=32), warnings.append)
