@@ -19,7 +19,7 @@ import math
 import shlex
 import statistics
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -569,6 +569,14 @@ def _not_done(study: Study) -> list[str]:
     return [table(["run", "status", "first cell", "row / column / seed"], rows)]
 
 
+def tally(found: list[tuple[str, str, str]]) -> str:
+    """One line that counts the verdicts, so a reader sees the balance before reading the rows."""
+    counts = Counter(verdict for _, _, verdict in found)
+    parts = ", ".join(f"{n} {verdict}" for verdict, n in counts.most_common())
+    return (f"Verdicts over {len(found)} findings: {parts}. Magnitudes are not comparable with the paper's "
+            "(a far smaller model, far fewer tokens); the findings compare directions and orderings.")
+
+
 def render(study: Study, out: Path, argv: list[str]) -> str:
     plot_dir = out.parent / out.stem
     figures = draw(study, plot_dir)
@@ -584,11 +592,12 @@ def render(study: Study, out: Path, argv: list[str]) -> str:
     for name, cell in study.cells.items():
         if name != "main":
             doc += [f"## {cell['title']} (`{name}`)", "", cell_table(study, name), ""]
+    found = claims(study)
     doc += ["## Comparison with the paper (SmolLM2-360M and its ablations)", "",
             ("The paper's findings as reported (digest of arXiv 2606.30634); ours computed from this study. "
              "A verdict needs the difference to pass the paired t-test above; otherwise it is not resolved."), "",
-            table(["paper", "this study", "verdict"], [list(c) for c in claims(study)]), "",
-            "## Figures", ""]
+            table(["paper", "this study", "verdict"], [list(c) for c in found]), "",
+            tally(found), "", "## Figures", ""]
     doc += [f"**{caption}**\n\n![{path.stem}]({plot_dir.name}/{path.name})\n" for caption, path in figures]
     doc += ["## Runs not finished", "", *_not_done(study), ""]
     return "\n".join(doc)

@@ -159,6 +159,17 @@ def test_paper_comparison_is_computed(rendered):
     assert "PILOT" not in markdown.upper().split("## SETUP")[0]  # label "study": no pilot banner
 
 
+def test_the_verdicts_are_tallied_from_the_table(rendered):
+    markdown, _ = rendered
+    verdicts = [r.split("|")[3].strip() for r in markdown.split("## Comparison with the paper")[1].split("## Figures")[0]
+                .splitlines() if r.startswith("| ") and not r.startswith(("| paper", "|---"))]
+    line = next(r for r in markdown.splitlines() if r.startswith("Verdicts over"))
+    head, counts = line.split(". ")[0].split(": ")
+    assert head == f"Verdicts over {len(verdicts)} findings"
+    assert dict(c.split(" ", 1)[::-1] for c in counts.split(", ")) == {v: str(verdicts.count(v)) for v in verdicts}
+    assert {"agrees", "disagrees"} <= set(verdicts)  # the fixture has both, so the counts are not trivially one kind
+
+
 def test_figures_are_written(rendered):
     markdown, out = rendered
     for name in ("loss_curves", "gap_over_time"):
