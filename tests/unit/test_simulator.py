@@ -226,7 +226,7 @@ def test_error_feedback_sgd_quadratic_matches_closed_form(lam):
     traj = [x0]
     for t in range(steps):
         sim.step(t, [torch.zeros(1, 2)])
-        traj.append(float(model.w))
+        traj.append(float(model.w.detach()))
     np.testing.assert_allclose(traj, closed, rtol=1e-9, atol=1e-12)
     # EF changes the dynamics: without it the trajectory is different
     assert abs(traj[5] - scalar_free_delayed(x0, c, 5)) > 1e-3
@@ -251,11 +251,11 @@ def test_non_finite_gradient_skips_the_step_and_keeps_versions_advancing():
 
     sim = DelayedUpdateSimulator(model, opt, [1], loss_fn=loss_fn)
     s0 = sim.step(0, [torch.zeros(1, 2)])
-    w_after0 = float(model.w)
+    w_after0 = float(model.w.detach())
     s1 = sim.step(1, [torch.ones(1, 2)])
-    assert not s0.skipped and s1.skipped and float(model.w) == w_after0
+    assert not s0.skipped and s1.skipped and float(model.w.detach()) == w_after0
     assert len(sim.history) == 1  # the version counter advanced
     s2 = sim.step(2, [torch.full((1, 2), 2.0)])
     assert not s2.skipped
     # step 2 uses x_1 (== x_2, since step 1 was skipped): w <- w - 0.1 * w
-    assert float(model.w) == pytest.approx(w_after0 * 0.9)
+    assert float(model.w.detach()) == pytest.approx(w_after0 * 0.9)
