@@ -5,8 +5,8 @@
     python pretrain.py staleness.ef_lambda=1.0 parallel.pp=4 schedule=pipedream
     torchrun --standalone --nproc_per_node=2 pretrain.py parallel.pp=2 schedule=2bw   # a real pipeline
 
-Run as one process, every schedule is simulated (asyncpp.simulate); under torchrun each rank runs
-one pipeline stage (asyncpp.pipeline) and computes the same numbers.
+Run as one process, every schedule is simulated (asyncpp.reference.simulator); under torchrun each rank runs
+one pipeline stage (asyncpp.pipeline.executor) and computes the same numbers.
 
 This is the only place that reads the environment, starts wandb and touches hydra; everything below
 it receives typed, validated objects.
@@ -24,13 +24,13 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from asyncpp.analysis.memory import simulator_run_report
 from asyncpp.config import ConfigError, RunConfig, simulator_only_options
-from asyncpp.memory import simulator_run_report
-from asyncpp.metrics import MetricsLogger
 from asyncpp.optim import build_from_config
-from asyncpp.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
-from asyncpp.preemption import StopFlag
-from asyncpp.trainer import Trainer
+from asyncpp.train.metrics import MetricsLogger
+from asyncpp.train.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
+from asyncpp.train.preemption import StopFlag
+from asyncpp.train.trainer import Trainer
 from model_zoo import ModelConfig, build_model, count_parameters, get_model_config
 from model_zoo.backends import prepare_model
 
@@ -171,8 +171,8 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
     """One pipeline stage per rank (torchrun). Validated before the process group exists."""
     import torch.distributed as dist
 
-    from asyncpp.mesh import Mesh, ParallelDims, init_distributed
-    from asyncpp.pipeline import PipelineRun
+    from asyncpp.parallel.mesh import Mesh, ParallelDims, init_distributed
+    from asyncpp.pipeline.executor import PipelineRun
 
     p = cfg.parallel
     unsupported = simulator_only_options(cfg.staleness)
@@ -235,7 +235,7 @@ def _print_stage_memory(cfg: RunConfig, model_cfg: ModelConfig, mesh, run, metri
     """Every stage's memory table (tp/dp rank 0 of each), printed once by the metrics rank. Collective."""
     import torch.distributed as dist
 
-    from asyncpp.dryrun import stage_memory
+    from asyncpp.analysis.dryrun import stage_memory
 
     e = run.engine
     mine = stage_memory(cfg, model_cfg, mesh, run.spec, e.versions, e.optimizer, e.error_feedback.prev_update)
@@ -246,10 +246,10 @@ def _print_stage_memory(cfg: RunConfig, model_cfg: ModelConfig, mesh, run, metri
 
 
 def run_dry(cfg: RunConfig, model_cfg: ModelConfig, echo=print) -> list[dict]:
-    """dry_run=N: the layout at N ranks on a fake process group (asyncpp/dryrun.py); trains nothing.
+    """dry_run=N: the layout at N ranks on a fake process group (asyncpp/analysis/dryrun.py); trains nothing.
     Writes <out_dir>/dry_run.json and returns the per-stage reports."""
-    from asyncpp.dryrun import dry_run
-    from asyncpp.stage import prune_to_stage
+    from asyncpp.analysis.dryrun import dry_run
+    from asyncpp.pipeline.stage import prune_to_stage
 
     def build_stage(mesh, spec):
         stage = prune_to_stage(build_model(model_cfg, device="meta"), spec)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 
 from asyncpp.schedules import build_pipeline
 from asyncpp.schedules.costmodel import OpCosts, predict, simulate, steady_delays
-from asyncpp.timeline import plot_gantt, write_chrome_trace
+from asyncpp.train.timeline import plot_gantt, write_chrome_trace
 
 KINDS = ("gpipe", "1f1b", "2bw", "pipedream")
 STAGES = (2, 4, 8)

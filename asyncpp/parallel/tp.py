@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from asyncpp.core.loss import cross_entropy
 from asyncpp.parallel.collectives import (
     Group,
     copy_to,
@@ -282,10 +283,9 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, group: Group |
 def logits_loss_for(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
     """The loss (logits, labels) -> scalar the last stage must use for `model`'s logits: the
     vocab-parallel cross entropy over the head's TP group when a plan left them sharded, otherwise
-    the project's plain cross entropy (asyncpp.simulate.cross_entropy)."""
+    the project's plain cross entropy (asyncpp.core.loss.cross_entropy)."""
     marker = getattr(getattr(model, "lm_head", None), VOCAB_GROUP_ATTR, None)
     group = None if marker is None else marker.bound["group"]
     if group_size(group) > 1:
         return functools.partial(vocab_parallel_cross_entropy, group=group)
-    from asyncpp.simulate import cross_entropy  # lazy: simulate pulls in the optimizers
     return cross_entropy

@@ -85,7 +85,7 @@ def _validate(kind: str, stage: int, num_stages: int, m: int, step_delays: Seque
         t, d = bad[0]
         raise ValueError(
             f"schedule={kind!r} stage={stage} of {num_stages}: step_delays[{t}]={d} is not one of "
-            f"{allowed} (0 for synchronous steps, else the steady-state delay of asyncpp.semantics)"
+            f"{allowed} (0 for synchronous steps, else the steady-state delay of asyncpp.schedules.registry)"
         )
 
 

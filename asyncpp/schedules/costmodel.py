@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_pipeline
 from asyncpp.schedules.invariants import dependencies, execution_order, peak_in_flight, peak_versions
-from asyncpp.timeline import TimelineEvent
+from asyncpp.train.timeline import TimelineEvent
 
 Cost = float | Sequence[float]
 
@@ -133,8 +133,8 @@ def _label(a: Action) -> str:
 
 
 def steady_delays(kind: str, num_stages: int, num_steps: int) -> list[list[int]]:
-    """Per-stage delays of a run without sync start/cooldown (asyncpp.semantics.stage_delay)."""
-    from asyncpp.semantics import stage_delay
+    """Per-stage delays of a run without sync start/cooldown (asyncpp.schedules.registry.stage_delay)."""
+    from asyncpp.schedules.registry import stage_delay
 
     return [[stage_delay(kind, s, num_stages)] * num_steps for s in range(num_stages)]
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import asyncpp.engine as engine  # noqa: E402
+import asyncpp.pipeline.engine as engine  # noqa: E402
 import pretrain  # noqa: E402
 
 _forward = engine.StageEngine._forward

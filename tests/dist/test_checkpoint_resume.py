@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncpp.checkpoint import list_checkpoints
-from asyncpp.trainer import Trainer, build_simulator
+from asyncpp.train.checkpoint import list_checkpoints
+from asyncpp.train.trainer import Trainer, build_simulator
 from tests.dist.harness import run_ranks
 from tests.dist.workers import data_for, make_config, optimizer_factory, pipeline_rank
 from tests.threads import single_thread

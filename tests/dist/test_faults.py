@@ -13,7 +13,7 @@ pytestmark = pytest.mark.dist
 
 
 def rank_dies_at_step(rank: int, cfg_dict: dict, victim: int, step: int) -> dict:
-    import asyncpp.engine as engine
+    import asyncpp.pipeline.engine as engine
 
     original = engine.StageEngine._forward
 
@@ -40,7 +40,7 @@ def test_neighbour_of_a_dead_rank_fails_with_a_named_stage(victim):
 
 def poisoned_rank(rank: int, cfg_dict: dict, poison: list[int]) -> dict:
     """The last stage's loss is NaN at the `poison` steps (a bad batch)."""
-    import asyncpp.pipeline as pipeline
+    import asyncpp.pipeline.executor as pipeline
 
     original = pipeline.PipelineRun._forward
 
@@ -65,7 +65,7 @@ def test_non_finite_step_is_skipped_on_every_stage_like_the_simulator():
     records = next(r["records"] for r in results if r["records"])
     assert [r["skipped"] for r in records] == [False, False, True, False, False]
 
-    import asyncpp.simulate as simulate
+    import asyncpp.reference.simulator as simulate
 
     original = simulate.DelayedUpdateSimulator._accumulate
 

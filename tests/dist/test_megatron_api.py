@@ -1,4 +1,4 @@
-"""asyncpp.megatron: a Megatron-LM style training loop on the 2BW / 1F1B pipeline equals the simulator.
+"""asyncpp.pipeline.megatron: a Megatron-LM style training loop on the 2BW / 1F1B pipeline equals the simulator.
 
 One spawn of 2 gloo ranks runs both schedules (spawning costs more than the tiny model): a loop written
 as Megatron's train() writes it (forward_step_func / loss_func / set_input_tensor, one call per step,
@@ -16,14 +16,14 @@ import torch
 from torch import Tensor, nn
 
 from asyncpp.config import RunConfig
-from asyncpp.megatron import Pipeline2BW, drain_2bw, get_forward_backward_func, window_2bw
-from asyncpp.mesh import Mesh, ParallelDims
+from asyncpp.pipeline.megatron import Pipeline2BW, drain_2bw, get_forward_backward_func, window_2bw
+from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.optim.lr_schedule import lr_multiplier
 from asyncpp.schedules.actions import Op
 from asyncpp.schedules.build import build_schedule
 from asyncpp.schedules.invariants import check_schedules, execution_order
-from asyncpp.simulate import cross_entropy
-from asyncpp.stage import StageSpec, prune_to_stage, stage_forward, tied_parameters
+from asyncpp.core.loss import cross_entropy
+from asyncpp.pipeline.stage import StageSpec, prune_to_stage, stage_forward, tied_parameters
 from model_zoo import build_model, get_model_config
 from tests.dist.harness import run_ranks
 from tests.dist.test_pipeline_equivalence import relative_error

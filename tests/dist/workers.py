@@ -7,10 +7,10 @@ from torch import Tensor
 
 import pretrain
 from asyncpp.config import RunConfig
-from asyncpp.mesh import Mesh, ParallelDims
+from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.optim import build_from_config
-from asyncpp.pipeline import PipelineRun
-from asyncpp.trainer import build_simulator, evaluate
+from asyncpp.pipeline.executor import PipelineRun
+from asyncpp.train.trainer import build_simulator, evaluate
 from model_zoo import build_model, get_model_config
 from tests.threads import single_thread
 

@@ -13,10 +13,10 @@ import torch
 from torch import Tensor
 
 from asyncpp.config import RunConfig
-from asyncpp.mesh import Mesh, ParallelDims
 from asyncpp.optim import build_from_config
-from asyncpp.p2p import StageComm, wait_for
-from asyncpp.trainer import build_simulator
+from asyncpp.parallel.mesh import Mesh, ParallelDims
+from asyncpp.pipeline.p2p import StageComm, wait_for
+from asyncpp.train.trainer import build_simulator
 from model_zoo import build_model, get_model_config
 from tests.dist.workers import Collect, data_for
 
@@ -39,7 +39,7 @@ class HostStagedComm(StageComm):
 def gpu_pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     os.environ["LOCAL_RANK"] = "0"  # both ranks share GPU 0; DeviceMesh would otherwise pick cuda:LOCAL_RANK
     torch.cuda.set_device(0)
-    from asyncpp import pipeline
+    from asyncpp.pipeline import executor as pipeline
 
     pipeline.StageComm = HostStagedComm
     cfg = RunConfig.from_dict(cfg_dict)

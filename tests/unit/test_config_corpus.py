@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import pretrain
 from asyncpp.config import ConfigError
-from asyncpp.mesh import ParallelDims
+from asyncpp.parallel.mesh import ParallelDims
 
 
 class Bad(NamedTuple):

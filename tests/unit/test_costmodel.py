@@ -9,7 +9,7 @@ import pytest
 
 from asyncpp.schedules import DeadlockError, build_pipeline
 from asyncpp.schedules.costmodel import OpCosts, predict, simulate, steady_delays
-from asyncpp.timeline import TimelineEvent, as_events, plot_gantt, write_chrome_trace
+from asyncpp.train.timeline import TimelineEvent, as_events, plot_gantt, write_chrome_trace
 
 EQUAL = OpCosts(forward=1.0, backward=2.0)
 GRID = [(p, m) for p in (1, 2, 3, 4) for m in (p, 2 * p, 4 * p)]

@@ -1,4 +1,4 @@
-"""asyncpp.evaluate: the lm-eval adapter scores exactly what the model's logits say, and the CLI runs the
+"""tools.evaluate: the lm-eval adapter scores exactly what the model's logits say, and the CLI runs the
 offline task on a real (tiny) checkpoint."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from asyncpp.evaluate import AsyncppLM, main, task_specs
 from data.default import DEFAULT_TOKENIZER
 from data.tokenizer import load_tokenizer
+from tools.evaluate import AsyncppLM, main, task_specs
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_rolling_loglikelihood_is_the_whole_text_after_eod(lm):
 
 
 def test_generation_is_refused_with_a_way_out(lm):
-    with pytest.raises(NotImplementedError, match="asyncpp.hf export"):
+    with pytest.raises(NotImplementedError, match="tools.hf export"):
         lm.generate_until([SimpleNamespace(args=("def f():", {"until": ["\n"]}))])
 
 
@@ -79,10 +79,10 @@ def test_task_lists_expand():
 
 
 def test_cli_on_a_trained_checkpoint(tmp_path, monkeypatch):
-    """Train 2 steps, then `python -m asyncpp.evaluate --checkpoint <run>` on the offline cloze task; its
+    """Train 2 steps, then `python -m tools.evaluate --checkpoint <run>` on the offline cloze task; its
     accuracy must be what the adapter's own log-likelihoods imply."""
     import pretrain
-    from asyncpp.evaluate import load_lm
+    from tools.evaluate import load_lm
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     run = tmp_path / "run"

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from asyncpp import hf
 from model_zoo import build_model, get_model_config
+from tools import hf
 
 transformers = pytest.importorskip("transformers")  # a [dev] dependency; skipped only on a broken setup
 

@@ -1,4 +1,4 @@
-"""asyncpp.memory: the per-rank accounting against what is really allocated, and the activation count
+"""asyncpp.analysis.memory: the per-rank accounting against what is really allocated, and the activation count
 against a measurement of what autograd saves (saved-tensor hooks; the GPU check with
 torch.cuda.max_memory_allocated is in tests/gpu/test_gpu_backends.py)."""
 
@@ -8,8 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from asyncpp.config import RunConfig
-from asyncpp.memory import (
+from asyncpp.analysis.memory import (
     ALLOCATED,
     activation_bytes,
     in_flight_microbatches,
@@ -20,12 +19,13 @@ from asyncpp.memory import (
     storage_bytes,
     versions_report,
 )
+from asyncpp.config import RunConfig
+from asyncpp.core.loss import lm_loss
+from asyncpp.core.staleness import ErrorFeedback
 from asyncpp.optim import build_from_config
-from asyncpp.optim.staleness import ErrorFeedback
-from asyncpp.simulate import lm_loss
-from asyncpp.stage import StageSpec, prune_to_stage
-from asyncpp.trainer import build_simulator
-from asyncpp.weights import WeightVersions
+from asyncpp.pipeline.stage import StageSpec, prune_to_stage
+from asyncpp.pipeline.weights import WeightVersions
+from asyncpp.train.trainer import build_simulator
 from model_zoo import build_model, get_model_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

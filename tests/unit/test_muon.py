@@ -247,7 +247,7 @@ class _Stage(torch.nn.Module):
 def test_layout_stays_aligned_through_retarget_and_load_state_dict() -> None:
     from asyncpp.optim import build_optimizer
     from asyncpp.parallel.sharding import ParamSharding
-    from asyncpp.weights import WeightVersions
+    from asyncpp.pipeline.weights import WeightVersions
 
     stage = _Stage()
     plan = {"q.weight": ParamSharding(tp_dim=0), "o.weight": ParamSharding(tp_dim=1),

@@ -1,4 +1,4 @@
-"""asyncpp.report on a synthetic study whose table values are computed independently here."""
+"""tools.report on a synthetic study whose table values are computed independently here."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncpp import report, study
+from tools import report, study
 
 SEEDS = (1, 2, 3)
 # final validation loss per (row, column) and seed; None = the run never finished (no directory)
@@ -101,7 +101,7 @@ def table_row(markdown: str, first_cell: str, after: str) -> list[str]:
 
 
 def expected_main_row(opt: str) -> list[str]:
-    """The main table's row, computed here without asyncpp.report."""
+    """The main table's row, computed here without tools.report."""
     s, a, e = ([v for v in FINAL[(opt, c)] if v is not None] for c in ("sync", "2bw", "2bw_ef"))
     fmt = lambda xs: f"{statistics.mean(xs):.4f} ± {statistics.stdev(xs):.4f}"
     gap = [x - y for x, y in zip(FINAL[(opt, "2bw")], FINAL[(opt, "sync")])]

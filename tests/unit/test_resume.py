@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import pretrain
-from asyncpp import checkpoint as ckpt
-from asyncpp.trainer import Trainer
+from asyncpp.train import checkpoint as ckpt
+from asyncpp.train.trainer import Trainer
 
 BASE = ["logging=disabled", "logging.progress=false", "model=tiny_dense", "train.steps=6", "train.eval_every=0",
         "train.micro_batch_size=2", "train.num_microbatches=2", "train.seq_len=32", "checkpoint.every=3",
@@ -110,7 +110,7 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
 
 
 def test_a_training_checkpoint_exports_to_hugging_face_with_identical_logits(tmp_path):
-    from asyncpp import hf
+    from tools import hf
 
     _, weights = run(tmp_path / "run", "schedule=2bw")
     step_dir = ckpt.latest(tmp_path / "run" / "checkpoints")

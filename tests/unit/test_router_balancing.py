@@ -2,7 +2,7 @@
 the bias of x_{t-d}; step t moves it with b_t's loads: b(x_{t+1}) = b(x_t) + rate * sign(mean(L_t) - L_t).
 
 The expected biases are rebuilt here from what the routers saw (their per-forward expert counts), not
-from asyncpp.balancing, so a wrong version or a wrong rule in the simulator fails these tests."""
+from asyncpp.core.balancing, so a wrong version or a wrong rule in the simulator fails these tests."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from asyncpp.optim import build_optimizer
-from asyncpp.simulate import DelayedUpdateSimulator
-from asyncpp.trainer import parameter_delays
+from asyncpp.reference.simulator import DelayedUpdateSimulator
+from asyncpp.train.trainer import parameter_delays
 from model_zoo import build_model, get_model_config
 from model_zoo.moe import MoE
 

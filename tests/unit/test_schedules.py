@@ -19,7 +19,7 @@ from asyncpp.schedules import (
     peak_in_flight,
     peak_versions,
 )
-from asyncpp.semantics import step_delay
+from asyncpp.schedules.registry import step_delay
 
 KINDS = ("gpipe", "1f1b", "sync", "2bw", "pipedream")
 NUM_STEPS = 6
@@ -30,7 +30,7 @@ PATTERNS = ((0, 0), (2, 0), (0, 2), (1, 1))
 def delays(
     kind: str, num_stages: int, start: int, cooldown: int, num_steps: int = NUM_STEPS
 ) -> list[list[int]]:
-    """Per-stage delays exactly as the engine computes them (asyncpp.semantics.step_delay)."""
+    """Per-stage delays exactly as the engine computes them (asyncpp.schedules.registry.step_delay)."""
     rule = StalenessConfig(sync_start_steps=start, sync_cooldown_steps=cooldown)
     return [
         [step_delay(kind, s, num_stages, t, num_steps, rule) for t in range(num_steps)]

@@ -16,9 +16,9 @@ from torch import nn
 
 from asyncpp.config import RunConfig, StalenessConfig
 from asyncpp.optim import build_optimizer
-from asyncpp.semantics import is_sync_step, step_delay
-from asyncpp.simulate import DelayedUpdateSimulator
-from asyncpp.trainer import build_simulator, parameter_delays
+from asyncpp.reference.simulator import DelayedUpdateSimulator
+from asyncpp.schedules.registry import is_sync_step, step_delay
+from asyncpp.train.trainer import build_simulator, parameter_delays
 from pretrain import compose, resolve
 
 A, LR = 2.0, 0.1

@@ -1,4 +1,4 @@
-"""asyncpp.study: plan expansion (cells, shared runs, shared hyperparameters), templates, resumability."""
+"""tools.study: plan expansion (cells, shared runs, shared hyperparameters), templates, resumability."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncpp import study
-from asyncpp.study import PlanError, config_diff, expand, fill, load_plan, run_status
+from tools import study
+from tools.study import PlanError, config_diff, expand, fill, load_plan, run_status
 
 # What may differ between the columns of one row: the schedule and its staleness options, and (PipeDream's
 # depth) the simulated layout. Everything else -- optimizer, lr, betas, model, data, steps -- must not.
@@ -164,7 +164,7 @@ def test_slurm_dry_run_renders_an_array_of_pending_runs(tmp_path, capsys):
                        "--partition", "cpu", "--time", "00:30:00"]) == 0
     script = capsys.readouterr().out
     assert "#SBATCH --array=0-1%64" in script and "#SBATCH --partition=cpu" in script
-    assert "#SBATCH --time=00:30:00" in script and "-m asyncpp.study run-one --out" in script
+    assert "#SBATCH --time=00:30:00" in script and "-m tools.study run-one --out" in script
     assert not out.exists()  # a dry run submits and writes nothing
 
 

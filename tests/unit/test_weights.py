@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from asyncpp.partition import param_stages, stage_layer_ranges
-from asyncpp.weights import WeightVersions
+from asyncpp.core.partition import param_stages, stage_layer_ranges
+from asyncpp.pipeline.weights import WeightVersions
 
 
 def make(k: int):

@@ -15,16 +15,17 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from asyncpp import checkpoint as ckpt
-from asyncpp.balancing import RouterLoadStats
 from asyncpp.config import RunConfig
-from asyncpp.metrics import MetricsLogger
+from asyncpp.core.balancing import RouterLoadStats
+from asyncpp.core.loss import lm_loss
+from asyncpp.core.partition import param_stages
 from asyncpp.optim.lr_schedule import lr_multiplier
-from asyncpp.partition import param_stages
-from asyncpp.preemption import StopFlag
-from asyncpp.semantics import is_sync_step, stage_delay
-from asyncpp.simulate import DelayedUpdateSimulator, TiedUse, lm_loss
-from asyncpp.weights import compute_dtype_of
+from asyncpp.pipeline.weights import compute_dtype_of
+from asyncpp.reference.simulator import DelayedUpdateSimulator, TiedUse
+from asyncpp.schedules.registry import is_sync_step, stage_delay
+from asyncpp.train import checkpoint as ckpt
+from asyncpp.train.metrics import MetricsLogger
+from asyncpp.train.preemption import StopFlag
 
 
 class DataSource(Protocol):

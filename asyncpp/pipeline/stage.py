@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
-from asyncpp.partition import stage_layer_ranges
+from asyncpp.core.partition import stage_layer_ranges
 
 
 class StageSpec:

@@ -42,12 +42,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from asyncpp.engine import StageEngine
-from asyncpp.mesh import Mesh
-from asyncpp.p2p import StageComm
+from asyncpp.parallel.mesh import Mesh
+from asyncpp.pipeline.engine import StageEngine
+from asyncpp.pipeline.p2p import StageComm
+from asyncpp.pipeline.weights import WeightVersions
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
-from asyncpp.weights import WeightVersions
 
 SCHEDULES = ("2bw", "1f1b")
 _COMPUTE = (Op.FORWARD, Op.BACKWARD)

@@ -1,8 +1,8 @@
 """Hugging Face Llama format <-> model_zoo's dense CausalLM (smollm2_*, tiny_dense).
 
-    python -m asyncpp.hf export --model tiny_dense --state-dict weights.pt --out hf/tiny --verify
-    python -m asyncpp.hf export --checkpoint outputs/run/checkpoints/step_00000300 --out hf/run --verify
-    python -m asyncpp.hf import hf/SmolLM2-135M --out smollm2.pt --verify
+    python -m tools.hf export --model tiny_dense --state-dict weights.pt --out hf/tiny --verify
+    python -m tools.hf export --checkpoint outputs/run/checkpoints/step_00000300 --out hf/run --verify
+    python -m tools.hf import hf/SmolLM2-135M --out smollm2.pt --verify
 
 A dense model_zoo model is HF Llama tensor for tensor: the same RMSNorm (fp32 statistics, then the
 weight), the same RoPE layout (`rotate_half` on the two halves of each head, model_zoo/layers.py), so
@@ -367,7 +367,7 @@ def load_checkpoint_weights(path: str | Path) -> tuple[dict[str, Tensor], Any]:
     """The newest weights x_t of an asyncpp DCP checkpoint (any layout) as a CausalLM state_dict."""
     import torch.distributed.checkpoint as dcp
 
-    from asyncpp.checkpoint import quiet_single_process_dcp, read_manifest
+    from asyncpp.train.checkpoint import quiet_single_process_dcp, read_manifest
     from model_zoo import get_model_config
 
     manifest = read_manifest(path)
@@ -426,7 +426,7 @@ def _verify(state: Mapping[str, Tensor], cfg: Any, hf_dir: str | Path, atol: flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m asyncpp.hf", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.hf", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     exp = sub.add_parser(
         "export", help="asyncpp state_dict -> HF Llama directory (safetensors + config.json)"

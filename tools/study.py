@@ -1,16 +1,16 @@
 """The reproduction study as one command: expand a plan into runs, skip the finished ones, run the rest.
 
-    python -m asyncpp.study run --plan full --out outputs/study --jobs 2                  # this machine
-    python -m asyncpp.study run --plan full --out outputs/study --launcher slurm --partition cpu
-    python -m asyncpp.study run --plan pilot --out outputs/pilot --steps 20               # shorter runs
-    python -m asyncpp.study plan --plan full                                           # list the runs only
-    python -m asyncpp.report outputs/study --out docs/reproduction.md                     # then the report
+    python -m tools.study run --plan full --out outputs/study --jobs 2                  # this machine
+    python -m tools.study run --plan full --out outputs/study --launcher slurm --partition cpu
+    python -m tools.study run --plan pilot --out outputs/pilot --steps 20               # shorter runs
+    python -m tools.study plan --plan full                                           # list the runs only
+    python -m tools.report outputs/study --out docs/reproduction.md                     # then the report
 
 A plan (configs/experiment/study_plans/<name>.yaml) is cells of rows x columns x seeds; each run is
 `pretrain.py +experiment=<experiment> <plan overrides> <row> <column> seed=<s>`. Every run's config is
 composed and validated before anything starts, and two cells asking for the same resolved config share
 one run. `<out>/study.json` records the runs, the cells each belongs to and every command that ran the
-study; asyncpp.report reads it. Rerunning a command resumes: finished runs are skipped, interrupted ones
+study; tools.report reads it. Rerunning a command resumes: finished runs are skipped, interrupted ones
 continue from their last checkpoint, and a run directory whose config differs from the plan's stops the
 study before anything runs (a different plan or --steps needs another --out).
 """
@@ -269,7 +269,7 @@ def config_diff(a: Any, b: Any, prefix: str = "") -> list[str]:
 def write_manifest(out: Path, plan: Plan, runs: list[Run], extra: list[str], argv: list[str]) -> dict:
     """<out>/study.json: the plan, its runs (overrides, config, cells) and every command run on it."""
     old = _read_json(out / MANIFEST) or {}
-    invocation = {"command": shlex.join(["python", "-m", "asyncpp.study", *argv]),
+    invocation = {"command": shlex.join(["python", "-m", "tools.study", *argv]),
                   "time": datetime.datetime.now().isoformat(timespec="seconds")}
     manifest = {
         "plan": plan.name, "label": plan.label, "description": plan.description, "experiment": plan.experiment,
@@ -289,7 +289,7 @@ def write_manifest(out: Path, plan: Plan, runs: list[Run], extra: list[str], arg
 def read_manifest(out: Path) -> dict:
     manifest = _read_json(Path(out) / MANIFEST)
     if manifest is None:
-        raise PlanError(f"{out} has no {MANIFEST}; make it with `python -m asyncpp.study run --plan ... --out {out}`")
+        raise PlanError(f"{out} has no {MANIFEST}; make it with `python -m tools.study run --plan ... --out {out}`")
     return manifest
 
 
@@ -390,7 +390,7 @@ def run_local(manifest: dict, out: Path, names: list[str], jobs: int, executor: 
 # ---- slurm: one array task per pending run ----------------------------------------------------------------
 
 _SBATCH = """#!/bin/bash
-# asyncpp study {out}: {n} runs, one array task each. Rendered by `python -m asyncpp.study run --launcher slurm`.
+# asyncpp study {out}: {n} runs, one array task each. Rendered by `python -m tools.study run --launcher slurm`.
 # Resubmitting the study command submits only what is still pending; a task that is preempted or hits its
 # time limit checkpoints (SIGTERM), requeues itself and resumes.
 #SBATCH --job-name=asyncpp-study
@@ -408,7 +408,7 @@ _SBATCH = """#!/bin/bash
 set -uo pipefail
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK PYTHONUNBUFFERED=1
 NAME=$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {names})
-{python} -m asyncpp.study run-one --out {out} --name "$NAME" &
+{python} -m tools.study run-one --out {out} --name "$NAME" &
 CHILD=$!
 on_term() {{
     kill -TERM "$CHILD" 2>/dev/null; wait "$CHILD"
@@ -507,7 +507,7 @@ def cmd_run_one(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m asyncpp.study", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.study", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     for name in ("run", "plan"):
         s = sub.add_parser(name)

@@ -19,24 +19,24 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from asyncpp import checkpoint as ckpt
-from asyncpp.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
 from asyncpp.config import SYNC_SCHEDULES, RunConfig
-from asyncpp.engine import StageEngine, StepRecord
-from asyncpp.mesh import Mesh
-from asyncpp.metrics import MetricsLogger
+from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
+from asyncpp.core.loss import cross_entropy
 from asyncpp.optim.lr_schedule import lr_multiplier
-from asyncpp.p2p import StageComm
+from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import ShardingPlan, global_view, layout_of
-from asyncpp.preemption import StopFlag
+from asyncpp.pipeline.engine import StageEngine, StepRecord
+from asyncpp.pipeline.p2p import StageComm
+from asyncpp.pipeline.stage import StageSpec, prune_to_stage, stage_forward, tied_parameters
+from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
-from asyncpp.semantics import is_sync_step, stage_delay, step_delay
-from asyncpp.simulate import cross_entropy
-from asyncpp.stage import StageSpec, prune_to_stage, stage_forward, tied_parameters
-from asyncpp.timeline import plot_gantt, write_chrome_trace
-from asyncpp.trainer import DataSource, TrainingAborted
-from asyncpp.weights import WeightVersions, compute_dtype_of
+from asyncpp.schedules.registry import is_sync_step, stage_delay, step_delay
+from asyncpp.train import checkpoint as ckpt
+from asyncpp.train.metrics import MetricsLogger
+from asyncpp.train.preemption import StopFlag
+from asyncpp.train.timeline import plot_gantt, write_chrome_trace
+from asyncpp.train.trainer import DataSource, TrainingAborted
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Parallelize = Callable[[nn.Module], tuple[ShardingPlan, LossFn]]

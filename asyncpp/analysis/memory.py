@@ -258,7 +258,7 @@ def activation_bytes(cfg: LayerShapes, layers: Iterable[int], *, dtype: torch.dt
     if last:
         c = dtype.itemsize
         # Final norm, the head's input, and log_softmax's fp32 output over the vocabulary (the loss is
-        # computed in fp32 whatever the compute dtype: simulate.cross_entropy).
+        # computed in fp32 whatever the compute dtype: asyncpp.core.loss.cross_entropy).
         per_token += _norm_bytes(cfg.hidden_size, c) + 4 * cfg.vocab_size + (0 if first else 8)
     return math.ceil(per_token * tokens)
 
@@ -298,7 +298,7 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_micro
 
 def versions_report(versions, optimizer, *, error_feedback: Sequence[Tensor], activation_bytes_per_mb: int,
                     in_flight: int, grad_buffers: int, title: str) -> MemoryReport:
-    """One pipeline stage (asyncpp.weights.WeightVersions): K versions in the compute dtype, the fp32
+    """One pipeline stage (asyncpp.pipeline.weights.WeightVersions): K versions in the compute dtype, the fp32
     masters if separate, the optimizer state, the EF buffer, the fp32 gradients (`grad_buffers` of them
     live at once: 2 in 2BW, whose lazy update overlaps the next step's backward) and activations."""
     counted: set[int] = set()
@@ -317,7 +317,7 @@ def versions_report(versions, optimizer, *, error_feedback: Sequence[Tensor], ac
 
 
 def simulator_report(sim, *, activation_bytes_per_mb: int, title: str) -> MemoryReport:
-    """The single-process simulator (asyncpp.simulate): the model's parameters, its past versions
+    """The single-process simulator (asyncpp.reference.simulator): the model's parameters, its past versions
     (allocated as the run goes: estimated from shapes until then), masters, optimizer, EF, one
     microbatch in flight, and the fp32 copy of x_t each step makes."""
     counted: set[int] = set()

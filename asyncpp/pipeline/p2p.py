@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from asyncpp.mesh import Mesh
+from asyncpp.parallel.mesh import Mesh
 
 
 class PipelineTimeout(RuntimeError):

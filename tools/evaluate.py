@@ -1,8 +1,8 @@
 """Downstream evaluation of a training checkpoint with lm-evaluation-harness (`pip install lm-eval`).
 
-    python -m asyncpp.evaluate --checkpoint outputs/study/muon__sync__seed1 --tasks local
-    python -m asyncpp.evaluate --checkpoint <run>/checkpoints/step_00000600 --tasks paper --out results.json
-    python -m asyncpp.evaluate --checkpoint <run> --tasks asyncpp_pydoc_cloze,hellaswag --limit 100
+    python -m tools.evaluate --checkpoint outputs/study/muon__sync__seed1 --tasks local
+    python -m tools.evaluate --checkpoint <run>/checkpoints/step_00000600 --tasks paper --out results.json
+    python -m tools.evaluate --checkpoint <run> --tasks asyncpp_pydoc_cloze,hellaswag --limit 100
 
 `AsyncppLM` adapts our CausalLM and the run's tokenizer to lm-eval's `LM` interface (loglikelihood and
 loglikelihood_rolling; generation is not needed by the paper's Table 4 tasks). `--tasks local` runs the
@@ -31,7 +31,7 @@ try:
     from lm_eval.api.model import LM
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 except ImportError as e:  # an optional extra: say how to get it instead of a bare traceback
-    raise ImportError(f"asyncpp.evaluate needs lm-evaluation-harness ({e}); install it with "
+    raise ImportError(f"tools.evaluate needs lm-evaluation-harness ({e}); install it with "
                       "`.venv/bin/pip install -e '.[eval]'` (or `pip install lm-eval`)") from e
 from torch import nn
 
@@ -113,8 +113,8 @@ class AsyncppLM(LM):
 
     def generate_until(self, requests) -> list[str]:
         raise NotImplementedError(
-            "asyncpp.evaluate scores log-likelihoods only (the paper's Table 4 tasks are multiple choice); a "
-            "generation task needs a sampler: export the checkpoint with `python -m asyncpp.hf export` and use "
+            "tools.evaluate scores log-likelihoods only (the paper's Table 4 tasks are multiple choice); a "
+            "generation task needs a sampler: export the checkpoint with `python -m tools.hf export` and use "
             "lm-eval's hf backend")
 
 
@@ -150,8 +150,8 @@ def load_tokenizer_for(run_config: dict, override: str | None = None):
 
 
 def load_lm(checkpoint: str | Path, batch_size: int = 8, device: str = "cpu", tokenizer: str | None = None) -> AsyncppLM:
-    from asyncpp.checkpoint import read_manifest
-    from asyncpp.hf import build_from_state_dict, load_checkpoint_weights
+    from asyncpp.train.checkpoint import read_manifest
+    from tools.hf import build_from_state_dict, load_checkpoint_weights
 
     path = checkpoint_dir(checkpoint)
     state, model_cfg = load_checkpoint_weights(path)
@@ -193,7 +193,7 @@ def evaluate(lm: AsyncppLM, tasks: list[str], limit: int | None = None, num_fews
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m asyncpp.evaluate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="a step_* checkpoint or a run directory (newest checkpoint)")
     p.add_argument("--tasks", default="local", help="comma-separated lm-eval task names, `local` or `paper`")
     p.add_argument("--limit", type=int, default=None, help="at most this many documents per task")

@@ -25,15 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from asyncpp.balancing import RouterBiasVersions, RouterLoadStats
-from asyncpp.mesh import Mesh
+from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats
+from asyncpp.core.staleness import ErrorFeedback
 from asyncpp.optim.clip import clip_, grad_sq_norm
-from asyncpp.optim.staleness import ErrorFeedback
-from asyncpp.p2p import StageComm, wait_for
+from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
+from asyncpp.pipeline.p2p import StageComm, wait_for
+from asyncpp.pipeline.weights import WeightVersions
 from asyncpp.schedules.actions import Action, Op
-from asyncpp.timeline import TimelineEvent
-from asyncpp.weights import WeightVersions
+from asyncpp.train.timeline import TimelineEvent
 
 ForwardFn = Callable[[int, int, "Tensor | None"], Tensor]
 """forward_fn(step, microbatch, input_activation_or_None) -> output activation, or the scalar loss

@@ -4,7 +4,7 @@
 
 with d = 0 (sync, GPipe, 1F1B), d = 1 (PipeDream-2BW) or d = P-1-s per stage s (original PipeDream),
 d = 0 during synchronous start/cooldown, and optionally the staleness corrections of
-asyncpp.optim.staleness on top (update-level Error Feedback; and, simulator only: gradient-level EF,
+asyncpp.core.staleness on top (update-level Error Feedback; and, simulator only: gradient-level EF,
 DC-ASGD, weight prediction). Optional diagnostics compare each K-th step's update with the fresh one.
 
 Written by hand (not a library) because this *is* the contract of the project: the multi-process
@@ -12,7 +12,7 @@ engine is tested against it. It is deliberately simple: past versions are whole 
 parameters, and a step swaps the stale version into the live parameters for forward/backward, then
 swaps x_t back before the optimizer runs.
 
-Mixed precision (compute_dtype=bf16, train.precision=bf16) uses the pieces of asyncpp.weights, so the
+Mixed precision (compute_dtype=bf16, train.precision=bf16) uses the pieces of asyncpp.pipeline.weights, so the
 floats are the pipeline's: the module's parameters and the past versions are bf16, the optimizer steps
 fp32 masters (x_t), and each microbatch's bf16 gradient is summed in fp32 (GradSums). With
 compute_dtype None or fp32, `masters` *are* the parameters and nothing changes.
@@ -30,12 +30,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from asyncpp.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
+from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
+from asyncpp.core.loss import LossFn, lm_loss
+from asyncpp.core.staleness import ErrorFeedback, GradientErrorFeedback, dc_asgd_, predict_weights
 from asyncpp.optim.clip import clip_, grad_sq_norm
-from asyncpp.optim.staleness import ErrorFeedback, GradientErrorFeedback, dc_asgd_, predict_weights
-from asyncpp.weights import GradSums, is_mixed, make_masters, retarget
-
-LossFn = Callable[[nn.Module, Tensor], Tensor]
+from asyncpp.pipeline.weights import GradSums, is_mixed, make_masters, retarget
 
 
 @dataclass
@@ -70,31 +69,20 @@ class StepStats:
     """Per layer: busiest expert / mean load over the step's microbatches (0 for non-MoE layers)."""
 
 
-def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
-    """Mean next-token cross entropy in fp32. The one loss reduction of the project: the simulator
-    and the pipeline's last stage both call it, so their losses are the same floats."""
-    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
-
-
-def lm_loss(model: nn.Module, tokens: Tensor) -> Tensor:
-    """Cross entropy of a whole model over a [B, T+1] token block."""
-    return cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
-
-
 class DelayedUpdateSimulator:
     """Applies each step's gradient to newer weights than the ones it was computed on.
 
-    `delays[i]` is the steady-state delay of `params[i]` (see asyncpp.semantics.stage_delay);
+    `delays[i]` is the steady-state delay of `params[i]` (see asyncpp.schedules.registry.stage_delay);
     `sync_step(t)` says whether step t is synchronous (delay 0 for every parameter).
 
     Corrections (each off by default, and then bit-identical to plain delayed training; each acts only
-    on parameters whose delay at that step is > 0; order within a step as in asyncpp.optim.staleness):
+    on parameters whose delay at that step is > 0; order within a step as in asyncpp.core.staleness):
     - ef_lambda: update-level Error Feedback, x_{t+1} = x_t - u_t - lam (u_t - u_{t-1});
     - grad_ef_lambda: gradient-level EF, the base optimizer sees g_t + lam (g_t - g_{t-1});
     - dc_lambda: DC-ASGD, the base optimizer sees g + lam * g * g * (x_t - x_read), x_read being the
       weights the gradient was computed on (x_{t-d});
     - weight_prediction: the forward/backward of b_t reads x^ = x_{t-d} + d (x_{t-d} - x_{t-d-1}) instead
-      of x_{t-d} (asyncpp.optim.staleness.predict_weights); x_read is then x^.
+      of x_{t-d} (asyncpp.core.staleness.predict_weights); x_read is then x^.
     diagnostics_every=K > 0: at steps t with t % K == 0 the fresh update U_t(g(x_t; b_t)) is computed
     first, through a deep copy of the optimizer (same state, lr and clipping), and not applied; weights,
     optimizer state and RNG are restored, so the trajectory is bit-identical with diagnostics on or off.

@@ -1,6 +1,6 @@
 """The report's figures (matplotlib, Agg backend: no display needed). Plain data in, one PNG out.
 
-Kept apart from asyncpp.report so the tables can be built and tested without drawing anything.
+Kept apart from tools.report so the tables can be built and tested without drawing anything.
 """
 
 from __future__ import annotations

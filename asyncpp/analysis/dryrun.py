@@ -3,7 +3,7 @@
 For every pipeline stage, one of its ranks builds the mesh (real DeviceMesh code, groups on the fake
 backend), the stage (model on meta, pruned, TP/EP plan applied: every shard gets its real shape), the
 optimizer, the weight versions and the Error-Feedback buffer, and reports the per-rank memory with
-asyncpp.memory. Nothing is allocated and nothing is communicated, so a 10B model on 64 ranks lays out
+asyncpp.analysis.memory. Nothing is allocated and nothing is communicated, so a 10B model on 64 ranks lays out
 on a laptop in seconds. All ranks of a stage hold the same shapes (TP/EP shards are equal), so one
 rank per stage is representative.
 """
@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from asyncpp.analysis.memory import activation_bytes, in_flight_microbatches, versions_report
 from asyncpp.config import RunConfig
-from asyncpp.memory import activation_bytes, in_flight_microbatches, versions_report
-from asyncpp.mesh import Mesh, ParallelDims
-from asyncpp.optim.staleness import ErrorFeedback
+from asyncpp.core.staleness import ErrorFeedback
+from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.parallel.sharding import ShardingPlan, layout_of
-from asyncpp.pipeline import num_weight_buffers
-from asyncpp.stage import StageSpec
-from asyncpp.weights import compute_dtype_of
+from asyncpp.pipeline.executor import num_weight_buffers
+from asyncpp.pipeline.stage import StageSpec
+from asyncpp.pipeline.weights import compute_dtype_of
 
 BuildStage = Callable[[Mesh, StageSpec], tuple[nn.Module, ShardingPlan]]
 BuildOptimizer = Callable[[nn.Module, ShardingPlan, Mesh], object]
@@ -58,7 +58,7 @@ def local_shapes_config(model_cfg, dims: ParallelDims):
 
 
 def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, versions, optimizer, error_feedback):
-    """One pipeline rank's memory (asyncpp.memory.versions_report) for its stage, shards and schedule:
+    """One pipeline rank's memory (asyncpp.analysis.memory.versions_report) for its stage, shards and schedule:
     the same function sizes a dry run (meta tensors) and a real run (printed at start)."""
     t = cfg.train
     dtype = compute_dtype_of(t.precision)
@@ -74,7 +74,7 @@ def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, version
 
 def stage_report(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, build_stage: BuildStage,
                  build_optimizer: BuildOptimizer) -> dict:
-    from asyncpp.weights import WeightVersions
+    from asyncpp.pipeline.weights import WeightVersions
 
     stage, plan = build_stage(mesh, spec)
     named = [(n, p) for n, p in stage.named_parameters() if p.requires_grad]

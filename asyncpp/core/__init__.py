@@ -1,0 +1,2 @@
+"""What both executors share: the update rule, the staleness corrections, the loss, partitioning and
+router balancing."""

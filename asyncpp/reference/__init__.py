@@ -1,0 +1,1 @@
+"""The single-process simulator: the reference executor the pipeline must equal."""

@@ -1,0 +1,1 @@
+"""The one trainer (segments, evaluation, checkpoints, preemption), metrics and the timeline."""
