@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
+from asyncpp.schedules.registry import SYNC_KINDS, ScheduleKindError, kind_of
 from asyncpp.typed import ConfigError, from_dict, to_dict
 
 ScheduleName = Literal["sync", "gpipe", "1f1b", "2bw", "pipedream"]
 #: Schedules whose mathematics is synchronous training (they differ only in how a pipeline orders work).
-SYNC_SCHEDULES = ("sync", "gpipe", "1f1b")
+SYNC_SCHEDULES = SYNC_KINDS
 
 
 class ModelLimits(Protocol):
@@ -347,14 +348,10 @@ def _check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
             f"model '{model.name}' has {model.num_layers} layers, which parallel.pp={p.pp} stages cannot share "
             f"evenly; give an explicit split, e.g. parallel.stage_layers={_example_split(model.num_layers, p.pp)}"
         )
-    # 1F1B and PipeDream run any m (1F1B flushes every step; PipeDream stashes P-s versions); 2BW's
-    # two versions cover the microbatches in flight only when m >= P.
-    if cfg.schedule.name == "2bw" and m < p.pp:
-        raise ConfigError(
-            f"schedule={cfg.schedule.name} needs train.num_microbatches >= parallel.pp, got "
-            f"train.num_microbatches={m} < parallel.pp={p.pp}: 2BW keeps only two weight versions, which "
-            f"covers the in-flight microbatches only when m >= P; raise train.num_microbatches to {p.pp}"
-        )
+    try:  # the registry knows which (P, m) each kind serves (2bw: m >= P)
+        kind_of(cfg.schedule.name).check(p.pp, m)
+    except ScheduleKindError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_tp_ep(cfg: RunConfig, model: ModelLimits) -> None:

@@ -23,7 +23,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncpp.config import SYNC_SCHEDULES
+from asyncpp.schedules.registry import SYNC_KINDS
 from tools import plots
 from tools.study import PlanError, config_diff, read_manifest, run_status
 
@@ -174,7 +174,7 @@ def resolved(diff: tuple[float, float, int]) -> bool:
 
 
 def is_sync(config: dict) -> bool:
-    return config["schedule"]["name"] in SYNC_SCHEDULES
+    return config["schedule"]["name"] in SYNC_KINDS
 
 
 def is_plain_2bw(config: dict) -> bool:

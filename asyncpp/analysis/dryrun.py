@@ -24,9 +24,9 @@ from asyncpp.config import RunConfig
 from asyncpp.core.staleness import ErrorFeedback
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.parallel.sharding import ShardingPlan, layout_of
-from asyncpp.pipeline.executor import num_weight_buffers
 from asyncpp.pipeline.stage import StageSpec
 from asyncpp.pipeline.weights import compute_dtype_of
+from asyncpp.schedules.registry import kind_of
 
 BuildStage = Callable[[Mesh, StageSpec], tuple[nn.Module, ShardingPlan]]
 BuildOptimizer = Callable[[nn.Module, ShardingPlan, Mesh], object]
@@ -81,7 +81,7 @@ def stage_report(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, build_s
     params = [p for _, p in named]
     optimizer = build_optimizer(stage, plan, mesh)
     dtype = compute_dtype_of(cfg.train.precision)
-    versions = WeightVersions(params, num_weight_buffers(cfg.schedule.name, spec.stage, mesh.num_stages),
+    versions = WeightVersions(params, kind_of(cfg.schedule.name).num_buffers(spec.stage, mesh.num_stages),
                               compute_dtype=dtype)
     versions.retarget(optimizer)
     ef = ErrorFeedback(versions.masters, cfg.staleness.ef_lambda).prev_update

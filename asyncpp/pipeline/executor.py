@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from asyncpp.config import SYNC_SCHEDULES, RunConfig
+from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
 from asyncpp.core.loss import cross_entropy
 from asyncpp.optim.lr_schedule import lr_multiplier
@@ -31,7 +31,7 @@ from asyncpp.pipeline.stage import StageSpec, prune_to_stage, stage_forward, tie
 from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
-from asyncpp.schedules.registry import is_sync_step, stage_delay, step_delay
+from asyncpp.schedules.registry import is_sync_step, kind_of, step_delay
 from asyncpp.train import checkpoint as ckpt
 from asyncpp.train.metrics import MetricsLogger
 from asyncpp.train.preemption import StopFlag
@@ -40,13 +40,6 @@ from asyncpp.train.trainer import DataSource, TrainingAborted
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Parallelize = Callable[[nn.Module], tuple[ShardingPlan, LossFn]]
-
-
-def num_weight_buffers(schedule: str, stage: int, num_stages: int) -> int:
-    """1 for synchronous schedules, 2 for 2BW, P-s for PipeDream (semantics.md)."""
-    if schedule in SYNC_SCHEDULES:
-        return 1
-    return stage_delay(schedule, stage, num_stages) + 1
 
 
 def segment_actions(kind: str, stage: int, P: int, m: int, delays: Sequence[int], t0: int, t1: int) -> list[Action]:
@@ -96,7 +89,7 @@ class PipelineRun:
         params = [p for _, p in named]
         optimizer = build_optimizer(self.model, self.sharding)
         dtype = compute_dtype_of(cfg.train.precision)  # bf16: params cast here, fp32 masters kept apart
-        versions = WeightVersions(params, num_weight_buffers(cfg.schedule.name, self.spec.stage, mesh.num_stages),
+        versions = WeightVersions(params, kind_of(cfg.schedule.name).num_buffers(self.spec.stage, mesh.num_stages),
                                   compute_dtype=dtype)
         hidden = model.config.hidden_size
         # Under sequence parallelism a stage boundary carries this TP rank's sequence shard only.

@@ -48,6 +48,7 @@ from asyncpp.pipeline.p2p import StageComm
 from asyncpp.pipeline.weights import WeightVersions
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
+from asyncpp.schedules.registry import kind_of
 
 SCHEDULES = ("2bw", "1f1b")
 _COMPUTE = (Op.FORWARD, Op.BACKWARD)
@@ -175,13 +176,14 @@ class Pipeline2BW:
         self.schedule, self.mesh, self.model = schedule, mesh, model
         self.hidden_size, self.sequence_first = hidden_size, sequence_first
         params = [p for p in model.parameters() if p.requires_grad]
-        versions = WeightVersions(params, 2 if schedule == "2bw" else 1)
+        kind = kind_of(schedule)
+        versions = WeightVersions(params, kind.num_buffers(mesh.pp_rank, mesh.num_stages))
         comm = StageComm(mesh, (0,), pipeline_dtype)  # shape set per call from seq_length/micro_batch_size
         self.engine = StageEngine(
             module=model, mesh=mesh, comm=comm, optimizer=optimizer, versions=versions,
             forward_fn=self._forward, grad_scale=1.0,  # the loss is already divided by m (module docstring)
             grad_clip=grad_clip, ef_lambda=ef_lambda, lr_multiplier=lr_multiplier,
-            is_delayed=lambda t: schedule == "2bw", tied=tied,
+            is_delayed=lambda t: kind.delayed, tied=tied,
         )
         self.next_step = 0
         """k of the next call: the minibatch b_k it consumes."""
@@ -271,9 +273,7 @@ class Pipeline2BW:
         if self.schedule == "1f1b":
             self._execute(window_1f1b(s, P, m, k))
         else:
-            if m < P:
-                raise ValueError(f"schedule='2bw' needs num_microbatches >= pipeline stages, got num_microbatches={m} "
-                                 f"< {P} stages: two weight versions cannot cover the in-flight work")
+            kind_of(self.schedule).check(P, m)  # 2bw: m >= P, or two versions cannot cover the in-flight work
             if not self.drained and m != self._m:
                 raise ValueError(f"num_microbatches changed from {self._m} to {m} while b_{k - 1} is in flight: "
                                  "call drain() first (e.g. at a batch-size ramp-up)")

@@ -8,9 +8,10 @@ Every kind is built the same way, which keeps them comparable:
 2. A stream is the concatenation of its steps' microbatches, k = 0..N-1, ordered 1F1B (GPipe: all
    F, then all B). A stream has one warm-up and one cool-down; between streams the stage flushes.
 3. UPDATE_START(t) goes right after the stage's last BACKWARD of b_t.
-4. UPDATE(t) goes right after UPDATE_START(t) ("eager"), except for the delayed steps of 2bw, where
+4. UPDATE(t) goes right after UPDATE_START(t) ("eager"), except for the delayed steps of a lazy kind (2bw), where
    it goes immediately before the first FORWARD on a version >= t+1 ("lazy"), or at the end of the
-   list when no such FORWARD exists. Lazy is what makes 2BW bubble-free: the global reductions of
+   list when no such FORWARD exists (on the last stage: before the UPDATE_START that directly precedes
+   that FORWARD, so x_{t+1} exists when b_{t+1}'s gradient is taken). Lazy is what makes 2BW bubble-free: the global reductions of
    b_t overlap m-(P-1-s) >= 1 F/B pairs on every stage. Pipedream stays eager on purpose: it
    stashes up to P-s weight versions (the paper's memory profile) instead of deferring d gradient
    buffers, and sync steps are eager because a flush completes the step, its update included.
@@ -23,10 +24,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from asyncpp.schedules.actions import Action, Op
+from asyncpp.schedules.registry import KINDS, kind_of, version_of
 
-SYNC_KINDS = ("sync", "gpipe", "1f1b")
-DELAYED_KINDS = ("2bw", "pipedream")
-KINDS = SYNC_KINDS + DELAYED_KINDS
+__all__ = ["KINDS", "build_pipeline", "build_schedule", "version_of"]
 
 
 def build_schedule(
@@ -51,35 +51,10 @@ def build_schedule(
     return _place_updates(kind, body, delays)
 
 
-def version_of(step: int, delay: int) -> int:
-    """The weight version b_step runs on (x_{-k} := x_0)."""
-    return max(step - delay, 0)
-
-
-def allowed_delays(kind: str, stage: int, num_stages: int) -> tuple[int, ...]:
-    """The d_t a stage may use: 0 (sync step) or the kind's steady-state delay."""
-    if kind in SYNC_KINDS:
-        return (0,)
-    return (0, 1) if kind == "2bw" else (0, num_stages - 1 - stage)
-
-
 def _validate(kind: str, stage: int, num_stages: int, m: int, step_delays: Sequence[int]) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"schedule={kind!r} is not one of {KINDS}")
-    if num_stages < 1 or m < 1:
-        raise ValueError(f"need num_stages >= 1 and num_microbatches >= 1, got {num_stages}, {m}")
-    if not 0 <= stage < num_stages:
-        raise ValueError(f"stage={stage} is outside [0, num_stages={num_stages})")
-    if kind == "2bw" and m < num_stages:
-        # In-flight microbatches of a stage span at most two minibatches only while
-        # P-1-s <= m; m >= P also leaves >= 1 F/B pair between UPDATE_START and UPDATE on
-        # stage 0, which is what hides the global reductions (see the module docstring).
-        raise ValueError(
-            f"schedule=2bw needs train.num_microbatches >= parallel.pp, got num_microbatches={m} < "
-            f"num_stages={num_stages}: with fewer microbatches than stages two weight versions cannot "
-            f"cover the in-flight work; raise num_microbatches to at least {num_stages}"
-        )
-    allowed = allowed_delays(kind, stage, num_stages)
+    k = kind_of(kind)
+    k.check(num_stages, m)
+    allowed = k.allowed_delays(stage, num_stages)
     bad = [(t, d) for t, d in enumerate(step_delays) if d not in allowed]
     if bad:
         t, d = bad[0]
@@ -93,7 +68,7 @@ def _streams(kind: str, delays: dict[int, int]) -> Iterator[list[int]]:
     """Consecutive delayed steps share a stream (2bw/pipedream); every other step is its own."""
     run: list[int] = []
     for t, d in delays.items():
-        if kind in DELAYED_KINDS and d > 0:
+        if kind_of(kind).delayed and d > 0:
             run.append(t)
             continue
         if run:
@@ -129,7 +104,7 @@ def _stream_actions(
 ) -> list[Action]:
     """F/B of one stream plus UPDATE_START(t) after each step's last backward."""
     n = len(steps) * m
-    order = all_f_then_all_b(n) if kind == "gpipe" else one_f_one_b(n, num_stages - 1 - stage)
+    order = all_f_then_all_b(n) if kind_of(kind).all_forwards_first else one_f_one_b(n, num_stages - 1 - stage)
     out: list[Action] = []
     for op, k in order:
         t, j = steps[k // m], k % m
@@ -146,11 +121,16 @@ def _update_anchors(kind: str, body: list[Action], delays: dict[int, int]) -> li
     anchors: list[int] = []
     for t, d in delays.items():
         anchor = start_at[t] + 1
-        if kind == "2bw" and d > 0:
+        if kind_of(kind).lazy_update and d > 0:
             anchor = next(
                 (i for i in range(anchor, len(body)) if body[i].op is Op.FORWARD and body[i].version > t),
                 len(body),
             )
+            # On the last stage that forward directly follows UPDATE_START(t+1); UPDATE(t) goes before it
+            # (no work between, so no cost), so that x_{t+1} exists on every stage when b_{t+1}'s gradient
+            # is taken: DC-ASGD corrects it with x_{t+1} - x_t there.
+            if body[anchor - 1].op is Op.UPDATE_START and body[anchor - 1].step == t + 1:
+                anchor -= 1
         # Updates apply in step order: UPDATE(t) builds on x_t, which UPDATE(t-1) wrote.
         anchors.append(max(anchor, anchors[-1]) if anchors else anchor)
     return anchors

@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 
 from asyncpp.schedules.actions import Action, Op
-from asyncpp.schedules.build import version_of
+from asyncpp.schedules.registry import kind_of, version_of
 
 Node = tuple[int, int]
 """(stage, index of the action in that stage's list)."""
@@ -63,10 +63,9 @@ def check_schedules(
 
 
 def max_versions_for(kind: str, stage: int, num_stages: int) -> int:
-    """The weight-version bound of the semantics: 1 for sync kinds, 2 for 2bw, P-s for pipedream."""
-    if kind == "2bw":
-        return 2
-    return num_stages - stage if kind == "pipedream" else 1
+    """The weight-version bound of the semantics: the registry's buffer count (1 sync, 2 for 2bw, P-s for
+    pipedream)."""
+    return kind_of(kind).num_buffers(stage, num_stages)
 
 
 def _num_steps(schedules: Sequence[Sequence[Action]]) -> int:

@@ -95,7 +95,7 @@ def test_sync_kinds_accept_m_below_p() -> None:
 
 
 def test_2bw_refuses_fewer_microbatches_than_stages() -> None:
-    with pytest.raises(ValueError, match=r"num_microbatches=2 < num_stages=4"):
+    with pytest.raises(ValueError, match=r"num_microbatches=2 < parallel.pp=4"):
         build_schedule("2bw", 0, 4, 2, [1, 1, 1])
 
 
@@ -128,22 +128,24 @@ def test_1f1b_two_stages_three_microbatches_stage0() -> None:
 
 def test_2bw_two_stages_two_microbatches_stage0_three_steps() -> None:
     # One stream over b_0..b_2 (warm-up of P-1-s = 1 forward); b_t runs on x_{t-1} (x_{-1} := x_0).
-    # UPDATE(0) waits until the first forward on v1 (F2.0); UPDATE(1), UPDATE(2) are used by no one.
+    # UPDATE(0) waits until the first forward on v1 (F2.0); UPDATE(1), UPDATE(2) are used by no one; UPDATE(1)
+    # still precedes UPDATE_START(2) (x_2 exists when b_2's gradient is taken).
     expected = [
         F(0, 0, 0), F(0, 1, 0), B(0, 0, 0), F(1, 0, 0), B(0, 1, 0), U0(0),
         F(1, 1, 0), B(1, 0, 0), U(0), F(2, 0, 1), B(1, 1, 0), U0(1),
-        F(2, 1, 1), B(2, 0, 1), B(2, 1, 1), U0(2), U(1), U(2),
+        F(2, 1, 1), B(2, 0, 1), B(2, 1, 1), U(1), U0(2), U(2),
     ]  # fmt: skip
     assert build_schedule("2bw", 0, 2, 2, [1, 1, 1]) == expected
 
 
 def test_2bw_sync_steps_flush_and_update_eagerly() -> None:
-    # Step 0 synchronous, steps 1-2 delayed, step 3 synchronous (stage 1 of 2: no warm-up).
+    # Step 0 synchronous, steps 1-2 delayed, step 3 synchronous (stage 1 of 2: no warm-up). UPDATE(1) goes
+    # before UPDATE_START(2), which directly precedes its anchor: x_2 exists when b_2's gradient is taken.
     got = build_schedule("2bw", 1, 2, 2, [0, 1, 1, 0])
     expected = [
         F(0, 0, 0), B(0, 0, 0), F(0, 1, 0), B(0, 1, 0), U0(0), U(0),
         F(1, 0, 0), B(1, 0, 0), F(1, 1, 0), B(1, 1, 0), U0(1),
-        F(2, 0, 1), B(2, 0, 1), F(2, 1, 1), B(2, 1, 1), U0(2), U(1), U(2),
+        F(2, 0, 1), B(2, 0, 1), F(2, 1, 1), B(2, 1, 1), U(1), U0(2), U(2),
         F(3, 0, 3), B(3, 0, 3), F(3, 1, 3), B(3, 1, 3), U0(3), U(3),
     ]  # fmt: skip
     assert got == expected
@@ -215,3 +217,14 @@ def test_2bw_is_deadlock_free_with_collective_updates() -> None:
     # UPDATE(t) waiting for every stage's UPDATE_START(t) (global clipping) must not deadlock.
     for p, m in ((2, 2), (4, 4), (4, 7), (8, 8)):
         check_schedules(build_pipeline("2bw", p, m, delays("2bw", p, 1, 1, 8)), m, 2, collective_updates=True)
+
+
+@pytest.mark.parametrize("num_stages, m", [(2, 2), (3, 4), (4, 4)])
+def test_2bw_applies_x_t_before_taking_the_gradient_of_b_t(num_stages: int, m: int) -> None:
+    """On every stage UPDATE(t-1) (which writes x_t) precedes UPDATE_START(t): DC-ASGD corrects b_t's gradient
+    with x_t - x_{t-1} when it is taken, so x_t must exist there."""
+    for s in range(num_stages):
+        actions = build_schedule("2bw", s, num_stages, m, [1] * 5)
+        position = {(a.op, a.step): i for i, a in enumerate(actions)}
+        for t in range(1, 5):
+            assert position[(Op.UPDATE, t - 1)] < position[(Op.UPDATE_START, t)], (s, t)
