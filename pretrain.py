@@ -25,8 +25,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from asyncpp.analysis.memory import simulator_run_report
-from asyncpp.config import ConfigError, RunConfig, simulator_only_options
+from asyncpp.config import ConfigError, RunConfig, check_pipeline_options
 from asyncpp.optim import build_from_config
+from asyncpp.reference.executor import ReferenceExecutor
 from asyncpp.train.metrics import MetricsLogger
 from asyncpp.train.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from asyncpp.train.preemption import StopFlag
@@ -105,8 +106,9 @@ def run(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
     (Path(cfg.out_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     summary = {}
     try:
-        trainer = Trainer(cfg, model, optimizer, data, metrics, stop=STOP)
-        metrics.message(simulator_run_report(trainer.sim, model_cfg, cfg).table())
+        executor = ReferenceExecutor(cfg, model, optimizer, data)
+        metrics.message(simulator_run_report(executor.sim, model_cfg, cfg).table())
+        trainer = Trainer(cfg, executor, metrics, stop=STOP)
         trainer.resume()
         summary = trainer.run()
     finally:
@@ -172,15 +174,10 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
     import torch.distributed as dist
 
     from asyncpp.parallel.mesh import Mesh, ParallelDims, init_distributed
-    from asyncpp.pipeline.executor import PipelineRun
+    from asyncpp.pipeline.executor import PipelineExecutor
 
     p = cfg.parallel
-    unsupported = simulator_only_options(cfg.staleness)
-    if unsupported:
-        raise ConfigError(
-            f"{', '.join(unsupported)}: these corrections exist only in the single-process simulator; run "
-            "`python pretrain.py ...` without torchrun, or turn them off"
-        )
+    check_pipeline_options(cfg)
     dims = ParallelDims.for_world(int(os.environ["WORLD_SIZE"]), pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
     cfg = cfg.replace(parallel=dataclasses.replace(p, dp=dims.dp))  # the resolved layout is what gets saved
     # N ranks share the machine's cores; oversubscribed OpenMP threads spin instead of working.
@@ -204,20 +201,19 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
         if cfg.train.backend != "local" and (p.tp > 1 or p.ep > 1):
             raise ConfigError(f"train.backend={cfg.train.backend} is not combined with tensor/expert parallelism yet "
                               f"(parallel.tp={p.tp}, parallel.ep={p.ep}); use train.backend=local")
-        # On the whole model, before PipelineRun prunes it to this stage (compilation is lazy: free for
+        # On the whole model, before PipelineExecutor prunes it to this stage (compilation is lazy: free for
         # the blocks other stages own) and builds the stage's optimizer on the swapped Parameters.
         prepare_model(model, backend=cfg.train.backend, compile=cfg.train.compile, device=device,
                       log=metrics.message if metrics is not None else (lambda text: None))
-        run = PipelineRun(cfg, model, mesh, data, optimizer_for(cfg, mesh), stop=STOP,
-                          parallelize=parallelize_stage(mesh, cfg.parallel.sequence_parallel))
-        _print_stage_memory(cfg, model_cfg, mesh, run, metrics)
-        if run.resume() and metrics is not None:
-            metrics.rewind(run.start_step)
-            metrics.message(f"resumed at step {run.start_step}")
+        executor = PipelineExecutor(cfg, model, mesh, data, optimizer_for(cfg, mesh),
+                                    parallelize=parallelize_stage(mesh, cfg.parallel.sequence_parallel))
+        _print_stage_memory(cfg, model_cfg, mesh, executor, metrics)
+        trainer = Trainer(cfg, executor, metrics, stop=STOP)
+        trainer.resume()
         summary = {}
         try:
-            summary = run.run(metrics)
-            run.write_timeline(cfg.out_dir)
+            summary = trainer.run()
+            executor.write_timeline(cfg.out_dir)
         finally:
             if metrics is not None:
                 (Path(cfg.out_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))

@@ -143,25 +143,45 @@ class StalenessConfig:
     sync_cooldown_steps: int = 0
     grad_ef_lambda: float = 0.0
     """Gradient-level Error Feedback (the ablation that diverges): the base optimizer sees
-    g_t + lambda * (g_t - g_{t-1}); 0 turns it off. Simulator only."""
+    g_t + lambda * (g_t - g_{t-1}); 0 turns it off."""
     dc_lambda: float = 0.0
     """DC-ASGD Taylor compensation: the base optimizer sees g + dc_lambda * g * g * (x_t - x_{t-d});
-    0 turns it off. Simulator only."""
+    0 turns it off (simulator only with schedule=pipedream)."""
     weight_prediction: bool = False
     """SAPipe-style weight prediction: forward/backward on x_{t-d} + d * (x_{t-d} - x_{t-d-1}) instead
-    of x_{t-d}. Simulator only."""
+    of x_{t-d}."""
     diagnostics_every: int = 0
     """Every K steps also compute the fresh (non-delayed) update and log update_cosine and
-    update_rel_error; 0 turns it off. Simulator only."""
+    update_rel_error; 0 turns it off. Simulator only: it needs a second forward/backward per step."""
 
 
-#: StalenessConfig fields the single-process simulator implements and the pipeline runtime does not.
-SIMULATOR_ONLY_STALENESS = ("grad_ef_lambda", "dc_lambda", "weight_prediction", "diagnostics_every")
+#: StalenessConfig fields the single-process simulator implements and the pipeline runtime does not: the
+#: fresh-vs-delayed diagnostics need a second forward/backward of every step on the fresh weights x_t.
+SIMULATOR_ONLY_STALENESS = ("diagnostics_every",)
 
 
 def simulator_only_options(staleness: StalenessConfig) -> list[str]:
     """'field=value' for each simulator-only staleness option that is on (a pipeline run must refuse them)."""
     return [f"staleness.{n}={getattr(staleness, n)}" for n in SIMULATOR_ONLY_STALENESS if getattr(staleness, n)]
+
+
+def check_pipeline_options(cfg: RunConfig) -> None:
+    """What a multi-process pipeline cannot run (the simulator can), refused before any process group exists."""
+    only = simulator_only_options(cfg.staleness)
+    if only:
+        raise ConfigError(
+            f"{', '.join(only)}: the fresh-vs-delayed diagnostics need a second forward/backward of every step "
+            "on the fresh weights, which only the single-process simulator runs; run `python pretrain.py ...` "
+            "without torchrun, or set staleness.diagnostics_every=0"
+        )
+    if cfg.staleness.dc_lambda and cfg.schedule.name == "pipedream" and cfg.parallel.pp > 1:
+        # The tied embedding's copies are read at different delays under PipeDream; DC-ASGD corrects their
+        # summed gradient with the first stage's x_{t-d}, which the last stage does not hold.
+        raise ConfigError(
+            f"staleness.dc_lambda={cfg.staleness.dc_lambda} with schedule=pipedream is simulator-only in a "
+            "pipeline (the last stage does not hold the first stage's stale version of a tied embedding); use "
+            "schedule=2bw, or run `python pretrain.py ...` without torchrun"
+        )
 
 
 @dataclass(kw_only=True)
@@ -596,5 +616,6 @@ __all__ = [
     "ScheduleConfig",
     "StalenessConfig",
     "TrainConfig",
+    "check_pipeline_options",
     "simulator_only_options",
 ]

@@ -46,7 +46,7 @@ def loader_vs_step(steps: int, overrides: list[str]) -> dict:
 
     import pretrain
     from asyncpp.optim import build_from_config
-    from asyncpp.train.trainer import build_simulator
+    from asyncpp.reference.executor import build_simulator
     from model_zoo import build_model
 
     cfg, model_cfg = pretrain.resolve(pretrain.compose(["logging=disabled", *overrides]))

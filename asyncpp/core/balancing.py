@@ -100,17 +100,20 @@ class RouterBiasVersions:
 
 
 class RouterLoadStats:
-    """Each step's per-layer expert load (busiest expert / mean, 1.0 = balanced), for the metrics.
+    """Each step's per-layer router health for the metrics: the expert load (busiest expert / mean, 1.0 =
+    balanced, counts summed over the step's microbatches) and the un-weighted balancing loss (mean over the
+    step's microbatches).
 
-    Counts are summed over the step's microbatches on this rank (routers expose `last_expert_load`,
-    the counts of their last forward). The values travel as one slot per layer of the whole model in
-    the engine's gradient-norm all-reduce (no extra collective): a stage fills its own layers' slots on
-    the rank that counts (`counted`: TP rank 0, EP rank 0) and leaves zeros elsewhere.
+    Routers expose `last_expert_load` and `last_aux_loss`, those of their last forward. The values travel as
+    two slots per layer of the whole model (loads, then losses) in the engine's gradient-norm all-reduce (no
+    extra collective): a stage fills its own layers' slots on the rank that counts (`counted`: TP rank 0, EP
+    rank 0) and leaves zeros elsewhere. The simulator builds the same vector, so both log the same numbers.
     """
 
     def __init__(self, routers: dict[int, nn.Module], num_layers: int, counted: bool = True):
         self.routers, self.num_layers, self.counted = routers, num_layers, counted
         self.counts: dict[int, dict[int, Tensor]] = {}
+        self.aux: dict[int, dict[int, list[Tensor]]] = {}
 
     @classmethod
     def of(cls, model: nn.Module, counted: bool = True) -> RouterLoadStats:
@@ -124,26 +127,36 @@ class RouterLoadStats:
         return bool(self.routers)
 
     def record(self, step: int) -> None:
-        mine = self.counts.setdefault(step, {})
+        mine, aux = self.counts.setdefault(step, {}), self.aux.setdefault(step, {})
         for i, m in self.routers.items():
             load = m.last_expert_load
             if load is not None:
                 mine[i] = load.double() if i not in mine else mine[i] + load.double()
+            if getattr(m, "last_aux_loss", None) is not None:
+                aux.setdefault(i, []).append(m.last_aux_loss.double())
 
     def vector(self, step: int, device: torch.device) -> Tensor:
-        out = torch.zeros(self.num_layers, dtype=torch.float64, device=device)
-        for i, load in self.counts.pop(step, {}).items():
-            if self.counted:
+        """[num_layers load ratios, num_layers mean balancing losses] of `step` (zeros where not counted here)."""
+        out = torch.zeros(2 * self.num_layers, dtype=torch.float64, device=device)
+        counts, aux = self.counts.pop(step, {}), self.aux.pop(step, {})
+        if self.counted:
+            for i, load in counts.items():
                 out[i] = load.max() / load.mean().clamp(min=1e-9)
+            for i, losses in aux.items():
+                out[self.num_layers + i] = torch.stack(losses).mean()
         return out
 
     @staticmethod
     def as_metrics(values: Sequence[float]) -> dict[str, float]:
-        """Slots -> {"moe/layer{i}/load_max_over_mean", "moe/load_max", "moe/load_mean"} (MoE layers only)."""
-        layers = {i: v for i, v in enumerate(values) if v > 0}
+        """vector() -> {"moe/layer{i}/load_max_over_mean", "moe/load_max", "moe/load_mean", "moe/aux_loss"}
+        (MoE layers only; moe/aux_loss is the mean over MoE layers of the step's mean balancing loss)."""
+        half = len(values) // 2
+        loads, aux = values[:half], values[half:]
+        layers = {i: v for i, v in enumerate(loads) if v > 0}
         if not layers:
             return {}
         out = {f"moe/layer{i}/load_max_over_mean": v for i, v in layers.items()}
         out["moe/load_max"] = max(layers.values())
         out["moe/load_mean"] = sum(layers.values()) / len(layers)
+        out["moe/aux_loss"] = sum(aux[i] for i in layers) / len(layers)
         return out

@@ -79,23 +79,31 @@ class GradientErrorFeedback:
         self.lam = lam
         self.params = list(params)
         self.prev_grad = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
-        self._pending: list[Tensor | None] | None = None
+        self._pending: dict[int, Tensor] = {}  # index -> g_t (uncorrected) of the step being taken
 
     @torch.no_grad()
-    def apply(self, delayed: Sequence[bool]) -> None:
-        """Correct `params[i].grad` in place; call commit() once the step is known to be finite."""
+    def apply(self, grads: Sequence[Tensor | None], delayed: Sequence[bool], only: Sequence[bool] | None = None) -> None:
+        """Correct `grads[i]` (the gradient of params[i]) in place; commit() once the step is known to be finite.
+
+        `only[i]` False leaves grads[i] for a later call of the same step (a pipeline's last stage corrects the
+        tied embedding's gradient once its all-reduce with the first stage has arrived)."""
         if self.lam == 0.0:
             return
-        grads = [p.grad for p in self.params]
-        self._pending = [None if g is None else g.clone() for g in grads]
-        for g, g_prev, is_delayed in zip(grads, self.prev_grad, delayed):
-            if g is not None and is_delayed:
+        for i, (g, g_prev, is_delayed) in enumerate(zip(grads, self.prev_grad, delayed)):
+            if g is None or (only is not None and not only[i]):
+                continue
+            self._pending[i] = g.clone()
+            if is_delayed:
                 g.add_(g - g_prev, alpha=self.lam)
 
     def commit(self) -> None:
-        if self._pending is not None:
-            self.prev_grad = [prev if new is None else new for prev, new in zip(self.prev_grad, self._pending)]
-        self._pending = None
+        for i, g in self._pending.items():
+            self.prev_grad[i] = g
+        self._pending = {}
+
+    def discard(self) -> None:
+        """A skipped (non-finite) step leaves g_{t-1} as it was."""
+        self._pending = {}
 
     def state_dict(self) -> dict:
         return {"lam": self.lam, "prev_grad": [g.clone() for g in self.prev_grad]}
@@ -113,31 +121,32 @@ class GradientErrorFeedback:
 
 @torch.no_grad()
 def dc_asgd_(
-    params: Sequence[Tensor], current: Sequence[Tensor], read: Sequence[Tensor], delayed: Sequence[bool], lam: float
+    grads: Sequence[Tensor | None], current: Sequence[Tensor], read: Sequence[Tensor], delayed: Sequence[bool],
+    lam: float, only: Sequence[bool] | None = None,
 ) -> None:
     """DC-ASGD Taylor compensation (Zheng et al. 2017, with their diagonal approximation of the Hessian
-    lam * g * g), in place on `params[i].grad`:
+    lam * g * g), in place on `grads[i]`:
 
         g~ = g + lam * g * g * (x_t - x_read)
 
     x_read is the version the gradient was computed on: x_{t-d} for delay d (x_{t-1} in 2BW; for d > 1
     the compensation spans all d steps, which is what the Taylor expansion around x_read needs), or
-    the predicted weights when weight prediction is on. Only delayed parameters; lam == 0 is a no-op.
+    the predicted weights when weight prediction is on. Only delayed parameters (and, with `only`, only
+    those marked); lam == 0 is a no-op.
     """
     if lam == 0.0:
         return
-    for p, x, x_read, is_delayed in zip(params, current, read, delayed):
-        if p.grad is not None and is_delayed:
-            g = p.grad
+    for i, (g, x, x_read, is_delayed) in enumerate(zip(grads, current, read, delayed)):
+        if g is not None and is_delayed and (only is None or only[i]):
             g.add_(g * g * (x - x_read), alpha=lam)
 
 
 @torch.no_grad()
-def predict_weights(stale: Tensor, older: Tensor, delay: int) -> Tensor:
+def predict_weights(stale: Tensor, older: Tensor, delay: int, out: Tensor | None = None) -> Tensor:
     """SAPipe-style weight prediction: x^ = x_{t-d} + d * (x_{t-d} - x_{t-d-1}).
 
     The newest weights a stage holds when minibatch b_t starts are x_{t-d}; the update being applied
     meanwhile is unknown, so the last one it knows, x_{t-d} - x_{t-d-1} (everything that step applied:
     base update, weight decay, Error Feedback), is extrapolated d steps ahead to guess x_t, the weights
     b_t's gradient will be applied to. Versions before x_0 are x_0, so the first prediction is x_0."""
-    return torch.add(stale, stale - older, alpha=delay)
+    return torch.add(stale, stale - older, alpha=delay, out=out)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats
-from asyncpp.core.staleness import ErrorFeedback
-from asyncpp.optim.clip import clip_, grad_sq_norm
+from asyncpp.core.update import NO_CORRECTIONS, Corrections, UpdateRule
+from asyncpp.optim.clip import grad_sq_norm
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
 from asyncpp.pipeline.p2p import StageComm, wait_for
@@ -70,7 +70,6 @@ class _PendingUpdate:
     grads: list[Tensor]
     reduction: Tensor
     work: object | None
-    delayed: bool
     norm_of_step: int | None
     """The earlier step whose ||Δx||^2 rides along in `reduction` (None if nothing rides)."""
     tied_work: object | None = None
@@ -123,10 +122,11 @@ class StageEngine:
         forward_fn: ForwardFn,
         grad_scale: float,
         grad_clip: float = 0.0,
-        ef_lambda: float = 0.0,
+        corrections: Corrections = NO_CORRECTIONS,
         lr_multiplier: Callable[[int], float] | None = None,
         is_delayed: Callable[[int], bool] = lambda t: True,
         tied: Iterable[nn.Parameter] = (),
+        tied_is_delayed: Callable[[int], bool] | None = None,
         layouts: Sequence[ParamSharding] | None = None,
         balancing: RouterBiasVersions | None = None,
         load_stats: RouterLoadStats | None = None,
@@ -141,9 +141,10 @@ class StageEngine:
         versions.retarget(optimizer)
         self.forward_fn = forward_fn
         self.grad_scale = grad_scale
-        self.grad_clip = grad_clip
-        self.lr_multiplier = lr_multiplier
         self.is_delayed = is_delayed
+        # A tied weight's corrections follow its owner, the first stage (the simulator's view of the
+        # parameter); its copy here may be read at another delay (original PipeDream's last stage).
+        self.tied_is_delayed = tied_is_delayed or is_delayed
         tied_ids = {id(p) for p in tied}
         self.tied_mask = [id(p) in tied_ids for p in self.params]
         self.layouts = list(layouts) if layouts is not None else [REPLICATED] * len(self.params)
@@ -153,7 +154,11 @@ class StageEngine:
         self.balancing = balancing if balancing else None
         self.load_stats = load_stats if load_stats else None
         self.count_in_norm = [self._counted(t, lay) for t, lay in zip(self.tied_mask, self.layouts)]
-        self.error_feedback = ErrorFeedback(self.masters, ef_lambda)
+        # The step's mathematics after the gradient, shared with the simulator (asyncpp.core.update).
+        self.rule = UpdateRule(optimizer, self.masters, grad_clip=grad_clip, lr_multiplier=lr_multiplier,
+                               corrections=corrections, balancing=self.balancing)
+        self.error_feedback = self.rule.error_feedback
+        self._read_version: dict[int, int] = {}  # step -> the weight version its forwards/backwards read
         self.inflight: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         self.losses: dict[int, list[Tensor]] = {}
         self.pending: dict[int, _PendingUpdate] = {}
@@ -175,22 +180,29 @@ class StageEngine:
         return layout.expert or self.mesh.ep_rank == 0
 
     # ---- actions -------------------------------------------------------------------------
-    def execute(self, actions: Iterable[Action], after_update: Callable[[int], None] | None = None) -> None:
-        """Run the actions in order; `after_update(t)` is called after each UPDATE(t) (for logging)."""
+    def run(self, actions: Iterable[Action]) -> Iterator[int]:
+        """Run the actions in order, yielding t after each UPDATE(t): the caller collects what is complete
+        (control stays with the caller; nothing is called back)."""
         handlers = {Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
                     Op.UPDATE_START: self._update_start, Op.UPDATE: self._update}
         for action in actions:
             self.comm.poll()
             handlers[action.op](action)
-            if action.op == Op.UPDATE and after_update is not None:
-                after_update(action.step)
+            if action.op == Op.UPDATE:
+                yield action.step
+
+    def execute(self, actions: Iterable[Action]) -> None:
+        """Run the actions in order."""
+        for _ in self.run(actions):
+            pass
 
     def _forward(self, a: Action) -> None:
         x = None
         if not self.mesh.is_first_stage:
             x = self.comm.recv_forward(f"the input activation of {a}").requires_grad_()
         start = time.perf_counter()
-        self.versions.use(a.version)
+        self._use(a)
+        self._read_version[a.step] = a.version
         if self.balancing is not None:
             self.balancing.use(a.version)
         out = self.forward_fn(a.step, a.microbatch, x)
@@ -209,11 +221,15 @@ class StageEngine:
         x, out = self.inflight.pop((a.step, a.microbatch))
         grad = None if self.mesh.is_last_stage else self.comm.recv_backward(f"the output gradient of {a}")
         start = time.perf_counter()
-        self.versions.use(a.version)
+        self._use(a)
         backward_through(out, grad)
         if x is not None:
             self.comm.send_backward(x.grad)
         self.timer.add(a, start, time.perf_counter())
+
+    def _use(self, a: Action) -> None:
+        """Point the module at the version `a` reads (its weight prediction for delayed steps, if on)."""
+        self.versions.use(a.version, predicted=self.is_delayed(a.step))
 
     def _update_start(self, a: Action) -> None:
         start = time.perf_counter()
@@ -232,6 +248,7 @@ class StageEngine:
         # The last stage's tied part may still be in flight: it is scaled in UPDATE, after the wait.
         in_flight = [t and tied_work is not None for t in self.tied_mask]
         torch._foreach_mul_([g for g, f in zip(grads, in_flight) if not f], self.grad_scale / self.mesh.dims.dp)
+        self._correct(a.step, grads, only=[not f for f in in_flight])
         grad_sq = grad_sq_norm([g for g, c in zip(grads, self.count_in_norm) if c])
         lagged = a.step - 2
         update_sq = self._update_sq.pop(lagged, None)
@@ -242,8 +259,7 @@ class StageEngine:
         if self.mesh.norm_group_size > 1:
             work = dist.all_reduce(reduction, group=self.mesh.norm_group, async_op=True)
         self.pending[a.step] = _PendingUpdate(
-            grads, reduction, work, self.is_delayed(a.step), lagged if update_sq is not None else None, tied_work,
-            loads,
+            grads, reduction, work, lagged if update_sq is not None else None, tied_work, loads,
         )
         self.timer.add(a, start, time.perf_counter())
 
@@ -297,36 +313,40 @@ class StageEngine:
             self._wait(pending.tied_work, f"the tied-embedding gradient all-reduce of step {a.step}")
             tied = [g for g, t in zip(pending.grads, self.tied_mask) if t]
             torch._foreach_mul_(tied, self.grad_scale / self.mesh.dims.dp)
+            self._correct(a.step, pending.grads, only=self.tied_mask)  # the tied part was deferred in UPDATE_START
         start = time.perf_counter()
         grad_sq, update_sq, *loads = pending.reduction.tolist()
         if pending.norm_of_step is not None:
             self._record(pending.norm_of_step).update_norm = math.sqrt(update_sq)
-        grad_norm = math.sqrt(grad_sq)
-        finite = math.isfinite(grad_norm)
+        self._read_version.pop(a.step, None)
         record = self._record(a.step)
-        record.grad_norm, record.skipped = grad_norm, not finite
-        record.router_loads = loads
-        if self.lr_multiplier is not None:
-            self.optimizer.set_lr_multiplier(self.lr_multiplier(a.step))
-        record.lr = float(self.optimizer.param_groups[0]["lr"])
+        record.grad_norm, record.router_loads = math.sqrt(grad_sq), loads
         x_t = self.versions.begin_update(a.step)
-        self._update_sq[a.step] = self._apply(pending, grad_norm, x_t) if finite else 0.0
-        if self.balancing is not None:
-            self.balancing.update(a.step, pending.loads, apply=finite)
+        outcome = self.rule.apply(a.step, pending.grads, record.grad_norm, x_t, self._delayed(a.step), pending.loads)
+        record.lr, record.skipped = outcome.lr, outcome.skipped
+        with torch.no_grad():
+            self._update_sq[a.step] = 0.0 if outcome.skipped else grad_sq_norm(
+                [q - x for q, x, c in zip(self.masters, x_t, self.count_in_norm) if c])
         self.timer.add(a, start, time.perf_counter())
         if start - wait_start > 1e-4:
             self.timer.add(a, wait_start, start, kind="idle")
 
-    def _apply(self, pending: _PendingUpdate, grad_norm: float, x_t: list[Tensor]) -> float:
-        """Clip, step, Error Feedback; returns this stage's ||x_{t+1} - x_t||^2."""
-        clip_(pending.grads, self.grad_clip, grad_norm)
-        for q, g in zip(self.masters, pending.grads):
-            q.grad = g
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.error_feedback.apply(x_t, [pending.delayed] * len(self.masters))
-        with torch.no_grad():
-            return grad_sq_norm([q - x for q, x, c in zip(self.masters, x_t, self.count_in_norm) if c])
+    def _correct(self, step: int, grads: list[Tensor], only: list[bool]) -> None:
+        """DC-ASGD and gradient-level EF on the gradients marked in `only` (before their norm is taken).
+        x_t is the newest version: the schedule applies UPDATE(t-1) before UPDATE_START(t) (schedules/build.py)."""
+        if not self.rule.corrects_gradients:
+            return
+        if self.versions.newest != step:
+            raise RuntimeError(f"gradient corrections of step {step} need x_{step}, but the newest version is "
+                               f"{self.versions.newest}: the schedule placed UPDATE({step - 1}) too late")
+        x_read = self.versions.read_tensors(self._read_version[step], predicted=self.is_delayed(step))
+        x_t = [q.detach() for q in self.masters]
+        self.rule.correct(grads, self._delayed(step), x_t, x_read, only=only)
+
+    def _delayed(self, step: int) -> list[bool]:
+        """Per parameter: whether step's corrections apply to it (its delay at this step is > 0)."""
+        own, tied = self.is_delayed(step), self.tied_is_delayed(step)
+        return [tied if is_tied else own for is_tied in self.tied_mask]
 
     def _wait(self, work, what: str) -> None:
         wait_for(work, self.comm.timeout_s, self.mesh, what)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
 from asyncpp.core.loss import cross_entropy
-from asyncpp.optim.lr_schedule import lr_multiplier
+from asyncpp.core.update import Corrections, lr_multiplier_for
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import ShardingPlan, global_view, layout_of
 from asyncpp.pipeline.engine import StageEngine, StepRecord
@@ -31,12 +31,10 @@ from asyncpp.pipeline.stage import StageSpec, prune_to_stage, stage_forward, tie
 from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
-from asyncpp.schedules.registry import is_sync_step, kind_of, step_delay
+from asyncpp.schedules.registry import kind_of, step_delay
 from asyncpp.train import checkpoint as ckpt
-from asyncpp.train.metrics import MetricsLogger
-from asyncpp.train.preemption import StopFlag
 from asyncpp.train.timeline import plot_gantt, write_chrome_trace
-from asyncpp.train.trainer import DataSource, TrainingAborted
+from asyncpp.train.trainer import DataSource, StepResult
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Parallelize = Callable[[nn.Module], tuple[ShardingPlan, LossFn]]
@@ -56,27 +54,22 @@ def segment_actions(kind: str, stage: int, P: int, m: int, delays: Sequence[int]
     return out
 
 
-def segment_bounds(total_steps: int, *every: int, start: int = 0) -> list[tuple[int, int]]:
-    """Drain points: every multiple of each `every` (evaluation, checkpoint; 0 = never) and the end."""
-    cuts = {total_steps}
-    for k in every:
-        if k > 0:
-            cuts |= set(range(k, total_steps, k))
-    cuts = sorted(c for c in cuts if c > start)
-    return list(zip([start] + cuts[:-1], cuts))
+class PipelineExecutor:
+    """One pipeline stage on this rank, behind the trainer's executor protocol (asyncpp/train/trainer.py)."""
 
+    stops_at_any_step = False  # a stop waits for the next drain point (a segment's end)
 
-class PipelineRun:
     def __init__(self, cfg: RunConfig, model: nn.Module, mesh: Mesh, data: DataSource, build_optimizer,
-                 stop: StopFlag | None = None, parallelize: Parallelize | None = None):
+                 parallelize: Parallelize | None = None):
         """`parallelize(stage_model)` applies the model's TP/EP plan to the pruned stage in place and
         returns (its ShardingPlan, the loss function for its logits); None = no TP/EP.
         `build_optimizer(stage_model, sharding_plan)` builds the stage's optimizer."""
         self.cfg, self.mesh, self.data = cfg, mesh, data
-        self.stop = stop or StopFlag()
-        self.stopped_at: int | None = None
+        self.is_writer = mesh.is_writer
         self.saver = ckpt.Saver(cfg.checkpoint.async_save)
-        self.start_step = 0
+        self.tokens_per_step = cfg.train.num_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len * mesh.dims.dp
+        self._started: float | None = None  # set when the first segment starts (the timeline's origin)
+        self._last_end = math.nan  # when the last stage finished the previous logged step's backward
         self.spec = StageSpec(mesh.pp_rank, mesh.num_stages, len(model.layers), cfg.parallel.stage_layers)
         self.model = prune_to_stage(model, self.spec)
         self.sharding, self.loss_fn = parallelize(self.model) if parallelize is not None else ({}, cross_entropy)
@@ -89,23 +82,23 @@ class PipelineRun:
         params = [p for _, p in named]
         optimizer = build_optimizer(self.model, self.sharding)
         dtype = compute_dtype_of(cfg.train.precision)  # bf16: params cast here, fp32 masters kept apart
-        versions = WeightVersions(params, kind_of(cfg.schedule.name).num_buffers(self.spec.stage, mesh.num_stages),
-                                  compute_dtype=dtype)
+        kind, predict = kind_of(cfg.schedule.name), cfg.staleness.weight_prediction
+        versions = WeightVersions(
+            params, kind.num_buffers(self.spec.stage, mesh.num_stages, weight_prediction=predict), compute_dtype=dtype,
+            predict_delay=kind.stage_delay(self.spec.stage, mesh.num_stages) if predict else 0)
         hidden = model.config.hidden_size
         # Under sequence parallelism a stage boundary carries this TP rank's sequence shard only.
         seq = cfg.train.seq_len // mesh.dims.tp if cfg.parallel.sequence_parallel else cfg.train.seq_len
         comm = StageComm(mesh, (cfg.train.micro_batch_size, seq, hidden), dtype,
                          cfg.train.timeout_s)
-        sched = cfg.optimizer.schedule
         self.engine = StageEngine(
             module=self.model, mesh=mesh, comm=comm, optimizer=optimizer, versions=versions,
             forward_fn=self._forward, grad_scale=1.0 / self.m, grad_clip=cfg.train.grad_clip,
-            ef_lambda=cfg.staleness.ef_lambda,
-            lr_multiplier=lambda t: lr_multiplier(
-                t, total_steps=cfg.train.steps, warmup_steps=sched.warmup_steps, kind=sched.kind,
-                min_lr_ratio=sched.min_lr_ratio, decay_fraction=sched.decay_fraction),
+            corrections=Corrections.of(cfg.staleness), lr_multiplier=lr_multiplier_for(cfg),
             is_delayed=lambda t: self.delays[t] > 0,
             tied=tied_parameters(self.model, self.spec),
+            tied_is_delayed=lambda t: step_delay(cfg.schedule.name, 0, mesh.num_stages, t, cfg.train.steps,
+                                                 cfg.staleness) > 0,
             layouts=[layout_of(self.sharding, n) for n, _ in named],
             balancing=RouterBiasVersions(balanced_routers(self.model), versions.num_buffers),
             load_stats=RouterLoadStats.of(self.model, counted=mesh.tp_rank == 0 and mesh.ep_rank == 0),
@@ -139,44 +132,67 @@ class PipelineRun:
         comm.flush()
         return total / len(batches)
 
-    def run(self, metrics: MetricsLogger | None) -> dict:
-        cfg, t = self.cfg, self.cfg.train
-        # Middle stages only relay activations: they need the number of validation batches, not the data.
-        reads = self.spec.is_first or self.spec.is_last
-        val = (self.data.val_batches() if reads else [None] * t.eval_batches) if t.eval_every else []
-        if len(val) != (t.eval_batches if t.eval_every else 0):  # every stage must relay the same count
+    # ---- the trainer's executor protocol (asyncpp/train/trainer.py) ------------------------------------
+    def val_batches(self) -> list:
+        """Middle stages only relay activations: they need the number of validation batches, not the data."""
+        t = self.cfg.train
+        val = self.data.val_batches() if self.spec.is_first or self.spec.is_last else [None] * t.eval_batches
+        if len(val) != t.eval_batches:  # every stage must relay the same count
             raise ValueError(f"the data source gave {len(val)} validation batches, train.eval_batches={t.eval_batches}")
-        self.tokens_per_step = self.m * t.micro_batch_size * t.seq_len * self.mesh.dims.dp
-        if self.start_step >= t.steps:
-            raise ValueError(f"the run already reached train.steps={t.steps} (resumed at step {self.start_step}); "
-                             "raise train.steps to train further")
-        dist.barrier()  # a common time origin for every stage's timeline (same-host clocks)
-        started = self.engine.timer.origin = time.perf_counter()
-        self._log = _StepLog(metrics, started, t.max_consecutive_skips)
-        val_loss = math.nan
-        ck = cfg.checkpoint
-        for t0, t1 in segment_bounds(t.steps, t.eval_every, ck.every if ck.enabled else 0, start=self.start_step):
-            todo = list(range(t0, t1))
-            self.engine.execute(
-                segment_actions(cfg.schedule.name, self.spec.stage, self.mesh.num_stages, self.m, self.delays, t0, t1),
-                after_update=lambda _, todo=todo: self._emit_ready(todo),
-            )
-            self.engine.finish()
-            evaluated = val and (t1 % t.eval_every == 0 or t1 == t.steps)
-            val_loss = self.evaluate(val) if evaluated else val_loss
-            self._emit_ready(todo, flush=True, val_loss=val_loss if evaluated else None)
-            preempted = t1 < t.steps and self.stop.agreed(self.mesh.device)
-            if preempted or ck.enabled and ckpt.due(t1, t.steps, ck.every):
-                self.save(t1)
-            if preempted:
-                self.stopped_at = t1
-                break
-        self.saver.wait()  # commit a background save before the run counts as done
-        self.engine.versions.use(self.engine.versions.newest)  # leave the module on x_T
-        summary = self._summary(started, val_loss)
-        summary["skipped_steps"] = self._log.skipped
-        summary["stopped_at"] = self.stopped_at
-        return summary
+        return val
+
+    def steps(self, t0: int, t1: int) -> Iterator[StepResult]:
+        """Steps [t0, t1) as one stream, drained at both ends. A step's result is complete once its update
+        norm, which rides a later step's reduction, has arrived (two updates later), or at the drain."""
+        if self._started is None:
+            dist.barrier()  # a common time origin for every stage's timeline (same-host clocks)
+            self._started = self._last_end = self.engine.timer.origin = time.perf_counter()
+        todo = list(range(t0, t1))
+        actions = segment_actions(self.cfg.schedule.name, self.spec.stage, self.mesh.num_stages, self.m,
+                                  self.delays, t0, t1)
+        for _ in self.engine.run(actions):
+            yield from self._ready(todo)
+        self.engine.finish()
+        yield from self._ready(todo, drained=True)
+        self.engine.versions.use(self.engine.versions.newest)  # evaluation and the caller see x_{t1}
+
+    def _ready(self, todo: list[int], drained: bool = False) -> Iterator[StepResult]:
+        """The results of the steps at the head of `todo` that are complete, in order. Collective over the
+        last stage's DP group (step_loss), at the same action on every replica."""
+        records = self.engine.records
+        while todo and (drained or math.isfinite(records.get(todo[0], _NAN_RECORD).update_norm)):
+            step = todo.pop(0)
+            rec = records.pop(step)
+            loss, dt = math.nan, math.nan
+            if self.spec.is_last:
+                loss = self.engine.step_loss(step)
+                end = self.engine.timer.end_of(Op.BACKWARD, step)
+                dt, self._last_end = end - self._last_end, end
+            yield StepResult(step, loss, rec.grad_norm, rec.update_norm, rec.lr, rec.skipped, self.tokens_per_step,
+                             dt, rec.router_loads)
+
+    def stop_agreed(self, requested: bool) -> bool:
+        """Collective at a drain point: stop if any rank was asked to (ranks get SIGTERM at different times)."""
+        flag = torch.tensor([1.0 if requested else 0.0], device=self.mesh.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def wait_saves(self) -> None:
+        self.saver.wait()
+
+    def summary(self, wall_s: float) -> dict:
+        """Per-stage busy time and bubble (collective)."""
+        busy = self.engine.timer.busy()
+        per_stage = [None] * dist.get_world_size()
+        dist.all_gather_object(per_stage, {"stage": self.spec.stage, "busy_s": busy, "wall_s": wall_s,
+                                           **self.engine.timer.mean_durations()})
+        bubbles = [1.0 - s["busy_s"] / s["wall_s"] for s in per_stage]
+        return {
+            "bubble_fraction": sum(bubbles) / len(bubbles), "bubble_fraction_per_rank": bubbles,
+            "mean_forward_s_per_rank": [s.get("F", math.nan) for s in per_stage],
+            "mean_backward_s_per_rank": [s.get("B", math.nan) for s in per_stage],
+            "mean_update_s_per_rank": [s.get("U", 0.0) + s.get("U0", 0.0) for s in per_stage],
+        }
 
     # ---- checkpoints ------------------------------------------------------------------------
     def stage_state(self, extra: dict[str, Tensor] | None = None) -> ckpt.StageState:
@@ -190,7 +206,11 @@ class PipelineRun:
         balancing = self.engine.balancing
         if extra is None:
             extra = balancing.tensors() if balancing is not None else {}
-        return ckpt.StageState(names, versions, {"ef": self.engine.error_feedback.prev_update},
+        rule = self.engine.rule
+        buffers = {"ef": rule.error_feedback.prev_update}
+        if rule.corrections.grad_ef_lambda:
+            buffers["gef"] = rule.grad_error_feedback.prev_grad
+        return ckpt.StageState(names, versions, buffers,
                                self.engine.optimizer, v.masters, shards, extra=extra)
 
     def save(self, step_done: int) -> None:
@@ -201,11 +221,11 @@ class PipelineRun:
         self.saver.save(ckpt.checkpoint_root(c), step_done, self.stage_state(), config=c.to_dict(), layout=layout,
                   keep_last=c.checkpoint.keep_last, data=ckpt.data_position(self.data, step_done, c))
 
-    def resume(self) -> int:
-        """Collective. Load checkpoint.resume's checkpoint, if any; returns the step to start from."""
-        point = ckpt.resume_point(self.cfg, self.data)
+    def resume(self, warn: Callable[[str], None] | None = None) -> int | None:
+        """Collective. Load checkpoint.resume's checkpoint, if any; returns its step (None: nothing to resume)."""
+        point = ckpt.resume_point(self.cfg, self.data, **({"warn": warn} if warn is not None else {}))
         if point is None:
-            return 0
+            return None
         path, step = point
         v = self.engine.versions
         v.set_newest(step)  # buffers now stand for x_step, x_step-1, ...: DCP fills them in place
@@ -216,19 +236,7 @@ class PipelineRun:
         v.set_newest(step)
         if balancing is not None:
             balancing.use(step)
-        self.start_step = step
         return step
-
-    def _emit_ready(self, todo: list[int], flush: bool = False, val_loss: float | None = None) -> None:
-        """Log, in order, the steps whose record is complete. A step's update norm rides a later
-        step's reduction, so it is complete two updates later, or at the segment's end (`flush`).
-        Collective over the last stage's DP group (step_loss), at the same action on every replica."""
-        records = self.engine.records
-        while todo and (flush or math.isfinite(records.get(todo[0], _NAN_RECORD).update_norm)):
-            step = todo.pop(0)
-            loss = self.engine.step_loss(step) if self.spec.is_last else math.nan
-            end = self.engine.timer.end_of(Op.BACKWARD, step) if self.spec.is_last else math.nan
-            self._log.emit(self._record(step, records.pop(step), loss, end, val_loss if not todo else None))
 
     def write_timeline(self, out_dir: str, max_steps: int = 6) -> None:
         """Every stage's measured events -> timeline.json (Chrome trace) and timeline.png (Gantt of
@@ -246,62 +254,5 @@ class PipelineRun:
                        title=f"{self.cfg.schedule.name}: P={self.mesh.num_stages}, m={self.m}, steps {first}-{last}",
                        xlim=(min(e.start for e in window), max(e.end for e in window)))
 
-    def _record(self, step: int, rec, loss: float, end: float, val_loss: float | None) -> dict:
-        dt = end - self._log.last_end
-        self._log.last_end = end
-        out = {"step": step, "loss": loss, "lr": rec.lr, "grad_norm": rec.grad_norm,
-               "update_norm": rec.update_norm, "tokens_per_s": self.tokens_per_step / dt if dt > 0 else math.nan,
-               "step_time_s": dt, "skipped": rec.skipped,
-               "sync_step": is_sync_step(step, self.cfg.train.steps, self.cfg.staleness)}
-        if val_loss is not None:
-            out["val_loss"] = val_loss
-        out.update(RouterLoadStats.as_metrics(rec.router_loads))
-        return out
-
-    def _summary(self, started: float, val_loss: float) -> dict:
-        wall = time.perf_counter() - started
-        busy = self.engine.timer.busy()
-        per_stage = [None] * dist.get_world_size()
-        dist.all_gather_object(per_stage, {"stage": self.spec.stage, "busy_s": busy, "wall_s": wall,
-                                           **self.engine.timer.mean_durations()})
-        bubbles = [1.0 - s["busy_s"] / s["wall_s"] for s in per_stage]
-        steps = self.cfg.train.steps
-        tokens = self.tokens_per_step * (steps - self.start_step)
-        return {
-            "steps": steps, "final_loss": self._log.last_loss, "final_val_loss": val_loss,
-            "tokens": tokens, "wall_time_s": wall, "tokens_per_s": tokens / wall,
-            "bubble_fraction": sum(bubbles) / len(bubbles), "bubble_fraction_per_rank": bubbles,
-            "mean_forward_s_per_rank": [s.get("F", math.nan) for s in per_stage],
-            "mean_backward_s_per_rank": [s.get("B", math.nan) for s in per_stage],
-            "mean_update_s_per_rank": [s.get("U", 0.0) + s.get("U0", 0.0) for s in per_stage],
-        }
-
-
 
 _NAN_RECORD = StepRecord(-1)
-
-
-class _StepLog:
-    """Where finished step records go (the metrics rank's logger; nowhere on other ranks).
-
-    Every rank keeps the counts: the skip decision comes from the all-reduced gradient norm, so all
-    ranks see the same skips and abort at the same step (no rank is left waiting for the others)."""
-
-    def __init__(self, metrics: MetricsLogger | None, started: float, max_consecutive_skips: int):
-        self.metrics, self.last_end = metrics, started
-        self.skipped, self.consecutive, self.max_consecutive = 0, 0, max_consecutive_skips
-        self.last_loss = math.nan
-
-    def emit(self, record: dict) -> None:
-        self.skipped += bool(record["skipped"])
-        self.consecutive = self.consecutive + 1 if record["skipped"] else 0
-        self.last_loss = record["loss"]
-        if self.metrics is not None:
-            self.metrics.log(record)
-            if record["skipped"]:
-                self.metrics.message(f"step {record['step']}: non-finite gradient, update skipped on every stage")
-        if self.consecutive >= self.max_consecutive:
-            raise TrainingAborted(
-                f"{self.consecutive} consecutive steps had a non-finite gradient (last: step {record['step']}); "
-                "lower optimizer.lr or check the data"
-            )

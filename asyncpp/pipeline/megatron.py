@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from asyncpp.core.update import Corrections
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.pipeline.engine import StageEngine
 from asyncpp.pipeline.p2p import StageComm
@@ -182,7 +183,7 @@ class Pipeline2BW:
         self.engine = StageEngine(
             module=model, mesh=mesh, comm=comm, optimizer=optimizer, versions=versions,
             forward_fn=self._forward, grad_scale=1.0,  # the loss is already divided by m (module docstring)
-            grad_clip=grad_clip, ef_lambda=ef_lambda, lr_multiplier=lr_multiplier,
+            grad_clip=grad_clip, corrections=Corrections(ef_lambda=ef_lambda), lr_multiplier=lr_multiplier,
             is_delayed=lambda t: kind.delayed, tied=tied,
         )
         self.next_step = 0

@@ -34,6 +34,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from asyncpp.core.staleness import predict_weights
+
 #: dtype of the master weights, the optimizer state and the gradient sums in every precision.
 MASTER_DTYPE = torch.float32
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -107,11 +109,22 @@ class GradSums:
 
 
 class WeightVersions:
-    def __init__(self, params: list[nn.Parameter], num_buffers: int, compute_dtype: torch.dtype | None = None):
+    def __init__(self, params: list[nn.Parameter], num_buffers: int, compute_dtype: torch.dtype | None = None,
+                 predict_delay: int = 0):
         """`compute_dtype` below fp32 (bf16) casts `params` to it in place and keeps fp32 masters apart;
-        None or fp32: the masters share storage with the newest version (no extra memory)."""
+        None or fp32: the masters share storage with the newest version (no extra memory).
+
+        `predict_delay` d > 0 turns on SAPipe-style weight prediction: a delayed read of version v points the
+        parameters at x^_v = x_v + d (x_v - x_{v-1}) (asyncpp.core.staleness.predict_weights), kept in a
+        buffer of its own while v is held, so the exact versions (what the optimizer, the checkpoints and the
+        synchronous steps read) are never overwritten. It needs x_{v-1} held too: one buffer more."""
         if num_buffers < 1:
             raise ValueError(f"num_buffers={num_buffers} must be >= 1")
+        if predict_delay and num_buffers < predict_delay + 2:
+            raise ValueError(f"weight prediction at delay {predict_delay} needs {predict_delay + 2} buffers, "
+                             f"got num_buffers={num_buffers}")
+        self.predict_delay = predict_delay
+        self._predicted: dict[int, list[Tensor]] = {}  # version -> x^_version, while the version is held
         self.params = params
         self.num_buffers = num_buffers
         self.mixed = is_mixed(compute_dtype)
@@ -131,16 +144,43 @@ class WeightVersions:
     def available(self, version: int) -> bool:
         return self.newest - self.num_buffers < version <= self.newest
 
-    def use(self, version: int) -> None:
-        """Point every parameter at version `version` (must still be held)."""
+    def use(self, version: int, predicted: bool = False) -> None:
+        """Point every parameter at version `version` (must still be held); `predicted`: at its weight
+        prediction (a delayed read with weight prediction on)."""
+        self._check_held(version)
+        self.sync()
+        if predicted and self.predict_delay:
+            self._point_at(("predicted", version), self.prediction(version))
+        else:
+            self._point(version % self.num_buffers)
+
+    def _check_held(self, version: int) -> None:
         if not self.available(version):
             raise RuntimeError(
                 f"weight version {version} is not held (newest {self.newest}, {self.num_buffers} buffers); "
                 "the schedule used a version out of order"
             )
-        self.sync()
-        self._point(version % self.num_buffers)
 
+    def read_tensors(self, version: int, predicted: bool = False) -> list[Tensor]:
+        """What a forward/backward of `version` reads (compute dtype; the prediction if `predicted`): the
+        x_read of DC-ASGD."""
+        self._check_held(version)
+        self.sync()
+        return self.prediction(version) if predicted and self.predict_delay else self.buffers[version % self.num_buffers]
+
+    @torch.no_grad()
+    def prediction(self, version: int) -> list[Tensor]:
+        """x^_v = x_v + d (x_v - x_{v-1}), x_{-1} := x_0, computed once per held version into a reused buffer."""
+        spare = [self._predicted.pop(v) for v in list(self._predicted) if not self.available(v)]
+        if version not in self._predicted:
+            older = max(version - 1, 0)
+            self._check_held(older)
+            x, x_old = self.buffers[version % self.num_buffers], self.buffers[older % self.num_buffers]
+            out = spare.pop() if spare else [torch.empty_like(b) for b in x]
+            for o, a, b in zip(out, x, x_old):
+                predict_weights(a, b, self.predict_delay, out=o)
+            self._predicted[version] = out
+        return self._predicted[version]
     @torch.no_grad()
     def sync(self) -> None:
         """Mixed precision: fill the newest version's buffer from the masters after an update (no-op otherwise)."""
@@ -161,10 +201,14 @@ class WeightVersions:
         return grads
 
     def _point(self, index: int) -> None:
-        if index != self._active:
-            for p, buf in zip(self.params, self.buffers[index]):
+        self._point_at(index, self.buffers[index])
+
+    def _point_at(self, key, tensors: list[Tensor]) -> None:
+        """Parameters take `tensors`' storage; `key` names them (a buffer index or a predicted version)."""
+        if key != self._active:
+            for p, buf in zip(self.params, tensors):
                 p.data = buf
-            self._active = index
+            self._active = key
 
     @torch.no_grad()
     def begin_update(self, step: int) -> list[Tensor]:
@@ -213,6 +257,7 @@ class WeightVersions:
         its buffer is refilled from the masters, which the load wrote)."""
         self.newest = version
         self._active = -1
+        self._predicted.clear()  # the load rewrote the versions they were made from
         if self.mixed:
             self._unsynced = version % self.num_buffers
             self.sync()

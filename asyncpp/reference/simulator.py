@@ -32,7 +32,8 @@ from torch import Tensor, nn
 
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
 from asyncpp.core.loss import LossFn, lm_loss
-from asyncpp.core.staleness import ErrorFeedback, GradientErrorFeedback, dc_asgd_, predict_weights
+from asyncpp.core.staleness import predict_weights
+from asyncpp.core.update import Corrections, UpdateRule
 from asyncpp.optim.clip import clip_, grad_sq_norm
 from asyncpp.pipeline.weights import GradSums, is_mixed, make_masters, retarget
 
@@ -125,17 +126,18 @@ class DelayedUpdateSimulator:
             retarget(optimizer, self.params, self.masters)
         self.delays = list(delays)
         self.loss_fn = loss_fn
-        self.grad_clip = grad_clip
         self.lr_multiplier = lr_multiplier
         self.sync_step = sync_step
         self.tied_use = tied_use
-        self.error_feedback = ErrorFeedback(self.masters, ef_lambda)
-        self.grad_error_feedback = GradientErrorFeedback(self.masters, grad_ef_lambda)
-        if dc_lambda < 0:
-            raise ValueError(f"staleness.dc_lambda={dc_lambda} must be >= 0")
+        # The step's mathematics after the gradient, shared with the pipeline engine (asyncpp.core.update).
+        self.rule = UpdateRule(optimizer, self.masters, grad_clip=grad_clip, lr_multiplier=lr_multiplier,
+                               corrections=Corrections(ef_lambda, grad_ef_lambda, dc_lambda),
+                               balancing=self.balancing)
+        self.error_feedback = self.rule.error_feedback
+        self.grad_error_feedback = self.rule.grad_error_feedback
+        self.grad_clip = grad_clip
         if diagnostics_every < 0:
             raise ValueError(f"staleness.diagnostics_every={diagnostics_every} must be >= 0 (0 = off)")
-        self.dc_lambda = dc_lambda
         self.weight_prediction = weight_prediction
         self.diagnostics_every = diagnostics_every
         self.max_delay = max(self.delays, default=0)
@@ -236,6 +238,13 @@ class DelayedUpdateSimulator:
         if grad is not None:
             target.grad = grad if target.grad is None else target.grad + grad
 
+    def _take_grads(self) -> list[Tensor | None]:
+        """The step's gradient per master, handed to the update rule (the masters' .grad is cleared)."""
+        grads = [q.grad for q in self.masters]
+        for q in self.masters:
+            q.grad = None
+        return grads
+
     def _clip(self) -> tuple[float, bool]:
         grads = [q.grad for q in self.masters if q.grad is not None]
         norm = math.sqrt(grad_sq_norm(grads))
@@ -262,20 +271,12 @@ class DelayedUpdateSimulator:
             self.balancing.record(step)
         self._average(len(microbatches))
         self._restore(delays, current)
-        dc_asgd_(self.masters, current, reads, delayed, self.dc_lambda)
-        self.grad_error_feedback.apply(delayed)
-
-        grad_norm, finite = self._clip()
-        if self.lr_multiplier is not None:
-            self.optimizer.set_lr_multiplier(self.lr_multiplier(step))
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        if finite:
-            self.optimizer.step()
-            self.error_feedback.apply(current, delayed)
-            self.grad_error_feedback.commit()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.balancing:
-            self.balancing.update(step, self.balancing.pop_loads(step), apply=finite)
+        grads = self._take_grads()
+        self.rule.correct(grads, delayed, current, reads)
+        grad_norm = math.sqrt(grad_sq_norm([g for g in grads if g is not None]))
+        loads = self.balancing.pop_loads(step) if self.balancing else ()
+        outcome = self.rule.apply(step, grads, grad_norm, current, delayed, loads)
+        lr, finite = outcome.lr, not outcome.skipped
         with torch.no_grad():
             update_norm = math.sqrt(grad_sq_norm([q - x for q, x in zip(self.masters, current)]))
         cosine, rel_error = self._compare(current, fresh) if fresh is not None and finite else (None, None)

@@ -1,30 +1,26 @@
-"""The single-process training loop: every schedule's mathematics on one device.
+"""The one training loop, over either executor: the single-process reference (asyncpp/reference/executor.py)
+or one pipeline stage per rank (asyncpp/pipeline/executor.py).
 
-pretrain.py builds the model, optimizer, data and metrics and hands them in; this file only runs
-steps. Its step is DelayedUpdateSimulator.step, the reference the pipeline engine is tested against.
+The trainer owns what does not depend on how steps are executed: the segments of a run (cut at evaluation and
+checkpoint points, where a pipeline drains), the step-record schema and the metrics, the abort rule for
+non-finite steps, preemption and the summary. An executor runs the steps of a segment and yields their results
+in order; everything collective it needs is issued inside the executor, at the same point on every rank.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterLoadStats
-from asyncpp.core.loss import lm_loss
-from asyncpp.core.partition import param_stages
-from asyncpp.optim.lr_schedule import lr_multiplier
-from asyncpp.pipeline.weights import compute_dtype_of
-from asyncpp.reference.simulator import DelayedUpdateSimulator, TiedUse
-from asyncpp.schedules.registry import is_sync_step, stage_delay
-from asyncpp.train import checkpoint as ckpt
-from asyncpp.train.metrics import MetricsLogger
+from asyncpp.schedules.registry import is_sync_step
+from asyncpp.train.checkpoint import due
 from asyncpp.train.preemption import StopFlag
 
 
@@ -39,190 +35,193 @@ class TrainingAborted(RuntimeError):
     """Too many consecutive non-finite steps."""
 
 
-def parameter_delays(
-    model: nn.Module, schedule: str, num_stages: int, stage_layers: Sequence[int] | None = None
-) -> list[int]:
-    """Steady-state delay of each trainable parameter, in model.parameters() order."""
-    stages = param_stages(model, num_stages, stage_layers)
-    return [
-        stage_delay(schedule, stages[name], num_stages)
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    ]
+@dataclass
+class StepResult:
+    """One step as either executor reports it (the fields of a metrics.jsonl line, before the trainer's own)."""
+
+    step: int
+    loss: float
+    """Mean training loss of b_t over microbatches and DP replicas (computed on the weights it read)."""
+    grad_norm: float
+    """Global L2 norm of the (delayed, corrected) gradient before clipping."""
+    update_norm: float
+    """||x_{t+1} - x_t||, Error Feedback included."""
+    lr: float
+    skipped: bool
+    """The gradient was not finite: x_{t+1} = x_t, the version counter still advanced."""
+    tokens: int
+    step_time_s: float
+    router_loads: list[float] = field(default_factory=list)
+    """RouterLoadStats.vector(): per layer, the load ratio, then the mean balancing loss (empty without MoE)."""
+    update_cosine: float | None = None
+    """Diagnostics steps only (simulator): cosine between the applied and the fresh update."""
+    update_rel_error: float | None = None
 
 
-def tied_head_use(model: nn.Module, schedule: str, num_stages: int) -> TiedUse | None:
-    """With P > 1 a tied embedding has a copy on the first and the last stage; the LM head reads the
-    last stage's copy at the last stage's delay."""
-    head = getattr(model, "lm_head", None)
-    embed = getattr(model, "embed", None)
-    if num_stages == 1 or head is None or embed is None or head.weight is not embed.weight:
-        return None
-    return TiedUse(head, "weight", embed.weight, stage_delay(schedule, num_stages - 1, num_stages))
+class Executor(Protocol):
+    stops_at_any_step: bool
+    """True: a stop request is honoured after any step (nothing is in flight between steps)."""
+    is_writer: bool
+    """This rank writes metrics (the pipeline's last stage, DP and TP rank 0)."""
+
+    def resume(self, warn: Callable[[str], None]) -> int | None:
+        """Load checkpoint.resume's checkpoint, if any (collective in a pipeline); its step, else None."""
+
+    def steps(self, t0: int, t1: int) -> Iterator[StepResult]:
+        """Run steps [t0, t1) and yield their results in step order; drained at t1."""
+
+    def val_batches(self) -> list: ...
+
+    def evaluate(self, batches: list) -> float:
+        """Mean validation loss on the newest weights (collective in a pipeline)."""
+
+    def save(self, step_done: int) -> None: ...
+
+    def stop_agreed(self, requested: bool) -> bool:
+        """Whether every rank stops here (collective in a pipeline)."""
+
+    def wait_saves(self) -> None: ...
+
+    def summary(self, wall_s: float) -> dict:
+        """Executor-specific summary fields (the pipeline's bubble per stage; collective there)."""
 
 
-def build_simulator(cfg: RunConfig, model: nn.Module, optimizer) -> DelayedUpdateSimulator:
-    sched = cfg.optimizer.schedule
-    return DelayedUpdateSimulator(
-        model,
-        optimizer,
-        parameter_delays(model, cfg.schedule.name, cfg.parallel.pp, cfg.parallel.stage_layers),
-        loss_fn=lm_loss,
-        grad_clip=cfg.train.grad_clip,
-        ef_lambda=cfg.staleness.ef_lambda,
-        lr_multiplier=functools.partial(
-            lr_multiplier,
-            total_steps=cfg.train.steps,
-            warmup_steps=sched.warmup_steps,
-            kind=sched.kind,
-            min_lr_ratio=sched.min_lr_ratio,
-            decay_fraction=sched.decay_fraction,
-        ),
-        sync_step=functools.partial(is_sync_step, total_steps=cfg.train.steps, staleness=cfg.staleness),
-        tied_use=tied_head_use(model, cfg.schedule.name, cfg.parallel.pp),
-        grad_ef_lambda=cfg.staleness.grad_ef_lambda,
-        dc_lambda=cfg.staleness.dc_lambda,
-        weight_prediction=cfg.staleness.weight_prediction,
-        diagnostics_every=cfg.staleness.diagnostics_every,
-        compute_dtype=compute_dtype_of(cfg.train.precision),
-    )
+def segment_bounds(total_steps: int, *every: int, start: int = 0) -> list[tuple[int, int]]:
+    """Drain points: every multiple of each `every` (evaluation, checkpoint; 0 = never) and the end."""
+    cuts = {total_steps}
+    for k in every:
+        if k > 0:
+            cuts |= set(range(k, total_steps, k))
+    cuts = sorted(c for c in cuts if c > start)
+    return list(zip([start] + cuts[:-1], cuts))
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, batches: list[Tensor], device: torch.device) -> float:
-    """Mean validation loss on the newest weights."""
-    was_training = model.training
-    model.eval()
-    losses = [lm_loss(model, b.to(device)).item() for b in batches]
-    model.train(was_training)
-    return sum(losses) / len(losses)
+class Sink(Protocol):
+    def log(self, record: dict) -> None: ...
+
+    def message(self, text: str) -> None: ...
+
+    def rewind(self, step: int) -> None: ...
 
 
-def simulator_state(sim: DelayedUpdateSimulator, model: nn.Module, num_past: int | None = None,
-                    step: int = 0) -> ckpt.StageState:
-    """The simulator's side of a checkpoint: x_t (age 0) and its past versions (ages 1..), u_{t-1}, the
-    optimizer. With `num_past`, fresh buffers are made for that many past versions (for a load). x_t is
-    the optimizer's copy: the fp32 masters under mixed precision (past versions stay in the compute dtype)."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    if num_past is not None:
-        sim.history.clear()
-        for _ in range(num_past):
-            sim.history.append([torch.empty_like(p) for p in sim.params])
-    versions = {0: [q.detach() for q in sim.masters]}
-    versions.update({age + 1: v for age, v in enumerate(sim.history)})
-    buffers = {"ef": sim.error_feedback.prev_update, "gef": sim.grad_error_feedback.prev_grad}
-    balancing = sim.balancing
-    extra = balancing.reset(step, range(num_past + 1)) if num_past is not None and balancing else balancing.tensors()
-    return ckpt.StageState(names, versions, buffers, sim.optimizer, sim.masters, extra=extra)
+class _Quiet:
+    """Where records go on ranks that do not write metrics."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
+
+    def rewind(self, step: int) -> None:
+        pass
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, model: nn.Module, optimizer, data: DataSource, metrics: MetricsLogger,
-                 stop: StopFlag | None = None):
+    def __init__(self, cfg: RunConfig, executor: Executor, metrics: Sink | None = None, stop: StopFlag | None = None):
+        self.cfg, self.executor = cfg, executor
+        self.metrics = metrics if metrics is not None and executor.is_writer else _Quiet()
         self.stop = stop or StopFlag()
-        self.stopped_at: int | None = None
-        self.cfg = cfg
-        self.model = model
-        self.data = data
-        self.metrics = metrics
-        self.device = torch.device(cfg.train.device)
-        self.sim = build_simulator(cfg, model, optimizer)
-        self.saver = ckpt.Saver(cfg.checkpoint.async_save)
         self.start_step = 0
+        self.stopped_at: int | None = None
+        self.skipped = self.consecutive_skips = self.tokens = 0
+        self.last_loss = self.val_loss = math.nan
+        self.step_times: list[float] = []
 
     def resume(self) -> int:
-        """Load the checkpoint checkpoint.resume points at, if any; returns the step to start from."""
-        point = ckpt.resume_point(self.cfg, self.data, warn=self.metrics.message)
-        if point is None:
+        """Load checkpoint.resume's checkpoint, if any; returns the step the run continues from."""
+        step = self.executor.resume(self.metrics.message)
+        if step is None:
             return 0
-        path, step = point
-        past = min(step, self.sim.num_past_versions)
-        ckpt.load(path, simulator_state(self.sim, self.model, num_past=past, step=step), ages=range(past + 1))
-        self.sim.balancing.use(step)
-        self.sim.sync_params()  # mixed precision: the load wrote the fp32 masters
+        if step >= self.cfg.train.steps:
+            raise ValueError(f"the run already reached train.steps={self.cfg.train.steps} (resumed at step {step}); "
+                             "raise train.steps to train further")
         self.start_step = step
         self.metrics.rewind(step)
-        self.metrics.message(f"resumed from {path} at step {step}")
+        self.metrics.message(f"resumed at step {step}")
         return step
 
-    def save(self, step_done: int) -> None:
-        c = self.cfg
-        self.saver.save(ckpt.checkpoint_root(c), step_done, simulator_state(self.sim, self.model),
-                  config=c.to_dict(), layout={"pp": 1, "dp": 1, "simulated_pp": c.parallel.pp},
-                  keep_last=c.checkpoint.keep_last, data=ckpt.data_position(self.data, step_done, c))
-
-    def _microbatches(self, step: int) -> list[Tensor]:
-        # dp replicas are simulated as m * dp microbatches: global index (t * dp + r) * m + j, as in the pipeline.
-        m = self.cfg.train.num_microbatches * (self.cfg.parallel.dp or 1)
-        return [self.data.train_microbatch(step * m + i).to(self.device) for i in range(m)]
-
     def run(self) -> dict:
-        cfg, t = self.cfg, self.cfg.train
-        val_batches = self.data.val_batches() if t.eval_every else []
-        consecutive_skips, skipped, tokens, val_loss = 0, 0, 0, math.nan
-        step_times: list[float] = []
-        stats = None
+        t, ck = self.cfg.train, self.cfg.checkpoint
+        val = self.executor.val_batches() if t.eval_every else []
         started = time.perf_counter()
-        for step in range(self.start_step, t.steps):
-            batches = self._microbatches(step)
-            t0 = time.perf_counter()
-            stats = self.sim.step(step, batches)
-            dt = time.perf_counter() - t0
-            step_times.append(dt)
-            tokens += stats.tokens
-            record = {
-                "step": step,
-                "loss": stats.loss,
-                "lr": stats.lr,
-                "grad_norm": stats.grad_norm,
-                "update_norm": stats.update_norm,
-                "tokens_per_s": stats.tokens / dt,
-                "step_time_s": dt,
-                "skipped": stats.skipped,
-                "sync_step": is_sync_step(step, t.steps, cfg.staleness),
-            }
-            if stats.update_cosine is not None:  # staleness.diagnostics_every steps (their step_time_s includes it)
-                record.update(update_cosine=stats.update_cosine, update_rel_error=stats.update_rel_error)
-            record.update(_moe_stats(self.model))
-            record.update(RouterLoadStats.as_metrics(stats.router_loads))
-            last = step == t.steps - 1
-            if val_batches and ((step + 1) % t.eval_every == 0 or last):
-                val_loss = record["val_loss"] = evaluate(self.model, val_batches, self.device)
-            self.metrics.log(record)
-            skipped += stats.skipped
-            consecutive_skips = consecutive_skips + 1 if stats.skipped else 0
-            if consecutive_skips >= t.max_consecutive_skips:
-                raise TrainingAborted(
-                    f"{consecutive_skips} consecutive steps had a non-finite gradient (last: step {step}); "
-                    "lower optimizer.lr or check the data"
-                )
-            if stats.skipped:
-                self.metrics.message(f"step {step}: non-finite gradient, update skipped")
-            preempted = self.stop.requested and step + 1 < t.steps
-            if preempted or cfg.checkpoint.enabled and ckpt.due(step + 1, t.steps, cfg.checkpoint.every):
-                self.save(step + 1)
-            if preempted:
-                self.stopped_at = step + 1
-                self.metrics.message(f"stop requested (signal {self.stop.signal}): checkpoint saved after step {step}")
+        for t0, t1 in segment_bounds(t.steps, t.eval_every, ck.every if ck.enabled else 0, start=self.start_step):
+            done = self._segment(t0, t1, val)
+            if done < t1 or self._stop_at_drain(done):
+                self._stop(done)
                 break
-        self.saver.wait()  # a background save must be committed before the run counts as done
-        wall = time.perf_counter() - started
-        steady = step_times[min(5, len(step_times) - 1):] if step_times else [math.nan]
+        self.executor.wait_saves()  # a background save must be committed before the run counts as done
+        return self._summary(time.perf_counter() - started)
+
+    def _segment(self, t0: int, t1: int, val: list) -> int:
+        """Run [t0, t1); returns the step count done (< t1 when a stop was honoured mid-segment)."""
+        t, ck = self.cfg.train, self.cfg.checkpoint
+        for result in self.executor.steps(t0, t1):
+            step_done = result.step + 1
+            evaluated = bool(val) and step_done == t1 and (t1 % t.eval_every == 0 or t1 == t.steps)
+            if evaluated:
+                self.val_loss = self.executor.evaluate(val)
+            self._log(result, self.val_loss if evaluated else None)
+            if self.executor.stops_at_any_step and step_done < t1 and self.stop.requested:
+                return step_done
+        if ck.enabled and due(t1, t.steps, ck.every):
+            self.executor.save(t1)
+        return t1
+
+    def _stop_at_drain(self, step_done: int) -> bool:
+        requested = self.stop.requested and step_done < self.cfg.train.steps
+        return self.executor.stop_agreed(requested)
+
+    def _stop(self, step_done: int) -> None:
+        """Checkpoint at this step boundary (unless just saved) and end the run resumably."""
+        ck = self.cfg.checkpoint
+        if not (ck.enabled and due(step_done, self.cfg.train.steps, ck.every)):
+            self.executor.save(step_done)
+        self.stopped_at = step_done
+        self.metrics.message(f"stop requested (signal {self.stop.signal}): checkpoint saved after step {step_done - 1}")
+
+    def _log(self, r: StepResult, val_loss: float | None) -> None:
+        self.tokens += r.tokens
+        self.step_times.append(r.step_time_s)
+        self.last_loss = r.loss
+        record = {
+            "step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "update_norm": r.update_norm,
+            "tokens_per_s": r.tokens / r.step_time_s if r.step_time_s > 0 else math.nan,
+            "step_time_s": r.step_time_s, "skipped": r.skipped,
+            "sync_step": is_sync_step(r.step, self.cfg.train.steps, self.cfg.staleness),
+        }
+        if r.update_cosine is not None:  # staleness.diagnostics_every steps (their step_time_s includes it)
+            record.update(update_cosine=r.update_cosine, update_rel_error=r.update_rel_error)
+        record.update(RouterLoadStats.as_metrics(r.router_loads))
+        if val_loss is not None:
+            record["val_loss"] = val_loss
+        self.metrics.log(record)
+        self._count_skip(r)
+
+    def _count_skip(self, r: StepResult) -> None:
+        """Every rank counts: the skip decision comes from the all-reduced norm, so all ranks see the same
+        skips and abort at the same step (no rank is left waiting for the others)."""
+        self.skipped += r.skipped
+        self.consecutive_skips = self.consecutive_skips + 1 if r.skipped else 0
+        if r.skipped:
+            self.metrics.message(f"step {r.step}: non-finite gradient, update skipped on every stage")
+        if self.consecutive_skips >= self.cfg.train.max_consecutive_skips:
+            raise TrainingAborted(
+                f"{self.consecutive_skips} consecutive steps had a non-finite gradient (last: step {r.step}); "
+                "lower optimizer.lr or check the data"
+            )
+
+    def _summary(self, wall: float) -> dict:
+        steady = self.step_times[min(5, len(self.step_times) - 1):] if self.step_times else [math.nan]
         return {
-            "steps": t.steps,
+            "steps": self.cfg.train.steps,
             "stopped_at": self.stopped_at,
-            "final_loss": stats.loss if stats is not None else math.nan,
-            "final_val_loss": val_loss,
-            "skipped_steps": skipped,
-            "tokens": tokens,
+            "final_loss": self.last_loss,
+            "final_val_loss": self.val_loss,
+            "skipped_steps": self.skipped,
+            "tokens": self.tokens,
             "wall_time_s": wall,
             "mean_step_time_s": sum(steady) / len(steady),
-            "tokens_per_s": tokens / wall,
+            "tokens_per_s": self.tokens / wall,
+            **self.executor.summary(wall),
         }
-
-
-def _moe_stats(model: nn.Module) -> dict[str, float]:
-    """The auxiliary loss of the step's last microbatch (the loads come from RouterLoadStats: the
-    whole step's, per layer, as the pipeline logs them)."""
-    stats = getattr(model, "moe_stats", None)
-    return {k: v for k, v in stats().items() if k == "moe/aux_loss"} if callable(stats) else {}

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from asyncpp.train.checkpoint import list_checkpoints
-from asyncpp.train.trainer import Trainer, build_simulator
+from asyncpp.reference.executor import ReferenceExecutor
+from asyncpp.train.trainer import Trainer
 from tests.dist.harness import run_ranks
 from tests.dist.workers import data_for, make_config, optimizer_factory, pipeline_rank
 from tests.threads import single_thread
@@ -56,16 +57,12 @@ def test_checkpoint_saved_by_two_stages_resumes_in_one_process(tmp_path):
     torch.manual_seed(0)  # different init on purpose: everything must come from the checkpoint
     model = build_model(model_cfg)
     with single_thread():
-        trainer = Trainer.__new__(Trainer)
-        trainer.cfg, trainer.model = cfg, model
-        trainer.sim = build_simulator(cfg, model, optimizer_factory(cfg)(model))
-        trainer.metrics = type("Quiet", (), {"message": staticmethod(lambda text: None),
-                                             "rewind": staticmethod(lambda step: None)})()
-        trainer.data = data = data_for(cfg, model_cfg.vocab_size)
-        assert trainer.resume() == 3
+        data = data_for(cfg, model_cfg.vocab_size)
+        executor = ReferenceExecutor(cfg, model, optimizer_factory(cfg)(model), data)
+        assert Trainer(cfg, executor).resume() == 3
         m = cfg.train.num_microbatches
         for t in range(3, cfg.train.steps):
-            stats = trainer.sim.step(t, [data.train_microbatch(t * m + j) for j in range(m)])
+            stats = executor.sim.step(t, [data.train_microbatch(t * m + j) for j in range(m)])
             assert stats.loss == pytest.approx(full[t]["loss"], rel=1e-6), t
     for name, p in model.named_parameters():
         ref = full_params.get(name, full_params.get("lm_head.weight"))

@@ -42,13 +42,13 @@ def poisoned_rank(rank: int, cfg_dict: dict, poison: list[int]) -> dict:
     """The last stage's loss is NaN at the `poison` steps (a bad batch)."""
     import asyncpp.pipeline.executor as pipeline
 
-    original = pipeline.PipelineRun._forward
+    original = pipeline.PipelineExecutor._forward
 
     def forward(self, step, microbatch, x):
         out = original(self, step, microbatch, x)
         return out * float("nan") if self.spec.is_last and step in poison else out
 
-    pipeline.PipelineRun._forward = forward
+    pipeline.PipelineExecutor._forward = forward
     try:
         return pipeline_rank(rank, cfg_dict)
     except Exception as e:  # noqa: BLE001 - the message is what the test checks

@@ -9,8 +9,9 @@ import pretrain
 from asyncpp.config import RunConfig
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.optim import build_from_config
-from asyncpp.pipeline.executor import PipelineRun
-from asyncpp.train.trainer import build_simulator, evaluate
+from asyncpp.pipeline.executor import PipelineExecutor
+from asyncpp.train.trainer import Trainer
+from asyncpp.reference.executor import build_simulator, evaluate
 from model_zoo import build_model, get_model_config
 from tests.threads import single_thread
 
@@ -59,7 +60,7 @@ def data_for(cfg: RunConfig, vocab: int) -> SyntheticData:
 
 
 class Collect:
-    """The metrics sink PipelineRun.run logs to on the writer rank: keeps the records, drops messages."""
+    """The metrics sink the trainer logs to on the writer rank: keeps the records, drops messages."""
 
     def __init__(self) -> None:
         self.records: list[dict] = []
@@ -69,6 +70,9 @@ class Collect:
 
     def message(self, text: str) -> None:
         pass
+
+    def rewind(self, step: int) -> None:
+        self.records = [r for r in self.records if r["step"] < step]
 
 
 def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
@@ -81,11 +85,12 @@ def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     mesh = Mesh(dims, torch.device("cpu"))
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg)
-    run = PipelineRun(cfg, model, mesh, data_for(cfg, model_cfg.vocab_size), pretrain.optimizer_for(cfg, mesh),
-                      parallelize=pretrain.parallelize_stage(mesh, p.sequence_parallel))
-    run.resume()
+    run = PipelineExecutor(cfg, model, mesh, data_for(cfg, model_cfg.vocab_size), pretrain.optimizer_for(cfg, mesh),
+                           parallelize=pretrain.parallelize_stage(mesh, p.sequence_parallel))
     sink = Collect()
-    summary = run.run(sink if mesh.is_writer else None)
+    trainer = Trainer(cfg, run, sink)
+    trainer.resume()
+    summary = trainer.run()
     params = {n: p.detach().clone() for n, p in run.model.named_parameters()}
     return {"stage": mesh.pp_rank, "dp": mesh.dp_rank, "tp": mesh.tp_rank, "ep": mesh.ep_rank, "records": sink.records,
             "params": params, "summary": summary, "layouts": {n: (l.tp_dim, l.expert) for n, l in run.sharding.items()}}

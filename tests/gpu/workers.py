@@ -16,7 +16,8 @@ from asyncpp.config import RunConfig
 from asyncpp.optim import build_from_config
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.pipeline.p2p import StageComm, wait_for
-from asyncpp.train.trainer import build_simulator
+from asyncpp.reference.executor import build_simulator
+from asyncpp.train.trainer import Trainer
 from model_zoo import build_model, get_model_config
 from tests.dist.workers import Collect, data_for
 
@@ -49,10 +50,10 @@ def gpu_pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     mesh = Mesh(ParallelDims.for_world(torch.distributed.get_world_size(), pp=cfg.parallel.pp), device)
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg, device=device)
-    run = pipeline.PipelineRun(cfg, model, mesh, data_for(cfg, model_cfg.vocab_size),
-                               lambda stage, *_: build_from_config(stage, cfg.optimizer))
+    run = pipeline.PipelineExecutor(cfg, model, mesh, data_for(cfg, model_cfg.vocab_size),
+                                    lambda stage, *_: build_from_config(stage, cfg.optimizer))
     sink = Collect()
-    run.run(sink if mesh.is_writer else None)
+    Trainer(cfg, run, sink).run()
     params = {n: p.detach().cpu().clone() for n, p in run.model.named_parameters()}
     return {"stage": mesh.pp_rank, "records": sink.records, "params": params}
 

@@ -25,7 +25,7 @@ from asyncpp.core.staleness import ErrorFeedback
 from asyncpp.optim import build_from_config
 from asyncpp.pipeline.stage import StageSpec, prune_to_stage
 from asyncpp.pipeline.weights import WeightVersions
-from asyncpp.train.trainer import build_simulator
+from asyncpp.reference.executor import build_simulator
 from model_zoo import build_model, get_model_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,7 +14,7 @@ from asyncpp.analysis.memory import optimizer_state_tensors
 from asyncpp.config import ConfigError, RunConfig
 from asyncpp.optim import build_from_config
 from asyncpp.pipeline.weights import GradSums, WeightVersions, compute_dtype_of
-from asyncpp.train.trainer import build_simulator
+from asyncpp.reference.executor import build_simulator
 from model_zoo import build_model, get_model_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # floats compared bit for bit depend on the matmul blocking
@@ -154,8 +154,8 @@ def test_fp32_precision_is_bit_identical_to_no_precision_option():
     model_cfg = get_model_config("tiny_dense")
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg)
+    from asyncpp.reference.executor import parameter_delays, tied_head_use
     from asyncpp.reference.simulator import DelayedUpdateSimulator
-    from asyncpp.train.trainer import parameter_delays, tied_head_use
 
     sim = DelayedUpdateSimulator(model, build_from_config(model, cfg.optimizer), parameter_delays(model, "2bw", 2),
                                  grad_clip=cfg.train.grad_clip, tied_use=tied_head_use(model, "2bw", 2))

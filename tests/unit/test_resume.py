@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pretrain
+from asyncpp.reference.executor import ReferenceExecutor
 from asyncpp.train import checkpoint as ckpt
 from asyncpp.train.trainer import Trainer
 
@@ -26,22 +27,23 @@ def run(out_dir, *overrides, stop_at: int | None = None):
     cfg, model_cfg = pretrain.resolve(pretrain.compose([f"out_dir={out_dir}", *BASE, *overrides]))
     torch.manual_seed(cfg.seed)
     model = pretrain.build_model(model_cfg)
-    trainer = Trainer(cfg, model, pretrain.build_from_config(model, cfg.optimizer),
-                      pretrain.build_data(cfg, model_cfg), pretrain.make_metrics(cfg, model_cfg))
+    executor = ReferenceExecutor(cfg, model, pretrain.build_from_config(model, cfg.optimizer),
+                                 pretrain.build_data(cfg, model_cfg))
+    trainer = Trainer(cfg, executor, pretrain.make_metrics(cfg, model_cfg))
     trainer.resume()
     if stop_at is not None:
-        step = trainer.sim.step
+        step = executor.sim.step
 
         def stopping(t, batches):
             if t == stop_at:
                 raise Stop  # like a preemption right after the step-3 checkpoint
             return step(t, batches)
 
-        trainer.sim.step = stopping
+        executor.sim.step = stopping
     try:
         trainer.run()
     except Stop:
-        trainer.saver.wait()  # the stop comes after a background save of step 3 finished
+        executor.saver.wait()  # the stop comes after a background save of step 3 finished
     finally:
         trainer.metrics.close({})
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from asyncpp.optim import build_optimizer
+from asyncpp.reference.executor import parameter_delays
 from asyncpp.reference.simulator import DelayedUpdateSimulator
-from asyncpp.train.trainer import parameter_delays
 from model_zoo import build_model, get_model_config
 from model_zoo.moe import MoE
 

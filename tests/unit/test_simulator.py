@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from asyncpp.config import StalenessConfig
+from asyncpp.reference.executor import parameter_delays
 from asyncpp.reference.simulator import DelayedUpdateSimulator
 from asyncpp.schedules.registry import is_sync_step, stage_delay, step_delay
-from asyncpp.train.trainer import parameter_delays
 
 torch.set_default_dtype(torch.float32)
 

@@ -16,9 +16,9 @@ from torch import nn
 
 from asyncpp.config import RunConfig, StalenessConfig
 from asyncpp.optim import build_optimizer
+from asyncpp.reference.executor import build_simulator, parameter_delays
 from asyncpp.reference.simulator import DelayedUpdateSimulator
 from asyncpp.schedules.registry import is_sync_step, step_delay
-from asyncpp.train.trainer import build_simulator, parameter_delays
 from pretrain import compose, resolve
 
 A, LR = 2.0, 0.1
@@ -249,7 +249,7 @@ def test_build_simulator_wires_the_staleness_fields():
         "staleness": {"grad_ef_lambda": 0.5, "dc_lambda": 0.1, "weight_prediction": True, "diagnostics_every": 4},
     })
     sim = build_simulator(cfg, model, build_optimizer(model, name="adamw", lr=1e-3, weight_decay=0.1))
-    assert (sim.grad_error_feedback.lam, sim.dc_lambda, sim.weight_prediction, sim.diagnostics_every) == (
+    assert (sim.grad_error_feedback.lam, sim.rule.corrections.dc_lambda, sim.weight_prediction, sim.diagnostics_every) == (
         0.5, 0.1, True, 4)
     assert sim.num_past_versions == 2
 

@@ -1,0 +1,126 @@
+"""The update rule of semantics.md, written once for both executors (the simulator and the pipeline stage).
+
+A step t turns the gradient of b_t, computed on x_{t-d}, into x_{t+1}:
+
+    correct()   DC-ASGD (g += lam_dc g*g (x_t - x_read)), then gradient-level EF (g += lam (g - g_{t-1}))
+    (norm)      the global L2 norm of the corrected gradient: the caller's part, because only the caller knows
+                where the pieces live (one process sums them; a pipeline all-reduces over stages and shards)
+    apply()     LR schedule; skip if the norm is not finite (x_{t+1} = x_t, the version still advances);
+                else clip, the base optimizer's step, update-level Error Feedback; the router-bias update
+
+Megatron's optimizer has the same split (prepare the gradients, take the global norm, step with ready
+gradients), which is also what lets a pipeline start the norm's all-reduce at UPDATE_START and wait for it only
+at UPDATE. Every correction acts only on parameters whose delay at this step is > 0, and each is off (and then
+bit-identical to plain delayed training) at coefficient 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from asyncpp.core.balancing import RouterBiasVersions
+from asyncpp.core.staleness import ErrorFeedback, GradientErrorFeedback, dc_asgd_
+from asyncpp.optim.clip import clip_
+from asyncpp.optim.lr_schedule import lr_multiplier
+
+
+@dataclass(frozen=True)
+class Corrections:
+    """The staleness corrections' coefficients (asyncpp.config.StalenessConfig's subset the rule applies)."""
+
+    ef_lambda: float = 0.0
+    grad_ef_lambda: float = 0.0
+    dc_lambda: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("ef_lambda", "grad_ef_lambda", "dc_lambda"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"staleness.{name}={getattr(self, name)} must be >= 0 (0 turns it off)")
+
+    @classmethod
+    def of(cls, staleness) -> Corrections:
+        return cls(staleness.ef_lambda, staleness.grad_ef_lambda, staleness.dc_lambda)
+
+
+NO_CORRECTIONS = Corrections()
+
+
+@dataclass(frozen=True)
+class UpdateOutcome:
+    lr: float
+    skipped: bool
+    """The norm was not finite: nothing was applied (x_{t+1} = x_t) and no correction buffer moved."""
+
+
+def lr_multiplier_for(cfg) -> Callable[[int], float]:
+    """step -> LR multiplier of cfg.optimizer.schedule over cfg.train.steps (one closure for both executors)."""
+    s = cfg.optimizer.schedule
+    return functools.partial(lr_multiplier, total_steps=cfg.train.steps, warmup_steps=s.warmup_steps, kind=s.kind,
+                             min_lr_ratio=s.min_lr_ratio, decay_fraction=s.decay_fraction)
+
+
+class UpdateRule:
+    """Owns the optimizer step and every correction's state for one set of master weights.
+
+    `masters` are what the optimizer steps (fp32 masters under mixed precision, else the weights themselves);
+    gradients are handed in as a list aligned with them (None where a parameter got none).
+    """
+
+    def __init__(self, optimizer, masters: Sequence[Tensor], *, grad_clip: float = 0.0,
+                 lr_multiplier: Callable[[int], float] | None = None, corrections: Corrections = NO_CORRECTIONS,
+                 balancing: RouterBiasVersions | None = None):
+        self.optimizer = optimizer
+        self.masters = list(masters)
+        self.grad_clip = grad_clip
+        self.lr_multiplier = lr_multiplier
+        self.corrections = corrections
+        self.error_feedback = ErrorFeedback(self.masters, corrections.ef_lambda)
+        self.grad_error_feedback = GradientErrorFeedback(self.masters, corrections.grad_ef_lambda)
+        self.balancing = balancing if balancing else None
+
+    @property
+    def corrects_gradients(self) -> bool:
+        """Whether correct() changes anything (the caller may skip gathering x_t and x_read otherwise)."""
+        return bool(self.corrections.dc_lambda or self.corrections.grad_ef_lambda)
+
+    def correct(self, grads: Sequence[Tensor | None], delayed: Sequence[bool], x_t: Sequence[Tensor] = (),
+                x_read: Sequence[Tensor] = (), only: Sequence[bool] | None = None) -> None:
+        """DC-ASGD, then gradient-level EF, in place on the step's gradient, before its norm is taken.
+
+        x_t: the weights the update will be applied to; x_read: the ones the gradient was computed on (needed
+        only with DC-ASGD). `only[i]` False defers grads[i] to a later call of the same step."""
+        dc_asgd_(grads, x_t, x_read, delayed, self.corrections.dc_lambda, only)
+        self.grad_error_feedback.apply(grads, delayed, only)
+
+    def apply(self, step: int, grads: Sequence[Tensor | None], grad_norm: float, x_t: Sequence[Tensor],
+              delayed: Sequence[bool], loads: Sequence[Tensor] = ()) -> UpdateOutcome:
+        """x_{t+1} from the corrected gradient and its global norm, in place on the masters.
+
+        x_t: the masters' values before this step (read-only; Error Feedback measures u_t against them).
+        loads: b_t's expert loads per balanced router (aux-loss-free balancing), summed over DP."""
+        finite = math.isfinite(grad_norm) and any(g is not None for g in grads)
+        if self.lr_multiplier is not None:
+            self.optimizer.set_lr_multiplier(self.lr_multiplier(step))
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if finite:
+            self._step(grads, grad_norm, x_t, delayed)
+        else:
+            self.grad_error_feedback.discard()
+        if self.balancing is not None:
+            self.balancing.update(step, loads, apply=finite)
+        return UpdateOutcome(lr, not finite)
+
+    def _step(self, grads: Sequence[Tensor | None], grad_norm: float, x_t: Sequence[Tensor],
+              delayed: Sequence[bool]) -> None:
+        clip_([g for g in grads if g is not None], self.grad_clip, grad_norm)
+        for q, g in zip(self.masters, grads):
+            q.grad = g
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.error_feedback.apply(x_t, delayed)
+        self.grad_error_feedback.commit()

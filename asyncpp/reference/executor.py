@@ -1,0 +1,152 @@
+"""The reference executor: the single-process simulator behind the trainer's executor protocol.
+
+Every schedule's mathematics on one device (asyncpp/reference/simulator.py). It can stop, evaluate and save
+at any step boundary, because nothing is in flight between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from asyncpp.config import RunConfig
+from asyncpp.core.loss import lm_loss
+from asyncpp.core.partition import param_stages
+from asyncpp.core.update import lr_multiplier_for
+from asyncpp.pipeline.weights import compute_dtype_of
+from asyncpp.reference.simulator import DelayedUpdateSimulator, TiedUse
+from asyncpp.schedules.registry import is_sync_step, stage_delay
+from asyncpp.train import checkpoint as ckpt
+from asyncpp.train.trainer import DataSource, StepResult
+
+
+def parameter_delays(
+    model: nn.Module, schedule: str, num_stages: int, stage_layers: Sequence[int] | None = None
+) -> list[int]:
+    """Steady-state delay of each trainable parameter, in model.parameters() order."""
+    stages = param_stages(model, num_stages, stage_layers)
+    return [
+        stage_delay(schedule, stages[name], num_stages)
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    ]
+
+
+def tied_head_use(model: nn.Module, schedule: str, num_stages: int) -> TiedUse | None:
+    """With P > 1 a tied embedding has a copy on the first and the last stage; the LM head reads the
+    last stage's copy at the last stage's delay."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(model, "embed", None)
+    if num_stages == 1 or head is None or embed is None or head.weight is not embed.weight:
+        return None
+    return TiedUse(head, "weight", embed.weight, stage_delay(schedule, num_stages - 1, num_stages))
+
+
+def build_simulator(cfg: RunConfig, model: nn.Module, optimizer) -> DelayedUpdateSimulator:
+    s = cfg.staleness
+    return DelayedUpdateSimulator(
+        model,
+        optimizer,
+        parameter_delays(model, cfg.schedule.name, cfg.parallel.pp, cfg.parallel.stage_layers),
+        loss_fn=lm_loss,
+        grad_clip=cfg.train.grad_clip,
+        ef_lambda=s.ef_lambda,
+        lr_multiplier=lr_multiplier_for(cfg),
+        sync_step=lambda t: is_sync_step(t, cfg.train.steps, s),
+        tied_use=tied_head_use(model, cfg.schedule.name, cfg.parallel.pp),
+        grad_ef_lambda=s.grad_ef_lambda,
+        dc_lambda=s.dc_lambda,
+        weight_prediction=s.weight_prediction,
+        diagnostics_every=s.diagnostics_every,
+        compute_dtype=compute_dtype_of(cfg.train.precision),
+    )
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[Tensor], device: torch.device) -> float:
+    """Mean validation loss on the newest weights."""
+    was_training = model.training
+    model.eval()
+    losses = [lm_loss(model, b.to(device)).item() for b in batches]
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+def simulator_state(sim: DelayedUpdateSimulator, model: nn.Module, num_past: int | None = None,
+                    step: int = 0) -> ckpt.StageState:
+    """The simulator's side of a checkpoint: x_t (age 0) and its past versions (ages 1..), u_{t-1}, the
+    optimizer. With `num_past`, fresh buffers are made for that many past versions (for a load). x_t is
+    the optimizer's copy: the fp32 masters under mixed precision (past versions stay in the compute dtype)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if num_past is not None:
+        sim.history.clear()
+        for _ in range(num_past):
+            sim.history.append([torch.empty_like(p) for p in sim.params])
+    versions = {0: [q.detach() for q in sim.masters]}
+    versions.update({age + 1: v for age, v in enumerate(sim.history)})
+    buffers = {"ef": sim.error_feedback.prev_update, "gef": sim.grad_error_feedback.prev_grad}
+    balancing = sim.balancing
+    extra = balancing.reset(step, range(num_past + 1)) if num_past is not None and balancing else balancing.tensors()
+    return ckpt.StageState(names, versions, buffers, sim.optimizer, sim.masters, extra=extra)
+
+
+class ReferenceExecutor:
+    """Runs steps one after another in this process; evaluates, saves and stops at any step boundary."""
+
+    stops_at_any_step = True
+    is_writer = True
+
+    def __init__(self, cfg: RunConfig, model: nn.Module, optimizer, data: DataSource):
+        self.cfg, self.model, self.data = cfg, model, data
+        self.device = torch.device(cfg.train.device)
+        self.sim = build_simulator(cfg, model, optimizer)
+        self.saver = ckpt.Saver(cfg.checkpoint.async_save)
+
+    def resume(self, warn: Callable[[str], None]) -> int | None:
+        """Load the checkpoint checkpoint.resume points at, if any; returns its step."""
+        point = ckpt.resume_point(self.cfg, self.data, warn=warn)
+        if point is None:
+            return None
+        path, step = point
+        past = min(step, self.sim.num_past_versions)
+        ckpt.load(path, simulator_state(self.sim, self.model, num_past=past, step=step), ages=range(past + 1))
+        self.sim.balancing.use(step)
+        self.sim.sync_params()  # mixed precision: the load wrote the fp32 masters
+        return step
+
+    def steps(self, t0: int, t1: int) -> Iterator[StepResult]:
+        for step in range(t0, t1):
+            batches = self._microbatches(step)
+            started = time.perf_counter()
+            s = self.sim.step(step, batches)
+            yield StepResult(step, s.loss, s.grad_norm, s.update_norm, s.lr, s.skipped, s.tokens,
+                             time.perf_counter() - started, s.router_loads, s.update_cosine, s.update_rel_error)
+
+    def _microbatches(self, step: int) -> list[Tensor]:
+        # dp replicas are simulated as m * dp microbatches: global index (t * dp + r) * m + j, as in the pipeline.
+        m = self.cfg.train.num_microbatches * (self.cfg.parallel.dp or 1)
+        return [self.data.train_microbatch(step * m + i).to(self.device) for i in range(m)]
+
+    def val_batches(self) -> list[Tensor]:
+        return self.data.val_batches()
+
+    def evaluate(self, batches: list[Tensor]) -> float:
+        return evaluate(self.model, batches, self.device)
+
+    def save(self, step_done: int) -> None:
+        c = self.cfg
+        self.saver.save(ckpt.checkpoint_root(c), step_done, simulator_state(self.sim, self.model),
+                        config=c.to_dict(), layout={"pp": 1, "dp": 1, "simulated_pp": c.parallel.pp},
+                        keep_last=c.checkpoint.keep_last, data=ckpt.data_position(self.data, step_done, c))
+
+    def stop_agreed(self, requested: bool) -> bool:
+        return requested
+
+    def wait_saves(self) -> None:
+        self.saver.wait()
+
+    def summary(self, wall_s: float) -> dict:
+        return {}
