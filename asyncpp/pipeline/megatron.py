@@ -274,7 +274,9 @@ class Pipeline2BW:
         if self.schedule == "1f1b":
             self._execute(window_1f1b(s, P, m, k))
         else:
-            kind_of(self.schedule).check(P, m)  # 2bw: m >= P, or two versions cannot cover the in-flight work
+            if not kind_of(self.schedule).serves(P, m):  # the registry's rule, in this API's words
+                raise ValueError(f"schedule='{self.schedule}' needs num_microbatches >= pipeline stages, got "
+                                 f"num_microbatches={m} < {P} stages: two weight versions cannot cover the in-flight work")
             if not self.drained and m != self._m:
                 raise ValueError(f"num_microbatches changed from {self._m} to {m} while b_{k - 1} is in flight: "
                                  "call drain() first (e.g. at a batch-size ramp-up)")

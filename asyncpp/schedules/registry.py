@@ -49,11 +49,15 @@ class ScheduleKind:
         d = self.stage_delay(stage, num_stages)
         return d + 1 + (1 if weight_prediction and d else 0)
 
+    def serves(self, num_stages: int, num_microbatches: int) -> bool:
+        """Whether two-or-more weight versions cover the in-flight work of P stages with m microbatches."""
+        return num_stages >= 1 and num_microbatches >= (num_stages if self.min_microbatches_per_stage else 1)
+
     def check(self, num_stages: int, num_microbatches: int) -> None:
         """Raise ScheduleKindError, naming both numbers and the fix, if (P, m) cannot be served."""
         if num_stages < 1 or num_microbatches < 1:
             raise ScheduleKindError(f"need num_stages >= 1 and num_microbatches >= 1, got {num_stages}, {num_microbatches}")
-        if self.min_microbatches_per_stage and num_microbatches < num_stages:
+        if not self.serves(num_stages, num_microbatches):
             raise ScheduleKindError(
                 f"schedule={self.name} needs train.num_microbatches >= parallel.pp, got train.num_microbatches="
                 f"{num_microbatches} < parallel.pp={num_stages}: with fewer microbatches than stages two weight "
