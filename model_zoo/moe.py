@@ -93,7 +93,7 @@ def load_balancing_loss(probs: Tensor, topk_idx: Tensor, num_experts: int) -> tu
     differentiable) and P_i the mean router probability of expert i. A uniform router gives 1.0
     for any k. Returns (loss, tokens_per_expert [E]).
     """
-    counts = torch.bincount(topk_idx.flatten(), minlength=num_experts)
+    counts = expert_counts(topk_idx, num_experts)
     frac = counts.to(probs.dtype) / topk_idx.numel()
     return num_experts * torch.sum(frac * probs.mean(dim=0)), counts
 
@@ -194,7 +194,16 @@ def sort_assignments(idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Ten
     flat = idx.flatten()
     order = torch.argsort(flat, stable=True)
     token_of = torch.div(order, idx.shape[1], rounding_mode="floor")  # assignment j is token j // k
-    return order, token_of, torch.bincount(flat, minlength=num_experts)
+    return order, token_of, expert_counts(flat, num_experts)
+
+
+def expert_counts(idx: Tensor, num_experts: int) -> Tensor:
+    """Assignments per expert [E] int64 of the expert indices `idx` (any shape). torch.bincount's CUDA
+    kernel reads idx.max() on the host to size its output (a host sync, twice per MoE layer per
+    forward); the size is known here, so a scatter-add does it on the device. Integer adds are exact in
+    any order, so the counts equal bincount's bit for bit."""
+    flat = idx.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 # ---- the module ----------------------------------------------------------------------------------

@@ -332,3 +332,12 @@ def test_moe_switch_routes_the_experts_to_the_decided_kernel(monkeypatch) -> Non
     moe.use_grouped_mm = False  # the switch off: the decision is not even asked
     moe.experts_grouped(x, weight, idx)
     assert seen == ["grouped_mm", "bmm"]
+
+
+def test_expert_counts_equal_bincount() -> None:
+    from model_zoo.moe import expert_counts
+
+    idx = torch.randint(0, 7, (50, 3), generator=torch.Generator().manual_seed(2))
+    idx[idx == 5] = 4  # an expert with no assignment
+    assert torch.equal(expert_counts(idx, 9), torch.bincount(idx.flatten(), minlength=9))
+    assert expert_counts(idx, 9).dtype == torch.int64
