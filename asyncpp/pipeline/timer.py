@@ -158,6 +158,11 @@ class StageTimer:
         self._resolve(block=True)
         return self._done
 
+    def clear(self) -> None:
+        """Forget every event recorded so far, pending ones too (without waiting for them)."""
+        self._done.clear()
+        self._pending.clear()
+
     def elapsed(self) -> float:
         """Seconds from the origin to now on this clock: on CUDA, until the work queued so far is done."""
         return self.clock.seconds(self._origin_mark, self.clock.mark())
