@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -158,7 +157,7 @@ class PipelineRun:
             raise ValueError(f"the run already reached train.steps={t.steps} (resumed at step {self.start_step}); "
                              "raise train.steps to train further")
         dist.barrier()  # a common time origin for every stage's timeline (same-host clocks)
-        started = self.engine.timer.origin = time.perf_counter()
+        started = self.engine.timer.restart()
         self._log = _StepLog(metrics, started, t.max_consecutive_skips)
         val_loss = math.nan
         ck = cfg.checkpoint
@@ -266,7 +265,7 @@ class PipelineRun:
         return out
 
     def _summary(self, started: float, val_loss: float) -> dict:
-        wall = time.perf_counter() - started
+        wall = self.engine.timer.elapsed()  # on the device's clock, like busy()
         busy = self.engine.timer.busy()
         per_stage = [None] * dist.get_world_size()
         dist.all_gather_object(per_stage, {"stage": self.spec.stage, "busy_s": busy, "wall_s": wall,
