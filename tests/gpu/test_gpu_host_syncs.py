@@ -1,7 +1,7 @@
 """The hot path's device helpers add no host synchronisation (opt-in: `pytest -m gpu tests/gpu`).
 
 torch.cuda.set_sync_debug_mode("error") raises on any call that makes the host wait for the device:
-the token copy (data.transfer.to_device) and the event timer (asyncpp.pipeline.timer) must pass under
+the token copy (asyncpp.pipeline.transfer.to_device) and the event timer (asyncpp.pipeline.timer) must pass under
 it, while the pageable copy they replace must not.
 """
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from asyncpp.pipeline.timer import stage_timer
+from asyncpp.pipeline.transfer import to_device
 from asyncpp.schedules.actions import Action, Op
-from data.transfer import to_device
 
 pytestmark = [
     pytest.mark.gpu,

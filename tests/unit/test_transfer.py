@@ -1,12 +1,12 @@
-"""data.transfer.to_device: plain on the CPU; on CUDA the copy is staged through pinned memory and queued
-with non_blocking (checked on a stand-in tensor that records the calls; tests/gpu checks a real GPU with
-torch.cuda's sync debug mode)."""
+"""asyncpp.pipeline.transfer.to_device: plain on the CPU; on CUDA the copy is staged through pinned memory
+and queued with non_blocking (checked on a stand-in tensor that records the calls; tests/gpu checks a real
+GPU with torch.cuda's sync debug mode)."""
 
 from __future__ import annotations
 
 import torch
 
-from data.transfer import to_device
+from asyncpp.pipeline.transfer import to_device
 
 CUDA0 = torch.device("cuda", 0)
 
