@@ -27,6 +27,7 @@ from asyncpp.parallel.sharding import ShardingPlan, global_view, layout_of
 from asyncpp.pipeline.engine import StageEngine, StepRecord
 from asyncpp.pipeline.p2p import StageComm
 from asyncpp.pipeline.stage import StageSpec, prune_to_stage, stage_forward, tied_parameters
+from asyncpp.pipeline.transfer import to_device
 from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
@@ -120,7 +121,7 @@ class PipelineRun:
     def _tokens(self, step: int, microbatch: int) -> Tensor:
         """Global microbatch index (t * dp + dp_rank) * m + j: DP=2 with m equals DP=1 with 2m."""
         index = (step * self.mesh.dims.dp + self.mesh.dp_rank) * self.m + microbatch
-        return self.data.train_microbatch(index).to(self.mesh.device)
+        return to_device(self.data.train_microbatch(index), self.mesh.device)  # CUDA: pinned, no host sync
 
     def _forward(self, step: int, microbatch: int, x: Tensor | None) -> Tensor:
         tokens = self._tokens(step, microbatch) if (self.spec.is_first or self.spec.is_last) else None
@@ -135,7 +136,7 @@ class PipelineRun:
         self.engine.versions.use(self.engine.versions.newest)
         comm, total = self.engine.comm, 0.0
         for b in batches:
-            b = b.to(self.mesh.device) if b is not None else None
+            b = to_device(b, self.mesh.device) if b is not None else None
             x = b[:, :-1] if self.spec.is_first else comm.recv_forward("a validation activation")
             out = stage_forward(self.model, self.spec, x)
             if self.spec.is_last:
