@@ -178,16 +178,22 @@ class StageTimer:
         return {kind: sum(v) / len(v) for kind, v in sums.items()}
 
     def end_of(self, op: Op, step: int) -> float:
-        """Host-clock (perf_counter) time at which `op` of `step` finished on the device."""
-        for e in reversed(self.events):
+        """Host-clock (perf_counter) time at which the last `op` of `step` finished on the device. Waits
+        for that event only, never for later ones (logging reads a step that is two updates old)."""
+        last = max((i for i, (a, _, _, kind) in enumerate(self._pending) if kind == op.value and a.step == step),
+                   default=-1)
+        self._resolve(block=True, count=last + 1)
+        for e in reversed(self._done):
             if e.kind == op.value and e.step == step:
                 return e.end + self.origin_s
         raise KeyError(f"no {op.value} event for step {step}")
 
-    def _resolve(self, block: bool) -> None:
-        """Turn pending marks into events, oldest first; without `block`, stop at the first mark the
-        device has not reached (so the hot path never waits)."""
-        while self._pending:
+    def _resolve(self, block: bool, count: int | None = None) -> None:
+        """Turn pending marks into events, oldest first (at most `count` of them); without `block`, stop
+        at the first mark the device has not reached (so the hot path never waits)."""
+        while self._pending and (count is None or count > 0):
+            if count is not None:
+                count -= 1
             action, start, end, kind = self._pending[0]
             if not block and not self.clock.ready(end):
                 return

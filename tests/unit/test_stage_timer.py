@@ -123,6 +123,8 @@ def test_cuda_hot_path_never_waits_and_resolves_in_order() -> None:
     assert dev.syncs == 0
     assert [e.label for e in timer._done] == ["F0.0@v0"]  # resolved on the way, the rest still pending
     assert len(timer._pending) == 2
+    assert timer.end_of(Op.FORWARD, 0) == pytest.approx(timer.origin_s + 2.0)  # the last F of step 0: F0.1
+    assert dev.reached == 2.0 and len(timer._pending) == 1  # waited for F0.1's end only, not for B0.0
     assert [e.label for e in timer.events] == ["F0.0@v0", "F0.1@v0", "B0.0@v0"]  # reading waits
     assert dev.syncs > 0 and not timer._pending
     start = timer.now()
