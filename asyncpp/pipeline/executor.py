@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from asyncpp.parallel.sharding import ShardingPlan, global_view, layout_of
 from asyncpp.pipeline.engine import StageEngine, StepRecord
 from asyncpp.pipeline.p2p import StageComm
 from asyncpp.pipeline.stage import StageSpec, prune_to_stage, stage_forward, tied_parameters
+from asyncpp.pipeline.transfer import to_device
 from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
@@ -107,7 +107,7 @@ class PipelineExecutor:
     def _tokens(self, step: int, microbatch: int) -> Tensor:
         """Global microbatch index (t * dp + dp_rank) * m + j: DP=2 with m equals DP=1 with 2m."""
         index = (step * self.mesh.dims.dp + self.mesh.dp_rank) * self.m + microbatch
-        return self.data.train_microbatch(index).to(self.mesh.device)
+        return to_device(self.data.train_microbatch(index), self.mesh.device)  # CUDA: pinned, no host sync
 
     def _forward(self, step: int, microbatch: int, x: Tensor | None) -> Tensor:
         tokens = self._tokens(step, microbatch) if (self.spec.is_first or self.spec.is_last) else None
@@ -122,7 +122,7 @@ class PipelineExecutor:
         self.engine.versions.use(self.engine.versions.newest)
         comm, total = self.engine.comm, 0.0
         for b in batches:
-            b = b.to(self.mesh.device) if b is not None else None
+            b = to_device(b, self.mesh.device) if b is not None else None
             x = b[:, :-1] if self.spec.is_first else comm.recv_forward("a validation activation")
             out = stage_forward(self.model, self.spec, x)
             if self.spec.is_last:
@@ -146,7 +146,7 @@ class PipelineExecutor:
         norm, which rides a later step's reduction, has arrived (two updates later), or at the drain."""
         if self._started is None:
             dist.barrier()  # a common time origin for every stage's timeline (same-host clocks)
-            self._started = self._last_end = self.engine.timer.origin = time.perf_counter()
+            self._started = self._last_end = self.engine.timer.restart()
         todo = list(range(t0, t1))
         actions = segment_actions(self.cfg.schedule.name, self.spec.stage, self.mesh.num_stages, self.m,
                                   self.delays, t0, t1)
@@ -181,10 +181,10 @@ class PipelineExecutor:
         self.saver.wait()
 
     def summary(self, wall_s: float) -> dict:
-        """Per-stage busy time and bubble (collective)."""
-        busy = self.engine.timer.busy()
+        """Per-stage busy time and bubble (collective), both on the device's clock (the timer's)."""
+        wall, busy = self.engine.timer.elapsed(), self.engine.timer.busy()
         per_stage = [None] * dist.get_world_size()
-        dist.all_gather_object(per_stage, {"stage": self.spec.stage, "busy_s": busy, "wall_s": wall_s,
+        dist.all_gather_object(per_stage, {"stage": self.spec.stage, "busy_s": busy, "wall_s": wall,
                                            **self.engine.timer.mean_durations()})
         bubbles = [1.0 - s["busy_s"] / s["wall_s"] for s in per_stage]
         return {
