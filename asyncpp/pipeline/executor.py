@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,6 +20,7 @@ from torch import Tensor, nn
 from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
 from asyncpp.core.loss import cross_entropy
+from asyncpp.core.records import DataSource, StepResult
 from asyncpp.core.update import Corrections, lr_multiplier_for
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import ShardingPlan, global_view, layout_of
@@ -33,8 +33,6 @@ from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
 from asyncpp.schedules.registry import kind_of, step_delay
 from asyncpp.train import checkpoint as ckpt
-from asyncpp.train.timeline import plot_gantt, write_chrome_trace
-from asyncpp.train.trainer import DataSource, StepResult
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Parallelize = Callable[[nn.Module], tuple[ShardingPlan, LossFn]]
@@ -238,21 +236,14 @@ class PipelineExecutor:
             balancing.use(step)
         return step
 
-    def write_timeline(self, out_dir: str, max_steps: int = 6) -> None:
-        """Every stage's measured events -> timeline.json (Chrome trace) and timeline.png (Gantt of
-        the first `max_steps` steps after warm-up), written by the metrics rank. Collective."""
+    def timeline_events(self) -> list | None:
+        """Every stage's measured events (DP and TP rank 0 of each), on the metrics rank; None elsewhere.
+        Collective."""
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (self.mesh.dp_rank, self.mesh.tp_rank, self.engine.timer.events))
         if not self.mesh.is_writer:
-            return
-        events = [e for dp, tp, evs in gathered if dp == 0 and tp == 0 for e in evs]
-        write_chrome_trace(events, Path(out_dir) / "timeline.json")
-        first, last = 1, min(self.cfg.train.steps - 1, 1 + max_steps)
-        window = [e for e in events if first <= e.step <= last]
-        if window:
-            plot_gantt(window, Path(out_dir) / "timeline.png",
-                       title=f"{self.cfg.schedule.name}: P={self.mesh.num_stages}, m={self.m}, steps {first}-{last}",
-                       xlim=(min(e.start for e in window), max(e.end for e in window)))
+            return None
+        return [e for dp, tp, evs in gathered if dp == 0 and tp == 0 for e in evs]
 
 
 _NAN_RECORD = StepRecord(-1)

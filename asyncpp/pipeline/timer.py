@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from asyncpp.schedules.actions import Action, Op
-from asyncpp.train.timeline import TimelineEvent
+from asyncpp.schedules.events import TimelineEvent
 
 MIN_IDLE_S = 1e-4
 """An "idle" span shorter than this is the clock's own noise (a wait that found its data ready), not a

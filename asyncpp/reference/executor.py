@@ -15,13 +15,13 @@ from torch import Tensor, nn
 from asyncpp.config import RunConfig
 from asyncpp.core.loss import lm_loss
 from asyncpp.core.partition import param_stages
+from asyncpp.core.records import DataSource, StepResult
 from asyncpp.core.update import lr_multiplier_for
 from asyncpp.pipeline.transfer import to_device
 from asyncpp.pipeline.weights import compute_dtype_of
 from asyncpp.reference.simulator import DelayedUpdateSimulator, TiedUse
 from asyncpp.schedules.registry import is_sync_step, stage_delay
 from asyncpp.train import checkpoint as ckpt
-from asyncpp.train.trainer import DataSource, StepResult
 
 
 def parameter_delays(

@@ -23,8 +23,9 @@ from dataclasses import dataclass, fields
 
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_pipeline
+from asyncpp.schedules.events import TimelineEvent
 from asyncpp.schedules.invariants import dependencies, execution_order, peak_in_flight, peak_versions
-from asyncpp.train.timeline import TimelineEvent
+from asyncpp.schedules.registry import stage_delay
 
 Cost = float | Sequence[float]
 
@@ -166,7 +167,6 @@ def _label(a: Action) -> str:
 
 def steady_delays(kind: str, num_stages: int, num_steps: int) -> list[list[int]]:
     """Per-stage delays of a run without sync start/cooldown (asyncpp.schedules.registry.stage_delay)."""
-    from asyncpp.schedules.registry import stage_delay
 
     return [[stage_delay(kind, s, num_stages)] * num_steps for s in range(num_stages)]
 
