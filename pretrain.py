@@ -31,6 +31,7 @@ from asyncpp.reference.executor import ReferenceExecutor
 from asyncpp.train.metrics import MetricsLogger
 from asyncpp.train.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from asyncpp.train.preemption import StopFlag
+from asyncpp.train.timeline import write_run_timeline
 from asyncpp.train.trainer import Trainer
 from model_zoo import ModelConfig, build_model, count_parameters, get_model_config
 from model_zoo.backends import prepare_model
@@ -213,7 +214,10 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
         summary = {}
         try:
             summary = trainer.run()
-            executor.write_timeline(cfg.out_dir)
+            events = executor.timeline_events()
+            if events is not None:
+                write_run_timeline(events, cfg.out_dir, f"{cfg.schedule.name}: P={mesh.num_stages}, "
+                                   f"m={cfg.train.num_microbatches}", cfg.train.steps)
         finally:
             if metrics is not None:
                 (Path(cfg.out_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))

@@ -11,6 +11,8 @@ every expert here; asyncpp.parallel.experts installs one that shards them over T
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from collections.abc import Callable
 from typing import Literal, Protocol
@@ -19,8 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model_zoo.backends.kernels import cuda_capability
 from model_zoo.config import MoEConfig
 from model_zoo.layers import SwiGLU
+
+_LOG = logging.getLogger(__name__)
 
 ExpertFn = Callable[[Tensor, Tensor], Tensor]
 """(rows [M, d] sorted by local expert, counts [E_local] int64 summing to M) -> outputs [M, d], same order."""
@@ -88,16 +93,48 @@ def load_balancing_loss(probs: Tensor, topk_idx: Tensor, num_experts: int) -> tu
     differentiable) and P_i the mean router probability of expert i. A uniform router gives 1.0
     for any k. Returns (loss, tokens_per_expert [E]).
     """
-    counts = torch.bincount(topk_idx.flatten(), minlength=num_experts)
+    counts = expert_counts(topk_idx, num_experts)
     frac = counts.to(probs.dtype) / topk_idx.numel()
     return num_experts * torch.sum(frac * probs.mean(dim=0)), counts
 
 
 # ---- grouped expert computation ------------------------------------------------------------------
 
-def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """torch._grouped_mm's CUDA kernel (bf16, SM80+) exists here; elsewhere the padded bmm is used."""
-    return device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+@functools.cache
+def _log_once(message: str) -> None:
+    """Every MoE layer reaches the same decision: say it once per process, not once per layer."""
+    _LOG.warning(message)
+
+
+def grouped_mm_unsupported(device: torch.device, dtype: torch.dtype, widths: tuple[int, ...],
+                           capability: tuple[int, int] | None = None) -> str:
+    """Why torch._grouped_mm's CUDA kernel cannot run the experts here ("" if it can).
+
+    `widths` are the expert matrices' inner sizes (hidden size d, expert ffn f, after any TP split):
+    the kernel needs every row of every operand 16-byte aligned. `capability` is the GPU's (major,
+    minor), probed when None. Off CUDA the answer is always a reason: the padded bmm is the reference.
+    """
+    if device.type != "cuda":
+        return f"the device is {device.type}, and torch._grouped_mm's kernel is CUDA's (the padded bmm is the reference)"
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm (torch >= 2.8 has it)"
+    if dtype != torch.bfloat16:
+        return (f"the experts compute in {dtype}, and torch._grouped_mm's CUDA kernel takes bfloat16 only "
+                "(train.precision=bf16 uses it)")
+    major, minor = capability if capability is not None else cuda_capability(device)
+    if major < 8:
+        return f"the GPU has compute capability {major}.{minor}, and torch._grouped_mm needs 8.0 (Ampere) or newer"
+    align = 16 // dtype.itemsize
+    unaligned = [w for w in widths if w % align]
+    if unaligned:
+        return (f"expert widths {list(widths)} (hidden size, expert ffn size on this rank) must be multiples of "
+                f"{align} for torch._grouped_mm's 16-byte-aligned rows; {unaligned} are not")
+    return ""
+
+
+def grouped_mm_available(device: torch.device, dtype: torch.dtype, widths: tuple[int, ...] = ()) -> bool:
+    """torch._grouped_mm's CUDA kernel (bf16, SM80+, aligned widths) can run here; elsewhere the padded bmm is used."""
+    return not grouped_mm_unsupported(device, dtype, widths)
 
 
 def grouped_swiglu(rows: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
@@ -157,7 +194,16 @@ def sort_assignments(idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Ten
     flat = idx.flatten()
     order = torch.argsort(flat, stable=True)
     token_of = torch.div(order, idx.shape[1], rounding_mode="floor")  # assignment j is token j // k
-    return order, token_of, torch.bincount(flat, minlength=num_experts)
+    return order, token_of, expert_counts(flat, num_experts)
+
+
+def expert_counts(idx: Tensor, num_experts: int) -> Tensor:
+    """Assignments per expert [E] int64 of the expert indices `idx` (any shape). torch.bincount's CUDA
+    kernel reads idx.max() on the host to size its output (a host sync, twice per MoE layer per
+    forward); the size is known here, so a scatter-add does it on the device. Integer adds are exact in
+    any order, so the counts equal bincount's bit for bit."""
+    flat = idx.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 # ---- the module ----------------------------------------------------------------------------------
@@ -187,8 +233,11 @@ class MoE(nn.Module):
         # a trainer that scales each microbatch's LM loss by 1/m can set 1/m here to match.
         self.aux_grad_scale = 1.0
         self.bias_update_rate = cfg.bias_update_rate
-        # The one switch for torch._grouped_mm; honoured where grouped_mm_available(), else padded bmm.
-        self.use_grouped_mm = False
+        # The one switch for torch._grouped_mm: on by default, honoured where grouped_mm_unsupported() finds
+        # no reason against it (CUDA, bf16, SM80+, aligned widths); elsewhere the padded bmm runs, and on
+        # CUDA the reason is logged once. The choice per (device, dtype) is made at first use and kept.
+        self.use_grouped_mm = True
+        self._kernels: dict[tuple[torch.device, torch.dtype], Kernel] = {}
         # Parallel plans replace this (asyncpp.parallel.experts.parallelize_moe); the model never looks inside.
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.router = nn.Linear(d, E, bias=False)
@@ -257,8 +306,19 @@ class MoE(nn.Module):
         return torch.zeros_like(x).index_add_(0, token_of, y * w_sorted[:, None])
 
     def _local_experts(self, rows: Tensor, counts: Tensor) -> Tensor:
-        fast = self.use_grouped_mm and grouped_mm_available(rows.device, rows.dtype)
-        return grouped_swiglu(rows, counts, self.w_gate, self.w_up, self.w_down, "grouped_mm" if fast else "bmm")
+        kernel = self.expert_kernel(rows.device, rows.dtype) if self.use_grouped_mm else "bmm"
+        return grouped_swiglu(rows, counts, self.w_gate, self.w_up, self.w_down, kernel)
+
+    def expert_kernel(self, device: torch.device, dtype: torch.dtype) -> Kernel:
+        """The grouped kernel for experts computing on `device` in `dtype` (decided once per pair)."""
+        key = (device, dtype)
+        if key not in self._kernels:
+            # The local expert matrices: w_gate/w_up [E, f, d], w_down [E, d, f] (f already TP-split).
+            why = grouped_mm_unsupported(device, dtype, (self.w_gate.shape[2], self.w_gate.shape[1]))
+            if why and device.type == "cuda":
+                _log_once(f"MoE experts use the padded bmm instead of torch._grouped_mm: {why}")
+            self._kernels[key] = "bmm" if why else "grouped_mm"
+        return self._kernels[key]
 
     def experts_reference(self, x: Tensor, weight: Tensor, idx: Tensor) -> Tensor:
         """Loop over experts that received tokens: gather, SwiGLU, scale by router weight, scatter-add.

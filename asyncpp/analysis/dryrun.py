@@ -25,7 +25,7 @@ from asyncpp.core.staleness import ErrorFeedback
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.parallel.sharding import ShardingPlan, layout_of
 from asyncpp.pipeline.stage import StageSpec
-from asyncpp.pipeline.weights import compute_dtype_of
+from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
 from asyncpp.schedules.registry import kind_of
 
 BuildStage = Callable[[Mesh, StageSpec], tuple[nn.Module, ShardingPlan]]
@@ -74,7 +74,6 @@ def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, version
 
 def stage_report(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, build_stage: BuildStage,
                  build_optimizer: BuildOptimizer) -> dict:
-    from asyncpp.pipeline.weights import WeightVersions
 
     stage, plan = build_stage(mesh, spec)
     named = [(n, p) for n, p in stage.named_parameters() if p.requires_grad]

@@ -27,6 +27,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from asyncpp.schedules.actions import Op
+from asyncpp.schedules.build import build_schedule
+
 ALLOCATED, ESTIMATED = "allocated", "estimated"
 _MIB = 1024 * 1024
 
@@ -283,8 +286,6 @@ def measure_saved_activations(fn: Callable[[], Any], exclude: Iterable[Tensor] =
 def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_microbatches: int, steps: int = 3) -> int:
     """Most microbatches whose forward ran and backward did not, at once, on `stage` (from the
     schedule's own action list, so it is right for every kind: m for GPipe, P - s for 1F1B/2BW)."""
-    from asyncpp.schedules.actions import Op
-    from asyncpp.schedules.build import build_schedule
 
     delay = 0 if schedule in ("sync", "gpipe", "1f1b") else 1
     live = peak = 0

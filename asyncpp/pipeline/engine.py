@@ -17,7 +17,6 @@ The gradient of a step is (sum of microbatch gradients) * grad_scale, like the s
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -31,9 +30,9 @@ from asyncpp.optim.clip import grad_sq_norm
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
 from asyncpp.pipeline.p2p import StageComm, wait_for
+from asyncpp.pipeline.timer import stage_timer
 from asyncpp.pipeline.weights import WeightVersions
 from asyncpp.schedules.actions import Action, Op
-from asyncpp.train.timeline import TimelineEvent
 
 ForwardFn = Callable[[int, int, "Tensor | None"], Tensor]
 """forward_fn(step, microbatch, input_activation_or_None) -> output activation, or the scalar loss
@@ -76,38 +75,6 @@ class _PendingUpdate:
     """The last stage's tied-embedding all-reduce, waited for only in UPDATE."""
     loads: list[Tensor] = field(default_factory=list)
     """b_t's expert loads per balanced router, summed over DP (aux-loss-free balancing)."""
-
-
-@dataclass
-class StageTimer:
-    """What this stage did and when (seconds since `origin`). F/B/U0/U are busy time; waiting for
-    an activation, a gradient or a reduction is idle (recorded as "idle" only for reductions)."""
-
-    stage: int
-    events: list[TimelineEvent] = field(default_factory=list)
-    origin: float = field(default_factory=time.perf_counter)
-
-    def add(self, action: Action, start: float, end: float, kind: str | None = None) -> None:
-        kind = kind or action.op.value
-        self.events.append(TimelineEvent(self.stage, str(action), start - self.origin, end - self.origin, kind,
-                                         action.step, action.microbatch))
-
-    def busy(self) -> float:
-        return sum(e.duration for e in self.events if e.kind != "idle")
-
-    def mean_durations(self) -> dict[str, float]:
-        """Mean duration of each kind of event (F, B, U0, U, idle): per-op costs for the cost model."""
-        sums: dict[str, list[float]] = {}
-        for e in self.events:
-            sums.setdefault(e.kind, []).append(e.duration)
-        return {kind: sum(v) / len(v) for kind, v in sums.items()}
-
-    def end_of(self, op: Op, step: int) -> float:
-        """Absolute perf_counter time at which `op` of `step` finished."""
-        for e in reversed(self.events):
-            if e.kind == op.value and e.step == step:
-                return e.end + self.origin
-        raise KeyError(f"no {op.value} event for step {step}")
 
 
 class StageEngine:
@@ -167,7 +134,7 @@ class StageEngine:
         # gradient-norm all-reduce (no extra collective). Lag 2: in 2BW the last stage starts the
         # reduction of b_{t+1} before it applies x_{t+1}, but always after it applied x_t.
         self._update_sq: dict[int, float] = {}
-        self.timer = StageTimer(mesh.pp_rank)
+        self.timer = stage_timer(mesh.pp_rank, mesh.device)  # perf_counter on CPU, CUDA events on CUDA
 
     def _counted(self, tied: bool, layout: ParamSharding) -> bool:
         """Whether this rank's copy enters the global norms (all-reduced over mesh.norm_group): every
@@ -200,7 +167,7 @@ class StageEngine:
         x = None
         if not self.mesh.is_first_stage:
             x = self.comm.recv_forward(f"the input activation of {a}").requires_grad_()
-        start = time.perf_counter()
+        start = self.timer.now()
         self._use(a)
         self._read_version[a.step] = a.version
         if self.balancing is not None:
@@ -215,24 +182,24 @@ class StageEngine:
         else:
             self.comm.send_forward(out)
         self.inflight[(a.step, a.microbatch)] = (x, out)
-        self.timer.add(a, start, time.perf_counter())
+        self.timer.add(a, start, self.timer.now())
 
     def _backward(self, a: Action) -> None:
         x, out = self.inflight.pop((a.step, a.microbatch))
         grad = None if self.mesh.is_last_stage else self.comm.recv_backward(f"the output gradient of {a}")
-        start = time.perf_counter()
+        start = self.timer.now()
         self._use(a)
         backward_through(out, grad)
         if x is not None:
             self.comm.send_backward(x.grad)
-        self.timer.add(a, start, time.perf_counter())
+        self.timer.add(a, start, self.timer.now())
 
     def _use(self, a: Action) -> None:
         """Point the module at the version `a` reads (its weight prediction for delayed steps, if on)."""
         self.versions.use(a.version, predicted=self.is_delayed(a.step))
 
     def _update_start(self, a: Action) -> None:
-        start = time.perf_counter()
+        start = self.timer.now()
         grads = self.versions.take_grads()  # in the masters' dtype (fp32 sums under bf16 compute)
         # Sum over microbatches, replicas and the tied pair first, scale once at the end: the
         # simulator's order of floating-point operations.
@@ -261,7 +228,7 @@ class StageEngine:
         self.pending[a.step] = _PendingUpdate(
             grads, reduction, work, lagged if update_sq is not None else None, tied_work, loads,
         )
-        self.timer.add(a, start, time.perf_counter())
+        self.timer.add(a, start, self.timer.now())
 
     def _reduce_partial_tp(self, grads: list[Tensor]) -> None:
         """Tensors replicated over TP whose gradient each TP rank holds only in part (a norm under
@@ -306,7 +273,7 @@ class StageEngine:
 
     def _update(self, a: Action) -> None:
         pending = self.pending.pop(a.step)
-        wait_start = time.perf_counter()
+        wait_start = self.timer.now()
         if pending.work is not None:
             self._wait(pending.work, f"the cross-stage gradient-norm all-reduce of step {a.step}")
         if pending.tied_work is not None:
@@ -314,7 +281,7 @@ class StageEngine:
             tied = [g for g, t in zip(pending.grads, self.tied_mask) if t]
             torch._foreach_mul_(tied, self.grad_scale / self.mesh.dims.dp)
             self._correct(a.step, pending.grads, only=self.tied_mask)  # the tied part was deferred in UPDATE_START
-        start = time.perf_counter()
+        start = self.timer.now()
         grad_sq, update_sq, *loads = pending.reduction.tolist()
         if pending.norm_of_step is not None:
             self._record(pending.norm_of_step).update_norm = math.sqrt(update_sq)
@@ -327,9 +294,8 @@ class StageEngine:
         with torch.no_grad():
             self._update_sq[a.step] = 0.0 if outcome.skipped else grad_sq_norm(
                 [q - x for q, x, c in zip(self.masters, x_t, self.count_in_norm) if c])
-        self.timer.add(a, start, time.perf_counter())
-        if start - wait_start > 1e-4:
-            self.timer.add(a, wait_start, start, kind="idle")
+        self.timer.add(a, start, self.timer.now())
+        self.timer.add(a, wait_start, start, kind="idle")  # dropped if shorter than timer.MIN_IDLE_S
 
     def _correct(self, step: int, grads: list[Tensor], only: list[bool]) -> None:
         """DC-ASGD and gradient-level EF on the gradients marked in `only` (before their norm is taken).

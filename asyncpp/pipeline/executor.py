@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,19 +20,19 @@ from torch import Tensor, nn
 from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
 from asyncpp.core.loss import cross_entropy
+from asyncpp.core.records import DataSource, StepResult
 from asyncpp.core.update import Corrections, lr_multiplier_for
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import ShardingPlan, global_view, layout_of
 from asyncpp.pipeline.engine import StageEngine, StepRecord
 from asyncpp.pipeline.p2p import StageComm
 from asyncpp.pipeline.stage import StageSpec, prune_to_stage, stage_forward, tied_parameters
+from asyncpp.pipeline.transfer import to_device
 from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
 from asyncpp.schedules.registry import kind_of, step_delay
 from asyncpp.train import checkpoint as ckpt
-from asyncpp.train.timeline import plot_gantt, write_chrome_trace
-from asyncpp.train.trainer import DataSource, StepResult
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Parallelize = Callable[[nn.Module], tuple[ShardingPlan, LossFn]]
@@ -107,7 +105,7 @@ class PipelineExecutor:
     def _tokens(self, step: int, microbatch: int) -> Tensor:
         """Global microbatch index (t * dp + dp_rank) * m + j: DP=2 with m equals DP=1 with 2m."""
         index = (step * self.mesh.dims.dp + self.mesh.dp_rank) * self.m + microbatch
-        return self.data.train_microbatch(index).to(self.mesh.device)
+        return to_device(self.data.train_microbatch(index), self.mesh.device)  # CUDA: pinned, no host sync
 
     def _forward(self, step: int, microbatch: int, x: Tensor | None) -> Tensor:
         tokens = self._tokens(step, microbatch) if (self.spec.is_first or self.spec.is_last) else None
@@ -122,7 +120,7 @@ class PipelineExecutor:
         self.engine.versions.use(self.engine.versions.newest)
         comm, total = self.engine.comm, 0.0
         for b in batches:
-            b = b.to(self.mesh.device) if b is not None else None
+            b = to_device(b, self.mesh.device) if b is not None else None
             x = b[:, :-1] if self.spec.is_first else comm.recv_forward("a validation activation")
             out = stage_forward(self.model, self.spec, x)
             if self.spec.is_last:
@@ -146,7 +144,7 @@ class PipelineExecutor:
         norm, which rides a later step's reduction, has arrived (two updates later), or at the drain."""
         if self._started is None:
             dist.barrier()  # a common time origin for every stage's timeline (same-host clocks)
-            self._started = self._last_end = self.engine.timer.origin = time.perf_counter()
+            self._started = self._last_end = self.engine.timer.restart()
         todo = list(range(t0, t1))
         actions = segment_actions(self.cfg.schedule.name, self.spec.stage, self.mesh.num_stages, self.m,
                                   self.delays, t0, t1)
@@ -181,10 +179,10 @@ class PipelineExecutor:
         self.saver.wait()
 
     def summary(self, wall_s: float) -> dict:
-        """Per-stage busy time and bubble (collective)."""
-        busy = self.engine.timer.busy()
+        """Per-stage busy time and bubble (collective), both on the device's clock (the timer's)."""
+        wall, busy = self.engine.timer.elapsed(), self.engine.timer.busy()
         per_stage = [None] * dist.get_world_size()
-        dist.all_gather_object(per_stage, {"stage": self.spec.stage, "busy_s": busy, "wall_s": wall_s,
+        dist.all_gather_object(per_stage, {"stage": self.spec.stage, "busy_s": busy, "wall_s": wall,
                                            **self.engine.timer.mean_durations()})
         bubbles = [1.0 - s["busy_s"] / s["wall_s"] for s in per_stage]
         return {
@@ -238,21 +236,14 @@ class PipelineExecutor:
             balancing.use(step)
         return step
 
-    def write_timeline(self, out_dir: str, max_steps: int = 6) -> None:
-        """Every stage's measured events -> timeline.json (Chrome trace) and timeline.png (Gantt of
-        the first `max_steps` steps after warm-up), written by the metrics rank. Collective."""
+    def timeline_events(self) -> list | None:
+        """Every stage's measured events (DP and TP rank 0 of each), on the metrics rank; None elsewhere.
+        Collective."""
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (self.mesh.dp_rank, self.mesh.tp_rank, self.engine.timer.events))
         if not self.mesh.is_writer:
-            return
-        events = [e for dp, tp, evs in gathered if dp == 0 and tp == 0 for e in evs]
-        write_chrome_trace(events, Path(out_dir) / "timeline.json")
-        first, last = 1, min(self.cfg.train.steps - 1, 1 + max_steps)
-        window = [e for e in events if first <= e.step <= last]
-        if window:
-            plot_gantt(window, Path(out_dir) / "timeline.png",
-                       title=f"{self.cfg.schedule.name}: P={self.mesh.num_stages}, m={self.m}, steps {first}-{last}",
-                       xlim=(min(e.start for e in window), max(e.end for e in window)))
+            return None
+        return [e for dp, tp, evs in gathered if dp == 0 and tp == 0 for e in evs]
 
 
 _NAN_RECORD = StepRecord(-1)

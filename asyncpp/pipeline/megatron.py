@@ -289,7 +289,7 @@ class Pipeline2BW:
     def _execute(self, actions: list[Action]) -> None:
         # The engine's timeline would grow with every step of an unbounded run: keep the last call's
         # (engine.timer then measures that call's busy time). Losses are reported via loss_func.
-        self.engine.timer.events.clear()
+        self.engine.timer.clear()
         self.engine.execute(actions)
         self.engine.losses.clear()
         self._windows.append(set(actions))

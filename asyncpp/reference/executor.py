@@ -15,12 +15,13 @@ from torch import Tensor, nn
 from asyncpp.config import RunConfig
 from asyncpp.core.loss import lm_loss
 from asyncpp.core.partition import param_stages
+from asyncpp.core.records import DataSource, StepResult
 from asyncpp.core.update import lr_multiplier_for
+from asyncpp.pipeline.transfer import to_device
 from asyncpp.pipeline.weights import compute_dtype_of
 from asyncpp.reference.simulator import DelayedUpdateSimulator, TiedUse
 from asyncpp.schedules.registry import is_sync_step, stage_delay
 from asyncpp.train import checkpoint as ckpt
-from asyncpp.train.trainer import DataSource, StepResult
 
 
 def parameter_delays(
@@ -128,7 +129,7 @@ class ReferenceExecutor:
     def _microbatches(self, step: int) -> list[Tensor]:
         # dp replicas are simulated as m * dp microbatches: global index (t * dp + r) * m + j, as in the pipeline.
         m = self.cfg.train.num_microbatches * (self.cfg.parallel.dp or 1)
-        return [self.data.train_microbatch(step * m + i).to(self.device) for i in range(m)]
+        return [to_device(self.data.train_microbatch(step * m + i), self.device) for i in range(m)]
 
     def val_batches(self) -> list[Tensor]:
         return self.data.val_batches()

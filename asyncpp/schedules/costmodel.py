@@ -5,6 +5,15 @@ arrived; an input sent by another stage arrives `comm` after its producer ends (
 asynchronous: they occupy the link, not the stage). With collective_updates, UPDATE(t) also waits
 for UPDATE_START(t) of every stage plus `comm` (the global grad norm / tied-embedding reduction).
 UPDATE_START costs nothing on the stage: it only launches the reductions.
+
+Data parallelism (`dp_comm`): UPDATE_START(t) starts the stage's gradient all-reduce over its DP
+replicas, which runs beside the compute (its own stream and link) for `dp_comm` and is waited for only
+in UPDATE(t). A stage's all-reduces run one after another on its link. The cross-stage norm reduction
+follows the DP one, so with collective_updates UPDATE(t) waits for every stage's DP all-reduce of b_t
+plus `comm`. A schedule hides the all-reduce when its UPDATE(t) comes late enough after UPDATE_START(t):
+2BW leaves m - (P-1-s) microbatches of compute at stage s; 1F1B's flush leaves none, so it is exposed.
+What is not modelled: the all-reduce slowing the compute it overlaps (shared SMs and memory bandwidth),
+and DP and p2p traffic sharing a NIC.
 """
 
 from __future__ import annotations
@@ -14,20 +23,23 @@ from dataclasses import dataclass, fields
 
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_pipeline
+from asyncpp.schedules.events import TimelineEvent
 from asyncpp.schedules.invariants import dependencies, execution_order, peak_in_flight, peak_versions
-from asyncpp.train.timeline import TimelineEvent
+from asyncpp.schedules.registry import stage_delay
 
 Cost = float | Sequence[float]
 
 
 @dataclass(frozen=True)
 class OpCosts:
-    """Durations per action; each a scalar or one value per stage (comm: per sending stage)."""
+    """Durations per action; each a scalar or one value per stage (comm: per sending stage; dp_comm:
+    the stage's gradient all-reduce over its DP replicas, see dp_allreduce_time)."""
 
     forward: Cost
     backward: Cost
     comm: Cost = 0.0
     update: Cost = 0.0
+    dp_comm: Cost = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):  # lists -> tuples, so a frozen OpCosts really is immutable
@@ -45,11 +57,22 @@ class OpCosts:
         return self.at({Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.UPDATE: "update"}[op], stage)
 
 
+def dp_allreduce_time(num_params: float, dp: int, bandwidth: float, bytes_per_param: int = 4) -> float:
+    """Seconds of a ring all-reduce of `num_params` gradients over `dp` replicas: each rank sends and
+    receives 2 (dp-1)/dp of the buffer at `bandwidth` bytes/s (the bus bandwidth of nccl-tests). fp32
+    gradients by default: the engine reduces the fp32 sums (docs/gpu.md)."""
+    if dp < 1 or bandwidth <= 0:
+        raise ValueError(f"dp={dp} must be >= 1 and bandwidth={bandwidth} bytes/s > 0")
+    return 2 * (dp - 1) / dp * num_params * bytes_per_param / bandwidth
+
+
 @dataclass(frozen=True)
 class Timeline:
     schedules: tuple[tuple[Action, ...], ...]
     events: tuple[TimelineEvent, ...]
     """Events in execution order; events of one stage are sequential."""
+    comm_events: tuple[TimelineEvent, ...] = ()
+    """DP all-reduces (kind "comm"): they overlap the stage's compute, so they are not in `events`."""
 
     @property
     def num_stages(self) -> int:
@@ -112,17 +135,27 @@ def simulate(
     """Predicted timeline; raises DeadlockError if the schedules cannot complete."""
     deps = dependencies(schedules, collective_updates=collective_updates)
     order = execution_order(schedules, collective_updates=collective_updates)
-    end: dict[tuple[int, int], float] = {}
-    free = [0.0] * len(schedules)
-    events = []
+    # done[node]: when what the node produces is available to others: an F/B's output when it ends, an
+    # UPDATE_START's reduced gradient when its DP all-reduce ends.
+    done: dict[tuple[int, int], float] = {}
+    reduced: dict[tuple[int, int], float] = {}  # (stage, step) -> its DP all-reduce has finished
+    free, link = [0.0] * len(schedules), [0.0] * len(schedules)
+    events, comm = [], []
     for s, i in order:
         a = schedules[s][i]
-        # Producers on other stages: the message leaves when the producer ends and travels `comm`.
-        ready = max((end[(r, j)] + costs.at("comm", r) for r, j in deps.get((s, i), ())), default=0.0)
+        # Producers on other stages: the message leaves when the producer is done and travels `comm`.
+        ready = max((done[(r, j)] + costs.at("comm", r) for r, j in deps.get((s, i), ())), default=0.0)
+        if a.op is Op.UPDATE:
+            ready = max(ready, reduced[(s, a.step)])
         start = max(free[s], ready)
-        free[s] = end[(s, i)] = start + costs.duration(a.op, s)
+        free[s] = done[(s, i)] = start + costs.duration(a.op, s)
         events.append(TimelineEvent(s, _label(a), start, free[s], a.op.value, a.step, a.microbatch))
-    return Timeline(tuple(tuple(s) for s in schedules), tuple(events))
+        if a.op is Op.UPDATE_START:
+            begin = max(free[s], link[s])
+            link[s] = done[(s, i)] = reduced[(s, a.step)] = begin + costs.at("dp_comm", s)
+            if link[s] > begin:
+                comm.append(TimelineEvent(s, f"DP({a.step})", begin, link[s], "comm", a.step))
+    return Timeline(tuple(tuple(s) for s in schedules), tuple(events), tuple(comm))
 
 
 def _label(a: Action) -> str:
@@ -134,7 +167,6 @@ def _label(a: Action) -> str:
 
 def steady_delays(kind: str, num_stages: int, num_steps: int) -> list[list[int]]:
     """Per-stage delays of a run without sync start/cooldown (asyncpp.schedules.registry.stage_delay)."""
-    from asyncpp.schedules.registry import stage_delay
 
     return [[stage_delay(kind, s, num_stages)] * num_steps for s in range(num_stages)]
 
@@ -161,6 +193,7 @@ def predict(
         "bubble_per_stage": [tl.bubble_fraction(s, steady=True) for s in range(num_stages)],
         "bubble_run": tl.bubble_fraction(),
         "makespan": tl.makespan,
+        "dp_comm": max(costs.at("dp_comm", s) for s in range(num_stages)),
         "peak_activations": tl.peak_activations(),
         "weight_versions": tl.weight_versions(),
     }

@@ -136,10 +136,25 @@ def code_version() -> str:
 
 
 def _rng_state() -> dict:
+    """This rank's generators: the CPU's, and the CUDA generator of the current device only (the rank's
+    own GPU; the others belong to other ranks, and a run resumed on fewer visible GPUs must still load)."""
     state = {"torch": torch.get_rng_state().tolist()}
     if torch.cuda.is_available():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device()).tolist()
     return state
+
+
+def _restore_cuda_rng(saved: list) -> None:
+    """Set the current device's CUDA generator from a manifest entry. Checkpoints written before this
+    format hold one state per visible GPU (a list of lists): the current device's entry is taken."""
+    device = torch.cuda.current_device()
+    if saved and isinstance(saved[0], list):
+        if device >= len(saved):
+            warnings.warn(f"the checkpoint holds CUDA RNG states of {len(saved)} GPUs (older format) and this rank "
+                          f"runs on cuda:{device}; its CUDA generator is not restored", stacklevel=3)
+            return
+        saved = saved[device]
+    torch.cuda.set_rng_state(torch.tensor(saved, dtype=torch.uint8), device)
 
 
 def _gather_rng() -> list[dict]:
@@ -314,7 +329,7 @@ def _restore_rng(manifest: dict) -> None:
     if same_layout and rank < len(rng):
         torch.set_rng_state(torch.tensor(rng[rank]["torch"], dtype=torch.uint8))
         if "cuda" in rng[rank] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in rng[rank]["cuda"]])
+            _restore_cuda_rng(rng[rank]["cuda"])
 
 
 def checkpoint_root(cfg) -> Path:

@@ -11,26 +11,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from pathlib import Path
 
-KINDS = ("F", "B", "U0", "U", "comm", "idle")
-
-
-@dataclass(frozen=True)
-class TimelineEvent:
-    stage: int
-    label: str
-    start: float
-    end: float
-    kind: str
-    """One of KINDS."""
-    step: int = -1
-    microbatch: int = -1
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
+from asyncpp.schedules.events import KINDS, TimelineEvent
 
 EventLike = TimelineEvent | Sequence[object]
 
@@ -152,3 +135,16 @@ def _draw_stage(ax: object, evs: list[TimelineEvent], y: float) -> None:
             if e.duration > 0:
                 ax.broken_barh([(e.start, e.duration)], (y - 0.4, 0.8), facecolors="#C44E52")
             ax.plot([e.start], [y + 0.47], marker="v", color="#C44E52", markersize=5)
+
+
+def write_run_timeline(events: Sequence[TimelineEvent], out_dir: str | os.PathLike, title: str, total_steps: int,
+                       max_steps: int = 6) -> None:
+    """A run's measured events -> timeline.json (Chrome trace) and timeline.png (Gantt of the first
+    `max_steps` steps after warm-up)."""
+    out = Path(out_dir)
+    write_chrome_trace(events, out / "timeline.json")
+    first, last = 1, min(total_steps - 1, 1 + max_steps)
+    window = [e for e in events if first <= e.step <= last]
+    if window:
+        plot_gantt(window, out / "timeline.png", title=f"{title}, steps {first}-{last}",
+                   xlim=(min(e.start for e in window), max(e.end for e in window)))

@@ -12,50 +12,18 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Protocol
-
-from torch import Tensor
 
 from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterLoadStats
+from asyncpp.core.records import StepResult
 from asyncpp.schedules.registry import is_sync_step
 from asyncpp.train.checkpoint import due
 from asyncpp.train.preemption import StopFlag
 
 
-class DataSource(Protocol):
-    def train_microbatch(self, index: int) -> Tensor:
-        """Global microbatch `index` (step * m + i) as a [B, T+1] token block; a pure function of index."""
-
-    def val_batches(self) -> list[Tensor]: ...
-
-
 class TrainingAborted(RuntimeError):
     """Too many consecutive non-finite steps."""
-
-
-@dataclass
-class StepResult:
-    """One step as either executor reports it (the fields of a metrics.jsonl line, before the trainer's own)."""
-
-    step: int
-    loss: float
-    """Mean training loss of b_t over microbatches and DP replicas (computed on the weights it read)."""
-    grad_norm: float
-    """Global L2 norm of the (delayed, corrected) gradient before clipping."""
-    update_norm: float
-    """||x_{t+1} - x_t||, Error Feedback included."""
-    lr: float
-    skipped: bool
-    """The gradient was not finite: x_{t+1} = x_t, the version counter still advanced."""
-    tokens: int
-    step_time_s: float
-    router_loads: list[float] = field(default_factory=list)
-    """RouterLoadStats.vector(): per layer, the load ratio, then the mean balancing loss (empty without MoE)."""
-    update_cosine: float | None = None
-    """Diagnostics steps only (simulator): cosine between the applied and the fresh update."""
-    update_rel_error: float | None = None
 
 
 class Executor(Protocol):

@@ -1,4 +1,5 @@
-"""Optional fused kernels, each probed once: flash-linear-attention (Gated DeltaNet) and NVIDIA apex.
+"""Optional fused kernels, each probed once: flash-linear-attention (Gated DeltaNet), NVIDIA apex, and the
+GPU's compute capability (which torch._grouped_mm needs for the MoE experts).
 
 Nothing here is required: every caller keeps a pure-PyTorch path for when a probe returns None. This
 module imports nothing from model_zoo, so model_zoo's own layers can import it without a cycle.
@@ -10,6 +11,8 @@ import functools
 import importlib
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 GPU_EXTRAS_HINT = "install the GPU extras: pip install -e .[gpu]"
 APEX_HINT = ("build NVIDIA apex from source (https://github.com/NVIDIA/apex); never `pip install apex`, "
@@ -23,6 +26,12 @@ def try_import(module: str) -> tuple[Any | None, str]:
         return importlib.import_module(module), ""
     except Exception as e:  # noqa: BLE001 - reported to the user verbatim
         return None, f"{type(e).__name__}: {e}"
+
+
+@functools.cache
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device, asked once per device."""
+    return torch.cuda.get_device_capability(device)
 
 
 @functools.cache

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from asyncpp.schedules import DeadlockError, build_pipeline
-from asyncpp.schedules.costmodel import OpCosts, predict, simulate, steady_delays
+from asyncpp.schedules.costmodel import OpCosts, dp_allreduce_time, predict, simulate, steady_delays
 from asyncpp.train.timeline import TimelineEvent, as_events, plot_gantt, write_chrome_trace
 
 EQUAL = OpCosts(forward=1.0, backward=2.0)
@@ -44,6 +44,53 @@ def test_2bw_hides_collective_updates_and_eager_pipedream_does_not() -> None:
         local = predict(kind, 4, 8, 12, costs)["step_time"]
         collective = predict(kind, 4, 8, 12, costs, collective_updates=True)["step_time"]
         assert (collective == pytest.approx(local, abs=1e-9)) is hidden, kind
+
+
+def test_dp_allreduce_time_is_the_ring_formula() -> None:
+    # 2 (D-1)/D of the fp32 buffer crosses each rank's link: 1e9 params, D=8, 50 GB/s -> 2*7/8*4e9/5e10 s.
+    assert dp_allreduce_time(1e9, 8, 50e9) == pytest.approx(0.14)
+    assert dp_allreduce_time(1e9, 1, 50e9) == 0.0  # one replica: nothing to reduce
+    assert dp_allreduce_time(1e9, 2, 50e9, bytes_per_param=2) == pytest.approx(0.04)
+    with pytest.raises(ValueError, match="bandwidth=0"):
+        dp_allreduce_time(1e9, 8, 0)
+
+
+DP_GRID = [(p, m) for p in (2, 3, 4, 8) for m in (p, 2 * p)]
+
+
+@pytest.mark.parametrize("collective", [False, True])
+@pytest.mark.parametrize("p,m", DP_GRID)
+def test_1f1b_exposes_the_dp_allreduce(p: int, m: int, collective: bool) -> None:
+    # The flush puts UPDATE(t) right after UPDATE_START(t): stage 0 waits out the whole all-reduce before
+    # the first forward of b_{t+1}, and every other stage waits for that forward.
+    for c in (0.5, 3.0, 10.0):
+        r = predict("1f1b", p, m, 8, OpCosts(1.0, 2.0, dp_comm=c), collective_updates=collective)
+        assert r["step_time"] == pytest.approx((m + p - 1) * 3.0 + c, abs=1e-9)
+        assert r["dp_comm"] == c
+
+
+@pytest.mark.parametrize("collective", [False, True])
+@pytest.mark.parametrize("p,m", DP_GRID)
+def test_2bw_hides_the_dp_allreduce_behind_m_minus_p_plus_1_microbatches(p: int, m: int, collective: bool) -> None:
+    # Stage s has m - (P-1-s) microbatches of b_{t+1} between UPDATE_START(t) and UPDATE(t); stage 0 the
+    # fewest. An all-reduce up to that window is free; beyond it, stage 0 (never idle in 2BW) waits the excess.
+    window = (m - p + 1) * 3.0
+    for c in (0.5, window, window + 0.5, window + 7.0):
+        r = predict("2bw", p, m, 8, OpCosts(1.0, 2.0, dp_comm=c), collective_updates=collective)
+        assert r["step_time"] == pytest.approx(m * 3.0 + max(0.0, c - window), abs=1e-9), c
+
+
+def test_dp_allreduces_are_comm_events_beside_the_compute() -> None:
+    dp = [0.5, 0.25, 1.0]
+    tl = simulate(build_pipeline("2bw", 3, 3, steady_delays("2bw", 3, 4)), OpCosts(1.0, 2.0, dp_comm=dp))
+    assert len(tl.comm_events) == 3 * 4
+    for e in tl.comm_events:
+        assert (e.kind, e.label) == ("comm", f"DP({e.step})") and e.duration == pytest.approx(dp[e.stage])
+        start = next(x for x in tl.events if x.kind == "U0" and x.stage == e.stage and x.step == e.step)
+        update = next(x for x in tl.events if x.kind == "U" and x.stage == e.stage and x.step == e.step)
+        assert e.start == pytest.approx(start.end) and update.start >= e.end - 1e-12
+    assert "comm" not in {e.kind for e in tl.events}  # compute only: the bubble does not count them as busy
+    assert simulate(build_pipeline("2bw", 2, 2, steady_delays("2bw", 2, 2)), EQUAL).comm_events == ()
 
 
 def test_memory_columns() -> None:

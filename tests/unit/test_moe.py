@@ -271,3 +271,73 @@ def test_parallelize_without_groups_changes_nothing() -> None:
     assert parallelize_moe(moe, None, None) == {}
     assert isinstance(moe.dispatcher, LocalDispatcher)
     assert all(p is before[n] for n, p in moe.named_parameters())
+
+
+# ---- the grouped_mm switch's decision (pure logic: runs on the CPU) ------------------------------
+
+CUDA0 = torch.device("cuda", 0)
+
+
+def test_grouped_mm_decision() -> None:
+    from model_zoo.moe import grouped_mm_unsupported
+
+    ok = grouped_mm_unsupported(CUDA0, torch.bfloat16, (1024, 256), capability=(9, 0))
+    assert ok == "" and grouped_mm_unsupported(CUDA0, torch.bfloat16, (64, 128), capability=(8, 0)) == ""
+    reasons = {
+        "device is cpu": grouped_mm_unsupported(torch.device("cpu"), torch.bfloat16, (1024, 256), (9, 0)),
+        "takes bfloat16 only": grouped_mm_unsupported(CUDA0, torch.float32, (1024, 256), (9, 0)),
+        "compute capability 7.5": grouped_mm_unsupported(CUDA0, torch.bfloat16, (1024, 256), (7, 5)),
+        "[100] are not": grouped_mm_unsupported(CUDA0, torch.bfloat16, (1024, 100), (9, 0)),
+    }
+    for expected, reason in reasons.items():
+        assert expected in reason, reason
+
+
+def test_moe_turns_grouped_mm_on_by_default_on_cuda_and_logs_a_fallback_once(monkeypatch, caplog) -> None:
+    import model_zoo.moe as moe_module
+
+    monkeypatch.setattr(moe_module, "cuda_capability", lambda device: (9, 0))
+    moe_module._log_once.cache_clear()
+    layers = [MoE(16, MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden_size=32)) for _ in range(2)]
+    assert all(m.use_grouped_mm for m in layers)  # on by default
+    assert _moe().expert_kernel(CUDA0, torch.bfloat16) == "bmm"  # ffn 12: rows not 16-byte aligned
+    assert layers[0].expert_kernel(CUDA0, torch.bfloat16) == "grouped_mm"
+    assert layers[0].expert_kernel(torch.device("cpu"), torch.bfloat16) == "bmm"
+    with caplog.at_level("WARNING", logger="model_zoo.moe"):
+        kernels = [m.expert_kernel(CUDA0, torch.float32) for m in layers]  # fp32 on CUDA: falls back
+    assert kernels == ["bmm", "bmm"]
+    fallbacks = [r.getMessage() for r in caplog.records if "padded bmm" in r.getMessage()]
+    assert "16-byte-aligned rows" in fallbacks[0]
+    assert ["takes bfloat16 only" in m for m in fallbacks[1:]] == [True]  # once, not once per layer
+    # Off CUDA nothing is logged: the padded bmm is the reference there, not a fallback.
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="model_zoo.moe"):
+        layers[1].expert_kernel(torch.device("cpu"), torch.float32)
+    assert not caplog.records
+    # The choice is made once per (device, dtype): later calls do not ask again.
+    monkeypatch.setattr(moe_module, "grouped_mm_unsupported", lambda *a, **k: pytest.fail("decided twice"))
+    assert layers[0].expert_kernel(CUDA0, torch.bfloat16) == "grouped_mm"
+
+
+def test_moe_switch_routes_the_experts_to_the_decided_kernel(monkeypatch) -> None:
+    import model_zoo.moe as moe_module
+
+    moe = _moe()
+    seen = []
+    monkeypatch.setattr(moe_module, "grouped_swiglu", lambda *a: seen.append(a[-1]) or a[0])
+    monkeypatch.setattr(moe, "expert_kernel", lambda device, dtype: "grouped_mm")  # as on a capable GPU
+    x = torch.randn(9, D)
+    _, weight, idx = moe.route(x)
+    moe.experts_grouped(x, weight, idx)
+    moe.use_grouped_mm = False  # the switch off: the decision is not even asked
+    moe.experts_grouped(x, weight, idx)
+    assert seen == ["grouped_mm", "bmm"]
+
+
+def test_expert_counts_equal_bincount() -> None:
+    from model_zoo.moe import expert_counts
+
+    idx = torch.randint(0, 7, (50, 3), generator=torch.Generator().manual_seed(2))
+    idx[idx == 5] = 4  # an expert with no assignment
+    assert torch.equal(expert_counts(idx, 9), torch.bincount(idx.flatten(), minlength=9))
+    assert expert_counts(idx, 9).dtype == torch.int64

@@ -1,0 +1,161 @@
+"""asyncpp.pipeline.timer: the host clock's outputs, and the CUDA-event clock's logic on a stand-in event.
+
+The stand-in has torch.cuda.Event's four methods and a device time the test moves by hand, so what is
+checked here is what the CUDA path does with events: durations come from the device's times (not the
+host's), the hot path never waits (no synchronize() while an event is unfinished), events resolve in
+order, and reading the results waits only then. tests/gpu/test_gpu_timer.py checks real CUDA events.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from asyncpp.pipeline.timer import MIN_IDLE_S, CudaClock, HostClock, StageTimer, clock_for, stage_timer
+from asyncpp.schedules.actions import Action, Op
+
+F0 = Action(Op.FORWARD, 0, 0, 0)
+B0 = Action(Op.BACKWARD, 0, 0, 0)
+F1 = Action(Op.FORWARD, 0, 1, 0)
+U0 = Action(Op.UPDATE, 0, version=1)
+
+
+class FakeDevice:
+    """A device whose clock the test sets; events fire when the test says the device got there."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.reached = 0.0  # events recorded at device time <= reached have fired
+        self.syncs = 0
+
+    def event(self) -> FakeEvent:
+        return FakeEvent(self)
+
+
+class FakeEvent:
+    def __init__(self, device: FakeDevice) -> None:
+        self.device, self.t = device, None
+
+    def record(self, stream=None) -> None:
+        self.t = self.device.now
+
+    def query(self) -> bool:
+        return self.t <= self.device.reached
+
+    def synchronize(self) -> None:
+        self.device.syncs += 1
+        self.device.reached = max(self.device.reached, self.t)
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        if not (self.query() and end.query()):
+            raise RuntimeError("elapsed_time on an event that has not completed")  # as CUDA does
+        return (end.t - self.t) * 1000.0
+
+
+def fake_timer() -> tuple[StageTimer, FakeDevice]:
+    dev = FakeDevice()
+    return StageTimer(3, CudaClock(torch.device("cpu"), new_event=dev.event)), dev
+
+
+def test_the_device_type_picks_the_clock() -> None:
+    assert isinstance(clock_for(torch.device("cpu")), HostClock)
+    assert isinstance(clock_for(torch.device("cuda", 1)), CudaClock)  # constructing touches no GPU
+    assert isinstance(stage_timer(0, torch.device("cpu")).clock, HostClock)
+
+
+def test_host_timer_outputs() -> None:
+    timer = StageTimer(1)
+    origin = timer.restart()
+    start = timer.now()
+    time.sleep(0.01)
+    timer.add(F0, start, timer.now())
+    with timer.span(B0):
+        time.sleep(0.02)
+    now = timer.now()
+    timer.add(U0, now, now + 2 * MIN_IDLE_S, kind="idle")
+    timer.add(U0, now, now + MIN_IDLE_S / 2, kind="idle")  # a wait that found its data ready: dropped
+    kinds = [e.kind for e in timer.events]
+    assert kinds == ["F", "B", "idle"]
+    f, b = timer.events[:2]
+    assert (f.stage, f.label, f.step, f.microbatch) == (1, "F0.0@v0", 0, 0)
+    assert 0.0 <= f.start < f.end <= b.start < b.end
+    assert f.duration >= 0.01 and b.duration >= 0.02
+    assert timer.busy() == pytest.approx(f.duration + b.duration)
+    means = timer.mean_durations()
+    assert means["F"] == pytest.approx(f.duration) and means["idle"] == pytest.approx(2 * MIN_IDLE_S)
+    assert timer.end_of(Op.BACKWARD, 0) == pytest.approx(origin + b.end)
+    assert timer.elapsed() >= b.end
+    with pytest.raises(KeyError, match="no B event for step 7"):
+        timer.end_of(Op.BACKWARD, 7)
+
+
+def test_cuda_timer_reports_device_time_not_host_time() -> None:
+    timer, dev = fake_timer()
+    dev.now = dev.reached = 1.0  # restart() waits until the device is idle (CudaClock.idle)
+    origin = timer.restart()
+    dev.now = 1.5
+    start = timer.now()  # host returns at once; the device reaches the marks later
+    dev.now = 2.25
+    timer.add(F0, start, timer.now())
+    dev.now = 2.25
+    s = timer.now()
+    dev.now = 3.0
+    timer.add(B0, s, timer.now())
+    assert dev.syncs == 0  # add() polls, never waits
+    dev.reached = 3.0
+    (f, b) = timer.events
+    assert (f.start, f.end, b.start, b.end) == (0.5, 1.25, 1.25, 2.0)
+    assert timer.busy() == pytest.approx(1.5)
+    assert timer.mean_durations() == {"F": 0.75, "B": 0.75}
+    assert timer.end_of(Op.FORWARD, 0) == pytest.approx(origin + 1.25)
+
+
+def test_cuda_hot_path_never_waits_and_resolves_in_order() -> None:
+    timer, dev = fake_timer()
+    for k, action in enumerate((F0, F1, B0)):
+        start = timer.now()
+        dev.now += 1.0
+        timer.add(action, start, timer.now())
+        if k == 0:
+            dev.reached = dev.now  # the device caught up with the first action only
+    assert dev.syncs == 0
+    assert [e.label for e in timer._done] == ["F0.0@v0"]  # resolved on the way, the rest still pending
+    assert len(timer._pending) == 2
+    assert timer.end_of(Op.FORWARD, 0) == pytest.approx(timer.origin_s + 2.0)  # the last F of step 0: F0.1
+    assert dev.reached == 2.0 and len(timer._pending) == 1  # waited for F0.1's end only, not for B0.0
+    assert [e.label for e in timer.events] == ["F0.0@v0", "F0.1@v0", "B0.0@v0"]  # reading waits
+    assert dev.syncs > 0 and not timer._pending
+    start = timer.now()
+    dev.now += 1.0
+    timer.add(F0, start, timer.now())
+    syncs = dev.syncs
+    timer.clear()  # the Megatron front-end keeps one call's events: dropping them must not wait
+    assert dev.syncs == syncs and timer.events == []
+
+
+def test_cuda_short_idle_is_dropped_after_resolution() -> None:
+    timer, dev = fake_timer()
+    a = timer.now()
+    dev.now += MIN_IDLE_S / 10
+    timer.add(U0, a, timer.now(), kind="idle")
+    b = timer.now()
+    dev.now += 0.5
+    timer.add(U0, b, timer.now(), kind="idle")
+    assert [(e.kind, e.duration) for e in timer.events] == [("idle", pytest.approx(0.5))]
+
+
+@pytest.mark.parametrize("kind", ["host", "cuda"])
+def test_restart_keeps_earlier_events_on_their_origin(kind: str) -> None:
+    if kind == "host":
+        timer, dev = StageTimer(0), None
+    else:
+        timer, dev = fake_timer()
+    start = timer.now()
+    if dev is not None:
+        dev.now += 1.0
+    timer.add(F0, start, timer.now())
+    before = [(e.start, e.end) for e in timer.events]
+    timer.restart()
+    assert [(e.start, e.end) for e in timer.events] == before
