@@ -30,11 +30,13 @@ from asyncpp.optim import build_from_config
 from asyncpp.train.metrics import MetricsLogger
 from asyncpp.train.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from asyncpp.train.preemption import StopFlag
+from asyncpp.train.run_identity import register_resolvers
 from asyncpp.train.trainer import Trainer
 from model_zoo import ModelConfig, build_model, count_parameters, get_model_config
 from model_zoo.backends import prepare_model
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+register_resolvers()  # the run directory's name (configs/pretrain.yaml), before hydra composes anything
 STOP = StopFlag()  # set by SIGTERM (slurm preemption); the loops checkpoint and stop at a step boundary
 
 

@@ -83,7 +83,7 @@ class MetricsLogger:
 
             self._wandb = wandb.init(
                 project=wandb_project,
-                name=run_name,
+                name=run_name or self.out_dir.name,  # the run directory's name (run_identity.py)
                 id=wandb_run_id(self.out_dir),  # the same wandb run across restarts and requeues
                 resume="allow",
                 mode=wandb_mode,
