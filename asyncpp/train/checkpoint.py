@@ -252,18 +252,23 @@ class Saver:
         except (Exception, CheckpointException) as e:  # the same on every rank (a BaseException)
             raise commit.failed(e) from e
         _barrier()  # every rank's shards are on disk (DCP's coordinator wrote .metadata after them)
+        error = None
         if _rank() == 0:
-            commit.run()
-        _barrier()
+            try:
+                commit.run()
+            except OSError as e:  # the manifest or the rename failed: say so on every rank, not only here
+                error = commit.failed(e)
+        _agree(error)
         return final
 
     def wait(self) -> None:
-        """Collective. Finish a background save (committed by rank 0 as soon as it was complete)."""
+        """Collective. Finish a background save (committed by rank 0 as soon as it was complete); a
+        failure on any rank raises CheckpointWriteError on every rank."""
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
-        pending.result()
-        _barrier()
+        pending.done.wait()
+        _agree(pending.error)
 
     @property
     def committed(self) -> bool:
@@ -324,10 +329,20 @@ class _Pending:
         finally:
             self.done.set()
 
-    def result(self) -> None:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
+
+
+def _agree(error: BaseException | None) -> None:
+    """Collective: raise `error` here, and a CheckpointWriteError naming the failed rank on every other
+    rank, if any rank failed (no rank is left waiting in a barrier for one that raised)."""
+    failed = [None if error is None else str(error)]
+    if _distributed():
+        failed = [None] * dist.get_world_size()
+        dist.all_gather_object(failed, None if error is None else str(error))
+    if error is not None:
+        raise error
+    first = next(((r, e) for r, e in enumerate(failed) if e is not None), None)
+    if first is not None:
+        raise CheckpointWriteError(f"rank {first[0]}: {first[1]}")
 
 
 def _os_error(error: BaseException) -> OSError | None:

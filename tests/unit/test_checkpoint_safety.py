@@ -198,3 +198,16 @@ def test_wandb_resumes_the_run_id_stored_in_the_run_directory(tmp_path, monkeypa
     assert inits[0]["exit_code"] == 1  # closed without a summary: a failed attempt
     (tmp_path / "other").mkdir()
     assert wandb_run_id(tmp_path / "other") != inits[0]["id"]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_commit_is_an_error_not_a_half_checkpoint(tmp_path, monkeypatch, async_save):
+    """The shards were written, then the manifest could not be (the disk filled up in between)."""
+    saver = ckpt.Saver(async_save)
+    _save(saver, tmp_path, 5)
+    saver.wait()
+    monkeypatch.setattr(ckpt, "_write_durably", _no_space)
+    with pytest.raises(ckpt.CheckpointWriteError, match=r"step_00000010 failed: \[Errno 28\].*step_00000005"):
+        _save(saver, tmp_path, 10)
+        saver.wait()
+    assert _steps(tmp_path) == [5] and not list(tmp_path.glob(".tmp-step_*"))
