@@ -237,7 +237,8 @@ def _key_line(text: str) -> str:
     for line in lines:
         if line.startswith("config error:"):
             return line
-    errors = [line for line in lines if "Error" in line.split(":")[0] or "Exception" in line.split(":")[0]]
+    errors = [line for line in lines if not line.startswith("Error executing job")  # hydra's, before the traceback
+              and ("Error" in line.split(":")[0] or "Exception" in line.split(":")[0] or "Aborted" in line.split(":")[0])]
     return (errors or lines or [""])[-1][:400]
 
 

@@ -183,11 +183,11 @@ def _resume_path(cfg: RunConfig) -> Path | None:
     path = Path(c.resume)
     if not ckpt.is_complete(path):
         state = f"is not a complete checkpoint (no {ckpt.MANIFEST})" if path.exists() else "does not exist"
-        found = ckpt.list_checkpoints(path.parent)
-        there = f"the complete ones in {path.parent} are {[p.name for p in found]}" if found else \
-            f"{path.parent} holds no complete checkpoint"
-        raise ConfigError(f"checkpoint.resume={c.resume} {state}; {there}; use one of them, "
-                          "checkpoint.resume=auto (the newest in checkpoint.dir) or checkpoint.resume=none")
+        found = [p.name for p in ckpt.list_checkpoints(path.parent)]
+        there = (f"the complete ones in {path.parent} are {found}; use one of them, " if found else
+                 f"{path.parent} holds no complete checkpoint; use ")
+        raise ConfigError(f"checkpoint.resume={c.resume} {state}; {there}checkpoint.resume=auto (the newest in "
+                          "checkpoint.dir) or checkpoint.resume=none")
     return path
 
 
