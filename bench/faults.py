@@ -17,6 +17,7 @@ import argparse
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -237,8 +238,7 @@ def _key_line(text: str) -> str:
     for line in lines:
         if line.startswith("config error:"):
             return line
-    errors = [line for line in lines if not line.startswith("Error executing job")  # hydra's, before the traceback
-              and ("Error" in line.split(":")[0] or "Exception" in line.split(":")[0] or "Aborted" in line.split(":")[0])]
+    errors = [line for line in lines if re.match(r"(?:[a-z_]\w*\.)*[A-Z]\w*: ", line)]  # `pkg.mod.SomeError: ...`
     return (errors or lines or [""])[-1][:400]
 
 
