@@ -28,15 +28,18 @@ from asyncpp.analysis.memory import simulator_run_report
 from asyncpp.config import ConfigError, RunConfig, check_pipeline_options
 from asyncpp.optim import build_from_config
 from asyncpp.reference.executor import ReferenceExecutor
+from asyncpp.train import preflight
 from asyncpp.train.metrics import MetricsLogger
 from asyncpp.train.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from asyncpp.train.preemption import StopFlag
+from asyncpp.train.run_identity import register_resolvers
 from asyncpp.train.timeline import write_run_timeline
 from asyncpp.train.trainer import Trainer
 from model_zoo import ModelConfig, build_model, count_parameters, get_model_config
 from model_zoo.backends import prepare_model
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+register_resolvers()  # the run directory's name (configs/pretrain.yaml), before hydra composes anything
 STOP = StopFlag()  # set by SIGTERM (slurm preemption); the loops checkpoint and stop at a step boundary
 
 
@@ -269,10 +272,13 @@ def main(dcfg: DictConfig) -> float:
         if cfg.dry_run:
             run_dry(cfg, model_cfg)
             return float("nan")
+        preflight.check(cfg, model_cfg, rank=int(os.environ.get("RANK", "0")),
+                        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         summary = run_distributed(cfg, model_cfg) if distributed else run(cfg, model_cfg)
     except ConfigError as e:  # raised before any model or process group exists
         print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        preflight.record_config_error(os.environ.get(preflight.CONFIG_ERROR_FILE_ENV), f"config error: {e}")
+        sys.exit(preflight.EXIT_CONFIG_ERROR)  # distinct from a crash (1): launchers do not retry it
     if summary.get("stopped_at") is not None:
         sys.exit(PREEMPTED_EXIT_CODE)  # checkpointed; let the scheduler requeue the job
     return float(summary.get("final_val_loss", float("nan")))  # the value hydra sweepers optimize

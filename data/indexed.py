@@ -148,6 +148,35 @@ def check_fits_vocab(info: IndexedInfo, vocab_size: int, tokenizer: str) -> None
             f"has {vocab_size} tokens: the prefix was made with another tokenizer; preprocess again with this one")
 
 
+def check_token_ids(info: IndexedInfo, vocab_size: int, *, documents: int = 64, max_tokens: int = 1 << 20) -> None:
+    """Token ids must lie in [0, vocab_size). A .bin overwritten with garbage keeps its size and passes
+    check_prefix, then fails at the first forward with a bare IndexError; this reads a strided sample of
+    `documents` sequences (the first and the last among them), at most `max_tokens` tokens in all, and
+    names the file, the id and where it is. Cheap (memory-mapped), not exhaustive: a few bad ids in an
+    unsampled document still pass."""
+    if info.tokens == 0:
+        return
+    idx, binf = idx_path(info.prefix), bin_path(info.prefix)
+    s = info.sequences
+    lengths = np.memmap(idx, dtype="<i4", mode="r", offset=HEADER_BYTES, shape=(s,))
+    pointers = np.memmap(idx, dtype="<i8", mode="r", offset=HEADER_BYTES + 4 * s, shape=(s,))
+    tokens = np.memmap(binf, dtype=info.dtype, mode="r")
+    picks = np.unique(np.linspace(0, s - 1, num=min(documents, s)).round().astype(np.int64))
+    budget = max(1, max_tokens // len(picks))
+    for seq in picks:
+        start = int(pointers[seq]) // info.dtype.itemsize
+        chunk = np.asarray(tokens[start: start + min(int(lengths[seq]), budget)])
+        if chunk.size == 0:
+            continue
+        bad = np.flatnonzero((chunk >= vocab_size) | (chunk < 0))
+        if bad.size:
+            at = int(bad[0])
+            raise IndexedDataError(
+                f"{binf} holds token id {int(chunk[at])} at token {start + at} (sequence {int(seq)}), outside the "
+                f"vocabulary [0, {vocab_size}): the .bin is corrupt or was made with another tokenizer; re-create it "
+                f"with `python -m data.preprocess ... --output-prefix {info.prefix} --overwrite`")
+
+
 def replace_atomic(tmp: Path, final: Path) -> None:
     """fsync `tmp` and rename it over `final` (readers see the old file or the new one, never half)."""
     with open(tmp, "rb") as f:

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from asyncpp.config import parse_split
-from data.indexed import IndexedDataError, IndexedInfo, check_fits_vocab, check_prefix
+from data.indexed import IndexedDataError, IndexedInfo, check_fits_vocab, check_prefix, check_token_ids
 from data.mcore import TokenizerIdentity, build_gpt_datasets, megatron_core_version
 
 _CACHE_FORMAT = 1
@@ -91,6 +91,7 @@ class IndexedDataSource:
         self.tokenizer, self.tokenizer_name = resolve_tokenizer(self.prefixes, tokenizer)
         for info in self.infos:
             check_fits_vocab(info, self.tokenizer.vocab_size, self.tokenizer_name)
+            check_token_ids(info, self.tokenizer.vocab_size)  # a garbage .bin: refused here, naming the file
         _check_split_sizes(self.infos, split)
         if weights is not None and len(weights) != len(self.prefixes):
             raise ValueError(f"{len(weights)} weights for {len(self.prefixes)} prefixes")

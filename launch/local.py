@@ -5,16 +5,30 @@
     python -m launch.local --nproc-per-node 4 --dry-run -- parallel.pp=4             # print the command only
 
 No torch import here; torchrun does the work.
+
+Restarts (`--max-restarts R`): after a failed attempt the same torchrun command runs again, up to R times.
+The run directory is named after the command (configs/pretrain.yaml), so every attempt resumes from the
+newest complete checkpoint there. This launcher restarts rather than torchrun's own `--max-restarts`,
+because torchrun retries every failure alike: a config error (pretrain.py exits 2, before any process
+group; it leaves its message in $ASYNCPP_CONFIG_ERROR_FILE) fails again at once, so it is never retried,
+and neither is a stop on purpose (143: SIGTERM, checkpointed; 130: Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
 
+from asyncpp.train.run_identity import CONFIG_ERROR_FILE_ENV, EXIT_CONFIG_ERROR
 from launch.torchrun import ENTRY, REPO, default_torchrun, split_overrides, torchrun_args, with_device
+
+STOPPED = (130, 143, -2, -15)  # Ctrl-C / SIGTERM: the run checkpointed and stopped on purpose
 
 
 def command(
@@ -25,7 +39,8 @@ def command(
     gpus: bool = False,
     torchrun: str | None = None,
 ) -> list[str]:
-    """The torchrun command line (run from the repository root)."""
+    """The torchrun command line of one attempt (run from the repository root). `max_restarts` is
+    torchrun's own; main() passes 0 and restarts itself (see the module docstring)."""
     if nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node={nproc_per_node} must be >= 1")
     overrides = with_device(overrides, "cuda") if gpus else list(overrides)
@@ -37,6 +52,30 @@ def command(
     ]
 
 
+def run_with_restarts(cmd: list[str], max_restarts: int, *, run: Callable = subprocess.run,
+                      echo: Callable[[str], None] = print) -> int:
+    """Run `cmd` until it succeeds, stops on purpose, fails with a config error, or has failed
+    1 + `max_restarts` times. Returns the exit code of the last attempt (2 for a config error)."""
+    with tempfile.TemporaryDirectory(prefix="asyncpp-launch-") as tmp:
+        marker = Path(tmp) / "config_error"
+        env = {**os.environ, CONFIG_ERROR_FILE_ENV: str(marker)}
+        rc = 0
+        for attempt in range(max_restarts + 1):
+            rc = run(cmd, cwd=REPO, env=env, check=False).returncode
+            if rc == 0:
+                return 0
+            if marker.exists():
+                echo(f"[launch.local] {marker.read_text().strip()}\n[launch.local] a config error is not retried")
+                return EXIT_CONFIG_ERROR
+            if rc in STOPPED:
+                echo(f"[launch.local] stopped (exit {rc}); rerun the same command to resume")
+                return rc
+            if attempt < max_restarts:
+                echo(f"[launch.local] attempt {attempt + 1} failed (exit {rc}); restart {attempt + 1} of "
+                     f"{max_restarts}: the run resumes from its newest checkpoint")
+        return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     options, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(
@@ -46,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--nproc-per-node", type=int, required=True, help="ranks (processes) to start")
     p.add_argument(
-        "--max-restarts", type=int, default=0, help="torchrun restarts of the group after a failure"
+        "--max-restarts", type=int, default=0,
+        help="restarts of the whole job after a failure (resuming from its newest checkpoint); a config "
+        "error (exit 2) is never retried",
     )
     p.add_argument("--gpus", action="store_true", help="one GPU per rank: adds train.device=cuda")
     p.add_argument(
@@ -55,19 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the command; run nothing")
     args = p.parse_args(options)
     try:
-        cmd = command(
-            args.nproc_per_node,
-            overrides,
-            max_restarts=args.max_restarts,
-            gpus=args.gpus,
-            torchrun=args.torchrun,
-        )
+        if args.max_restarts < 0:
+            raise ValueError(f"--max-restarts={args.max_restarts} must be >= 0")
+        cmd = command(args.nproc_per_node, overrides, gpus=args.gpus, torchrun=args.torchrun)
     except ValueError as e:
         p.error(str(e))
     if args.dry_run:
         print(f"cd {shlex.quote(str(REPO))} && {shlex.join(cmd)}")
+        if args.max_restarts:
+            print(f"# rerun up to {args.max_restarts} times after a failure (not after a config error, exit 2)")
         return 0
-    return subprocess.run(cmd, cwd=REPO, check=False).returncode
+    return run_with_restarts(cmd, args.max_restarts)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ meet through a c10d rendezvous on the first node, and pretrain.py gets the hydra
     python -m launch.slurm --nodes 2 --gpus-per-node 8 --dry-run -- parallel.pp=4 schedule=2bw
 
 Preemption and time limits: the job is `--requeue`d and gets SIGTERM 120 s before its end; the script
-passes it to the ranks (which checkpoint) and requeues itself. Its run directory is named after the job
-id, which a requeued job keeps, so the next start resumes there. A rank that dies is restarted by
+passes it to the ranks (which checkpoint) and requeues itself. Its run directory is named after the run
+(logging.run_name, else the overrides: asyncpp/train/run_identity.py), not the job id, so a requeued job
+and a resubmission of the same command both resume there. A rank that dies is restarted by
 torchrun (`--max-restarts`). See docs/launch.md.
 
 No torch import here: this runs on a login node.
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import jinja2
 
+from asyncpp.train.run_identity import explicit_name, run_name
 from launch.torchrun import ENTRY, REPO, default_torchrun, split_overrides, torchrun_args, with_device
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
@@ -64,6 +66,11 @@ class SlurmJob:
     extra_sbatch: list[str] = field(default_factory=list)
     """Extra sbatch options, e.g. --constraint=h100."""
     overrides: list[str] = field(default_factory=list)
+
+    @property
+    def run_dir(self) -> str:
+        """<run_root>/<run name>: the same for every submission of the same overrides (or run name)."""
+        return f"{self.run_root.rstrip('/')}/{run_name(explicit_name(self.overrides), self.overrides)}"
 
     @property
     def ranks_per_node(self) -> int:
@@ -131,7 +138,7 @@ def render(job: SlurmJob, command_line: str = "python -m launch.slurm") -> str:
         },
         nproc_per_node=job.ranks_per_node,
         log_dir=str(Path(job.workdir) / job.log_dir),  # absolute: `sbatch <script>` works from anywhere
-        run_root=shlex.quote(job.run_root.rstrip("/")),
+        run_dir=shlex.quote(job.run_dir),
         workdir=shlex.quote(job.workdir),
         shutdown_timeout=max(10, job.signal_seconds - 20),  # leave time to requeue after the ranks exit
         env=[(k, shlex.quote(v)) for k, v in (e.split("=", 1) for e in job.env)],
@@ -209,7 +216,8 @@ def parse_args(argv: list[str]) -> tuple[SlurmJob, bool]:
     p.add_argument("--rdzv-port", type=int, default=29500)
     p.add_argument("--log-dir", default="logs/slurm", help="%%x-%%j.out/.err and the .sbatch go here")
     p.add_argument(
-        "--run-root", default="outputs/slurm", help="run directories: <run-root>/<job name>-<job id>"
+        "--run-root", default="outputs/slurm",
+        help="run directories: <run-root>/<logging.run_name, else a name made of the overrides>"
     )
     p.add_argument("--workdir", default=str(REPO), help="the asyncpp checkout on the compute nodes")
     p.add_argument(
@@ -259,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(
         f"submitted job {job_id}: logs {job.log_dir}/{job.job_name}-{job_id}.out, "
-        f"run dir {job.run_root}/{job.job_name}-{job_id}"
+        f"run dir {job.run_dir}"
     )
     return 0
 

@@ -11,7 +11,9 @@ asks DCP for the keys it owns). A tied LM head is saved and loaded as `embed.wei
 Beside the DCP shards, `manifest.json` (written last, by rank 0) records the step, the resolved
 config, the code version, the layout and every rank's RNG state. A checkpoint directory is written
 under a temporary name and renamed when complete, so an interrupted save never shadows the last good
-one; only directories with a manifest are ever loaded.
+one; only directories with a manifest are ever loaded. A state with a non-finite
+tensor is never written: save() refuses it on every rank before anything touches the disk, so pruning
+(keep_last) never trades good checkpoints for a bad one.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 import uuid
 import warnings
@@ -31,9 +34,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 
 MANIFEST = "manifest.json"
+TMP_PREFIX = ".tmp-step_"
 FORMAT_VERSION = 1
+
+
+class NonFiniteState(ValueError):
+    """A checkpoint was refused because a tensor of the state is NaN or infinite (raised on every rank)."""
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed (a full disk, a read-only directory); nothing was committed."""
 
 
 @dataclass
@@ -91,7 +104,7 @@ def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
     return list(inner.values()) if isinstance(inner, dict) else [optimizer]
 
 
-def _optimizer_tensors(state: StageState) -> dict[str, Tensor]:
+def _optimizer_tensors(state: StageState, wrap: bool = True) -> dict[str, Tensor]:
     index_of = {id(p): i for i, p in enumerate(state.opt_params)}
     out = {}
     for opt in _optimizers(state.optimizer):
@@ -100,7 +113,8 @@ def _optimizer_tensors(state: StageState) -> dict[str, Tensor]:
             for key, value in st.items():
                 if not isinstance(value, Tensor):
                     value = torch.tensor(value)
-                out[_optim_key(state, i, key, value)] = _global(state, i, value) if value.shape == p.shape else value
+                whole = wrap and value.shape == p.shape
+                out[_optim_key(state, i, key, value)] = _global(state, i, value) if whole else value
     return out
 
 
@@ -114,15 +128,56 @@ def _optim_key(state: StageState, i: int, key: str, value: Tensor) -> str:
     return f"optim/{state.names[i]}/{key}{suffix}"
 
 
-def _flat(state: StageState) -> dict[str, Tensor]:
+def _flat(state: StageState, wrap: bool = True) -> dict[str, Tensor]:
+    """Checkpoint key -> tensor; `wrap=False` keeps this rank's local pieces (no DTensor views)."""
+    def view(i: int, t: Tensor) -> Tensor:
+        return _global(state, i, t) if wrap else t
+
     flat = {}
     for age, tensors in state.versions.items():
-        flat.update({f"weights/{age}/{n}": _global(state, i, t) for i, (n, t) in enumerate(zip(state.names, tensors))})
+        flat.update({f"weights/{age}/{n}": view(i, t) for i, (n, t) in enumerate(zip(state.names, tensors))})
     for kind, tensors in state.buffers.items():
-        flat.update({f"{kind}/{n}": _global(state, i, t) for i, (n, t) in enumerate(zip(state.names, tensors))})
-    flat.update(_optimizer_tensors(state))
+        flat.update({f"{kind}/{n}": view(i, t) for i, (n, t) in enumerate(zip(state.names, tensors))})
+    flat.update(_optimizer_tensors(state, wrap))
     flat.update(state.extra or {})
     return flat
+
+
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """True if no element of `tensors` is NaN or infinite. One host sync for the lot (not one per tensor);
+    integer tensors are finite by definition. Local: no collective."""
+    floats = [t for t in tensors if t.is_floating_point() or t.is_complex()]
+    if not floats:
+        return True
+    return bool(torch.stack([torch.isfinite(t).all() for t in floats]).all())
+
+
+def nonfinite_tensors(state: StageState) -> list[str]:
+    """The checkpoint keys of this rank's tensors that hold a NaN or an infinity (weights of every age,
+    Error-Feedback buffers, optimizer state, router biases); [] when the state may be saved. Local: no
+    collective; save() agrees on it over all ranks."""
+    flat = {k: t for k, t in _flat(state, wrap=False).items() if t.is_floating_point() or t.is_complex()}
+    if not flat:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for t in flat.values()]).tolist()
+    return [k for k, ok in zip(flat, finite) if not ok]
+
+
+def _refuse_nonfinite(state: StageState, step: int, root: Path) -> None:
+    """Collective: raise NonFiniteState on every rank if any rank's state is not finite."""
+    bad = nonfinite_tensors(state)
+    everyone = [bad]
+    if _distributed():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, bad)
+    found = [(r, k) for r, keys in enumerate(everyone) for k in keys]
+    if found:
+        shown = ", ".join(f"{k} (rank {r})" for r, k in found[:5])
+        good = latest(root)
+        raise NonFiniteState(
+            f"checkpoint of step {step} refused: {len(found)} tensor(s) hold NaN/Inf, e.g. {shown}; nothing was "
+            f"written or pruned, the newest good checkpoint is {good or 'none'}. The run diverged: lower "
+            "optimizer.lr (or train.grad_clip), or resume from that checkpoint with other settings")
 
 
 def code_version() -> str:
@@ -170,60 +225,173 @@ class Saver:
     """Writes checkpoints. Collective: every rank calls save() at the same step boundary.
 
     With `async_save`, DCP stages the tensors to host memory, returns, and writes the shards in a
-    background thread on a gloo group of its own (so it never interleaves with training collectives);
-    the checkpoint is committed (manifest, then rename) at the next save() or at wait(). Until then it
-    is a temporary directory that no resume ever picks up.
+    background thread on a gloo group of its own (so it never interleaves with training collectives).
+    Rank 0 commits the checkpoint (manifest, then rename) from that thread as soon as DCP's future
+    resolves: DCP's coordinator (rank 0) resolves only after every rank's shards and the global .metadata
+    are on disk, so the commit needs no barrier and no call from the training loop, and a crash after it
+    never loses the checkpoint. Until then it is a temporary directory that no resume ever picks up.
+    wait() (at the next save and at the end) re-raises a background failure and is a barrier.
     """
 
     def __init__(self, async_save: bool = False):
         self.async_save = async_save
         self._group = dist.new_group(backend="gloo") if async_save and _distributed() else None
-        self._pending: tuple | None = None
+        self._pending: _Pending | None = None
 
     def save(self, root: str | os.PathLike, step: int, state: StageState, *, config: dict, layout: dict,
              keep_last: int = 3, data: dict | None = None) -> Path:
+        """Raises NonFiniteState (every rank, nothing written) if the state holds NaN/Inf, and
+        CheckpointWriteError if a synchronous write fails (its partial directory removed)."""
         self.wait()
         root = Path(root)
+        _refuse_nonfinite(state, step, root)
         final = root / f"step_{step:08d}"
         token = [uuid.uuid4().hex[:8]]
         if _distributed():
             dist.broadcast_object_list(token, src=0)
-        tmp = root / f".tmp-step_{step:08d}-{token[0]}"
+        tmp = root / f"{TMP_PREFIX}{step:08d}-{token[0]}"
         if _rank() == 0:
             tmp.mkdir(parents=True, exist_ok=False)
         _barrier()
         manifest = {"format": FORMAT_VERSION, "step": step, "config": config, "layout": layout,
                     "code_version": code_version(), "rng": _gather_rng(), "saved_at": time.time(), "data": data}
-        commit = (tmp, final, root, keep_last, manifest)
+        commit = _Commit(tmp, final, root, keep_last, manifest)
         quiet_single_process_dcp()
         if self.async_save:
             future = dcp.async_save(_flat(state), checkpoint_id=str(tmp), process_group=self._group,
                                     no_dist=not _distributed())
-            self._pending = (future, commit)
-        else:
+            self._pending = _Pending(future, commit)
+            return final
+        try:
             dcp.save(_flat(state), checkpoint_id=str(tmp), no_dist=not _distributed())
-            _commit(*commit)
+        except (Exception, CheckpointException) as e:  # the same on every rank (a BaseException)
+            raise commit.failed(e) from e
+        _barrier()  # every rank's shards are on disk (DCP's coordinator wrote .metadata after them)
+        error = None
+        if _rank() == 0:
+            try:
+                commit.run()
+            except OSError as e:  # the manifest or the rename failed: say so on every rank, not only here
+                error = commit.failed(e)
+        _agree(error)
         return final
 
     def wait(self) -> None:
-        """Collective. Finish and commit a background save, if one is running."""
+        """Collective. Finish a background save (committed by rank 0 as soon as it was complete); a
+        failure on any rank raises CheckpointWriteError on every rank."""
         if self._pending is None:
             return
-        future, commit = self._pending
-        self._pending = None
-        future.result()
-        _commit(*commit)
+        pending, self._pending = self._pending, None
+        pending.done.wait()
+        _agree(pending.error)
+
+    @property
+    def committed(self) -> bool:
+        """True when no background save is pending, or rank 0 has committed it (other ranks: written)."""
+        return self._pending is None or self._pending.done.is_set()
 
 
-def _commit(tmp: Path, final: Path, root: Path, keep_last: int, manifest: dict) -> None:
-    _barrier()  # every rank's shards are on disk
-    if _rank() == 0:
-        (tmp / MANIFEST).write_text(json.dumps(manifest))
-        if final.exists():  # a checkpoint of the same step from an earlier attempt: replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _prune(root, keep_last)
-    _barrier()
+@dataclass
+class _Commit:
+    tmp: Path
+    final: Path
+    root: Path
+    keep_last: int
+    manifest: dict
+
+    def run(self) -> None:
+        """Rank 0, after every rank's shards and DCP's .metadata are written: manifest, rename, prune."""
+        _write_durably(self.tmp / MANIFEST, json.dumps(self.manifest))
+        trash = None
+        if self.final.exists():  # a checkpoint of the same step from an earlier attempt: replace it
+            trash = self.root / f"{TMP_PREFIX}replaced-{self.final.name}-{uuid.uuid4().hex[:8]}"
+            os.replace(self.final, trash)
+        os.replace(self.tmp, self.final)
+        _fsync_dir(self.root)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        _prune(self.root, self.keep_last)
+
+    def failed(self, error: BaseException) -> CheckpointWriteError:
+        """Remove the partial directory (rank 0) and say what happened and what is still there."""
+        if _rank() == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        cause = _os_error(error)
+        why = str(cause) if cause is not None else f"{type(error).__name__}: {error}"
+        return CheckpointWriteError(
+            f"writing checkpoint {self.final} failed: {why}; the partial {self.tmp.name} was removed and "
+            f"nothing was pruned; the newest complete checkpoint is {latest(self.root) or 'none'}. Free space in "
+            f"{self.root} or point checkpoint.dir at a writable disk with room for two checkpoints")
+
+
+class _Pending:
+    """A background save: DCP's future plus rank 0's commit, run from the thread that resolves it."""
+
+    def __init__(self, future, commit: _Commit):
+        self.future, self.commit = future, commit
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        future.add_done_callback(self._finish)  # runs at once if the future is already resolved
+
+    def _finish(self, future) -> None:
+        try:
+            future.result()
+            if _rank() == 0:
+                self.commit.run()
+        except BaseException as e:  # noqa: BLE001 - kept and re-raised by result() on the training thread
+            self.error = self.commit.failed(e)
+            self.error.__cause__ = e
+        finally:
+            self.done.set()
+
+
+
+def _agree(error: BaseException | None) -> None:
+    """Collective: raise `error` here, and a CheckpointWriteError naming the failed rank on every other
+    rank, if any rank failed (no rank is left waiting in a barrier for one that raised)."""
+    failed = [None if error is None else str(error)]
+    if _distributed():
+        failed = [None] * dist.get_world_size()
+        dist.all_gather_object(failed, None if error is None else str(error))
+    if error is not None:
+        raise error
+    first = next(((r, e) for r, e in enumerate(failed) if e is not None), None)
+    if first is not None:
+        raise CheckpointWriteError(f"rank {first[0]}: {first[1]}")
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The OSError inside DCP's CheckpointException (which keeps each failed rank's exception)."""
+    seen = [error]
+    while seen:
+        e = seen.pop()
+        if isinstance(e, OSError):
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            seen.extend(v[0] if isinstance(v, tuple) else v for v in failures.values())
+        if e.__cause__ is not None:
+            seen.append(e.__cause__)
+    return None
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in `path` survive a power loss (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save(root: str | os.PathLike, step: int, state: StageState, **kwargs) -> Path:
@@ -232,19 +400,35 @@ def save(root: str | os.PathLike, step: int, state: StageState, **kwargs) -> Pat
 
 
 def _prune(root: Path, keep_last: int) -> None:
+    """Called right after a commit: only complete checkpoints count, so the newest `keep_last` good
+    ones always survive (a refused or failed save commits nothing and prunes nothing)."""
     complete = list_checkpoints(root)
     for old in complete[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".tmp-step_*"):  # leftovers of saves that died (none is in flight here)
-        shutil.rmtree(stale, ignore_errors=True)
+    clean_stale(root)  # leftovers of saves that died (none is in flight here)
+
+
+def clean_stale(root: str | os.PathLike) -> list[Path]:
+    """Remove the temporary directories of saves that died (`.tmp-step_*`); returns what was removed.
+    Only while no save is in flight: at the start of a run (before any process group) or after a commit."""
+    root = Path(root)
+    stale = sorted(root.glob(f"{TMP_PREFIX}*")) if root.is_dir() else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """A committed checkpoint: its manifest is written last, after every shard and DCP's .metadata."""
+    return (Path(path) / MANIFEST).is_file()
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints (those with a manifest), oldest first."""
+    """Complete checkpoints, oldest first."""
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step_*") if (p / MANIFEST).is_file())
+    return sorted(p for p in root.glob("step_*") if is_complete(p))
 
 
 def latest(root: str | os.PathLike) -> Path | None:
@@ -254,7 +438,7 @@ def latest(root: str | os.PathLike) -> Path | None:
 
 def read_manifest(path: str | os.PathLike) -> dict:
     path = Path(path)
-    if not (path / MANIFEST).is_file():
+    if not is_complete(path):
         raise FileNotFoundError(
             f"{path} is not a complete asyncpp checkpoint (no {MANIFEST}); pick a step_* directory that has one"
         )

@@ -100,8 +100,12 @@ def test_overrides_pass_through_quoted_with_a_stable_run_dir_and_cuda():
     for o in OVERRIDES[:-1]:
         assert f"    {o} \\\n" in block
     assert "'logging.run_name=\"sync vs 2bw\"'" in block  # one shell word, quotes kept for hydra
-    assert '"hydra.run.dir=$RUN_DIR"' in block  # expanded by bash: the run dir survives a requeue
-    assert "RUN_DIR=outputs/slurm/${SLURM_JOB_NAME}-${SLURM_JOB_ID}" in script
+    assert '"hydra.run.dir=$RUN_DIR"' in block  # expanded by bash
+    # named after the run (logging.run_name, made one safe word), not the job: a requeue and a resubmission resume
+    assert "RUN_DIR=outputs/slurm/sync_vs_2bw\n" in script
+    unnamed = slurm.render(_job(overrides=["schedule=2bw", "model=smollm2_135m"]))
+    assert "RUN_DIR=outputs/slurm/model=smollm2_135m,schedule=2bw\n" in unnamed
+    assert "SLURM_JOB_ID" not in unnamed[unnamed.index("RUN_DIR="):unnamed.index("\n", unnamed.index("RUN_DIR="))]
     assert "train.device=cuda" in block
     assert "train.device=cuda" not in slurm.render(_job(overrides=["train.device=cpu"]))
     cpu = slurm.render(_job(gpus_per_node=0, nproc_per_node=4, overrides=[]))
@@ -181,7 +185,7 @@ def test_script_runs_forwards_sigterm_and_requeues(tmp_path):
     args = (tmp_path / "args").read_text().splitlines()
     assert "--rdzv-endpoint=node-a:29500" in args and "--rdzv-id=4242" in args
     assert args[args.index("pretrain.py") + 1 :] == [
-        "hydra.run.dir=outputs/slurm/asyncpp-4242",
+        "hydra.run.dir=outputs/slurm/sync_vs_2bw",
         *OVERRIDES,
         "train.device=cuda",
     ]
@@ -272,7 +276,40 @@ def test_local_launcher_command_and_dry_run(capsys):
         local.main(["--nproc-per-node", "4", "--max-restarts", "2", "--dry-run", "--", "parallel.pp=4"]) == 0
     )
     out = capsys.readouterr().out
-    assert "--nproc-per-node=4 --max-restarts=2 pretrain.py parallel.pp=4" in out and out.startswith("cd ")
+    # torchrun itself never restarts (it would retry config errors); launch.local does
+    assert "--nproc-per-node=4 --max-restarts=0 pretrain.py parallel.pp=4" in out and out.startswith("cd ")
+    assert "rerun up to 2 times" in out
+
+
+class _Attempts:
+    """A fake subprocess.run: attempt i exits codes[i]; `config_error_at` writes the marker pretrain.py
+    leaves for a config error."""
+
+    def __init__(self, codes, config_error_at=None):
+        self.codes, self.config_error_at, self.calls = list(codes), config_error_at, 0
+
+    def __call__(self, cmd, cwd, env, check):
+        from asyncpp.train.run_identity import CONFIG_ERROR_FILE_ENV
+
+        i, self.calls = self.calls, self.calls + 1
+        if i == self.config_error_at:
+            Path(env[CONFIG_ERROR_FILE_ENV]).write_text("config error: train.device=cuda but ...")
+        return subprocess.CompletedProcess(cmd, self.codes[i])
+
+
+@pytest.mark.parametrize("codes, config_error_at, calls, rc", [
+    ([1, 1, 0], None, 3, 0),       # a crash is retried and the run comes back
+    ([1, 1, 1], None, 3, 1),       # ... at most 1 + max_restarts times
+    ([2], 0, 1, 2),                # a config error is not retried
+    ([1, 2], 1, 2, 2),             # ... not even when it shows up in a restart
+    ([143], None, 1, 143),         # a stop on purpose (SIGTERM, checkpointed) is not retried
+])
+def test_local_launcher_restarts_crashes_but_not_config_errors(codes, config_error_at, calls, rc):
+    fake, said = _Attempts(codes, config_error_at), []
+    assert local.run_with_restarts(["torchrun"], 2, run=fake, echo=said.append) == rc
+    assert fake.calls == calls
+    if config_error_at is not None:
+        assert "not retried" in said[-1] and "train.device=cuda" in said[-1]
 
 
 def test_launch_imports_no_torch():
@@ -312,4 +349,6 @@ def test_slurm_sweep_config_composes_for_every_arm():
         seen[arm] = (run_cfg.schedule.name, run_cfg.staleness.ef_lambda)
         assert model_cfg.name == "smollm2_135m" and run_cfg.train.device == "cuda"
     assert seen == {"sync": ("sync", 0.0), "2bw": ("2bw", 0.0), "2bw_ef": ("2bw", 1.0)}
-    assert OmegaConf.select(cfg, "hydra.sweep.dir").startswith("multirun/sync_vs_async/")
+    # no timestamp: rerunning the sweep finds every job's directory (named after the job's overrides) again
+    assert OmegaConf.select(cfg, "hydra.sweep.dir") == "multirun/sync_vs_async"
+    assert "asyncpp.run_name" in OmegaConf.to_container(cfg.hydra.sweep)["subdir"]

@@ -1,0 +1,248 @@
+"""Pre-flight checks: what would fail a run late, checked before any process group or model exists.
+
+pretrain.py's main calls `check(cfg, model_cfg, rank=...)` right after the config is validated. Every
+failure is a ConfigError (exit code 2, which launch.local does not retry) naming the field, the value and
+the fix; nothing here trains, and a passing check changes nothing but the run directories it creates
+and the stale `.tmp-step_*` directories of saves that died, which it removes.
+
+Under torchrun, ranks other than 0 do not yet know the run directory (rank 0 broadcasts it later), so
+the storage, resume and data checks run on rank 0 only; the device check runs on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from asyncpp.config import ConfigError, RunConfig
+from asyncpp.train import checkpoint as ckpt
+from asyncpp.train.run_identity import CONFIG_ERROR_FILE_ENV, EXIT_CONFIG_ERROR
+
+__all__ = ["CONFIG_ERROR_FILE_ENV", "EXIT_CONFIG_ERROR", "check", "check_data", "check_device", "check_directories",
+           "check_disk_space", "check_resume", "checkpoint_bytes", "config_differences", "record_config_error"]
+
+Warn = Callable[[str], None]
+
+CHECKPOINTS_OF_ROOM = 2  # a new save is written beside the newest complete one, which it never replaces early
+
+
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def check(cfg: RunConfig, model_cfg, *, rank: int = 0, local_world_size: int = 1, warn: Warn = _stderr) -> None:
+    """All pre-flight checks of this rank (see the module docstring). Raises ConfigError."""
+    check_device(cfg, local_world_size)
+    if rank != 0:
+        return
+    check_directories(cfg)
+    removed = ckpt.clean_stale(ckpt.checkpoint_root(cfg))
+    if removed:
+        warn(f"preflight: removed {len(removed)} unfinished checkpoint directories ({removed[0].name}, ...)")
+    point = check_resume(cfg, warn=warn)
+    if cfg.checkpoint.enabled:
+        check_disk_space(cfg, checkpoint_bytes(cfg, model_cfg, point))
+    check_data(cfg, model_cfg)
+
+
+def record_config_error(path: str | None, message: str) -> None:
+    """Leave `message` at `path` (CONFIG_ERROR_FILE_ENV's value) for the launcher; no-op without one."""
+    if path:
+        Path(path).write_text(message + "\n")
+
+
+# ---- device ---------------------------------------------------------------------------------------
+def check_device(cfg: RunConfig, local_world_size: int = 1, cuda=torch.cuda) -> None:
+    """train.device=cuda needs a CUDA build of torch and one visible GPU per local rank."""
+    if torch.device(cfg.train.device).type != "cuda":
+        return
+    fix = "use train.device=cpu, or run on a machine with GPUs"
+    if torch.version.cuda is None:
+        raise ConfigError(f"train.device={cfg.train.device} but this torch ({torch.__version__}) was built without "
+                          f"CUDA; {fix} (and a CUDA build of torch)")
+    if not cuda.is_available():
+        raise ConfigError(f"train.device={cfg.train.device} but no CUDA device is visible (no driver, or "
+                          f"CUDA_VISIBLE_DEVICES hides them all); {fix}")
+    if cuda.device_count() < local_world_size:
+        raise ConfigError(f"train.device={cfg.train.device} with {local_world_size} ranks on this node, but only "
+                          f"{cuda.device_count()} GPU(s) are visible; start one rank per GPU "
+                          "(--nproc-per-node / --gpus-per-node)")
+
+
+# ---- storage --------------------------------------------------------------------------------------
+def _checkpoint_field(cfg: RunConfig) -> str:
+    return "checkpoint.dir" if cfg.checkpoint.dir else "checkpoint.dir (default: <out_dir>/checkpoints)"
+
+
+def check_directories(cfg: RunConfig) -> None:
+    """The run directory and (with checkpoint.enabled) the checkpoint directory exist and take a file."""
+    dirs = [("out_dir (hydra.run.dir)", Path(cfg.out_dir))]
+    if cfg.checkpoint.enabled:
+        dirs.append((_checkpoint_field(cfg), ckpt.checkpoint_root(cfg)))
+    for field, path in dirs:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=path, prefix=".asyncpp-write-probe-")
+            try:
+                os.write(fd, b"ok")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                os.unlink(probe)
+        except OSError as e:
+            raise ConfigError(f"{field}={path} is not writable ({e.strerror or e}); point it at a directory this "
+                              "user can write, on a disk with room for the run") from None
+
+
+def checkpoint_bytes(cfg: RunConfig, model_cfg, point: tuple[Path, int] | None = None) -> int:
+    """The size of one checkpoint of this run: the newest existing one's if any, else an estimate (every
+    weight version the schedule keeps, the Error-Feedback buffers and the optimizer's state, fp32)."""
+    if point is not None:
+        return sum(f.stat().st_size for f in point[0].rglob("*") if f.is_file())
+    return _estimated_checkpoint_bytes(cfg, model_cfg)
+
+
+def _estimated_checkpoint_bytes(cfg: RunConfig, model_cfg) -> int:
+    from asyncpp.analysis.memory import optimizer_state_bytes
+    from asyncpp.optim import build_from_config
+    from asyncpp.schedules.registry import stage_delay
+    from model_zoo import build_model
+
+    model = build_model(model_cfg, device="meta")  # shapes only: allocates nothing
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = sum(p.numel() for p in params) * torch.float32.itemsize
+    pp = cfg.parallel.pp
+    versions = 1 + max(stage_delay(cfg.schedule.name, s, pp) for s in range(pp))
+    state, _ = optimizer_state_bytes(build_from_config(model, cfg.optimizer))
+    return weights * (versions + 2) + state  # + u_{t-1} and gradient-level EF's g_{t-1}
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def check_disk_space(cfg: RunConfig, per_checkpoint: int, disk_usage=shutil.disk_usage) -> None:
+    """Room for CHECKPOINTS_OF_ROOM checkpoints of `per_checkpoint` bytes in the checkpoint directory."""
+    root = ckpt.checkpoint_root(cfg)
+    free = disk_usage(root).free
+    need = CHECKPOINTS_OF_ROOM * per_checkpoint
+    if free < need:
+        raise ConfigError(
+            f"{_checkpoint_field(cfg)}={root} has {_gib(free)} free, but this run needs room for "
+            f"{CHECKPOINTS_OF_ROOM} checkpoints of ~{_gib(per_checkpoint)} ({_gib(need)}); free space there, or "
+            "set checkpoint.dir to a disk with more room")
+
+
+# ---- resume ---------------------------------------------------------------------------------------
+# What a checkpoint's contents depend on: resuming under another value cannot load it, or would load a
+# state that means something else (another optimizer's moments, another schedule's weight versions).
+INCOMPATIBLE = ("model.", "optimizer.name", "schedule.name")
+# Where and how a run goes; never reported. data.* is checked by checkpoint.check_data_position.
+IGNORED = ("out_dir", "dry_run", "logging.", "checkpoint.", "parallel.", "data.", "train.device",
+           "train.timeout_s", "train.compile", "train.backend")
+
+
+def _leaves(tree, prefix: str = "") -> Iterator[tuple[str, object]]:
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, f"{prefix}{k}.")
+    else:
+        yield prefix.rstrip("."), tree
+
+
+def _matches(key: str, patterns: tuple[str, ...]) -> bool:
+    return any(key == p or p.endswith(".") and key.startswith(p) for p in patterns)
+
+
+def config_differences(saved: dict, current: dict) -> list[tuple[str, object, object]]:
+    """(key, checkpoint's value, this run's value) for every leaf that differs, IGNORED keys left out."""
+    a, b = dict(_leaves(saved)), dict(_leaves(current))
+    missing = object()
+    out = []
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key, missing), b.get(key, missing)
+        if isinstance(x, list) and isinstance(y, tuple | list):
+            y = list(y)
+        if x != y and not _matches(key, IGNORED):
+            out.append((key, "<absent>" if x is missing else x, "<absent>" if y is missing else y))
+    return out
+
+
+def _resume_path(cfg: RunConfig) -> Path | None:
+    c = cfg.checkpoint
+    if c.resume == "none":
+        return None
+    if c.resume == "auto":
+        return ckpt.latest(ckpt.checkpoint_root(cfg))
+    path = Path(c.resume)
+    if not ckpt.is_complete(path):
+        state = f"is not a complete checkpoint (no {ckpt.MANIFEST})" if path.exists() else "does not exist"
+        found = [p.name for p in ckpt.list_checkpoints(path.parent)]
+        there = (f"the complete ones in {path.parent} are {found}; use one of them, " if found else
+                 f"{path.parent} holds no complete checkpoint; use ")
+        raise ConfigError(f"checkpoint.resume={c.resume} {state}; {there}checkpoint.resume=auto (the newest in "
+                          "checkpoint.dir) or checkpoint.resume=none")
+    return path
+
+
+def check_resume(cfg: RunConfig, warn: Warn = _stderr) -> tuple[Path, int] | None:
+    """The checkpoint this run would resume from (checkpoint.resume), checked against this config: its step
+    below train.steps, and the same model, optimizer and schedule. Returns (path, step) or None; warns
+    about the other differences (hyperparameters a resumed run may change on purpose)."""
+    path = _resume_path(cfg)
+    if path is None:
+        return None
+    manifest = ckpt.read_manifest(path)
+    step = int(manifest["step"])
+    differences = config_differences(manifest.get("config") or {}, cfg.to_dict())
+    refused = [d for d in differences if _matches(d[0], INCOMPATIBLE)]
+    listing = "; ".join(f"{k}: checkpoint {x!r}, this run {y!r}" for k, x, y in differences)
+    if refused:
+        keys = ", ".join(k for k, _, _ in refused)
+        raise ConfigError(
+            f"checkpoint.resume={cfg.checkpoint.resume} found {path} (step {step}), which was saved with another "
+            f"{keys}; it cannot be resumed by this run. Differences: {listing}. Rerun with the checkpoint's "
+            "values, or start a new run (another logging.run_name, or checkpoint.resume=none)")
+    if cfg.train.steps <= step:
+        raise ConfigError(
+            f"train.steps={cfg.train.steps}, but the checkpoint to resume from ({path}, checkpoint.resume="
+            f"{cfg.checkpoint.resume}) is at step {step}: this run is already complete. Raise train.steps above "
+            f"{step} to train further, or start afresh with checkpoint.resume=none or another logging.run_name")
+    if differences:
+        warn(f"warning: resuming {path} (step {step}) with a changed config: {listing}")
+    return path, step
+
+
+# ---- data -----------------------------------------------------------------------------------------
+def check_data(cfg: RunConfig, model_cfg) -> None:
+    """Every prefix of the data is a sound .bin/.idx pair whose sampled token ids fit the model's
+    vocabulary. (The tokenizer's, stricter, is checked again when the data source is built.)"""
+    from data.indexed import IndexedDataError, check_prefix, check_token_ids
+
+    d = cfg.data
+    try:
+        prefixes = _data_prefixes(cfg)
+        for prefix in prefixes:
+            check_token_ids(check_prefix(prefix), model_cfg.vocab_size)
+    except (IndexedDataError, FileNotFoundError) as e:
+        field = "data.blend" if d.name == "indexed" else f"data.name={d.name} (data.cache_dir={d.cache_dir})"
+        raise ConfigError(f"{field}: {e}") from None
+
+
+def _data_prefixes(cfg: RunConfig) -> list[str]:
+    from asyncpp.config import parse_blend
+
+    d = cfg.data
+    if d.name == "indexed":
+        return parse_blend(d.blend)[0]
+    from data.default import default_cache_dir, default_prefix
+
+    # Built here on first use (rank 0, before any other rank reads it): the same files build_data reads.
+    return [str(default_prefix(Path(d.cache_dir) if d.cache_dir else default_cache_dir()))]
+
