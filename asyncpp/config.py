@@ -213,7 +213,8 @@ class CheckpointConfig:
     enabled: bool = True
     """Write checkpoints (resuming is governed by `resume` alone)."""
     async_save: bool = False
-    """Write shards in the background (DCP async_save); committed at the next save or the run's end."""
+    """Write shards in the background (DCP async_save); rank 0 commits the checkpoint from DCP's completion
+    callback as soon as every shard is written, so a crash after that never loses it."""
 
 
 @dataclass(kw_only=True)
