@@ -92,7 +92,8 @@ class Trainer:
         self.stop = stop or StopFlag()
         self.start_step = 0
         self.stopped_at: int | None = None
-        self.skipped = self.consecutive_skips = self.tokens = 0
+        self.skipped = self.consecutive_skips = self.tokens = self.tokens_per_step = 0
+        self.steps_done = 0
         self.last_loss = self.val_loss = math.nan
         self.step_times: list[float] = []
 
@@ -150,6 +151,7 @@ class Trainer:
 
     def _log(self, r: StepResult, val_loss: float | None) -> None:
         self.tokens += r.tokens
+        self.tokens_per_step, self.steps_done = r.tokens, r.step + 1
         self.step_times.append(r.step_time_s)
         self.last_loss = r.loss
         record = {
@@ -181,15 +183,20 @@ class Trainer:
 
     def _summary(self, wall: float) -> dict:
         steady = self.step_times[min(5, len(self.step_times) - 1):] if self.step_times else [math.nan]
+        # Every step up to steps_done was trained once in the weights this run ends with, whichever attempt
+        # trained it (a resumed run restarts from the checkpoint's step; recomputed steps count once).
+        steps_done = self.steps_done or self.start_step
         return {
-            "steps": self.cfg.train.steps,
+            "steps": steps_done,
+            "planned_steps": self.cfg.train.steps,
             "stopped_at": self.stopped_at,
             "final_loss": self.last_loss,
             "final_val_loss": self.val_loss,
             "skipped_steps": self.skipped,
-            "tokens": self.tokens,
+            "tokens": steps_done * self.tokens_per_step,
+            "tokens_this_attempt": self.tokens,
             "wall_time_s": wall,
             "mean_step_time_s": sum(steady) / len(steady),
-            "tokens_per_s": self.tokens / wall,
+            "tokens_per_s": self.tokens / wall,  # this attempt's
             **self.executor.summary(wall),
         }

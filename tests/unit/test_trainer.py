@@ -1,0 +1,112 @@
+"""The trainer over a scripted executor: segments, evaluation and checkpoint points, stop requests, the abort
+rule and the summary's accounting, without a model (the executors have their own equivalence tests)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from asyncpp.config import RunConfig
+from asyncpp.core.records import StepResult
+from asyncpp.train.preemption import StopFlag
+from asyncpp.train.trainer import Trainer, TrainingAborted, segment_bounds
+
+
+class Scripted:
+    """An executor whose step t has loss 10 - t and is skipped when t is in `skip`; it logs what it is asked."""
+
+    is_writer = True
+
+    def __init__(self, stops_at_any_step: bool, skip=(), stop: StopFlag | None = None, stop_after: int = -1,
+                 resume_at: int | None = None):
+        self.stops_at_any_step, self.skip, self.stop, self.stop_after = stops_at_any_step, set(skip), stop, stop_after
+        self.resume_at, self.calls = resume_at, []
+
+    def resume(self, warn):
+        return self.resume_at
+
+    def steps(self, t0, t1):
+        self.calls.append(("segment", t0, t1))
+        for t in range(t0, t1):
+            if t == self.stop_after and self.stop is not None:
+                self.stop.set()
+            yield StepResult(t, 10.0 - t, 1.0, 0.1, 1e-3, t in self.skip, tokens=100, step_time_s=0.5)
+
+    def val_batches(self):
+        return ["b"]
+
+    def evaluate(self, batches):
+        self.calls.append(("evaluate",))
+        return 1.0
+
+    def save(self, step_done):
+        self.calls.append(("save", step_done))
+
+    def stop_agreed(self, requested):
+        return requested
+
+    def wait_saves(self):
+        pass
+
+    def summary(self, wall_s):
+        return {}
+
+
+class Sink:
+    def __init__(self):
+        self.records, self.messages = [], []
+
+    def log(self, record):
+        self.records.append(record)
+
+    def message(self, text):
+        self.messages.append(text)
+
+    def rewind(self, step):
+        self.records = [r for r in self.records if r["step"] < step]
+
+
+def config(**train) -> RunConfig:
+    return RunConfig.from_dict({"train": {"steps": 10, "eval_every": 4, **train},
+                                "checkpoint": {"every": 5}, "logging": {"wandb_mode": "disabled"}})
+
+
+def test_segments_cut_at_evaluation_and_checkpoint_points():
+    assert segment_bounds(10, 4, 5) == [(0, 4), (4, 5), (5, 8), (8, 10)]
+    assert segment_bounds(10, 4, 5, start=5) == [(5, 8), (8, 10)]
+
+
+def test_one_record_per_step_with_evaluation_and_checkpoints_at_their_points():
+    executor, sink = Scripted(stops_at_any_step=False), Sink()
+    summary = Trainer(config(), executor, sink).run()
+    assert [r["step"] for r in sink.records] == list(range(10))
+    assert [r["step"] for r in sink.records if "val_loss" in r] == [3, 7, 9]
+    assert [c for c in executor.calls if c[0] == "save"] == [("save", 5), ("save", 10)]
+    assert sink.records[0]["tokens_per_s"] == 200.0 and sink.records[0]["sync_step"] is False
+    assert summary["steps"] == 10 and summary["tokens"] == 1000 and summary["final_loss"] == 1.0
+
+
+@pytest.mark.parametrize("anywhere, stopped_at", [(True, 3), (False, 4)])
+def test_a_stop_request_checkpoints_at_the_next_boundary_the_executor_allows(anywhere, stopped_at):
+    stop = StopFlag()
+    executor = Scripted(stops_at_any_step=anywhere, stop=stop, stop_after=2)
+    summary = Trainer(config(), executor, Sink(), stop=stop).run()
+    assert summary["stopped_at"] == stopped_at and summary["steps"] == stopped_at
+    assert executor.calls[-1] == ("save", stopped_at)
+
+
+def test_resumed_summary_counts_every_trained_step_once():
+    executor = Scripted(stops_at_any_step=True, resume_at=5)
+    trainer = Trainer(config(), executor, Sink())
+    assert trainer.resume() == 5
+    summary = trainer.run()
+    assert summary["steps"] == 10 and summary["tokens"] == 1000 and summary["tokens_this_attempt"] == 500
+
+
+def test_consecutive_non_finite_steps_abort_every_rank_at_the_same_step():
+    executor = Scripted(stops_at_any_step=True, skip={2, 3, 4})
+    with pytest.raises(TrainingAborted, match=r"3 consecutive steps .* step 4"):
+        Trainer(config(max_consecutive_skips=3), executor, Sink()).run()
+    summary = Trainer(config(max_consecutive_skips=4), Scripted(True, skip={2, 3, 4}), Sink()).run()
+    assert summary["skipped_steps"] == 3 and math.isfinite(summary["final_loss"])
