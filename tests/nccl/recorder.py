@@ -96,12 +96,13 @@ def _group_of(group) -> tuple[str, tuple[int, ...]]:
 
 
 def _site() -> str:
-    """The two innermost asyncpp/ (or tests/dist/) frames of the call, e.g. engine.py:_forward>p2p.py:_send."""
-    frame, names = sys._getframe(2), []
-    while frame is not None and len(names) < 2:
+    """The innermost asyncpp/ (or tests/dist/) frames of two files, e.g. engine.py:_forward>p2p.py:_send."""
+    frame, names, files = sys._getframe(2), [], set()
+    while frame is not None and len(files) < 2:
         path = frame.f_code.co_filename
-        if f"{os.sep}asyncpp{os.sep}" in path or f"{os.sep}tests{os.sep}dist{os.sep}" in path:
-            names.append(f"{os.path.basename(path)}:{frame.f_code.co_name}")
+        if (f"{os.sep}asyncpp{os.sep}" in path or f"{os.sep}tests{os.sep}dist{os.sep}" in path) and path not in files:
+            names.append(f"{os.path.basename(path)}:{frame.f_code.co_name}")  # the innermost frame of each file
+            files.add(path)
         frame = frame.f_back
     return ">".join(reversed(names)) or "?"
 
