@@ -47,7 +47,8 @@ def _layouts() -> dict[str, Layout]:
             out[layout.name] = layout
     short = {"steps": 4, "num_microbatches": 2, "eval_every": 0}
     extra = [
-        Layout("2bw-P2-DP2", make_config(parallel={"pp": 2, "dp": 2}, train=short)),
+        Layout("2bw-P2-DP2", make_config(parallel={"pp": 2, "dp": 2}, train={**short, "eval_every": 2},
+                                         staleness={"sync_start_steps": 1})),
         Layout("1f1b-P2-DP2", make_config(parallel={"pp": 2, "dp": 2}, schedule={"name": "1f1b"}, train=short)),
         Layout("2bw-P2-TP2", make_config(model={"name": "tiny_moe"}, parallel={"pp": 2, "tp": 2}, train=short)),
         Layout("2bw-P2-EP2", make_config(model={"name": "tiny_moe"}, parallel={"pp": 2, "dp": 2, "ep": 2},
@@ -65,8 +66,9 @@ def _layouts() -> dict[str, Layout]:
 
 
 LAYOUTS = _layouts()
-FAST = ("2bw-P2", "1f1b-P3", "2bw-P2-DP2", "megatron-2bw-P2")
-"""Recorded in the default suite; the rest is `slow`."""
+FAST = ("2bw-P2-DP2", "1f1b-P3", "megatron-2bw-P2")
+"""Recorded in the default suite (2BW with DP, tied embeddings, a sync start and an evaluation drain; a
+middle stage; the Megatron loop); the rest is `slow`."""
 
 
 def recorded_pipeline(rank: int, cfg_dict: dict) -> list:
