@@ -76,6 +76,16 @@ class ParallelDims:
         return self.dp // self.ep
 
 
+@dataclass(frozen=True)
+class PipelineLinks:
+    """This rank's p2p groups (None at the pipeline's ends): one 2-rank group per link and direction."""
+
+    recv_forward: dist.ProcessGroup | None  # activations from stage s-1
+    send_forward: dist.ProcessGroup | None  # activations to stage s+1
+    recv_backward: dist.ProcessGroup | None  # output gradients from stage s+1
+    send_backward: dist.ProcessGroup | None  # input gradients to stage s-1
+
+
 def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -105,27 +115,47 @@ class Mesh:
         self.edp_group = m.get_group("edp")
         # The global gradient norm sums over everything that is not a replica of something else:
         # stages, TP shards and EP shards (replicated tensors are counted on tp/ep rank 0 only).
-        self.norm_group = m["pp", "ep", "tp"]._flatten("norm").get_group() if dims.tp * dims.ep > 1 else self.pp_group
-        self.embedding_group = self._build_embedding_groups()
+        # Every cross-stage group below carries one kind of traffic only, so on NCCL each communicator
+        # sees its ops in the same order on every member (docs/nccl.md): the norm all-reduce never
+        # shares one with the pipeline's p2p or with the tied-embedding all-reduce, also at P=2.
+        if dims.tp * dims.ep > 1:
+            self.norm_group = m["pp", "ep", "tp"]._flatten("norm").get_group()
+        else:
+            self.norm_group = self._per_pipeline(list(range(dims.pp))) if dims.pp > 1 else self.pp_group
+        # {first stage, last stage} of each pipeline, for the tied embedding's gradient.
+        self.embedding_group = self._per_pipeline([0, dims.pp - 1]) if dims.pp > 1 else None
+        self.links = self._build_links()
 
-    def _build_embedding_groups(self):
-        """{first stage, last stage} of each pipeline, for the tied embedding's gradient.
-
-        new_group is collective over the whole world, so every rank creates every pipeline's group
-        in the same order and keeps only its own.
-        """
-        if self.dims.pp == 1:
-            return None
-        if self.dims.pp == 2:  # first and last stage are the whole pipeline: its group already exists
-            return self.pp_group
+    def _per_pipeline(self, stages: list[int]):
+        """A new group of `stages` in every pipeline (dp, tp coordinate); returns this rank's or None.
+        new_group is collective over the whole world: every rank creates every group in the same order."""
         mine = None
         for dp_rank in range(self.dims.dp):
             for tp_rank in range(self.dims.tp):
-                ranks = [self.global_rank(0, dp_rank, tp_rank), self.global_rank(self.dims.pp - 1, dp_rank, tp_rank)]
+                ranks = [self.global_rank(s, dp_rank, tp_rank) for s in stages]
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     mine = group
         return mine
+
+    def _build_links(self) -> PipelineLinks:
+        """Two 2-rank groups per link (s, s+1) of each pipeline: one carries the activations (s -> s+1),
+        the other the gradients (s+1 -> s).
+
+        Why one communicator per direction (and not batched send/recv pairs): on each of them one end
+        only sends and the other only receives, in the schedule's FIFO order, so NCCL's "the ops of a
+        pair run in issue order" can never queue a receive behind a send that waits for the other
+        end. Deadlock freedom is then exactly the schedule's own (non-blocking sends, FIFO channels,
+        checked without processes by asyncpp/schedules/invariants.py), for every schedule, warm-up,
+        drain and stream switch, with no pairing logic, and a receive can be posted early on its own
+        communicator without waiting for a matching send. The cost is 2(P-1) small communicators."""
+        forward, backward = {}, {}
+        for table in (forward, backward):
+            for s in range(self.dims.pp - 1):
+                table[s] = self._per_pipeline([s, s + 1])
+        s = self.pp_rank
+        return PipelineLinks(recv_forward=forward.get(s - 1), send_forward=forward.get(s),
+                             recv_backward=backward.get(s), send_backward=backward.get(s - 1))
 
     def global_rank(self, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None) -> int:
         dp_rank = self.dp_rank if dp_rank is None else dp_rank
@@ -182,5 +212,8 @@ def init_distributed(device_type: str = "cpu", timeout_s: float = 300.0) -> torc
         device = torch.device(device_type)
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
-        dist.init_process_group(backend=default_backend(device), timeout=timeout, **_elastic_store(timeout))
+        # On CUDA, bind the device (eager communicator init, torch's recommendation): unbatched p2p
+        # then uses its group's own communicator, which is why every group carries one kind of traffic.
+        bind = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend=default_backend(device), timeout=timeout, **bind, **_elastic_store(timeout))
     return device

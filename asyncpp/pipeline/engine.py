@@ -4,12 +4,17 @@ The schedule (asyncpp/schedules) decides the order; this file owns autograd, com
 where each asynchronous handle is waited for:
 
 - FORWARD/BACKWARD switch the parameters to the action's weight version first (weights.py).
-- UPDATE_START(t) takes b_t's gradient, reduces it over DP and over the tied-embedding pair
-  (first/last stage), and *starts* the all-reduce of [||g||^2, ||Δx_{t-1}||^2] over the stages and
-  the TP/EP shards (mesh.norm_group; replicas are counted once).
-- UPDATE(t) waits for that all-reduce only when x_{t+1} is needed, then clips, skips non-finite
-  steps consistently on every stage, runs the optimizer into the buffer of x_{t+1}, and applies
-  Error Feedback. In 2BW the wait falls m microbatches after the start, so it costs no bubble.
+- UPDATE_START(t) takes b_t's gradient and *starts* its reductions, none of which blocks: the DP
+  all-reduce (bucketed, in place for large tensors), then, once that has completed, the
+  tied-embedding all-reduce (first/last stage) and the all-reduce of [||g||^2, ||Δx_{t-1}||^2] over
+  the stages and the TP/EP shards (mesh.norm_group; replicas are counted once). The later phases
+  are started at the first action boundary where their inputs are ready (`_progress`), in step order.
+- UPDATE(t) completes whatever phase is left and waits for the norm only when x_{t+1} is needed,
+  then clips, skips non-finite steps consistently on every stage, runs the optimizer into the buffer
+  of x_{t+1}, and applies Error Feedback. In 2BW the wait falls m-(P-1-s) >= 1 microbatches after
+  the start, so the DP and the cross-stage reductions cost no bubble.
+- Receives are posted one compute action ahead of their use (p2p.StageComm), and every wait goes
+  through the comm: timed on CPU, stream-ordered and watched from the host on CUDA.
 
 The gradient of a step is (sum of microbatch gradients) * grad_scale, like the simulator's.
 """
@@ -29,7 +34,8 @@ from asyncpp.core.update import NO_CORRECTIONS, Corrections, UpdateRule
 from asyncpp.optim.clip import grad_sq_norm
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
-from asyncpp.pipeline.p2p import StageComm, wait_for
+from asyncpp.pipeline.buckets import Bucket, start_buckets
+from asyncpp.pipeline.p2p import StageComm
 from asyncpp.pipeline.timer import stage_timer
 from asyncpp.pipeline.weights import WeightVersions
 from asyncpp.schedules.actions import Action, Op
@@ -67,7 +73,8 @@ class StepRecord:
 @dataclass
 class _PendingUpdate:
     grads: list[Tensor]
-    reduction: Tensor
+    reduction: Tensor | None
+    """[||g||^2, ||Δx||^2, loads...], all-reduced over mesh.norm_group; None until phase "started"."""
     work: object | None
     norm_of_step: int | None
     """The earlier step whose ||Δx||^2 rides along in `reduction` (None if nothing rides)."""
@@ -75,6 +82,11 @@ class _PendingUpdate:
     """The last stage's tied-embedding all-reduce, waited for only in UPDATE."""
     loads: list[Tensor] = field(default_factory=list)
     """b_t's expert loads per balanced router, summed over DP (aux-loss-free balancing)."""
+    step: int = -1
+    buckets: list[Bucket] = field(default_factory=list)
+    """The DP / expert-DP all-reduces in flight (phase "dp")."""
+    phase: str = "dp"
+    """"dp" (DP buckets in flight) -> "tied" (tied all-reduce started) -> "started" (norm all-reduce started)."""
 
 
 class StageEngine:
@@ -152,8 +164,18 @@ class StageEngine:
         (control stays with the caller; nothing is called back)."""
         handlers = {Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
                     Op.UPDATE_START: self._update_start, Op.UPDATE: self._update}
-        for action in actions:
+        actions = list(actions)
+        compute = [i for i, a in enumerate(actions) if a.op in (Op.FORWARD, Op.BACKWARD)]
+        ahead = 0  # index into `compute` of the next compute action whose receive is not posted yet
+        for i, action in enumerate(actions):
             self.comm.poll()
+            self._progress_pending()
+            # Post the receive of every compute action up to the first one after this action: one
+            # compute action ahead, in the order they are consumed (each direction is FIFO on its own
+            # communicator, so a receive posted early never blocks anything else).
+            while ahead < len(compute) and (ahead == 0 or compute[ahead - 1] <= i):
+                self._post_receive(actions[compute[ahead]])
+                ahead += 1
             handlers[action.op](action)
             if action.op == Op.UPDATE:
                 yield action.step
@@ -162,6 +184,12 @@ class StageEngine:
         """Run the actions in order."""
         for _ in self.run(actions):
             pass
+
+    def _post_receive(self, a: Action) -> None:
+        if a.op is Op.FORWARD and not self.mesh.is_first_stage:
+            self.comm.post_recv_forward()
+        elif a.op is Op.BACKWARD and not self.mesh.is_last_stage:
+            self.comm.post_recv_backward()
 
     def _forward(self, a: Action) -> None:
         x = None
@@ -205,30 +233,63 @@ class StageEngine:
         # simulator's order of floating-point operations.
         loads = self._router_loads(a.step)
         self._reduce_partial_tp(grads)
-        self._reduce_data_parallel(grads, loads)
-        tied_work = self._start_tied(grads)
-        if tied_work is not None and self.mesh.is_first_stage:
-            # The first stage counts the tied weight in the global norm, so it needs the sum now. Free:
-            # the last stage started this all-reduce when it finished b_t, P-1 backward slots ago.
-            self._wait(tied_work, "the tied-embedding gradient all-reduce with the last stage")
-            tied_work = None
+        pending = _PendingUpdate(grads, None, None, None, loads=loads, step=a.step,
+                                 buckets=self._start_data_parallel(grads, loads))
+        self.pending[a.step] = pending
+        self._progress_pending()
+        self.timer.add(a, start, self.timer.now())
+
+    def _progress_pending(self) -> None:
+        """Advance the pending steps' reductions without blocking, oldest first: a step's norm
+        all-reduce is never started before an older step's (one order on every member of norm_group)."""
+        for t in sorted(self.pending):
+            if not self._progress(self.pending[t], block=False):
+                return
+
+    def _take_pending(self, step: int) -> _PendingUpdate:
+        """UPDATE(step)'s pending reductions, every phase started (blocking for what is left)."""
+        pending = self.pending.pop(step)
+        self._progress(pending, block=True)
+        return pending
+
+    def _progress(self, p: _PendingUpdate, block: bool) -> bool:
+        """dp -> tied -> started (see the module docstring); True once the norm all-reduce has started.
+        Without `block`, a phase advances only when the handles it needs have completed."""
+        if p.phase == "dp":
+            if not block and not all(b.work.is_completed() for b in p.buckets):
+                return False
+            for b in p.buckets:
+                b.finish(self._wait)
+            p.buckets = []
+            p.tied_work = self._start_tied(p.grads)
+            p.phase = "tied"
+        if p.phase == "tied":
+            if p.tied_work is not None and self.mesh.is_first_stage:
+                # The first stage counts the tied weight in the global norm, so it needs the sum first.
+                if not block and not p.tied_work.is_completed():
+                    return False
+                self._wait(p.tied_work, f"the tied-embedding gradient all-reduce of step {p.step} with the last stage")
+                p.tied_work = None
+            self._start_norm(p)
+            p.phase = "started"
+        return True
+
+    def _start_norm(self, p: _PendingUpdate) -> None:
+        """Scale b_t's gradient and start the all-reduce of [||g||^2, ||Δx_{t-2}||^2, loads]."""
+        grads = p.grads
         # The last stage's tied part may still be in flight: it is scaled in UPDATE, after the wait.
-        in_flight = [t and tied_work is not None for t in self.tied_mask]
+        in_flight = [t and p.tied_work is not None for t in self.tied_mask]
         torch._foreach_mul_([g for g, f in zip(grads, in_flight) if not f], self.grad_scale / self.mesh.dims.dp)
-        self._correct(a.step, grads, only=[not f for f in in_flight])
+        self._correct(p.step, grads, only=[not f for f in in_flight])
         grad_sq = grad_sq_norm([g for g, c in zip(grads, self.count_in_norm) if c])
-        lagged = a.step - 2
+        lagged = p.step - 2
         update_sq = self._update_sq.pop(lagged, None)
         reduction = torch.tensor([grad_sq, update_sq or 0.0], dtype=torch.float64, device=self.mesh.device)
         if self.load_stats is not None:  # router loads ride along: one slot per layer of the model
-            reduction = torch.cat([reduction, self.load_stats.vector(a.step, self.mesh.device)])
-        work = None
+            reduction = torch.cat([reduction, self.load_stats.vector(p.step, self.mesh.device)])
+        p.reduction, p.norm_of_step = reduction, lagged if update_sq is not None else None
         if self.mesh.norm_group_size > 1:
-            work = dist.all_reduce(reduction, group=self.mesh.norm_group, async_op=True)
-        self.pending[a.step] = _PendingUpdate(
-            grads, reduction, work, lagged if update_sq is not None else None, tied_work, loads,
-        )
-        self.timer.add(a, start, self.timer.now())
+            p.work = dist.all_reduce(reduction, group=self.mesh.norm_group, async_op=True)
 
     def _reduce_partial_tp(self, grads: list[Tensor]) -> None:
         """Tensors replicated over TP whose gradient each TP rank holds only in part (a norm under
@@ -243,22 +304,23 @@ class StageEngine:
             return []
         return [load.float() for load in self.balancing.pop_loads(step)]
 
-    def _reduce_data_parallel(self, grads: list[Tensor], loads: Sequence[Tensor] = ()) -> None:
-        """Sum over the replicas of each tensor: DP for dense tensors; for experts the edp group only,
-        because the all-to-all already summed the tokens of the EP group into their gradients. Router
-        loads (per-rank token counts) are summed over all of DP, in the same all-reduce."""
+    def _start_data_parallel(self, grads: list[Tensor], loads: Sequence[Tensor] = ()) -> list[Bucket]:
+        """Start the sum over the replicas of each tensor: DP for dense tensors; for experts the edp group
+        only, because the all-to-all already summed the tokens of the EP group into their gradients.
+        Router loads (per-rank token counts) are summed over all of DP, in the same all-reduce."""
         dense = [g for g, e in zip(grads, self.expert_mask) if not e] + list(loads)
         experts = [g for g, e in zip(grads, self.expert_mask) if e]
+        buckets = []
         if dense and self.mesh.dims.dp > 1:
-            self._all_reduce_flat(dense, self.mesh.dp_group, "the data-parallel gradient all-reduce")
+            buckets += start_buckets(dense, self.mesh.dp_group, "the data-parallel gradient all-reduce")
         if experts and self.mesh.dims.edp > 1:
-            self._all_reduce_flat(experts, self.mesh.edp_group, "the expert-data-parallel gradient all-reduce")
+            buckets += start_buckets(experts, self.mesh.edp_group, "the expert-data-parallel gradient all-reduce")
+        return buckets
 
     def _all_reduce_flat(self, grads: list[Tensor], group, what: str) -> None:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self._wait(dist.all_reduce(flat, group=group, async_op=True), what)
-        pieces = torch.split(flat, [g.numel() for g in grads])
-        torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in zip(pieces, grads)])
+        """A blocking bucketed all-reduce (the TP partial sums, small)."""
+        for bucket in start_buckets(grads, group, what):
+            bucket.finish(self._wait)
 
     def _start_tied(self, grads: list[Tensor]):
         """semantics.md: the tied weight's gradient is the sum of the first and last stage's parts.
@@ -272,7 +334,7 @@ class StageEngine:
         return dist.all_reduce(tied[0], group=group, async_op=True)
 
     def _update(self, a: Action) -> None:
-        pending = self.pending.pop(a.step)
+        pending = self._take_pending(a.step)
         wait_start = self.timer.now()
         if pending.work is not None:
             self._wait(pending.work, f"the cross-stage gradient-norm all-reduce of step {a.step}")
@@ -315,7 +377,7 @@ class StageEngine:
         return [tied if is_tied else own for is_tied in self.tied_mask]
 
     def _wait(self, work, what: str) -> None:
-        wait_for(work, self.comm.timeout_s, self.mesh, what)
+        self.comm.wait(work, what)
 
     def _record(self, step: int) -> StepRecord:
         return self.records.setdefault(step, StepRecord(step))

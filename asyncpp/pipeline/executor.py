@@ -119,8 +119,13 @@ class PipelineExecutor:
         """Forward-only pass through the drained pipeline on the newest weights (last stage's value)."""
         self.engine.versions.use(self.engine.versions.newest)
         comm, total = self.engine.comm, 0.0
-        for b in batches:
+        receives = not self.spec.is_first
+        if receives and batches:
+            comm.post_recv_forward()
+        for i, b in enumerate(batches):
             b = to_device(b, self.mesh.device) if b is not None else None
+            if receives and i + 1 < len(batches):
+                comm.post_recv_forward()  # one batch ahead: the next activation lands while this one computes
             x = b[:, :-1] if self.spec.is_first else comm.recv_forward("a validation activation")
             out = stage_forward(self.model, self.spec, x)
             if self.spec.is_last:

@@ -67,8 +67,8 @@ _COMPUTE = (Op.FORWARD, Op.BACKWARD)
 # later call on another stage. There is none:
 # - F(k, j) at s waits for F(k, j) at s-1: call k on both stages.
 # - B(item i) at s waits for B(i) at s+1, whose window reaches one item further (w_{s+1} = w_s - 1).
-# - UPDATE_START(t) blocks on the tied-embedding all-reduce (first <-> last stage) and on DP replicas:
-#   every stage runs it in call t+1. It follows B(t, m-1), item (t+1)m - 1, which is inside call
+# - UPDATE_START(t) only starts reductions (tied embedding, DP, norm: engine._progress); the blocking
+#   waits are in UPDATE(t). Were it to block, it would meet its peers here: every stage runs it in call t+1. It follows B(t, m-1), item (t+1)m - 1, which is inside call
 #   t+1's backward range when w >= 1; on the last stage (w = 0) it trails call t and is deferred.
 #   Cutting at F(k+1, 0) itself would leave the last stage blocked in that all-reduce at the end of
 #   call t until the first stage's call t+1, deadlocking any collective a training loop runs between
@@ -338,8 +338,13 @@ class Pipeline2BW:
                                "flight: call forward_backward_func.pipeline.drain() first")
         versions, comm = self.engine.versions, self.engine.comm
         versions.use(versions.newest)
-        for _ in range(m):
-            x = None if self.mesh.is_first_stage else comm.recv_forward()
+        receives = not self.mesh.is_first_stage
+        if receives:
+            comm.post_recv_forward()
+        for i in range(m):
+            if receives and i + 1 < m:
+                comm.post_recv_forward()  # one microbatch ahead, as the engine does
+            x = comm.recv_forward() if receives else None
             out = self._forward_step(self._call, x)
             if not self.mesh.is_last_stage:
                 comm.send_forward(out)

@@ -1,14 +1,28 @@
-"""Activation and gradient exchange between neighbouring pipeline stages (gloo and NCCL alike).
+"""Activation and gradient exchange between neighbouring pipeline stages, correct under NCCL's rules.
 
-Sends are asynchronous (isend) and never waited for on the critical path: the engine polls them and
-frees the sent activation once the transfer has completed. Receives post an irecv and wait only when
-the data is needed. Shapes are fixed up front ([micro_batch_size, seq_len, hidden]) so no shape
-handshake is needed. Channels are FIFO per (src, dst) pair, which is what the schedule invariants
-assume (asyncpp/schedules/invariants.py).
+Each link (s, s+1) has two 2-rank groups (Mesh.links): activations travel s -> s+1 on one, gradients
+s+1 -> s on the other. On each, one end only sends and the other only receives, in the order the
+schedule produces and consumes them (FIFO per direction, asyncpp/schedules/invariants.py), so NCCL's
+"the ops of a pair run in issue order on one stream" cannot deadlock; docs/nccl.md has the argument
+and the replay tier (tests/nccl/) that checks it against the ops real runs issue.
+
+- Sends are asynchronous (isend) and never waited for on the critical path: `poll` frees the sent
+  activation once the transfer has completed. Every send is checked against the agreed buffer
+  (shape, dtype) first: NCCL would corrupt data or hang on a mismatch where gloo only sometimes errors.
+- Receives can be posted ahead of use (`post_recv_forward/backward`, the engine posts one action
+  ahead); `recv_forward/backward` take the oldest posted one of that direction (or post it now) and
+  wait for it. Shapes are fixed up front, so no shape handshake is needed.
+- Waits: on CPU (gloo) a timed `Work.wait`, which blocks the thread. On CUDA a stream-ordered
+  `Work.wait()` (the compute stream waits, the CPU goes on), with hang detection by a host-side
+  `Watchdog` thread so it does not serialize the GPU. Both fail with "stage N (rank R) gave up
+  waiting for X".
 """
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
 from collections import deque
 from datetime import timedelta
 
@@ -23,15 +37,65 @@ class PipelineTimeout(RuntimeError):
     """A rank waited too long for a neighbour or a collective (or the peer's connection broke)."""
 
 
+class P2PMismatch(ValueError):
+    """A send whose shape or dtype differs from the buffer the receiving stage posted."""
+
+
+def _timeout_message(mesh: Mesh, what: str, timeout_s: float, cause: str) -> str:
+    return (f"stage {mesh.pp_rank} (rank {mesh.rank}) gave up waiting for {what} (train.timeout_s={timeout_s}): "
+            f"{cause}. The rank it waits for probably died or hangs; check that rank's log.")
+
+
 def wait_for(work: dist.Work, timeout_s: float, mesh: Mesh, what: str) -> None:
-    """work.wait() that turns a hang or a dead peer into an error naming this stage and `what`."""
+    """work.wait() that turns a hang or a dead peer into an error naming this stage and `what` (blocks
+    the calling thread: the CPU/gloo path)."""
     try:
         work.wait(timedelta(seconds=timeout_s))
     except RuntimeError as e:
-        raise PipelineTimeout(
-            f"stage {mesh.pp_rank} (rank {mesh.rank}) gave up waiting for {what} (train.timeout_s={timeout_s}): "
-            f"{e}. The rank it waits for probably died or hangs; check that rank's log."
-        ) from e
+        raise PipelineTimeout(_timeout_message(mesh, what, timeout_s, str(e))) from e
+
+
+class Watchdog:
+    """Host-side hang detection for stream-ordered waits (CUDA): a daemon thread polls the handles the
+    compute stream waits on; one that is not complete after `timeout_s` becomes a PipelineTimeout,
+    printed at once and raised in the training thread at its next `check()` (every action). A training
+    thread stuck in a device synchronization is released by torch's own NCCL watchdog, whose timeout
+    is the same train.timeout_s (init_distributed), after our message names what hung."""
+
+    def __init__(self, mesh: Mesh, timeout_s: float, period_s: float | None = None):
+        self.mesh, self.timeout_s = mesh, timeout_s
+        self.period_s = period_s if period_s is not None else min(1.0, timeout_s / 10)
+        self._watched: list[tuple[float, dist.Work, str]] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.error: PipelineTimeout | None = None
+
+    def watch(self, work: dist.Work, what: str) -> None:
+        with self._lock:
+            self._watched.append((time.monotonic() + self.timeout_s, work, what))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="asyncpp-watchdog", daemon=True)
+            self._thread.start()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def scan(self) -> None:
+        """One pass: drop completed handles, turn the first expired one into `error`."""
+        now = time.monotonic()
+        with self._lock:
+            self._watched = [(d, w, what) for d, w, what in self._watched if not w.is_completed()]
+            expired = next(((d, what) for d, _, what in self._watched if d <= now), None)
+        if expired is not None and self.error is None:
+            self.error = PipelineTimeout(_timeout_message(self.mesh, expired[1], self.timeout_s,
+                                                          "not complete on the device"))
+            print(str(self.error), file=sys.stderr, flush=True)
+
+    def _run(self) -> None:
+        while self.error is None:
+            time.sleep(self.period_s)
+            self.scan()
 
 
 class StageComm:
@@ -42,28 +106,79 @@ class StageComm:
         self.dtype = dtype
         self.prev = mesh.global_rank(mesh.pp_rank - 1) if not mesh.is_first_stage else None
         self.next = mesh.global_rank(mesh.pp_rank + 1) if not mesh.is_last_stage else None
+        # One switch for the GPU path: stream-ordered waits watched from the host (see the docstring).
+        self.stream_waits = mesh.device.type == "cuda"
+        self.watchdog = Watchdog(mesh, timeout_s) if self.stream_waits else None
         # (work, payload, output-to-free or None) of sends in flight; the payload must stay alive
         # until its send completes.
         self._pending: deque[tuple[dist.Work, Tensor, Tensor | None]] = deque()
+        # Receives posted ahead of use, per direction, oldest first: (work, buffer, src rank).
+        self._posted: dict[str, deque[tuple[dist.Work, Tensor, int]]] = {"forward": deque(), "backward": deque()}
 
-    def _recv(self, src: int, what: str) -> Tensor:
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.mesh.device)
-        wait_for(dist.irecv(buf, src=src, group=self.mesh.pp_group), self.timeout_s, self.mesh,
-                 f"{what} from rank {src}")
+    # ---- waiting ------------------------------------------------------------------------------
+    def wait(self, work: dist.Work, what: str) -> None:
+        """Wait for a p2p op or a collective: stream-ordered on CUDA (watched), timed on CPU."""
+        if self.stream_waits:
+            work.wait()
+            self.watchdog.watch(work, what)
+        else:
+            wait_for(work, self.timeout_s, self.mesh, what)
+
+    # ---- receiving ----------------------------------------------------------------------------
+    def _buffer(self) -> Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.mesh.device)
+
+    def _arrived(self, buf: Tensor) -> Tensor:
+        """The received buffer as the stage uses it (a host-staged subclass moves it to the device)."""
         return buf
 
-    def _send(self, tensor: Tensor, dst: int, free_after: bool) -> None:
-        payload = tensor.detach().contiguous()
-        work = dist.isend(payload, dst=dst, group=self.mesh.pp_group)
-        self._pending.append((work, payload, tensor if free_after else None))
+    def _post(self, direction: str) -> None:
+        src, group = ((self.prev, self.mesh.links.recv_forward) if direction == "forward"
+                      else (self.next, self.mesh.links.recv_backward))
+        buf = self._buffer()
+        self._posted[direction].append((dist.irecv(buf, src=src, group=group), buf, src))
+
+    def post_recv_forward(self) -> None:
+        """Post the receive of the next activation now; `recv_forward` picks it up (FIFO)."""
+        self._post("forward")
+
+    def post_recv_backward(self) -> None:
+        self._post("backward")
+
+    def _take(self, direction: str, what: str) -> Tensor:
+        if not self._posted[direction]:
+            self._post(direction)
+        work, buf, src = self._posted[direction].popleft()
+        self.wait(work, f"{what} from rank {src}")
+        return self._arrived(buf)
 
     def recv_forward(self, what: str = "an activation") -> Tensor:
-        """The activation of the previous stage (blocks until it arrives)."""
-        return self._recv(self.prev, what)
+        """The activation of the previous stage (waits until it arrives)."""
+        return self._take("forward", what)
 
     def recv_backward(self, what: str = "an output gradient") -> Tensor:
         """The gradient of this stage's output, from the next stage."""
-        return self._recv(self.next, what)
+        return self._take("backward", what)
+
+    # ---- sending ------------------------------------------------------------------------------
+    def _payload(self, tensor: Tensor) -> Tensor:
+        return tensor.detach().contiguous()
+
+    def _check(self, tensor: Tensor, what: str, dst: int) -> None:
+        if tuple(tensor.shape) != tuple(self.shape) or tensor.dtype != self.dtype:
+            raise P2PMismatch(
+                f"stage {self.mesh.pp_rank} (rank {self.mesh.rank}) would send {what} of shape {list(tensor.shape)} "
+                f"and dtype {tensor.dtype} to rank {dst}, which receives into a buffer of shape {list(self.shape)} "
+                f"and dtype {self.dtype}. On NCCL this corrupts data or hangs. Make the stage's output match the "
+                "pipeline buffer: the compute dtype (train.precision / pipeline_dtype) and [micro_batch_size, "
+                "seq_len (/ tp under sequence parallelism), hidden_size]"
+            )
+
+    def _send(self, tensor: Tensor, dst: int, group, what: str, free_after: bool) -> None:
+        self._check(tensor, what, dst)
+        payload = self._payload(tensor)
+        work = dist.isend(payload, dst=dst, group=group)
+        self._pending.append((work, payload, tensor if free_after else None))
 
     def send_forward(self, output: Tensor) -> None:
         """Send the output activation; its storage is released once the send has completed.
@@ -71,21 +186,28 @@ class StageComm:
         Only the data is freed: the autograd graph hanging off `output` stays, and the engine's
         backward does not need the output's values (see engine.backward_through).
         """
-        self._send(output, self.next, free_after=True)
+        self._send(output, self.next, self.mesh.links.send_forward, "an activation", free_after=True)
 
     def send_backward(self, input_grad: Tensor) -> None:
-        self._send(input_grad, self.prev, free_after=False)
+        self._send(input_grad, self.prev, self.mesh.links.send_backward, "an input gradient", free_after=False)
 
+    # ---- bookkeeping --------------------------------------------------------------------------
     def poll(self) -> None:
-        """Release what completed sends no longer need."""
+        """Release what completed sends no longer need; raise a hang the watchdog found."""
+        if self.watchdog is not None:
+            self.watchdog.check()
         while self._pending and self._pending[0][0].is_completed():
             self._release(*self._pending.popleft())
 
     def flush(self) -> None:
-        """Wait for every send in flight (before exit or a drain)."""
+        """Wait for every send in flight (before exit or a drain). Every posted receive must have been
+        consumed by then: a drained pipeline has nothing in flight."""
+        posted = {d: len(q) for d, q in self._posted.items() if q}
+        if posted:
+            raise RuntimeError(f"stage {self.mesh.pp_rank}: receives posted but never used at a drain: {posted}")
         while self._pending:
             work, payload, owner = self._pending.popleft()
-            wait_for(work, self.timeout_s, self.mesh, "a send to a neighbouring stage to complete")
+            self.wait(work, "a send to a neighbouring stage to complete")
             self._release(work, payload, owner)
 
     @staticmethod

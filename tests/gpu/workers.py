@@ -15,7 +15,7 @@ from torch import Tensor
 from asyncpp.config import RunConfig
 from asyncpp.optim import build_from_config
 from asyncpp.parallel.mesh import Mesh, ParallelDims
-from asyncpp.pipeline.p2p import StageComm, wait_for
+from asyncpp.pipeline.p2p import StageComm
 from asyncpp.reference.executor import build_simulator
 from asyncpp.train.trainer import Trainer
 from model_zoo import build_model, get_model_config
@@ -25,16 +25,14 @@ from tests.dist.workers import Collect, data_for
 class HostStagedComm(StageComm):
     """StageComm whose payloads cross gloo as CPU tensors (gloo has no CUDA send/recv)."""
 
-    def _recv(self, src: int, what: str) -> Tensor:
-        buf = torch.empty(self.shape, dtype=self.dtype)
-        wait_for(torch.distributed.irecv(buf, src=src, group=self.mesh.pp_group), self.timeout_s, self.mesh,
-                 f"{what} from rank {src}")
+    def _buffer(self) -> Tensor:
+        return torch.empty(self.shape, dtype=self.dtype)
+
+    def _arrived(self, buf: Tensor) -> Tensor:
         return buf.to(self.mesh.device)
 
-    def _send(self, tensor: Tensor, dst: int, free_after: bool) -> None:
-        payload = tensor.detach().to("cpu").contiguous()
-        work = torch.distributed.isend(payload, dst=dst, group=self.mesh.pp_group)
-        self._pending.append((work, payload, tensor if free_after else None))
+    def _payload(self, tensor: Tensor) -> Tensor:
+        return tensor.detach().to("cpu").contiguous()
 
 
 def gpu_pipeline_rank(rank: int, cfg_dict: dict) -> dict:

@@ -1,0 +1,99 @@
+"""The layouts the replay tier records: every schedule at P=2, 3, 4 and the features that add
+communication (DP, TP, EP, tied embeddings, an evaluation drain, a checkpoint save, synchronous
+start/cooldown, the Megatron-style loop). Each runs for real on gloo, recording every rank's ops."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from asyncpp.config import RunConfig
+from asyncpp.parallel.mesh import Mesh, ParallelDims
+from tests.dist.harness import run_ranks
+from tests.dist.workers import make_config, pipeline_rank
+from tests.nccl.recorder import record
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    cfg: RunConfig
+    megatron: bool = False
+
+    @property
+    def world(self) -> int:
+        p = self.cfg.parallel
+        return p.pp * (p.dp or 1) * p.tp
+
+
+def _schedule(kind: str, P: int) -> Layout:
+    """Every schedule with a tied embedding (all tiny models tie it), an evaluation drain after step 2,
+    and, for the delayed kinds, one synchronous step at each end (two stream switches)."""
+    staleness = {"sync_start_steps": 1, "sync_cooldown_steps": 1} if kind in ("2bw", "pipedream") else {}
+    split = {"stage_layers": [2, 1, 1]} if P == 3 else {}  # tiny models have 4 layers
+    cfg = make_config(parallel={"pp": P, **split}, schedule={"name": kind},
+                      train={"steps": 5, "num_microbatches": max(P, 3), "eval_every": 2, "eval_batches": 1},
+                      staleness=staleness)
+    return Layout(f"{kind}-P{P}", cfg)
+
+
+def _layouts() -> dict[str, Layout]:
+    out = {}
+    for kind in ("1f1b", "gpipe", "2bw", "pipedream"):
+        for P in (2, 3, 4):
+            layout = _schedule(kind, P)
+            out[layout.name] = layout
+    short = {"steps": 4, "num_microbatches": 2, "eval_every": 0}
+    extra = [
+        Layout("2bw-P2-DP2", make_config(parallel={"pp": 2, "dp": 2}, train={**short, "eval_every": 2},
+                                         staleness={"sync_start_steps": 1})),
+        Layout("1f1b-P2-DP2", make_config(parallel={"pp": 2, "dp": 2}, schedule={"name": "1f1b"}, train=short)),
+        Layout("2bw-P2-TP2", make_config(model={"name": "tiny_moe"}, parallel={"pp": 2, "tp": 2}, train=short)),
+        Layout("2bw-P2-EP2", make_config(model={"name": "tiny_moe"}, parallel={"pp": 2, "dp": 2, "ep": 2},
+                                         train=short)),
+        Layout("2bw-P2-checkpoint", make_config(parallel={"pp": 2}, train=short,
+                                                checkpoint={"enabled": True, "every": 2})),
+        Layout("megatron-2bw-P2", make_config(parallel={"pp": 2}, schedule={"name": "2bw"},
+                                              train={"steps": 4, "num_microbatches": 2}), megatron=True),
+        Layout("megatron-1f1b-P3", make_config(model={"name": "tiny_dense", "overrides": {"num_layers": 3}},
+                                               parallel={"pp": 3}, schedule={"name": "1f1b"},
+                                               train={"steps": 3, "num_microbatches": 3}), megatron=True),
+    ]
+    out.update({layout.name: layout for layout in extra})
+    return out
+
+
+LAYOUTS = _layouts()
+FAST = ("2bw-P2-DP2", "1f1b-P3", "megatron-2bw-P2")
+"""Recorded in the default suite (2BW with DP, tied embeddings, a sync start and an evaluation drain; a
+middle stage; the Megatron loop); the rest is `slow`."""
+
+
+def recorded_pipeline(rank: int, cfg_dict: dict) -> list:
+    with record() as recorder:
+        pipeline_rank(rank, cfg_dict)
+    return recorder.log
+
+
+def recorded_megatron(rank: int, cfg_dict: dict) -> list:
+    from tests.dist.test_megatron_api import loss_func, train_and_evaluate
+
+    cfg = RunConfig.from_dict(cfg_dict)
+    with record() as recorder:
+        mesh = Mesh(ParallelDims(pp=cfg.parallel.pp).validate(torch.distributed.get_world_size()),
+                    torch.device("cpu"))
+        train_and_evaluate(cfg, mesh, loss_func)
+    return recorder.log
+
+
+def record_layout(layout: Layout) -> dict[int, list]:
+    """Run the layout on gloo; rank -> its ops in issue order."""
+    cfg = layout.cfg
+    with tempfile.TemporaryDirectory() as tmp:
+        if cfg.checkpoint.enabled:
+            cfg = cfg.replace(checkpoint=cfg.checkpoint.__class__(**{**cfg.checkpoint.__dict__, "dir": tmp}))
+        fn = recorded_megatron if layout.megatron else recorded_pipeline
+        logs = run_ranks(fn, layout.world, cfg.to_dict(), timeout=600)
+    return dict(enumerate(logs))
