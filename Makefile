@@ -32,8 +32,14 @@ train: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# Then the equivalence tier (pytest -m equivalence) a second time on other CPU kernels: ATen's scalar kernels
+# instead of the vectorized ones its run-time dispatch picks (their reductions sum in another order) and
+# MKL's SSE2 code path (another sgemm blocking). Any x86-64 CPU runs both, so a comparison that holds for
+# one kernel choice only fails here, not first on someone else's machine.
+OTHER_KERNELS ?= ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE
 test: lint
 	$(PY) -m pytest -q
+	$(OTHER_KERNELS) $(PY) -m pytest -q -m "equivalence and not slow and not gpu"
 
 test-all: setup
 	$(PY) -m pytest -q -m "not gpu"

@@ -18,6 +18,8 @@ from asyncpp.reference.simulator import DelayedUpdateSimulator
 from asyncpp.schedules.registry import is_sync_step, stage_delay, step_delay
 from asyncpp.train.trainer import parameter_delays
 
+pytestmark = pytest.mark.equivalence
+
 torch.set_default_dtype(torch.float32)
 
 
