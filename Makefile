@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_CPU ?= torch==2.13.0
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup train lint test test-all bench clean
+.PHONY: setup train lint test test-equivalence-again test-all bench clean
 
 setup: $(STAMP)
 
@@ -32,8 +32,31 @@ train: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# Then the equivalence tier (pytest -m equivalence) a second time on other CPU kernels: ATen's scalar kernels
+# instead of the vectorized ones its run-time dispatch picks (their reductions sum in another order) and
+# MKL's SSE2 code path (another sgemm blocking). Any x86-64 CPU runs both, so a comparison that holds for
+# one kernel choice only fails here, not first on someone else's machine. The whole tier would add more
+# than the ~4 minutes CI can spare; EQUIVALENCE_AGAIN keeps one test of each kind of comparison (simulator
+# vs hand-written rules, bitwise pipeline vs simulator in fp32 and bf16, DP, TP, EP, sharded Muon, the
+# Megatron loop, the non-finite skip, resume) and leaves out those that repeat a kind on more schedules
+# (test_pipeline_equivalence's other cases, test_checkpoint_resume, test_preemption, the other resume
+# cases). `make test-equivalence-again EQUIVALENCE_AGAIN=tests` runs all of it.
+OTHER_KERNELS ?= ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE
+EQUIVALENCE_AGAIN ?= tests/unit/test_simulator.py tests/unit/test_staleness_corrections.py \
+	tests/unit/test_router_balancing.py tests/unit/test_tp_plan.py \
+	'tests/unit/test_resume.py::test_resumed_run_equals_uninterrupted_bitwise[2bw-extra0]' \
+	tests/unit/test_mixed_precision.py::test_fp32_precision_is_bit_identical_to_no_precision_option \
+	tests/unit/test_mixed_precision.py::test_bf16_two_stage_pipeline_equals_the_bf16_simulator \
+	tests/dist/test_tensor_parallel.py tests/dist/test_expert_parallel.py \
+	tests/dist/test_muon_distributed.py tests/dist/test_megatron_api.py tests/dist/test_faults.py \
+	tests/dist/test_pipeline_equivalence.py::test_four_stage_2bw_hybrid_moe_with_sync_start_and_eval \
+	tests/dist/test_pipeline_equivalence.py::test_data_parallel_two_replicas_equal_one_with_twice_the_microbatches
 test: lint
 	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory test-equivalence-again
+
+test-equivalence-again: setup
+	$(OTHER_KERNELS) $(PY) -m pytest -q -m "equivalence and not slow and not gpu" $(EQUIVALENCE_AGAIN)
 
 test-all: setup
 	$(PY) -m pytest -q -m "not gpu"

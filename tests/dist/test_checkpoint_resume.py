@@ -12,7 +12,7 @@ from tests.dist.harness import run_ranks
 from tests.dist.workers import data_for, make_config, optimizer_factory, pipeline_rank
 from tests.threads import single_thread
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.equivalence, pytest.mark.dist]
 
 
 def pipeline(cfg) -> tuple[dict[int, dict], dict]:

@@ -25,7 +25,7 @@ from tests.dist.ep_workers import (
 )
 from tests.dist.harness import run_ranks
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.equivalence, pytest.mark.dist]
 
 EXPERT = ("w_gate", "w_up", "w_down")
 SKEWED = {"top_k": 1, "normalize_topk": False, "bias_update_rate": 1e-3}

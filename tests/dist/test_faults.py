@@ -55,6 +55,7 @@ def poisoned_rank(rank: int, cfg_dict: dict, poison: list[int]) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+@pytest.mark.equivalence
 def test_non_finite_step_is_skipped_on_every_stage_like_the_simulator():
     import torch
 

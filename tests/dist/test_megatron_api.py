@@ -217,6 +217,7 @@ def runs() -> dict[str, tuple[list[dict], dict]]:
     return {n: ([r[i] for r in per_rank], reference_run(CONFIGS[n])) for i, n in enumerate(names)}
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("schedule", list(CONFIGS))
 def test_megatron_loop_equals_simulator(runs, schedule):
     ranks, ref = runs[schedule]
@@ -250,6 +251,7 @@ def test_forward_data_store_and_optimizer_report(runs, schedule):
                 assert grad_norm == pytest.approx(ref["stats"][applied].grad_norm, rel=1e-5)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("schedule", list(CONFIGS))
 def test_forward_only_after_drain_equals_simulator_evaluate(runs, schedule):
     ranks, ref = runs[schedule]

@@ -17,7 +17,7 @@ import torch
 from tests.dist import muon_workers as w
 from tests.dist.harness import run_ranks
 
-pytestmark = [pytest.mark.dist, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.equivalence, pytest.mark.dist, pytest.mark.usefixtures("one_thread")]
 STEPS = 3
 DTYPES = [None, "bfloat16"]
 

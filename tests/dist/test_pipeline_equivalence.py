@@ -14,7 +14,7 @@ import torch
 from tests.dist.harness import run_ranks
 from tests.dist.workers import make_config, pipeline_rank, reference_run
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.equivalence, pytest.mark.dist]
 
 
 def run_pipeline(cfg) -> tuple[list[dict], dict]:

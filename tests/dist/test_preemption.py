@@ -41,6 +41,7 @@ def wait_for_steps(run_dir: Path, proc: subprocess.Popen, n: int, timeout: float
     raise AssertionError(f"the run did not reach {n} steps: {proc.poll()}")
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_sigterm_checkpoints_exits_143_and_resumes_exactly(tmp_path, nproc):
     full = tmp_path / "full"

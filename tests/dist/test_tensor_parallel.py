@@ -10,6 +10,8 @@ import pytest
 from tests.dist.harness import run_ranks
 from tests.dist.tp_workers import RTOL, tp_rank
 
+pytestmark = pytest.mark.equivalence
+
 DENSE_HYBRID = {"model": "tiny_hybrid", "overrides": {"moe": None, "ffn_hidden_size": 384}}
 CASES = {
     "dense_tied": {"kind": "equivalence", "model": "tiny_dense", "optim": "sgd"},

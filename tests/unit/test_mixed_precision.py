@@ -148,6 +148,7 @@ def test_bf16_simulator_keeps_bf16_weights_and_fp32_masters_state_and_ef():
     assert opt_params == {id(q) for q in sim.masters}  # the optimizer steps the masters, not the module
 
 
+@pytest.mark.equivalence
 def test_fp32_precision_is_bit_identical_to_no_precision_option():
     _, with_option = train("fp32", 3, model_name="tiny_dense")
     cfg = config("fp32", 3, "tiny_dense")
@@ -181,6 +182,7 @@ def test_precision_is_validated_by_name():
         compute_dtype_of("fp8")
 
 
+@pytest.mark.equivalence
 def test_bf16_run_resumes_bitwise_from_its_checkpoint(tmp_path):
     """The checkpoint holds the fp32 masters as x_t (and bf16 past versions): a resumed bf16 run continues
     exactly as the uninterrupted one."""
@@ -196,6 +198,7 @@ def test_bf16_run_resumes_bitwise_from_its_checkpoint(tmp_path):
         assert p.dtype == BF16 and torch.equal(resumed_weights[name], p), name
 
 
+@pytest.mark.equivalence
 @pytest.mark.dist
 def test_bf16_two_stage_pipeline_equals_the_bf16_simulator():
     """The engine's mixed-precision path (WeightVersions with fp32 masters, GradSums, bf16 activations
@@ -217,6 +220,7 @@ def test_bf16_two_stage_pipeline_equals_the_bf16_simulator():
         assert p.dtype == BF16 and relative_error(p, ref_p) == 0.0, name
 
 
+@pytest.mark.equivalence
 @pytest.mark.dist
 def test_bf16_pipeline_resumes_bitwise(tmp_path):
     """A 2-stage bf16 pipeline checkpoints x_t as the fp32 masters (WeightVersions.tensors) and refills its

@@ -50,6 +50,7 @@ def run(out_dir, *overrides, stop_at: int | None = None):
     return {r["step"]: r for r in records}, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("schedule, extra", [
     ("2bw", ["staleness.ef_lambda=1.0"]),
     ("pipedream", ["parallel.pp=2"]),
@@ -71,6 +72,7 @@ def test_resumed_run_equals_uninterrupted_bitwise(tmp_path, schedule, extra):
         assert torch.equal(resumed_weights[name], p), name
 
 
+@pytest.mark.equivalence
 def test_resume_after_the_checkpoint_rewrites_the_lost_steps_once(tmp_path):
     """Killed at step 5, two steps after the step-3 checkpoint: the resumed run recomputes steps 3-4, and
     metrics.jsonl ends with each step once (the killed run's records of 3-4 dropped, a torn line too)."""

@@ -50,6 +50,7 @@ def expected_biases(seen_layer, m: int, steps: int) -> list[torch.Tensor]:
     return biases
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("schedule, delay", [("sync", 0), ("2bw", 1)])
 def test_microbatches_of_step_t_read_the_bias_of_x_t_minus_d(schedule, delay):
     steps = 5

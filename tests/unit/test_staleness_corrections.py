@@ -79,6 +79,7 @@ STAGE_OF = {"embed.weight": 0, "layers.0.weight": 0, "layers.1.weight": 1, "laye
             "norm.weight": 2, "lm_head.weight": 2}
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize(
     "schedule, kw, sync",
     [
@@ -118,6 +119,7 @@ def test_corrections_follow_their_formulas(schedule, kw, sync):
     assert changed  # the correction did something (the comparison is not vacuous)
 
 
+@pytest.mark.equivalence
 def test_everything_off_is_plain_delayed_training_bitwise():
     torch.manual_seed(3)
     net = nn.Sequential(nn.Linear(5, 7), nn.GELU(), nn.Linear(7, 2))
@@ -142,6 +144,7 @@ def test_everything_off_is_plain_delayed_training_bitwise():
         assert not all(torch.equal(p, q) for p, q in zip(plain[1], on[1])), kw
 
 
+@pytest.mark.equivalence
 def test_gradient_ef_state_round_trip():
     model = Scalars(num_layers=1)
     sim = DelayedUpdateSimulator(model, torch.optim.SGD(model.parameters(), lr=LR), [1] * 4, loss_fn=quadratic,
@@ -189,6 +192,7 @@ def test_diagnostics_with_delay_zero_give_cosine_one_and_error_zero():
         assert stats.update_rel_error == 0.0
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_diagnostics_leave_the_trajectory_bit_identical(name):
     data = [[torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * t + i)) for i in range(2)]

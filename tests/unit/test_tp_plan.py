@@ -39,6 +39,7 @@ def _loss_and_grads(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[torch
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("name, overrides", [
     ("tiny_dense", {}), ("tiny_hybrid", DENSE_HYBRID), ("tiny_moe", {}), ("tiny_hybrid", {}),
 ])
@@ -74,6 +75,7 @@ def test_applying_twice_is_refused() -> None:
         apply_tensor_parallel(model, None)
 
 
+@pytest.mark.equivalence
 def test_one_rank_vocab_parallel_cross_entropy_is_the_plain_loss() -> None:
     logits = torch.randn(2, 5, 11)
     targets = torch.randint(0, 11, (2, 5))
