@@ -15,7 +15,7 @@ from asyncpp.config import ConfigError, check_pipeline_options
 from tests.dist.test_pipeline_equivalence import assert_equivalent, relative_error
 from tests.dist.workers import make_config, reference_run
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.equivalence, pytest.mark.dist]
 
 CORRECTIONS = {
     "grad_ef": {"grad_ef_lambda": 0.5},
