@@ -181,7 +181,7 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
     from asyncpp.pipeline.executor import PipelineExecutor
 
     p = cfg.parallel
-    check_pipeline_options(cfg)
+    check_pipeline_options(cfg, model_cfg)
     dims = ParallelDims.for_world(int(os.environ["WORLD_SIZE"]), pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
     cfg = cfg.replace(parallel=dataclasses.replace(p, dp=dims.dp))  # the resolved layout is what gets saved
     # N ranks share the machine's cores; oversubscribed OpenMP threads spin instead of working.

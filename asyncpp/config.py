@@ -165,7 +165,7 @@ def simulator_only_options(staleness: StalenessConfig) -> list[str]:
     return [f"staleness.{n}={getattr(staleness, n)}" for n in SIMULATOR_ONLY_STALENESS if getattr(staleness, n)]
 
 
-def check_pipeline_options(cfg: RunConfig) -> None:
+def check_pipeline_options(cfg: RunConfig, model: ModelLimits) -> None:
     """What a multi-process pipeline cannot run (the simulator can), refused before any process group exists."""
     only = simulator_only_options(cfg.staleness)
     if only:
@@ -174,13 +174,15 @@ def check_pipeline_options(cfg: RunConfig) -> None:
             "on the fresh weights, which only the single-process simulator runs; run `python pretrain.py ...` "
             "without torchrun, or set staleness.diagnostics_every=0"
         )
-    if cfg.staleness.dc_lambda and cfg.schedule.name == "pipedream" and cfg.parallel.pp > 1:
+    tied = getattr(model, "tie_embeddings", True)
+    if cfg.staleness.dc_lambda and cfg.schedule.name == "pipedream" and cfg.parallel.pp > 1 and tied:
         # The tied embedding's copies are read at different delays under PipeDream; DC-ASGD corrects their
-        # summed gradient with the first stage's x_{t-d}, which the last stage does not hold.
+        # summed gradient with the first stage's x_{t-d}, which the last stage (delay 0) does not hold.
         raise ConfigError(
-            f"staleness.dc_lambda={cfg.staleness.dc_lambda} with schedule=pipedream is simulator-only in a "
-            "pipeline (the last stage does not hold the first stage's stale version of a tied embedding); use "
-            "schedule=2bw, or run `python pretrain.py ...` without torchrun"
+            f"staleness.dc_lambda={cfg.staleness.dc_lambda} with schedule=pipedream and model '{model.name}' "
+            "(tied embeddings) runs only in the single-process simulator: the last stage does not hold the first "
+            "stage's stale version of the tied weight; use schedule=2bw, an untied model "
+            "(+model.overrides.tie_embeddings=false), or `python pretrain.py ...` without torchrun"
         )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from asyncpp.config import ConfigError, check_pipeline_options
+from model_zoo import get_model_config
 from tests.dist.test_pipeline_equivalence import assert_equivalent, relative_error
 from tests.dist.workers import make_config, reference_run
 
@@ -51,10 +52,21 @@ def test_pipedream_corrections_at_per_stage_delays_equal_simulator():
     assert_equivalent(cfg)
 
 
+def test_pipedream_dc_asgd_with_an_untied_model_equals_simulator():
+    # Each stage corrects with its own x_t - x_{t-d}, d = P-1-s, from the versions it holds.
+    cfg = make_config(model={"name": "tiny_dense", "overrides": {"tie_embeddings": False}}, parallel={"pp": 2},
+                      schedule={"name": "pipedream"}, optimizer={"name": "adamw", "lr": 3e-3},
+                      staleness={"dc_lambda": 1000.0})
+    assert_equivalent(cfg)
+
+
 def test_a_pipeline_refuses_what_only_the_simulator_runs():
+    tied, untied = get_model_config("tiny_dense"), get_model_config("tiny_dense", tie_embeddings=False)
     with pytest.raises(ConfigError, match=r"staleness.diagnostics_every=2.*second forward/backward"):
-        check_pipeline_options(make_config(parallel={"pp": 2}, staleness={"diagnostics_every": 2}))
-    with pytest.raises(ConfigError, match=r"staleness.dc_lambda=1.0 with schedule=pipedream"):
-        check_pipeline_options(make_config(parallel={"pp": 2}, schedule={"name": "pipedream"},
-                                           staleness={"dc_lambda": 1.0}))
-    check_pipeline_options(make_config(parallel={"pp": 2}, staleness={"dc_lambda": 1.0, "weight_prediction": True}))
+        check_pipeline_options(make_config(parallel={"pp": 2}, staleness={"diagnostics_every": 2}), tied)
+    pipedream_dc = make_config(parallel={"pp": 2}, schedule={"name": "pipedream"}, staleness={"dc_lambda": 1.0})
+    with pytest.raises(ConfigError, match=r"staleness.dc_lambda=1.0 with schedule=pipedream and model 'tiny_dense'"):
+        check_pipeline_options(pipedream_dc, tied)
+    check_pipeline_options(pipedream_dc, untied)
+    check_pipeline_options(make_config(parallel={"pp": 2}, staleness={"dc_lambda": 1.0, "weight_prediction": True}),
+                           tied)
