@@ -66,7 +66,8 @@ def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, version
                            micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
                            first=spec.is_first, last=spec.is_last)
     in_flight = in_flight_microbatches(cfg.schedule.name, spec.stage, mesh.num_stages, t.num_microbatches)
-    grad_buffers = 2 if cfg.schedule.name == "2bw" else 1  # 2BW: b_{t+1}'s backward overlaps U(t)
+    # A lazy update (2BW): b_{t+1}'s backward accumulates while b_t's gradient waits for U(t).
+    grad_buffers = 2 if kind_of(cfg.schedule.name).lazy_update else 1
     return versions_report(versions, optimizer, error_feedback=error_feedback, activation_bytes_per_mb=act,
                            in_flight=in_flight, grad_buffers=grad_buffers,
                            title=f"stage {spec.stage} (rank {mesh.rank}, layers {list(spec.layers)})")

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from asyncpp.schedules.actions import Op
 from asyncpp.schedules.build import build_schedule
+from asyncpp.schedules.registry import kind_of
 
 ALLOCATED, ESTIMATED = "allocated", "estimated"
 _MIB = 1024 * 1024
@@ -287,7 +288,7 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_micro
     """Most microbatches whose forward ran and backward did not, at once, on `stage` (from the
     schedule's own action list, so it is right for every kind: m for GPipe, P - s for 1F1B/2BW)."""
 
-    delay = 0 if schedule in ("sync", "gpipe", "1f1b") else 1
+    delay = kind_of(schedule).stage_delay(stage, num_stages)  # pipedream: P-1-s, not 1
     live = peak = 0
     for action in build_schedule(schedule, stage, num_stages, num_microbatches, [delay] * steps):
         live += {Op.FORWARD: 1, Op.BACKWARD: -1}.get(action.op, 0)

@@ -185,3 +185,12 @@ def test_measure_saved_activations_ignores_parameters():
     x = torch.randn(4, 8, requires_grad=True)
     saved, out = measure_saved_activations(lambda: lin(x), lin.parameters())
     assert saved == 4 * 8 * 4 and out.shape == (4, 8)  # the input; the weight is not an activation
+
+
+def test_in_flight_microbatches_of_every_kind_at_every_stage():
+    """From the schedule itself: P - s for 1F1B-ordered kinds (pipedream's per-stage delays included), m for GPipe."""
+    from asyncpp.analysis.memory import in_flight_microbatches
+
+    for kind in ("1f1b", "2bw", "pipedream"):
+        assert [in_flight_microbatches(kind, s, 4, 4) for s in range(4)] == [4, 3, 2, 1], kind
+    assert [in_flight_microbatches("gpipe", s, 4, 4) for s in range(4)] == [4, 4, 4, 4]
