@@ -20,9 +20,15 @@ from pathlib import Path
 
 import torch
 
-from asyncpp.config import ConfigError, RunConfig
+from asyncpp.analysis.memory import optimizer_state_bytes
+from asyncpp.config import ConfigError, RunConfig, parse_blend
+from asyncpp.optim import build_from_config
+from asyncpp.schedules.registry import stage_delay
 from asyncpp.train import checkpoint as ckpt
 from asyncpp.train.run_identity import CONFIG_ERROR_FILE_ENV, EXIT_CONFIG_ERROR
+from data.default import default_cache_dir, default_prefix
+from data.indexed import IndexedDataError, check_prefix, check_token_ids
+from model_zoo import build_model
 
 __all__ = ["CONFIG_ERROR_FILE_ENV", "EXIT_CONFIG_ERROR", "check", "check_data", "check_device", "check_directories",
            "check_disk_space", "check_resume", "checkpoint_bytes", "config_differences", "record_config_error"]
@@ -109,10 +115,6 @@ def checkpoint_bytes(cfg: RunConfig, model_cfg, point: tuple[Path, int] | None =
 
 
 def _estimated_checkpoint_bytes(cfg: RunConfig, model_cfg) -> int:
-    from asyncpp.analysis.memory import optimizer_state_bytes
-    from asyncpp.optim import build_from_config
-    from asyncpp.schedules.registry import stage_delay
-    from model_zoo import build_model
 
     model = build_model(model_cfg, device="meta")  # shapes only: allocates nothing
     params = [p for p in model.parameters() if p.requires_grad]
@@ -223,7 +225,6 @@ def check_resume(cfg: RunConfig, warn: Warn = _stderr) -> tuple[Path, int] | Non
 def check_data(cfg: RunConfig, model_cfg) -> None:
     """Every prefix of the data is a sound .bin/.idx pair whose sampled token ids fit the model's
     vocabulary. (The tokenizer's, stricter, is checked again when the data source is built.)"""
-    from data.indexed import IndexedDataError, check_prefix, check_token_ids
 
     d = cfg.data
     try:
@@ -236,12 +237,10 @@ def check_data(cfg: RunConfig, model_cfg) -> None:
 
 
 def _data_prefixes(cfg: RunConfig) -> list[str]:
-    from asyncpp.config import parse_blend
 
     d = cfg.data
     if d.name == "indexed":
         return parse_blend(d.blend)[0]
-    from data.default import default_cache_dir, default_prefix
 
     # Built here on first use (rank 0, before any other rank reads it): the same files build_data reads.
     return [str(default_prefix(Path(d.cache_dir) if d.cache_dir else default_cache_dir()))]

@@ -53,7 +53,7 @@ def test_windows_cut_the_continuous_schedule_without_cross_call_waits(P, m):
     K = 5
     calls = [calls_of(s, P, m, [K]) for s in range(P)]
     for s in range(P):
-        # Calls 0..K-1 are a prefix of the unbounded 2BW stream: the one PipelineRun runs.
+        # Calls 0..K-1 are a prefix of the unbounded 2BW stream: the one PipelineExecutor runs.
         full = build_schedule("2bw", s, P, m, [1] * (K + 1))
         # (up to its last F/B before F(K, 0): updates trailing a call run at the start of the next)
         first_of_k = next(i for i, a in enumerate(full) if a.op is Op.FORWARD and a.step == K)

@@ -89,7 +89,7 @@ def test_simulator_report_matches_the_allocated_tensors(precision):
 
 
 def stage(device: str, precision_dtype, optimizer: str = "muon"):
-    """Stage 0 of 2 of tiny_hybrid with 2BW weight versions, as PipelineRun builds it."""
+    """Stage 0 of 2 of tiny_hybrid with 2BW weight versions, as PipelineExecutor builds it."""
     torch.manual_seed(0)
     model = prune_to_stage(build_model(get_model_config("tiny_hybrid"), device=device), StageSpec(0, 2, 4))
     cfg = sim_config("bf16", optimizer)

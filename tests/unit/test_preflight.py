@@ -115,12 +115,13 @@ def test_the_estimate_matches_a_real_checkpoint(tmp_path):
     cfg, model_cfg = config(tmp_path, "optimizer=adamw")
     torch.manual_seed(0)
     model = pretrain.build_model(model_cfg)
+    from asyncpp.reference.executor import ReferenceExecutor
     from asyncpp.train.trainer import Trainer
 
     metrics = pretrain.make_metrics(cfg, model_cfg)
-    trainer = Trainer(cfg, model, pretrain.build_from_config(model, cfg.optimizer),
-                      pretrain.build_data(cfg, model_cfg), metrics)
-    trainer.run()
+    executor = ReferenceExecutor(cfg, model, pretrain.build_from_config(model, cfg.optimizer),
+                                 pretrain.build_data(cfg, model_cfg))
+    Trainer(cfg, executor, metrics).run()
     metrics.close({})
     written = preflight.checkpoint_bytes(cfg, model_cfg, (ckpt.latest(ckpt.checkpoint_root(cfg)), 6))
     estimate = preflight.checkpoint_bytes(cfg, model_cfg)
