@@ -6,7 +6,6 @@ at any step boundary, because nothing is in flight between steps.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -120,11 +119,7 @@ class ReferenceExecutor:
 
     def steps(self, t0: int, t1: int) -> Iterator[StepResult]:
         for step in range(t0, t1):
-            batches = self._microbatches(step)
-            started = time.perf_counter()
-            s = self.sim.step(step, batches)
-            yield StepResult(step, s.loss, s.grad_norm, s.update_norm, s.lr, s.skipped, s.tokens,
-                             time.perf_counter() - started, s.router_loads, s.update_cosine, s.update_rel_error)
+            yield self.sim.step(step, self._microbatches(step))
 
     def _microbatches(self, step: int) -> list[Tensor]:
         # dp replicas are simulated as m * dp microbatches: global index (t * dp + r) * m + j, as in the pipeline.

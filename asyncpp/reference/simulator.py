@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from copy import deepcopy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
 from asyncpp.core.loss import LossFn, lm_loss
+from asyncpp.core.records import StepResult
 from asyncpp.core.staleness import predict_weights
 from asyncpp.core.update import Corrections, UpdateRule
 from asyncpp.optim.clip import clip_, grad_sq_norm
@@ -46,28 +48,6 @@ class TiedUse:
     attr: str
     param: nn.Parameter
     delay: int
-
-
-@dataclass
-class StepStats:
-    loss: float
-    """Mean training loss of the step's microbatches (computed on the stale weights)."""
-    grad_norm: float
-    """Global L2 norm of the (delayed) gradient before clipping."""
-    update_norm: float
-    """||x_{t+1} - x_t||, Error Feedback included."""
-    lr: float
-    skipped: bool
-    """The gradient was not finite; x_{t+1} = x_t, the version counter still advanced."""
-    tokens: int
-    update_cosine: float | None = None
-    """Diagnostics steps only: cosine between the update applied at this step, x_t - x_{t+1} (delayed
-    gradient, corrections included), and the fresh update U_t(g(x_t; b_t)) synchronous training would
-    apply from the same optimizer state. None on other steps and on skipped ones."""
-    update_rel_error: float | None = None
-    """Diagnostics steps only: ||applied - fresh|| / ||fresh|| (see update_cosine)."""
-    router_loads: list[float] = field(default_factory=list)
-    """Per layer: busiest expert / mean load over the step's microbatches (0 for non-MoE layers)."""
 
 
 class DelayedUpdateSimulator:
@@ -251,8 +231,10 @@ class DelayedUpdateSimulator:
         clip_(grads, self.grad_clip, norm)
         return norm, bool(grads) and math.isfinite(norm)
 
-    def step(self, step: int, microbatches: Sequence[Tensor]) -> StepStats:
-        """One optimizer step t consuming minibatch b_t = `microbatches`."""
+    def step(self, step: int, microbatches: Sequence[Tensor]) -> StepResult:
+        """One optimizer step t consuming minibatch b_t = `microbatches` (its step_time_s includes the diagnostics'
+        fresh update on diagnostics steps)."""
+        started = time.perf_counter()
         delays = self.delays_at(step)
         delayed = [d > 0 for d in delays]
         current = [q.detach().clone() for q in self.masters]  # x_t (fp32 under mixed precision)
@@ -285,7 +267,8 @@ class DelayedUpdateSimulator:
             self.history.appendleft(self._stored(current))
         tokens = sum(int(mb[:, 1:].numel()) for mb in microbatches)
         loads = self.load_stats.vector(step, torch.device("cpu")).tolist() if self.load_stats else []
-        return StepStats(loss, grad_norm, update_norm, lr, not finite, tokens, cosine, rel_error, loads)
+        return StepResult(step, loss, grad_norm, update_norm, lr, not finite, tokens, time.perf_counter() - started,
+                          loads, cosine, rel_error)
 
     def _average(self, num_microbatches: int) -> None:
         grads = [q.grad for q in self.masters if q.grad is not None]
