@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from asyncpp.analysis.memory import simulator_run_report
 from asyncpp.config import ConfigError, RunConfig, check_pipeline_options
+from asyncpp.core.update import NonFiniteUpdate
 from asyncpp.optim import build_from_config
 from asyncpp.reference.executor import ReferenceExecutor
 from asyncpp.train import preflight
@@ -34,13 +36,13 @@ from asyncpp.train.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from asyncpp.train.preemption import StopFlag
 from asyncpp.train.run_identity import register_resolvers
 from asyncpp.train.timeline import write_run_timeline
-from asyncpp.train.trainer import Trainer
+from asyncpp.train.trainer import EXIT_DIVERGED, Trainer, TrainingAborted
 from model_zoo import ModelConfig, build_model, count_parameters, get_model_config
 from model_zoo.backends import prepare_model
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 register_resolvers()  # the run directory's name (configs/pretrain.yaml), before hydra composes anything
-STOP = StopFlag()  # set by SIGTERM (slurm preemption); the loops checkpoint and stop at a step boundary
+STOP = StopFlag()  # set by SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C); the loops checkpoint and stop at a step boundary
 
 
 def resolve(container: dict) -> tuple[RunConfig, ModelConfig]:
@@ -279,8 +281,15 @@ def main(dcfg: DictConfig) -> float:
         print(f"config error: {e}", file=sys.stderr)
         preflight.record_config_error(os.environ.get(preflight.CONFIG_ERROR_FILE_ENV), f"config error: {e}")
         sys.exit(preflight.EXIT_CONFIG_ERROR)  # distinct from a crash (1): launchers do not retry it
+    except (TrainingAborted, NonFiniteUpdate) as e:  # every rank raises it at the same step: no hang, no traceback
+        print(f"training diverged: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_DIVERGED)
     if summary.get("stopped_at") is not None:
         sys.exit(PREEMPTED_EXIT_CODE)  # checkpointed; let the scheduler requeue the job
+    if not math.isfinite(summary.get("final_loss", 0.0)):
+        print(f"training diverged: the final loss is {summary['final_loss']} (summary.json has the run's record); "
+              "lower optimizer.lr and rerun from an earlier checkpoint", file=sys.stderr, flush=True)
+        sys.exit(EXIT_DIVERGED)
     return float(summary.get("final_val_loss", float("nan")))  # the value hydra sweepers optimize
 
 
@@ -291,7 +300,17 @@ def _quiet_hydra_on_other_ranks() -> None:
                      "hydra.run.dir=."]
 
 
+def install_stop(stop: StopFlag = STOP) -> StopFlag:
+    """SIGTERM, SIGINT and SIGUSR1 set the flag (no KeyboardInterrupt traceback on every rank). Test hook:
+    ASYNCPP_STOP_AT_STEP=k requests a stop at step k as if signalled then, on ASYNCPP_STOP_RANK only if set."""
+    at = os.environ.get("ASYNCPP_STOP_AT_STEP")
+    only = os.environ.get("ASYNCPP_STOP_RANK")
+    if at is not None and (only is None or only == os.environ.get("RANK", "0")):
+        stop.at_step = int(at)
+    return stop.install()
+
+
 if __name__ == "__main__":
     _quiet_hydra_on_other_ranks()
-    STOP.install()
+    install_stop()
     main()

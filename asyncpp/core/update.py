@@ -6,7 +6,9 @@ A step t turns the gradient of b_t, computed on x_{t-d}, into x_{t+1}:
     (norm)      the global L2 norm of the corrected gradient: the caller's part, because only the caller knows
                 where the pieces live (one process sums them; a pipeline all-reduces over stages and shards)
     apply()     LR schedule; skip if the norm is not finite (x_{t+1} = x_t, the version still advances);
-                else clip, the base optimizer's step, update-level Error Feedback; the router-bias update
+                else clip, the base optimizer's step, update-level Error Feedback; the router-bias update.
+                If the update itself came out non-finite (a finite gradient, e.g. optimizer.lr=1e30 overflowing),
+                x_{t+1} = x_t is restored and the step is refused: NonFiniteUpdate (see UpdateRule.apply)
 
 Megatron's optimizer has the same split (prepare the gradients, take the global norm, step with ready
 gradients), which is also what lets a pipeline start the norm's all-reduce at UPDATE_START and wait for it only
@@ -21,6 +23,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from asyncpp.core.balancing import RouterBiasVersions
@@ -50,11 +53,24 @@ class Corrections:
 NO_CORRECTIONS = Corrections()
 
 
+class NonFiniteUpdate(FloatingPointError):
+    """A finite gradient gave a non-finite x_{t+1}. Restored to x_t, but the optimizer's state has moved, so the
+    run cannot go on exactly: it stops, with no checkpoint after the last good one."""
+
+    def __init__(self, step: int, where: str = ""):
+        super().__init__(f"step {step}: the update was not finite{where} although the gradient was; x_{{t+1}} was "
+                         "not applied and nothing after the last checkpoint is saved. Lower optimizer.lr (or "
+                         "raise optimizer eps) and rerun: the run resumes from its last checkpoint")
+        self.step = step
+
+
 @dataclass(frozen=True)
 class UpdateOutcome:
     lr: float
     skipped: bool
     """The norm was not finite: nothing was applied (x_{t+1} = x_t) and no correction buffer moved."""
+    update_finite: bool = True
+    """False: the update came out non-finite and x_t was restored (only with raise_on_nonfinite_update=False)."""
 
 
 def lr_multiplier_for(cfg) -> Callable[[int], float]:
@@ -73,8 +89,11 @@ class UpdateRule:
 
     def __init__(self, optimizer, masters: Sequence[Tensor], *, grad_clip: float = 0.0,
                  lr_multiplier: Callable[[int], float] | None = None, corrections: Corrections = NO_CORRECTIONS,
-                 balancing: RouterBiasVersions | None = None):
+                 balancing: RouterBiasVersions | None = None, raise_on_nonfinite_update: bool = True):
+        """raise_on_nonfinite_update: raise NonFiniteUpdate at once (one process); False reports it in the
+        outcome instead, for a pipeline, where every rank must stop at the same point (the caller agrees)."""
         self.optimizer = optimizer
+        self.raise_on_nonfinite_update = raise_on_nonfinite_update
         self.masters = list(masters)
         self.grad_clip = grad_clip
         self.lr_multiplier = lr_multiplier
@@ -107,13 +126,29 @@ class UpdateRule:
         if self.lr_multiplier is not None:
             self.optimizer.set_lr_multiplier(self.lr_multiplier(step))
         lr = float(self.optimizer.param_groups[0]["lr"])
+        update_finite = True
         if finite:
             self._step(grads, grad_norm, x_t, delayed)
+            update_finite = self._restore_if_not_finite(x_t)
+            if not update_finite and self.raise_on_nonfinite_update:
+                raise NonFiniteUpdate(step)
         else:
             self.grad_error_feedback.discard()
         if self.balancing is not None:
-            self.balancing.update(step, loads, apply=finite)
-        return UpdateOutcome(lr, not finite)
+            self.balancing.update(step, loads, apply=finite and update_finite)
+        return UpdateOutcome(lr, not (finite and update_finite), update_finite)
+
+    @torch.no_grad()
+    def _restore_if_not_finite(self, x_t: Sequence[Tensor]) -> bool:
+        """Whether x_{t+1} is finite; if not, the masters go back to x_t (never apply a non-finite state).
+        One host sync per step (the update already syncs for the norm)."""
+        if not self.masters:
+            return True
+        if bool(torch.stack([torch.isfinite(q).all() for q in self.masters]).all()):
+            return True
+        for q, x in zip(self.masters, x_t):
+            q.copy_(x)
+        return False
 
     def _step(self, grads: Sequence[Tensor | None], grad_norm: float, x_t: Sequence[Tensor],
               delayed: Sequence[bool]) -> None:

@@ -36,6 +36,7 @@ from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
 from asyncpp.pipeline.buckets import Bucket, start_buckets
 from asyncpp.pipeline.p2p import StageComm
+from asyncpp.pipeline.stopping import ActionStream, is_compute
 from asyncpp.pipeline.timer import stage_timer
 from asyncpp.pipeline.weights import WeightVersions
 from asyncpp.schedules.actions import Action, Op
@@ -66,6 +67,8 @@ class StepRecord:
     update_norm: float = math.nan
     lr: float = math.nan
     skipped: bool = False
+    update_finite: bool = True
+    """False: a finite gradient gave a non-finite update; x_t was kept (the executor stops every rank)."""
     router_loads: list[float] = field(default_factory=list)
     """Per layer of the model: busiest expert / mean load of this step (0 for non-MoE layers)."""
 
@@ -135,7 +138,8 @@ class StageEngine:
         self.count_in_norm = [self._counted(t, lay) for t, lay in zip(self.tied_mask, self.layouts)]
         # The step's mathematics after the gradient, shared with the simulator (asyncpp.core.update).
         self.rule = UpdateRule(optimizer, self.masters, grad_clip=grad_clip, lr_multiplier=lr_multiplier,
-                               corrections=corrections, balancing=self.balancing)
+                               corrections=corrections, balancing=self.balancing,
+                               raise_on_nonfinite_update=False)  # every rank must stop together: stopping.py
         self.error_feedback = self.rule.error_feedback
         self._read_version: dict[int, int] = {}  # step -> the weight version its forwards/backwards read
         self.inflight: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
@@ -159,24 +163,31 @@ class StageEngine:
         return layout.expert or self.mesh.ep_rank == 0
 
     # ---- actions -------------------------------------------------------------------------
-    def run(self, actions: Iterable[Action]) -> Iterator[int]:
+    def run(self, actions: Iterable[Action] | ActionStream) -> Iterator[int]:
         """Run the actions in order, yielding t after each UPDATE(t): the caller collects what is complete
-        (control stays with the caller; nothing is called back)."""
+        (control stays with the caller; nothing is called back). Given an ActionStream, the caller may cut
+        it between yields (a stop, stopping.py); `stream.fixed` tells it how much is executed or posted."""
         handlers = {Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
                     Op.UPDATE_START: self._update_start, Op.UPDATE: self._update}
-        actions = list(actions)
-        compute = [i for i, a in enumerate(actions) if a.op in (Op.FORWARD, Op.BACKWARD)]
-        ahead = 0  # index into `compute` of the next compute action whose receive is not posted yet
-        for i, action in enumerate(actions):
+        stream = actions if isinstance(actions, ActionStream) else ActionStream(actions)
+        scan, posted = 0, -1  # the next action to consider for a receive; the last compute action posted
+        i = 0
+        while i < len(stream.actions):
+            todo, action = stream.actions, stream.actions[i]
             self.comm.poll()
             self._progress_pending()
             # Post the receive of every compute action up to the first one after this action: one
             # compute action ahead, in the order they are consumed (each direction is FIFO on its own
             # communicator, so a receive posted early never blocks anything else).
-            while ahead < len(compute) and (ahead == 0 or compute[ahead - 1] <= i):
-                self._post_receive(actions[compute[ahead]])
-                ahead += 1
+            scan = min(scan, stream.fixed)  # after a cut, its tail past the fixed prefix is new: rescan it
+            while scan < len(todo) and posted <= i:
+                if is_compute(todo[scan]):
+                    self._post_receive(todo[scan])
+                    posted = scan
+                scan += 1
+            stream.fixed = max(i + 1, posted + 1)
             handlers[action.op](action)
+            i += 1
             if action.op == Op.UPDATE:
                 yield action.step
 
@@ -352,7 +363,7 @@ class StageEngine:
         record.grad_norm, record.router_loads = math.sqrt(grad_sq), loads
         x_t = self.versions.begin_update(a.step)
         outcome = self.rule.apply(a.step, pending.grads, record.grad_norm, x_t, self._delayed(a.step), pending.loads)
-        record.lr, record.skipped = outcome.lr, outcome.skipped
+        record.lr, record.skipped, record.update_finite = outcome.lr, outcome.skipped, outcome.update_finite
         with torch.no_grad():
             self._update_sq[a.step] = 0.0 if outcome.skipped else grad_sq_norm(
                 [q - x for q, x, c in zip(self.masters, x_t, self.count_in_norm) if c])

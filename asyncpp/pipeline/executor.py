@@ -25,14 +25,16 @@ from asyncpp.core.update import Corrections, lr_multiplier_for
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import ShardingPlan, global_view, layout_of
 from asyncpp.pipeline.engine import StageEngine, StepRecord
-from asyncpp.pipeline.p2p import StageComm
+from asyncpp.pipeline.p2p import StageComm, naming_the_peer
 from asyncpp.pipeline.stage import StageSpec, prune_to_stage, stage_forward, tied_parameters
+from asyncpp.pipeline.stopping import STOP_LAG, ActionStream, StopAgreement, stop_lookahead
 from asyncpp.pipeline.transfer import to_device
 from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
 from asyncpp.schedules.registry import kind_of, step_delay
 from asyncpp.train import checkpoint as ckpt
+from asyncpp.train.preemption import StopFlag
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Parallelize = Callable[[nn.Module], tuple[ShardingPlan, LossFn]]
@@ -55,7 +57,8 @@ def segment_actions(kind: str, stage: int, P: int, m: int, delays: Sequence[int]
 class PipelineExecutor:
     """One pipeline stage on this rank, behind the trainer's executor protocol (asyncpp/train/trainer.py)."""
 
-    stops_at_any_step = False  # a stop waits for the next drain point (a segment's end)
+    stops_at_any_step = False
+    """A stop ends a segment at the step every rank agrees on (steps(), stopping.py), not after any step."""
 
     def __init__(self, cfg: RunConfig, model: nn.Module, mesh: Mesh, data: DataSource, build_optimizer,
                  parallelize: Parallelize | None = None):
@@ -68,10 +71,13 @@ class PipelineExecutor:
         self.tokens_per_step = cfg.train.num_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len * mesh.dims.dp
         self._started: float | None = None  # set when the first segment starts (the timeline's origin)
         self._last_end = math.nan  # when the last stage finished the previous logged step's backward
+        self._last_loss = math.nan  # the last logged step's loss (last stage; nan elsewhere)
         self.spec = StageSpec(mesh.pp_rank, mesh.num_stages, len(model.layers), cfg.parallel.stage_layers)
         self.model = prune_to_stage(model, self.spec)
         self.sharding, self.loss_fn = parallelize(self.model) if parallelize is not None else ({}, cross_entropy)
         self.m = cfg.train.num_microbatches
+        self.stop_lookahead = stop_lookahead(cfg.schedule.name, mesh.num_stages)
+        self._agreement: StopAgreement | None = None  # created by the first segment, on every rank
         self.delays = [
             step_delay(cfg.schedule.name, self.spec.stage, mesh.num_stages, t, cfg.train.steps, cfg.staleness)
             for t in range(cfg.train.steps)
@@ -144,20 +150,41 @@ class PipelineExecutor:
             raise ValueError(f"the data source gave {len(val)} validation batches, train.eval_batches={t.eval_batches}")
         return val
 
-    def steps(self, t0: int, t1: int) -> Iterator[StepResult]:
+    def steps(self, t0: int, t1: int, stop: StopFlag | None = None) -> Iterator[StepResult]:
         """Steps [t0, t1) as one stream, drained at both ends. A step's result is complete once its update
-        norm, which rides a later step's reduction, has arrived (two updates later), or at the drain."""
+        norm, which rides a later step's reduction, has arrived (two updates later), or at the drain.
+
+        A stop request that every rank learns of inside the segment ends it early, at the step s they
+        agree on (stopping.py): the results stop at s - 1 and the stream ends with the drain of [t0, s)."""
         if self._started is None:
-            dist.barrier()  # a common time origin for every stage's timeline (same-host clocks)
+            with self._naming("every rank's first step (the start barrier)"):
+                dist.barrier()  # a common time origin for every stage's timeline (same-host clocks)
             self._started = self._last_end = self.engine.timer.restart()
+            self._agreement = StopAgreement(self.cfg.train.timeout_s)  # collective: same point on every rank
         todo = list(range(t0, t1))
-        actions = segment_actions(self.cfg.schedule.name, self.spec.stage, self.mesh.num_stages, self.m,
-                                  self.delays, t0, t1)
-        for _ in self.engine.run(actions):
+        stream = ActionStream(self._segment_actions(t0, t1))
+        stop_step = None
+        for t in self.engine.run(stream):
+            bad_update = not self.engine.records[t].update_finite
+            with self._naming(f"the stop agreement of step {t} (posting it)"):
+                self._agreement.post(t, stop is not None and stop.reached(t), bad_update)
+            # Waited for every step, in step order, on every rank (also after a stop is decided). Raises
+            # NonFiniteUpdate on every rank if any rank's update of that step was not finite.
+            stopping = t - STOP_LAG >= t0 and self._agreement.result(t - STOP_LAG, self.engine.comm.wait)[0]
+            if stopping and stop_step is None:
+                stop_step = t - STOP_LAG + self.stop_lookahead  # the same on every rank
+                if stop_step < t1:  # else the segment's end honours it (Trainer._stop_at_drain)
+                    stream.cut(self._segment_actions(t0, stop_step))
+                    todo[:] = [s for s in todo if s < stop_step]
             yield from self._ready(todo)
+        self._agreement.drain(self.engine.comm.wait)
         self.engine.finish()
         yield from self._ready(todo, drained=True)
-        self.engine.versions.use(self.engine.versions.newest)  # evaluation and the caller see x_{t1}
+        self.engine.versions.use(self.engine.versions.newest)  # evaluation and the caller see x_{end}
+
+    def _segment_actions(self, t0: int, t1: int) -> list[Action]:
+        return segment_actions(self.cfg.schedule.name, self.spec.stage, self.mesh.num_stages, self.m,
+                               self.delays, t0, t1)
 
     def _ready(self, todo: list[int], drained: bool = False) -> Iterator[StepResult]:
         """The results of the steps at the head of `todo` that are complete, in order. Collective over the
@@ -171,14 +198,20 @@ class PipelineExecutor:
                 loss = self.engine.step_loss(step)
                 end = self.engine.timer.end_of(Op.BACKWARD, step)
                 dt, self._last_end = end - self._last_end, end
+            self._last_loss = loss
             yield StepResult(step, loss, rec.grad_norm, rec.update_norm, rec.lr, rec.skipped, self.tokens_per_step,
                              dt, rec.router_loads)
 
     def stop_agreed(self, requested: bool) -> bool:
         """Collective at a drain point: stop if any rank was asked to (ranks get SIGTERM at different times)."""
         flag = torch.tensor([1.0 if requested else 0.0], device=self.mesh.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        with self._naming("every rank's stop decision at a drain point"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+    def _naming(self, what: str):
+        """A blocking collective over every rank whose raw backend error (a dead peer) names this stage."""
+        return naming_the_peer(self.mesh, what, self.cfg.train.timeout_s)
 
     def wait_saves(self) -> None:
         self.saver.wait()
@@ -187,10 +220,14 @@ class PipelineExecutor:
         """Per-stage busy time and bubble (collective), both on the device's clock (the timer's)."""
         wall, busy = self.engine.timer.elapsed(), self.engine.timer.busy()
         per_stage = [None] * dist.get_world_size()
-        dist.all_gather_object(per_stage, {"stage": self.spec.stage, "busy_s": busy, "wall_s": wall,
-                                           **self.engine.timer.mean_durations()})
+        with self._naming("every rank's summary (all_gather)"):
+            dist.all_gather_object(per_stage, {"stage": self.spec.stage, "busy_s": busy, "wall_s": wall,
+                                           "loss": self._last_loss, **self.engine.timer.mean_durations()})
         bubbles = [1.0 - s["busy_s"] / s["wall_s"] for s in per_stage]
+        last = self.mesh.num_stages - 1
         return {
+            # Every rank's summary has the last stage's final loss: each decides its exit code on it.
+            "final_loss": next(s["loss"] for s in per_stage if s["stage"] == last),
             "bubble_fraction": sum(bubbles) / len(bubbles), "bubble_fraction_per_rank": bubbles,
             "mean_forward_s_per_rank": [s.get("F", math.nan) for s in per_stage],
             "mean_backward_s_per_rank": [s.get("B", math.nan) for s in per_stage],
@@ -245,7 +282,8 @@ class PipelineExecutor:
         """Every stage's measured events (DP and TP rank 0 of each), on the metrics rank; None elsewhere.
         Collective."""
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (self.mesh.dp_rank, self.mesh.tp_rank, self.engine.timer.events))
+        with self._naming("every rank's timeline events (all_gather)"):
+            dist.all_gather_object(gathered, (self.mesh.dp_rank, self.mesh.tp_rank, self.engine.timer.events))
         if not self.mesh.is_writer:
             return None
         return [e for dp, tp, evs in gathered if dp == 0 and tp == 0 for e in evs]

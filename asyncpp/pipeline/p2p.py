@@ -20,10 +20,12 @@ and the replay tier (tests/nccl/) that checks it against the ops real runs issue
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -44,6 +46,18 @@ class P2PMismatch(ValueError):
 def _timeout_message(mesh: Mesh, what: str, timeout_s: float, cause: str) -> str:
     return (f"stage {mesh.pp_rank} (rank {mesh.rank}) gave up waiting for {what} (train.timeout_s={timeout_s}): "
             f"{cause}. The rank it waits for probably died or hangs; check that rank's log.")
+
+
+@contextlib.contextmanager
+def naming_the_peer(mesh: Mesh, what: str, timeout_s: float) -> Iterator[None]:
+    """Turn a raw backend error (gloo's "Connection reset by peer" when a peer died, an NCCL error) raised
+    while posting an op or in a blocking collective into a PipelineTimeout that names this stage and `what`."""
+    try:
+        yield
+    except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
+        if isinstance(e, PipelineTimeout):
+            raise
+        raise PipelineTimeout(_timeout_message(mesh, what, timeout_s, str(e))) from e
 
 
 def wait_for(work: dist.Work, timeout_s: float, mesh: Mesh, what: str) -> None:
@@ -136,7 +150,9 @@ class StageComm:
         src, group = ((self.prev, self.mesh.links.recv_forward) if direction == "forward"
                       else (self.next, self.mesh.links.recv_backward))
         buf = self._buffer()
-        self._posted[direction].append((dist.irecv(buf, src=src, group=group), buf, src))
+        with naming_the_peer(self.mesh, f"the next {direction} receive from rank {src} (posting it)", self.timeout_s):
+            work = dist.irecv(buf, src=src, group=group)
+        self._posted[direction].append((work, buf, src))
 
     def post_recv_forward(self) -> None:
         """Post the receive of the next activation now; `recv_forward` picks it up (FIFO)."""
@@ -177,7 +193,8 @@ class StageComm:
     def _send(self, tensor: Tensor, dst: int, group, what: str, free_after: bool) -> None:
         self._check(tensor, what, dst)
         payload = self._payload(tensor)
-        work = dist.isend(payload, dst=dst, group=group)
+        with naming_the_peer(self.mesh, f"{what} to rank {dst} (posting the send)", self.timeout_s):
+            work = dist.isend(payload, dst=dst, group=group)
         self._pending.append((work, payload, tensor if free_after else None))
 
     def send_forward(self, output: Tensor) -> None:

@@ -1,33 +1,63 @@
-"""Preemption: SIGTERM (slurm's warning before it kills a job) -> checkpoint at the next step boundary
-and exit cleanly. The flag is an explicit object handed to the training loop; only pretrain.py
-installs the signal handler (side effects stay at the edge).
+"""Preemption: a stop request (SIGTERM from slurm or torchrun, SIGINT from Ctrl-C, SIGUSR1 from slurm's
+`--signal`) -> checkpoint at a step boundary every rank agrees on, then exit 143. The flag is an explicit
+object handed to the training loop; only pretrain.py installs the signal handler (side effects stay at the
+edge).
 
-Latency: the single-process loop stops after the current step. A pipeline stops at its next drain
-point (evaluation or checkpoint boundary: `checkpoint.every` steps at most), where all stages agree
-on the decision with one tiny all-reduce; set `checkpoint.every` so that many steps fit in the grace
-period (slurm: `--signal=B:TERM@<seconds>`).
+Latency: the single-process loop stops after the current step. A pipeline agrees on a stop step inside a
+segment (asyncpp/pipeline/stopping.py): at most `stop_lookahead(kind, P) + 1` steps after the signal, plus
+the drain and the save. Both are far below torchrun's 30 s grace between its SIGTERM and its SIGKILL for
+the tiny and the small models; the time taken is printed on every rank.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 EXIT_CODE = 143  # 128 + SIGTERM, what a job killed by SIGTERM reports: the scheduler may requeue it
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+"""SIGTERM: slurm's preemption and torchrun's shutdown; SIGINT: Ctrl-C; SIGUSR1: `sbatch --signal=USR1@N`."""
 
 
 class StopFlag:
-    def __init__(self) -> None:
+    """Set by a signal (or, in tests, by reaching `at_step`); read by the loops at step boundaries.
+
+    A second signal while the first is being honoured exits at once with EXIT_CODE, without a checkpoint:
+    the user insisted (a second Ctrl-C), or the scheduler is about to kill the job anyway.
+    """
+
+    def __init__(self, at_step: int | None = None) -> None:
         self.requested = False
         self.signal: int | None = None
+        self.since: float | None = None  # time.monotonic() of the first request
+        self.at_step = at_step
+        """Test hook (pretrain.py: ASYNCPP_STOP_AT_STEP): request a stop when a step >= at_step is reached, as
+        if SIGTERM had arrived then, so a stop mid-segment is deterministic in CI."""
 
     def set(self, signum: int = signal.SIGTERM, frame=None) -> None:
-        self.requested, self.signal = True, signum
+        if self.requested and frame is not None:  # a second real signal
+            os.write(2, f"signal {signum} again: exiting {EXIT_CODE} now, without a checkpoint\n".encode())
+            os._exit(EXIT_CODE)
+        if not self.requested:
+            self.requested, self.signal, self.since = True, signum, time.monotonic()
+
+    def reached(self, step: int) -> bool:
+        """Whether a stop is requested, checked at the boundary after `step` (fires the test hook)."""
+        if self.at_step is not None and step >= self.at_step and not self.requested:
+            self.set(signal.SIGTERM)
+        return self.requested
+
+    def elapsed(self) -> float:
+        """Seconds since the first request (nan if none)."""
+        return time.monotonic() - self.since if self.since is not None else float("nan")
 
     def install(self, *signals: int) -> StopFlag:
-        for s in signals or (signal.SIGTERM,):
+        for s in signals or STOP_SIGNALS:
             signal.signal(s, self.set)
         return self
 
@@ -38,3 +68,8 @@ class StopFlag:
         flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def announce(text: str) -> None:
+    """A line every rank prints (stderr, flushed): a stop is the one event each rank's log must show."""
+    print(text, file=sys.stderr, flush=True)

@@ -19,7 +19,11 @@ from asyncpp.core.balancing import RouterLoadStats
 from asyncpp.core.records import StepResult
 from asyncpp.schedules.registry import is_sync_step
 from asyncpp.train.checkpoint import due
-from asyncpp.train.preemption import StopFlag
+from asyncpp.train.preemption import EXIT_CODE, StopFlag, announce
+
+EXIT_DIVERGED = 3
+"""pretrain.py's exit code for a run that diverged (a non-finite update, max_consecutive_skips, a non-finite final
+loss): not a crash (1) a restart would cure, nor a config error (2); its last checkpoint is still a good one."""
 
 
 class TrainingAborted(RuntimeError):
@@ -35,8 +39,9 @@ class Executor(Protocol):
     def resume(self, warn: Callable[[str], None]) -> int | None:
         """Load checkpoint.resume's checkpoint, if any (collective in a pipeline); its step, else None."""
 
-    def steps(self, t0: int, t1: int) -> Iterator[StepResult]:
-        """Run steps [t0, t1) and yield their results in step order; drained at t1."""
+    def steps(self, t0: int, t1: int, stop: StopFlag | None = None) -> Iterator[StepResult]:
+        """Run steps [t0, t1) and yield their results in step order; drained at t1. An executor that does
+        not stop at any step may end the segment early on `stop`, at a step every rank agrees on."""
 
     def val_batches(self) -> list: ...
 
@@ -125,14 +130,17 @@ class Trainer:
     def _segment(self, t0: int, t1: int, val: list) -> int:
         """Run [t0, t1); returns the step count done (< t1 when a stop was honoured mid-segment)."""
         t, ck = self.cfg.train, self.cfg.checkpoint
-        for result in self.executor.steps(t0, t1):
-            step_done = result.step + 1
-            evaluated = bool(val) and step_done == t1 and (t1 % t.eval_every == 0 or t1 == t.steps)
+        done = t0
+        for result in self.executor.steps(t0, t1, self.stop):
+            done = result.step + 1
+            evaluated = bool(val) and done == t1 and (t1 % t.eval_every == 0 or t1 == t.steps)
             if evaluated:
                 self.val_loss = self.executor.evaluate(val)
             self._log(result, self.val_loss if evaluated else None)
-            if self.executor.stops_at_any_step and step_done < t1 and self.stop.requested:
-                return step_done
+            if self.executor.stops_at_any_step and done < t1 and self.stop.reached(result.step):
+                return done
+        if done < t1:  # the executor ended the segment early: every rank agreed on a stop at `done`
+            return done
         if ck.enabled and due(t1, t.steps, ck.every):
             self.executor.save(t1)
         return t1
@@ -142,12 +150,15 @@ class Trainer:
         return self.executor.stop_agreed(requested)
 
     def _stop(self, step_done: int) -> None:
-        """Checkpoint at this step boundary (unless just saved) and end the run resumably."""
+        """Checkpoint at this step boundary (unless just saved) and end the run resumably; every rank says so."""
         ck = self.cfg.checkpoint
         if not (ck.enabled and due(step_done, self.cfg.train.steps, ck.every)):
             self.executor.save(step_done)
+        self.executor.wait_saves()  # the checkpoint is committed before the rank reports it
         self.stopped_at = step_done
-        self.metrics.message(f"stop requested (signal {self.stop.signal}): checkpoint saved after step {step_done - 1}")
+        cause = f"signal {self.stop.signal}" if self.stop.requested else "another rank's signal"
+        took = f"took {self.stop.elapsed():.1f} s from the signal" if self.stop.requested else "agreed with the others"
+        announce(f"stop requested ({cause}): checkpoint at step {step_done}; exiting {EXIT_CODE}; {took}")
 
     def _log(self, r: StepResult, val_loss: float | None) -> None:
         self.tokens += r.tokens

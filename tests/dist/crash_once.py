@@ -23,5 +23,5 @@ engine.StageEngine._forward = forward
 
 if __name__ == "__main__":
     pretrain._quiet_hydra_on_other_ranks()
-    pretrain.STOP.install()
+    pretrain.install_stop()
     pretrain.main()

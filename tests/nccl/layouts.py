@@ -21,6 +21,8 @@ class Layout:
     name: str
     cfg: RunConfig
     megatron: bool = False
+    stop: tuple[int, int] | None = None
+    """(rank, step): that rank requests a stop at that step (StopFlag's test hook), mid-segment."""
 
     @property
     def world(self) -> int:
@@ -55,6 +57,8 @@ def _layouts() -> dict[str, Layout]:
                                          train=short)),
         Layout("2bw-P2-checkpoint", make_config(parallel={"pp": 2}, train=short,
                                                 checkpoint={"enabled": True, "every": 2})),
+        Layout("2bw-P2-stop-midsegment", make_config(parallel={"pp": 2}, train={**short, "steps": 9},
+                                                     checkpoint={"enabled": True, "every": 0}), stop=(1, 1)),
         Layout("megatron-2bw-P2", make_config(parallel={"pp": 2}, schedule={"name": "2bw"},
                                               train={"steps": 4, "num_microbatches": 2}), megatron=True),
         Layout("megatron-1f1b-P3", make_config(model={"name": "tiny_dense", "overrides": {"num_layers": 3}},
@@ -66,14 +70,22 @@ def _layouts() -> dict[str, Layout]:
 
 
 LAYOUTS = _layouts()
-FAST = ("2bw-P2-DP2", "1f1b-P3", "megatron-2bw-P2")
+FAST = ("2bw-P2-DP2", "1f1b-P3", "megatron-2bw-P2", "2bw-P2-stop-midsegment")
 """Recorded in the default suite (2BW with DP, tied embeddings, a sync start and an evaluation drain; a
-middle stage; the Megatron loop); the rest is `slow`."""
+middle stage; the Megatron loop; a stream cut short by a stop); the rest is `slow`."""
 
 
 def recorded_pipeline(rank: int, cfg_dict: dict) -> list:
     with record() as recorder:
         pipeline_rank(rank, cfg_dict)
+    return recorder.log
+
+
+def recorded_stopped_pipeline(rank: int, cfg_dict: dict, requester: int, at_step: int) -> list:
+    from tests.dist.test_stop_midsegment import stopped_rank
+
+    with record() as recorder:
+        stopped_rank(rank, cfg_dict, requester, at_step)
     return recorder.log
 
 
@@ -94,6 +106,9 @@ def record_layout(layout: Layout) -> dict[int, list]:
     with tempfile.TemporaryDirectory() as tmp:
         if cfg.checkpoint.enabled:
             cfg = cfg.replace(checkpoint=cfg.checkpoint.__class__(**{**cfg.checkpoint.__dict__, "dir": tmp}))
-        fn = recorded_megatron if layout.megatron else recorded_pipeline
-        logs = run_ranks(fn, layout.world, cfg.to_dict(), timeout=600)
+        if layout.stop is not None:
+            logs = run_ranks(recorded_stopped_pipeline, layout.world, cfg.to_dict(), *layout.stop, timeout=600)
+        else:
+            fn = recorded_megatron if layout.megatron else recorded_pipeline
+            logs = run_ranks(fn, layout.world, cfg.to_dict(), timeout=600)
     return dict(enumerate(logs))

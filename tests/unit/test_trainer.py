@@ -26,7 +26,7 @@ class Scripted:
     def resume(self, warn):
         return self.resume_at
 
-    def steps(self, t0, t1):
+    def steps(self, t0, t1, stop=None):
         self.calls.append(("segment", t0, t1))
         for t in range(t0, t1):
             if t == self.stop_after and self.stop is not None:
