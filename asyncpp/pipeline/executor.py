@@ -34,7 +34,7 @@ from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
 from asyncpp.schedules.registry import kind_of, step_delay
 from asyncpp.train import checkpoint as ckpt
-from asyncpp.train.preemption import StopFlag
+from asyncpp.train.preemption import CheckpointClock, StopFlag
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Parallelize = Callable[[nn.Module], tuple[ShardingPlan, LossFn]]
@@ -67,6 +67,7 @@ class PipelineExecutor:
         `build_optimizer(stage_model, sharding_plan)` builds the stage's optimizer."""
         self.cfg, self.mesh, self.data = cfg, mesh, data
         self.is_writer = mesh.is_writer
+        self.decides_time = mesh.rank == 0  # rank 0's clock decides timed checkpoints (CheckpointClock)
         self.saver = ckpt.Saver(cfg.checkpoint.async_save)
         self.tokens_per_step = cfg.train.num_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len * mesh.dims.dp
         self._started: float | None = None  # set when the first segment starts (the timeline's origin)
@@ -150,12 +151,14 @@ class PipelineExecutor:
             raise ValueError(f"the data source gave {len(val)} validation batches, train.eval_batches={t.eval_batches}")
         return val
 
-    def steps(self, t0: int, t1: int, stop: StopFlag | None = None) -> Iterator[StepResult]:
+    def steps(self, t0: int, t1: int, stop: StopFlag | None = None,
+              clock: CheckpointClock | None = None) -> Iterator[StepResult]:
         """Steps [t0, t1) as one stream, drained at both ends. A step's result is complete once its update
         norm, which rides a later step's reduction, has arrived (two updates later), or at the drain.
 
-        A stop request that every rank learns of inside the segment ends it early, at the step s they
-        agree on (stopping.py): the results stop at s - 1 and the stream ends with the drain of [t0, s)."""
+        A stop request, or rank 0's clock asking for a timed checkpoint, that every rank learns of inside the
+        segment ends it early, at the step s they agree on (stopping.py): the results stop at s - 1 and the
+        stream ends with the drain of [t0, s). A timed checkpoint is reported as clock.agreed_at = s."""
         if self._started is None:
             with self._naming("every rank's first step (the start barrier)"):
                 dist.barrier()  # a common time origin for every stage's timeline (same-host clocks)
@@ -163,21 +166,27 @@ class PipelineExecutor:
             self._agreement = StopAgreement(self.cfg.train.timeout_s)  # collective: same point on every rank
         todo = list(range(t0, t1))
         stream = ActionStream(self._segment_actions(t0, t1))
-        stop_step = None
+        end = None  # the agreed step this segment ends at, once decided
         for t in self.engine.run(stream):
             bad_update = not self.engine.records[t].update_finite
             with self._naming(f"the stop agreement of step {t} (posting it)"):
-                self._agreement.post(t, stop is not None and stop.reached(t), bad_update)
+                self._agreement.post(t, stop is not None and stop.reached(t), bad_update,
+                                     clock is not None and clock.due())
             # Waited for every step, in step order, on every rank (also after a stop is decided). Raises
             # NonFiniteUpdate on every rank if any rank's update of that step was not finite.
-            stopping = t - STOP_LAG >= t0 and self._agreement.result(t - STOP_LAG, self.engine.comm.wait)[0]
-            if stopping and stop_step is None:
-                stop_step = t - STOP_LAG + self.stop_lookahead  # the same on every rank
-                if stop_step < t1:  # else the segment's end honours it (Trainer._stop_at_drain)
-                    stream.cut(self._segment_actions(t0, stop_step))
-                    todo[:] = [s for s in todo if s < stop_step]
+            stopping, checkpoint = (self._agreement.result(t - STOP_LAG, self.engine.comm.wait)
+                                    if t - STOP_LAG >= t0 else (False, False))
+            if (stopping or checkpoint) and end is None:
+                end = min(t - STOP_LAG + self.stop_lookahead, t1)  # the same on every rank
+                if end < t1:
+                    stream.cut(self._segment_actions(t0, end))
+                    todo[:] = [s for s in todo if s < end]
+                if not stopping and clock is not None:  # a timed checkpoint, not a stop
+                    clock.agreed_at = end
             yield from self._ready(todo)
-        self._agreement.drain(self.engine.comm.wait)
+        stopping, checkpoint = self._agreement.drain(self.engine.comm.wait)
+        if checkpoint and not stopping and end is None and clock is not None:
+            clock.agreed_at = t1  # asked for in the segment's last steps: saved at its end
         self.engine.finish()
         yield from self._ready(todo, drained=True)
         self.engine.versions.use(self.engine.versions.newest)  # evaluation and the caller see x_{end}

@@ -7,7 +7,8 @@ step later, when it has long arrived. Every rank issues the same all-reduces in 
 op order is one on every member (NCCL's rule). If step t's all-reduce says "requested", every rank learns
 it at its UPDATE(t+1) and stops after step s = t + lookahead.
 
-The same all-reduce carries "my update of step t was not finite" (core/update.py restored x_t on that rank):
+The same all-reduce carries rank 0's "a timed checkpoint is due" (checkpoint.every_minutes), honoured the same
+way: cut at s, save, and go on with a new stream from s. It also carries "my update of step t was not finite" (core/update.py restored x_t on that rank):
 every rank raises NonFiniteUpdate at UPDATE(t+1), together, so none is left waiting for the others and no
 checkpoint follows. Skipping the step on every rank and going on would need the answer before x_{t+1} is first
 read, right after UPDATE(t) in 2BW: a blocking all-reduce there, i.e. a bubble on every step.
@@ -73,22 +74,24 @@ class StopAgreement:
         self.timeout_s = timeout_s
         self._inflight: dict[int, tuple[object, torch.Tensor]] = {}
 
-    def post(self, step: int, requested: bool, nonfinite_update: bool = False) -> None:
-        """Start step's all-reduce of [stop requested, this rank's update of `step` was not finite]."""
-        flags = torch.tensor([int(requested), int(nonfinite_update)], dtype=torch.int32)
+    def post(self, step: int, requested: bool, nonfinite_update: bool = False, checkpoint_due: bool = False) -> None:
+        """Start step's all-reduce of [stop requested, this rank's update of `step` was not finite, this rank's
+        clock says a timed checkpoint is due (rank 0 only votes)]."""
+        flags = torch.tensor([int(requested), int(nonfinite_update), int(checkpoint_due)], dtype=torch.int32)
         self._inflight[step] = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flags)
 
     def result(self, step: int, wait) -> tuple[bool, bool]:
-        """(any rank had requested a stop, any rank's update of `step` was not finite) when it posted `step`
-        (waits for that all-reduce)."""
+        """(any rank had requested a stop, a timed checkpoint is due) when it posted `step` (waits for that
+        all-reduce). Raises NonFiniteUpdate if any rank's update of `step` was not finite."""
         work, flags = self._inflight.pop(step)
         wait(work, f"the stop agreement of step {step}")
-        stop, nonfinite = flags.tolist()
+        stop, nonfinite, checkpoint = flags.tolist()
         if nonfinite:
             raise NonFiniteUpdate(step, " on at least one stage")  # on every rank, at this same point
-        return bool(stop), bool(nonfinite)
+        return bool(stop), bool(checkpoint)
 
-    def drain(self, wait) -> None:
-        """Wait for what is still in flight (at a segment's end: every rank posted the same steps)."""
-        for step in sorted(self._inflight):
-            self.result(step, wait)
+    def drain(self, wait) -> tuple[bool, bool]:
+        """Wait for what is still in flight (at a segment's end: every rank posted the same steps); whether any
+        of it asked for a stop, a timed checkpoint."""
+        out = [self.result(step, wait) for step in sorted(self._inflight)]
+        return any(s for s, _ in out), any(c for _, c in out)

@@ -117,8 +117,8 @@ class ReferenceExecutor:
         self.sim.sync_params()  # mixed precision: the load wrote the fp32 masters
         return step
 
-    def steps(self, t0: int, t1: int, stop=None) -> Iterator[StepResult]:
-        """The trainer stops this executor itself, after any step (stops_at_any_step): `stop` is unused."""
+    def steps(self, t0: int, t1: int, stop=None, clock=None) -> Iterator[StepResult]:
+        """The trainer stops and checkpoints this executor itself, after any step (stops_at_any_step)."""
         for step in range(t0, t1):
             yield self.sim.step(step, self._microbatches(step))
 

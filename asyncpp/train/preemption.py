@@ -70,6 +70,25 @@ class StopFlag:
         return bool(flag.item())
 
 
+class CheckpointClock:
+    """Wall-clock checkpoints (checkpoint.every_minutes). One clock decides, rank 0's (`decides`), so every rank
+    saves at the same step: a pipeline learns it through its per-step stop agreement (pipeline/stopping.py),
+    the single process at once. `agreed_at` is the step boundary every rank agreed to save at."""
+
+    def __init__(self, every_minutes: float, decides: bool = True):
+        self.every_s = every_minutes * 60.0
+        self.decides = decides
+        self.last = time.monotonic()
+        self.agreed_at: int | None = None
+
+    def due(self) -> bool:
+        """This rank's vote: whether its clock says a save is due (False on ranks that do not decide)."""
+        return self.decides and self.every_s > 0 and time.monotonic() - self.last >= self.every_s
+
+    def saved(self) -> None:
+        self.last, self.agreed_at = time.monotonic(), None
+
+
 def announce(text: str) -> None:
     """A line every rank prints (stderr, flushed): a stop is the one event each rank's log must show."""
     print(text, file=sys.stderr, flush=True)

@@ -19,7 +19,7 @@ from asyncpp.core.balancing import RouterLoadStats
 from asyncpp.core.records import StepResult
 from asyncpp.schedules.registry import is_sync_step
 from asyncpp.train.checkpoint import due
-from asyncpp.train.preemption import EXIT_CODE, StopFlag, announce
+from asyncpp.train.preemption import EXIT_CODE, CheckpointClock, StopFlag, announce
 
 EXIT_DIVERGED = 3
 """pretrain.py's exit code for a run that diverged (a non-finite update, max_consecutive_skips, a non-finite final
@@ -39,9 +39,11 @@ class Executor(Protocol):
     def resume(self, warn: Callable[[str], None]) -> int | None:
         """Load checkpoint.resume's checkpoint, if any (collective in a pipeline); its step, else None."""
 
-    def steps(self, t0: int, t1: int, stop: StopFlag | None = None) -> Iterator[StepResult]:
+    def steps(self, t0: int, t1: int, stop: StopFlag | None = None,
+              clock: CheckpointClock | None = None) -> Iterator[StepResult]:
         """Run steps [t0, t1) and yield their results in step order; drained at t1. An executor that does
-        not stop at any step may end the segment early on `stop`, at a step every rank agrees on."""
+        not stop at any step may end the segment early on `stop` or for a timed checkpoint (then it sets
+        clock.agreed_at), at a step every rank agrees on."""
 
     def val_batches(self) -> list: ...
 
@@ -101,6 +103,7 @@ class Trainer:
         self.steps_done = 0
         self.last_loss = self.val_loss = math.nan
         self.step_times: list[float] = []
+        self.clock = CheckpointClock(0.0)  # run() sets the configured one
 
     def resume(self) -> int:
         """Load checkpoint.resume's checkpoint, if any; returns the step the run continues from."""
@@ -119,8 +122,13 @@ class Trainer:
         t, ck = self.cfg.train, self.cfg.checkpoint
         val = self.executor.val_batches() if t.eval_every else []
         started = time.perf_counter()
+        self.clock = CheckpointClock(ck.every_minutes if ck.enabled else 0.0,
+                                     decides=getattr(self.executor, "decides_time", True))
         for t0, t1 in segment_bounds(t.steps, t.eval_every, ck.every if ck.enabled else 0, start=self.start_step):
             done = self._segment(t0, t1, val)
+            while done < t1 and self.clock.agreed_at == done:  # cut for a timed checkpoint: save, then go on
+                self._save(done, why=f"checkpoint.every_minutes={ck.every_minutes:g}")
+                done = self._segment(done, t1, val)
             if done < t1 or self._stop_at_drain(done):
                 self._stop(done)
                 break
@@ -128,22 +136,36 @@ class Trainer:
         return self._summary(time.perf_counter() - started)
 
     def _segment(self, t0: int, t1: int, val: list) -> int:
-        """Run [t0, t1); returns the step count done (< t1 when a stop was honoured mid-segment)."""
+        """Run [t0, t1); returns the step count done (< t1 when a stop or a timed checkpoint was honoured
+        mid-segment: the executor ended it at a step every rank agreed on)."""
         t, ck = self.cfg.train, self.cfg.checkpoint
         done = t0
-        for result in self.executor.steps(t0, t1, self.stop):
+        for result in self.executor.steps(t0, t1, self.stop, self.clock):
             done = result.step + 1
             evaluated = bool(val) and done == t1 and (t1 % t.eval_every == 0 or t1 == t.steps)
             if evaluated:
                 self.val_loss = self.executor.evaluate(val)
             self._log(result, self.val_loss if evaluated else None)
-            if self.executor.stops_at_any_step and done < t1 and self.stop.reached(result.step):
-                return done
-        if done < t1:  # the executor ended the segment early: every rank agreed on a stop at `done`
+            if self.executor.stops_at_any_step and done < t1:
+                if self.stop.reached(result.step):
+                    return done
+                if self.clock.due():  # one process: its own clock decides, at once
+                    self.clock.agreed_at = done
+                    return done
+        if done < t1:
             return done
+        timed = self.clock.agreed_at == t1 or (self.executor.stops_at_any_step and self.clock.due())
         if ck.enabled and due(t1, t.steps, ck.every):
-            self.executor.save(t1)
+            self._save(t1)
+        elif ck.enabled and timed:
+            self._save(t1, why=f"checkpoint.every_minutes={ck.every_minutes:g}")
         return t1
+
+    def _save(self, step_done: int, why: str | None = None) -> None:
+        self.executor.save(step_done)
+        self.clock.saved()
+        if why is not None:
+            self.metrics.message(f"checkpoint at step {step_done} ({why})")
 
     def _stop_at_drain(self, step_done: int) -> bool:
         requested = self.stop.requested and step_done < self.cfg.train.steps
@@ -153,7 +175,7 @@ class Trainer:
         """Checkpoint at this step boundary (unless just saved) and end the run resumably; every rank says so."""
         ck = self.cfg.checkpoint
         if not (ck.enabled and due(step_done, self.cfg.train.steps, ck.every)):
-            self.executor.save(step_done)
+            self._save(step_done)
         self.executor.wait_saves()  # the checkpoint is committed before the rank reports it
         self.stopped_at = step_done
         cause = f"signal {self.stop.signal}" if self.stop.requested else "another rank's signal"
@@ -177,7 +199,25 @@ class Trainer:
         if val_loss is not None:
             record["val_loss"] = val_loss
         self.metrics.log(record)
+        if len(self.step_times) == 4:
+            self._warn_if_work_at_risk(sum(self.step_times[1:]) / 3)  # the first step pays for warm-up
         self._count_skip(r)
+
+    def _warn_if_work_at_risk(self, step_s: float) -> None:
+        """Warn when a crash could lose more than checkpoint.warn_loss_minutes of work (from the step time)."""
+        ck, remaining = self.cfg.checkpoint, self.cfg.train.steps - self.start_step
+        if ck.warn_loss_minutes <= 0 or not math.isfinite(step_s):
+            return
+        at_risk = [remaining * step_s]
+        if ck.enabled and ck.every:
+            at_risk.append(ck.every * step_s)
+        if ck.enabled and ck.every_minutes:
+            at_risk.append(ck.every_minutes * 60 + step_s)
+        if min(at_risk) > ck.warn_loss_minutes * 60:
+            self.metrics.message(
+                f"warning: a crash can lose up to {min(at_risk) / 60:.0f} min of work (steps take {step_s:.2f} s; "
+                f"checkpoint.enabled={ck.enabled}, every={ck.every}, every_minutes={ck.every_minutes:g}); set "
+                f"checkpoint.every_minutes below checkpoint.warn_loss_minutes={ck.warn_loss_minutes:g}")
 
     def _count_skip(self, r: StepResult) -> None:
         """Every rank counts: the skip decision comes from the all-reduced norm, so all ranks see the same

@@ -73,3 +73,24 @@ def test_a_stop_mid_segment_checkpoints_the_agreed_step_and_the_rerun_is_bit_ide
     full_params, resumed_params = params_of(full), params_of(resumed)
     for name, p in full_params.items():
         assert torch.equal(resumed_params[name], p), name
+
+
+def test_timed_checkpoints_cut_the_stream_where_rank_0_asks_and_change_no_number(tmp_path):
+    """checkpoint.every_minutes tiny: rank 0's clock asks at every step; every rank saves at the same agreed
+    steps (mid-segment), and losses and weights equal the run without timed checkpoints, bit for bit."""
+    plain = config(tmp_path / "plain", "2bw", 2)
+    plain = plain.replace(checkpoint=plain.checkpoint.__class__(enabled=True, every=0, every_minutes=0.0,
+                                                                dir=str(tmp_path / "plain" / "ckpt")))
+    timed = plain.replace(checkpoint=plain.checkpoint.__class__(enabled=True, every=0, every_minutes=1e-9,
+                                                                keep_last=100, dir=str(tmp_path / "timed" / "ckpt")))
+    reference = run_ranks(pipeline_rank, 2, plain.to_dict())
+    results = run_ranks(pipeline_rank, 2, timed.to_dict())
+    saved = [int(c.name.split("_")[1]) for c in list_checkpoints(tmp_path / "timed" / "ckpt")]
+    # Asked at step 0, agreed at UPDATE(1): the first cut is at the lookahead, then every lookahead steps.
+    k = stop_lookahead("2bw", 2)
+    assert saved == [*range(k, STEPS, k), STEPS], saved
+    losses = {r["step"]: r["loss"] for res in results for r in res["records"]}
+    expected = {r["step"]: r["loss"] for res in reference for r in res["records"]}
+    assert losses == expected
+    for name, p in params_of(reference).items():
+        assert torch.equal(params_of(results)[name], p), name

@@ -3,6 +3,7 @@ rule and the summary's accounting, without a model (the executors have their own
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -26,7 +27,7 @@ class Scripted:
     def resume(self, warn):
         return self.resume_at
 
-    def steps(self, t0, t1, stop=None):
+    def steps(self, t0, t1, stop=None, clock=None):
         self.calls.append(("segment", t0, t1))
         for t in range(t0, t1):
             if t == self.stop_after and self.stop is not None:
@@ -110,3 +111,35 @@ def test_consecutive_non_finite_steps_abort_every_rank_at_the_same_step():
         Trainer(config(max_consecutive_skips=3), executor, Sink()).run()
     summary = Trainer(config(max_consecutive_skips=4), Scripted(True, skip={2, 3, 4}), Sink()).run()
     assert summary["skipped_steps"] == 3 and math.isfinite(summary["final_loss"])
+
+
+def test_a_timed_checkpoint_saves_at_the_step_the_clock_asks_for_and_the_run_goes_on():
+    cfg = config()
+    cfg = cfg.replace(checkpoint=dataclasses.replace(cfg.checkpoint, every=0, every_minutes=1e-9))  # due at once
+    executor, sink = Scripted(stops_at_any_step=True), Sink()
+    summary = Trainer(cfg, executor, sink).run()
+    assert [c[1] for c in executor.calls if c[0] == "save"] == list(range(1, 11))  # after every step, once
+    assert [r["step"] for r in sink.records] == list(range(10)) and summary["stopped_at"] is None
+    assert sum("every_minutes" in m for m in sink.messages) == 9  # the end-of-run save is not a timed one
+
+
+def test_no_timed_checkpoint_when_the_clock_is_off_or_not_yet_due():
+    for minutes in (0.0, 60.0):
+        cfg = config()
+        cfg = cfg.replace(checkpoint=dataclasses.replace(cfg.checkpoint, every=0, every_minutes=minutes))
+        executor = Scripted(stops_at_any_step=True)
+        Trainer(cfg, executor, Sink()).run()
+        assert [c for c in executor.calls if c[0] == "save"] == [("save", 10)]
+
+
+def test_a_run_that_can_lose_more_than_the_limit_warns_once():
+    cfg = config()
+    cfg = cfg.replace(checkpoint=dataclasses.replace(cfg.checkpoint, every=0, every_minutes=0.0,
+                                                     warn_loss_minutes=0.05))  # 10 steps of 0.5 s = 5 s > 3 s
+    sink = Sink()
+    Trainer(cfg, Scripted(stops_at_any_step=True), sink).run()
+    assert sum("a crash can lose up to" in m for m in sink.messages) == 1
+    quiet = Sink()
+    cfg = cfg.replace(checkpoint=dataclasses.replace(cfg.checkpoint, warn_loss_minutes=1.0))
+    Trainer(cfg, Scripted(stops_at_any_step=True), quiet).run()
+    assert not any("a crash can lose" in m for m in quiet.messages)
