@@ -55,6 +55,9 @@ class GDNConfig:
     head_v_dim: int
     conv_size: int = 4
     chunk_size: int = 64
+    fla_l2norm: bool = False
+    """L2-normalise q and k as FLA's kernels and HF Qwen3-Next do, x * rsqrt(sum(x^2) + 1e-6), instead of
+    F.normalize's x / max(|x|, 1e-6); they differ where |x|^2 is not far above 1e-6 (small-init projections)."""
 
     def validate(self) -> None:
         for name in ("num_heads", "head_k_dim", "head_v_dim", "conv_size", "chunk_size"):
@@ -86,6 +89,15 @@ class ModelConfig:
     """Megatron convention: output projections (attention out, MLP down, experts' down) get
     init_std / sqrt(2 * num_layers) so the residual stream's variance does not grow with depth.
     HF SmolLM2 initialises them with plain init_std; set False to match it."""
+    qk_norm: bool = False
+    """RMSNorm over each attention head's q and k before RoPE (Qwen3, Qwen3-MoE, Qwen3-Next). Off in the
+    paper's configs (docs/hf.md says why)."""
+    attn_output_gate: bool = False
+    """Gated attention (Qwen3-Next): the attention output is multiplied by sigmoid(x W_gate), one gate per
+    channel of every head, before o_proj."""
+    partial_rotary_factor: float = 1.0
+    """RoPE rotates the first int(head_dim * factor) channels of each head; the rest carry no position
+    (Qwen3-Next: 0.25). 1.0 is full rotary."""
     layer_types: tuple[str, ...] = field(default=())
     """One entry per layer, "attn" or "gdn". Empty means all "attn"."""
     moe: MoEConfig | None = None
@@ -97,6 +109,11 @@ class ModelConfig:
             object.__setattr__(self, "layer_types", ("attn",) * max(self.num_layers, 0))
         else:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (HF's int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def validate(self) -> ModelConfig:
         """Raise ValueError on the first inconsistency; returns self so calls can be chained."""
@@ -114,6 +131,7 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim={self.head_dim} must be even for rotary embeddings; use e.g. 64.")
+        self._validate_rotary()
         self._validate_layer_types()
         if self.moe is None and self.ffn_hidden_size <= 0:
             raise ValueError(
@@ -125,6 +143,21 @@ class ModelConfig:
         if self.gdn is not None:
             self.gdn.validate()
         return self
+
+    def _validate_rotary(self) -> None:
+        f = self.partial_rotary_factor
+        if not (isinstance(f, (int, float)) and 0 < f <= 1):
+            raise ValueError(f"model.partial_rotary_factor={f!r} must be in (0, 1]; use 1.0 for full rotary "
+                             "or e.g. 0.25 (Qwen3-Next).")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(
+                f"model.partial_rotary_factor={f} rotates int({self.head_dim} * {f}) = {self.rotary_dim} channels "
+                f"of model.head_dim={self.head_dim}; RoPE needs an even number >= 2: choose a factor that "
+                f"gives one, e.g. {2 * max(1, round(self.head_dim * f / 2)) / self.head_dim:g}."
+            )
+        for name in ("qk_norm", "attn_output_gate"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"model.{name}={getattr(self, name)!r} must be true or false.")
 
     def _validate_layer_types(self) -> None:
         if len(self.layer_types) != self.num_layers:

@@ -186,8 +186,10 @@ class GatedDeltaNet(nn.Module):
         conv_size: int = 4,
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
+        fla_l2norm: bool = False,
     ) -> None:
         super().__init__()
+        self.fla_l2norm = fla_l2norm  # GDNConfig.fla_l2norm
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.conv_size, self.norm_eps, self.chunk_size = conv_size, norm_eps, chunk_size
@@ -242,6 +244,11 @@ class GatedDeltaNet(nn.Module):
         x = F.pad(x.transpose(1, 2), (self.conv_size - 1, 0))
         return F.silu(conv(x)).transpose(1, 2)
 
+    def _l2norm(self, x: Tensor) -> Tensor:
+        if self.fla_l2norm:  # FLA's / HF Qwen3-Next's form (eps inside the root)
+            return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+        return F.normalize(x, p=2.0, dim=-1, eps=1e-6)
+
     def _gated_norm(self, o: Tensor, gate: Tensor) -> Tensor:
         # In fp32: o comes from a long accumulation and the norm divides by its RMS.
         w = _upcast(self.o_norm.weight)
@@ -268,8 +275,7 @@ class GatedDeltaNet(nn.Module):
         v = _upcast(self._causal_conv(self.conv_v, self.v_proj(x)).reshape(b, t, h, dv))
         # q, k, v in fp32 so o stays fp32 through the norm; cast back to x's dtype only before o_proj.
         # L2-normalised keys keep the delta-rule transition (I - beta k k^T) a contraction (beta < 1).
-        q = F.normalize(_upcast(q), p=2.0, dim=-1, eps=1e-6)
-        k = F.normalize(_upcast(k), p=2.0, dim=-1, eps=1e-6)
+        q, k = self._l2norm(_upcast(q)), self._l2norm(_upcast(k))
         beta = _upcast(self.b_proj(x)).sigmoid()
         g = -_upcast(self.A_log).exp() * F.softplus(_upcast(self.a_proj(x)) + _upcast(self.dt_bias))
         o = self._delta_rule(q, k, v, g, beta, x.dtype)

@@ -47,7 +47,8 @@ class RotaryEmbedding(nn.Module):
         self._cache: tuple[tuple[int, torch.device], Tensor, Tensor] | None = None
 
     def forward(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """Returns float32 (cos, sin), each [seq_len, head_dim] (the half-dim table repeated twice)."""
+        """Returns float32 (cos, sin), each [seq_len, head_dim] (the half-dim table repeated twice); head_dim
+        here is the rotated width (rotary_dim under partial rotary)."""
         check_seq_len(seq_len, self.max_seq_len)
         key = (seq_len, device)
         if self._cache is not None and self._cache[0] == key:
@@ -62,8 +63,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (i, i + head_dim/2) of x [B, H, T, head_dim]; the HF Llama "rotate_half" layout,
-    so HF SmolLM2 checkpoints load without permuting q/k weights."""
+    """Rotate pairs (i, i + rotary_dim/2) of x [B, H, T, head_dim]; the HF Llama "rotate_half" layout,
+    so HF SmolLM2 checkpoints load without permuting q/k weights. rotary_dim = cos.shape[-1]; channels
+    past it pass through unrotated (partial rotary, HF Qwen3-Next's layout)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)

@@ -40,6 +40,11 @@ from model_zoo.transformer import Block, CausalLM
 COLUMN, ROW = 0, 1
 
 ATTENTION = {"q_proj.weight": COLUMN, "k_proj.weight": COLUMN, "v_proj.weight": COLUMN, "o_proj.weight": ROW}
+# The optional output gate (attn_output_gate) has one channel per q channel: split with q, by head.
+ATTENTION_GATE = {"gate_proj.weight": COLUMN}
+# The optional q/k norms (qk_norm) hold one weight [head_dim] shared by all heads: replicated, and each
+# rank's gradient sums only its own heads, so it is all-reduced over TP (like GDN's o_norm).
+ATTENTION_PARTIAL_GRADS = ("q_norm.weight", "k_norm.weight")
 
 # Every per-head tensor is split by head: projection rows are head-major (reshape(b, t, h, d)), the
 # depthwise convs have one filter per channel, A_log / dt_bias one entry per head.
@@ -117,6 +122,10 @@ def _parallelize_mixer(mixer: nn.Module, group: Group | None, sp: bool) -> Shard
     tp = group_size(group)
     if isinstance(mixer, Attention):
         plan = shard_by_table(mixer, ATTENTION, group)
+        if mixer.gate_proj is not None:
+            plan |= shard_by_table(mixer, ATTENTION_GATE, group)
+        if mixer.q_norm is not None:
+            plan |= {name: ParamSharding(tp_grad_reduce=True) for name in ATTENTION_PARTIAL_GRADS}
         mixer.num_heads //= tp
         mixer.num_kv_heads //= tp  # GQA groups stay aligned: tp divides both head counts
     elif isinstance(mixer, GatedDeltaNet):

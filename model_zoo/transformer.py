@@ -34,12 +34,15 @@ class Block(nn.Module):
         self.mixer: Attention | GatedDeltaNet
         if self.layer_type == "attn":
             self.mixer = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   cfg.rope_theta, cfg.max_seq_len)
+                                   cfg.rope_theta, cfg.max_seq_len, qk_norm=cfg.qk_norm,
+                                   output_gate=cfg.attn_output_gate, rotary_dim=cfg.rotary_dim,
+                                   norm_eps=cfg.norm_eps)
         else:
             g = cfg.gdn
             assert g is not None, "validate() guarantees a GDNConfig for 'gdn' layers"
             self.mixer = GatedDeltaNet(cfg.hidden_size, g.num_heads, g.head_k_dim, g.head_v_dim,
-                                       conv_size=g.conv_size, norm_eps=cfg.norm_eps, chunk_size=g.chunk_size)
+                                       conv_size=g.conv_size, norm_eps=cfg.norm_eps, chunk_size=g.chunk_size,
+                                       fla_l2norm=g.fla_l2norm)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp: MoE | SwiGLU = (MoE(cfg.hidden_size, cfg.moe) if cfg.moe is not None
                                   else SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size))

@@ -1,13 +1,16 @@
-"""Hugging Face Llama format <-> model_zoo's dense CausalLM (smollm2_*, tiny_dense).
+"""Hugging Face format <-> model_zoo's CausalLM, for every model family (tools/hf_families.py).
 
     python -m tools.hf export --model tiny_dense --state-dict weights.pt --out hf/tiny --verify
     python -m tools.hf export --checkpoint outputs/run/checkpoints/step_00000300 --out hf/run --verify
+    python -m tools.hf export --model tiny_hybrid --set qk_norm=true --set attn_output_gate=true --out hf/next
     python -m tools.hf import hf/SmolLM2-135M --out smollm2.pt --verify
+    python -m tools.hf roundtrip            # every family: export, transformers, import; max logit difference
 
-A dense model_zoo model is HF Llama tensor for tensor: the same RMSNorm (fp32 statistics, then the
-weight), the same RoPE layout (`rotate_half` on the two halves of each head, model_zoo/layers.py), so
-q_proj/k_proj need no permutation and every weight is copied as is. Only names change, and a tied
-LM head is not written (HF re-ties it from `tie_word_embeddings`).
+An export is a directory transformers loads offline: config.json (the family's, plus our own config so an
+import gives back exactly the exported model), model.safetensors, and the tokenizer (tokenizer.json,
+tokenizer_config.json) so AutoTokenizer.from_pretrained(dir) works; files are written with the normal modes
+(0644 under the usual umask 022). Dense models are Llama (or Qwen3 with qk_norm), MoE models Qwen2-MoE or
+Qwen3-MoE, hybrids Qwen3-Next; docs/hf.md has the mapping and the options each needs.
 
 `export_state_dict` / `import_state_dict` take and return a plain CausalLM state_dict, so a checkpoint
 tool only has to produce or consume one. The model configs come from model_zoo, which the engine
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,82 +31,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tools.hf_families import (
+    HFFormatError,
+    architecture,
+    family_of,
+    family_of_model_type,
+    hf_class_name,
+    hf_config,
+    model_fields_from_hf,
+    rules,
+)
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-# (ours, HF) names inside one decoder layer.
-_LAYER_NAMES = (
-    ("mixer_norm.weight", "input_layernorm.weight"),
-    ("mixer.q_proj.weight", "self_attn.q_proj.weight"),
-    ("mixer.k_proj.weight", "self_attn.k_proj.weight"),
-    ("mixer.v_proj.weight", "self_attn.v_proj.weight"),
-    ("mixer.o_proj.weight", "self_attn.o_proj.weight"),
-    ("mlp_norm.weight", "post_attention_layernorm.weight"),
-    ("mlp.gate_proj.weight", "mlp.gate_proj.weight"),
-    ("mlp.up_proj.weight", "mlp.up_proj.weight"),
-    ("mlp.down_proj.weight", "mlp.down_proj.weight"),
-)
-# ModelConfig fields that decide the architecture (used to recognise a registered model on import).
-_ARCH_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "ffn_hidden_size",
-    "rope_theta",
-    "norm_eps",
-    "tie_embeddings",
-)
-
-
-class HFFormatError(ValueError):
-    """A model, state_dict or HF directory cannot be converted; the message names what and the fix."""
-
-
-# ---- names and shapes ---------------------------------------------------------------------------------
-
-
-def name_map(cfg: Any) -> dict[str, str]:
-    """Our state_dict key -> HF key, for every tensor the HF checkpoint holds (no lm_head when tied)."""
-    names = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    for i in range(cfg.num_layers):
-        for ours, theirs in _LAYER_NAMES:
-            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
-    if not cfg.tie_embeddings:
-        names["lm_head.weight"] = "lm_head.weight"
-    return names
-
-
-def _expected_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
-    d, f, hd = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    layer = {
-        "mixer_norm.weight": (d,),
-        "mixer.q_proj.weight": (q, d),
-        "mixer.k_proj.weight": (kv, d),
-        "mixer.v_proj.weight": (kv, d),
-        "mixer.o_proj.weight": (d, q),
-        "mlp_norm.weight": (d,),
-        "mlp.gate_proj.weight": (f, d),
-        "mlp.up_proj.weight": (f, d),
-        "mlp.down_proj.weight": (d, f),
-    }
-    shapes = {"embed.weight": (cfg.vocab_size, d), "norm.weight": (d,), "lm_head.weight": (cfg.vocab_size, d)}
-    for i in range(cfg.num_layers):
-        shapes.update({f"layers.{i}.{k}": v for k, v in layer.items()})
-    return shapes
-
-
-def _check_dense(cfg: Any) -> None:
-    if getattr(cfg, "moe", None) is not None or any(t != "attn" for t in cfg.layer_types):
-        raise HFFormatError(
-            f"model '{cfg.name}' is not a dense attention model (moe={cfg.moe is not None}, layer_types="
-            f"{sorted(set(cfg.layer_types))}); HF Llama export covers the dense models only: smollm2_135m, "
-            "smollm2_360m, tiny_dense"
-        )
+TOKENIZER_FILE = "tokenizer.json"
+EOD_TOKEN = "<|endoftext|>"
 
 
 def _full(t: Tensor) -> Tensor:
@@ -112,116 +56,76 @@ def _full(t: Tensor) -> Tensor:
     return t.detach().to("cpu").contiguous()
 
 
+def _expected_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """Every state_dict entry of `cfg`'s CausalLM and its shape, from the model built on meta (no memory)."""
+    from model_zoo import build_model
+
+    return {k: tuple(v.shape) for k, v in build_model(cfg, device="meta").state_dict().items()}
+
+
+def _drop_expert_bias(state: dict[str, Tensor], cfg: Any) -> None:
+    """Aux-loss-free balancing's router bias steers which experts a token visits; no HF MoE class has one,
+    so it can only be dropped while it is still zero (as initialised)."""
+    for key in [k for k in state if k.endswith(".expert_bias")]:
+        bias = _full(state.pop(key))
+        if bias.any():
+            raise HFFormatError(
+                f"{key} is non-zero (max |b| = {bias.abs().max().item():.3g}): model '{cfg.name}' was trained with "
+                "aux-loss-free balancing (model.moe.bias_update_rate > 0), whose router bias changes which experts "
+                "a token visits, and no Hugging Face MoE class has one; export a model trained without it"
+            )
+
+
 # ---- configs ------------------------------------------------------------------------------------------
 
 
-def hf_config(cfg: Any, dtype: torch.dtype = torch.float32) -> dict:
-    """ModelConfig -> the fields of a Llama config.json (the layout SmolLM2's published config uses)."""
-    _check_dense(cfg)
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.ffn_hidden_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        # Our own config, so an import of this directory gives back exactly the model that was exported.
-        "asyncpp_model_config": dataclasses.asdict(cfg),
-    }
-
-
-def _rope_theta(hf: Mapping[str, Any]) -> float:
-    """rope_theta from a transformers 4.x (`rope_theta` + `rope_scaling`) or 5.x (`rope_parameters`) config."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type")) or params.get("rope_type", "default")
-    if kind != "default":
-        raise HFFormatError(
-            f"config.json rope scaling {scaling or params} is not supported: model_zoo's RoPE is the plain "
-            "(default) kind; convert a checkpoint without rope_scaling"
-        )
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-
 def model_config_from_hf(hf: Mapping[str, Any]):
-    """A Llama config.json (as a dict) -> model_zoo.ModelConfig.
+    """A config.json (as a dict) -> model_zoo.ModelConfig.
 
     A directory we exported carries our full config (`asyncpp_model_config`), used when its architecture
     still matches; otherwise a registered model with the same architecture keeps its name and init
-    settings (an imported SmolLM2 is `smollm2_135m`); anything else becomes 'hf_llama'."""
-    from model_zoo import ModelConfig  # the format edge: see the module doc
+    settings (an imported SmolLM2 is `smollm2_135m`; a Qwen3-MoE of moe_2b's shape is `moe_2b` with
+    qk_norm); anything else becomes 'hf_<family>'."""
+    from model_zoo import ModelConfig
 
-    if hf.get("model_type") != "llama":
-        raise HFFormatError(
-            f"config.json model_type={hf.get('model_type')!r} is not supported; import a 'llama' checkpoint "
-            "(LlamaForCausalLM: SmolLM2, Llama 2/3 without rope scaling)"
-        )
-    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if hf.get(key, want) != want:
-            raise HFFormatError(
-                f"config.json {key}={hf[key]!r} is not supported; model_zoo's dense model needs "
-                f"{key}={want!r}"
-            )
-    heads = hf["num_attention_heads"]
-    fields = {
-        "vocab_size": hf["vocab_size"],
-        "hidden_size": hf["hidden_size"],
-        "num_layers": hf["num_hidden_layers"],
-        "num_heads": heads,
-        "num_kv_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
-        "ffn_hidden_size": hf["intermediate_size"],
-        "rope_theta": _rope_theta(hf),
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-    }
+    fields = model_fields_from_hf(hf)
     max_seq_len = hf.get("max_position_embeddings", 2048)
-    saved = hf.get("asyncpp_model_config")
-    if saved and all(saved.get(k) == fields[k] for k in _ARCH_FIELDS):
-        return dataclasses.replace(model_config_from_dict(saved), max_seq_len=max_seq_len).validate()
-    registered = _registered_match(fields)
-    if registered is not None:
-        return dataclasses.replace(registered, max_seq_len=max_seq_len).validate()
-    return ModelConfig(
-        name="hf_llama",
-        **fields,
-        max_seq_len=max_seq_len,
+    candidate = ModelConfig(
+        name=f"hf_{family_of_model_type(hf.get('model_type'))}", **fields, max_seq_len=max_seq_len,
         init_std=hf.get("initializer_range", 0.02),
-        scale_residual_init=False,  # HF Llama initialises every projection with initializer_range
+        scale_residual_init=False,  # HF initialises every projection with initializer_range
     ).validate()
+    saved = hf.get("asyncpp_model_config")
+    if saved:
+        ours = model_config_from_dict(saved)
+        if architecture(ours) == architecture(candidate):
+            return dataclasses.replace(ours, max_seq_len=max_seq_len).validate()
+    registered = _registered_match(candidate)
+    if registered is not None:
+        options = {k: getattr(candidate, k) for k in ("qk_norm", "attn_output_gate", "partial_rotary_factor")}
+        if registered.gdn is not None:
+            options["gdn"] = dataclasses.replace(registered.gdn, fla_l2norm=candidate.gdn.fla_l2norm)
+        return dataclasses.replace(registered, max_seq_len=max_seq_len, **options).validate()
+    return candidate
 
 
 def model_config_from_dict(d: Mapping[str, Any]):
-    """dataclasses.asdict(ModelConfig) (e.g. read back from JSON) -> ModelConfig; dense models only."""
-    from model_zoo import ModelConfig
+    """dataclasses.asdict(ModelConfig) (e.g. read back from JSON) -> ModelConfig."""
+    from model_zoo import GDNConfig, ModelConfig, MoEConfig
 
-    if d.get("moe") is not None or d.get("gdn") is not None:
-        raise HFFormatError(
-            f"model '{d.get('name')}' is not a dense model; only dense configs are stored here"
-        )
-    return ModelConfig(**{k: tuple(v) if k == "layer_types" else v for k, v in d.items()})
+    subs = {"moe": MoEConfig, "gdn": GDNConfig}
+    fields = {k: (tuple(v) if k == "layer_types" else subs[k](**v) if k in subs and v is not None else v)
+              for k, v in d.items()}
+    return ModelConfig(**fields)
 
 
-def _registered_match(fields: dict):
+def _registered_match(candidate: Any):
     from model_zoo import MODEL_NAMES, get_model_config
 
+    want = architecture(candidate, options=False)
     for name in MODEL_NAMES:
         cfg = get_model_config(name)
-        if cfg.moe is None and all(getattr(cfg, k) == fields[k] for k in _ARCH_FIELDS):
+        if architecture(cfg, options=False) == want:
             return cfg
     return None
 
@@ -232,67 +136,129 @@ def _registered_match(fields: dict):
 def to_hf_state_dict(
     state_dict: Mapping[str, Tensor], cfg: Any, dtype: torch.dtype | None = None
 ) -> dict[str, Tensor]:
-    """Our CausalLM state_dict -> HF Llama tensors (CPU, contiguous, unshared; lm_head dropped when tied)."""
-    _check_dense(cfg)
-    shapes = _expected_shapes(cfg)
+    """Our CausalLM state_dict -> the HF family's tensors (CPU, contiguous, unshared; lm_head dropped when
+    tied). Mapped in the state's dtype, then cast to `dtype` (None keeps it)."""
+    table = rules(cfg)  # refuses a model no HF class computes, before anything else
+    state = {k: _full(v) for k, v in state_dict.items()}
+    _drop_expert_bias(state, cfg)
+    shapes = {k: v for k, v in _expected_shapes(cfg).items() if not k.endswith(".expert_bias")}
     optional = {"lm_head.weight"} if cfg.tie_embeddings else set()
-    missing = sorted(set(shapes) - set(state_dict) - optional)
-    unknown = sorted(set(state_dict) - set(shapes))
+    missing = sorted(set(shapes) - set(state) - optional)
+    unknown = sorted(set(state) - set(shapes))
     if missing or unknown:
         raise HFFormatError(
             f"the state_dict does not fit model '{cfg.name}': missing {missing[:5]}, unexpected {unknown[:5]}; "
             "pass a plain CausalLM state_dict (model.state_dict()) of that model"
         )
+    for key, t in state.items():
+        if tuple(t.shape) != shapes[key]:
+            raise HFFormatError(f"{key} has shape {tuple(t.shape)} but model '{cfg.name}' needs {shapes[key]}")
     out = {}
-    for ours, theirs in name_map(cfg).items():
-        t = _full(state_dict[ours])
-        if tuple(t.shape) != shapes[ours]:
-            raise HFFormatError(
-                f"{ours} has shape {tuple(t.shape)} but model '{cfg.name}' needs {shapes[ours]}"
-            )
-        out[theirs] = (t.to(dtype) if dtype is not None else t).clone()
+    for rule in table:
+        for name, t in zip(rule.theirs, rule.to_hf([state[k] for k in rule.ours]), strict=True):
+            out[name] = (t.to(dtype) if dtype is not None else t).contiguous().clone()
     return out
 
 
 def from_hf_state_dict(tensors: Mapping[str, Tensor], cfg: Any) -> dict[str, Tensor]:
-    """HF Llama tensors -> our CausalLM state_dict. A tied head is the embedding tensor itself."""
-    names = name_map(cfg)
-    missing = sorted(set(names.values()) - set(tensors))
+    """The HF family's tensors -> our CausalLM state_dict. A tied head is the embedding tensor itself."""
+    table = rules(cfg)
+    missing = sorted(name for rule in table for name in rule.theirs if name not in tensors)
     if missing:
         raise HFFormatError(f"the HF checkpoint lacks {missing[:5]} (of {len(missing)} missing tensors)")
     shapes = _expected_shapes(cfg)
     sd = {}
-    for ours, theirs in names.items():
-        if tuple(tensors[theirs].shape) != shapes[ours]:
-            raise HFFormatError(
-                f"{theirs} has shape {tuple(tensors[theirs].shape)}, but config.json implies {shapes[ours]}"
-            )
-        sd[ours] = tensors[theirs]
+    for rule in table:
+        theirs = [tensors[n] for n in rule.theirs]
+        try:
+            ours = rule.from_hf(theirs)
+        except RuntimeError as e:  # a reshape that does not fit: the file and config.json disagree
+            raise HFFormatError(f"{list(rule.theirs[:3])} do not fit config.json ({e})") from None
+        for name, t in zip(rule.ours, ours, strict=True):
+            if tuple(t.shape) != shapes[name]:
+                raise HFFormatError(
+                    f"{list(rule.theirs[:3])} give {name} the shape {tuple(t.shape)}, but config.json implies "
+                    f"{shapes[name]}"
+                )
+            sd[name] = t
     if cfg.tie_embeddings:
         sd["lm_head.weight"] = sd["embed.weight"]
+    for key in (k for k in shapes if k.endswith(".expert_bias")):  # (an exported bias was zero)
+        sd[key] = torch.zeros(shapes[key], dtype=torch.float32)
     return sd
 
 
 # ---- files --------------------------------------------------------------------------------------------
 
 
+def _normal_modes(out: Path) -> None:
+    """Files 0666 and directories 0777 minus the umask (0644 / 0755 under the usual 022), as any program
+    that writes with open() leaves them: safetensors and temporary files are created 0600."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    out.chmod(0o777 & ~umask)
+    for path in out.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+
+
 def export_state_dict(
-    state_dict: Mapping[str, Tensor], model_cfg: Any, out_dir: str | Path, dtype: torch.dtype | None = None
+    state_dict: Mapping[str, Tensor], model_cfg: Any, out_dir: str | Path, dtype: torch.dtype | None = None,
+    tokenizer: str | Path | None = None,
 ) -> Path:
-    """Write `out_dir/{config.json, model.safetensors}` loadable by transformers.LlamaForCausalLM.
-    dtype None keeps the state's dtype (fp32 master weights give fp32 files)."""
+    """Write `out_dir/{config.json, model.safetensors}` (and the tokenizer from `tokenizer`, a tokenizer.json
+    or a directory or hub name resolved offline, when given) loadable by transformers' class of the model's
+    family. dtype None keeps the state's dtype (fp32 master weights give fp32 files)."""
     from safetensors.torch import save_file
 
     tensors = to_hf_state_dict(state_dict, model_cfg, dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     file_dtype = next(iter(tensors.values())).dtype
+    config = hf_config(model_cfg, file_dtype)
+    if tokenizer is not None:
+        config |= write_tokenizer(tokenizer, out, model_cfg)
     # Written under a temporary name, then renamed: a crash never leaves a truncated model.safetensors.
     tmp = out / (WEIGHTS_FILE + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(out / WEIGHTS_FILE)
-    (out / CONFIG_FILE).write_text(json.dumps(hf_config(model_cfg, file_dtype), indent=2) + "\n")
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    _normal_modes(out)
     return out
+
+
+def write_tokenizer(spec: str | Path, out: Path, cfg: Any) -> dict[str, int]:
+    """Save the tokenizer `spec` into `out` as transformers' fast tokenizer files (tokenizer.json,
+    tokenizer_config.json), so AutoTokenizer.from_pretrained(out) works offline; returns the special
+    token ids for config.json. Its end-of-document token is eos, bos and unk (the GPT-2 convention)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from data.tokenizer import load_tokenizer
+
+    loaded = load_tokenizer(str(spec), EOD_TOKEN)
+    if loaded.vocab_size > cfg.vocab_size:
+        raise HFFormatError(
+            f"tokenizer {spec} has {loaded.vocab_size} tokens but model '{cfg.name}' only {cfg.vocab_size} "
+            "embedding rows; pass the tokenizer the model was trained with (--tokenizer PATH) or --tokenizer none"
+        )
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(loaded.path), eos_token=EOD_TOKEN, bos_token=EOD_TOKEN,
+                                  unk_token=EOD_TOKEN, model_max_length=cfg.max_seq_len)
+    tok.save_pretrained(str(out))
+    return {"eos_token_id": loaded.eod_id, "bos_token_id": loaded.eod_id}
+
+
+def default_tokenizer(cfg: Any, manifest_config: Mapping[str, Any] | None = None) -> Path | str | None:
+    """The tokenizer a model was trained with: a checkpoint's data section says (the embedded corpus' own,
+    or data.tokenizer); without one, the embedded corpus' tokenizer when its vocabulary fits the model."""
+    from data.default import DEFAULT_TOKENIZER
+    from data.tokenizer import load_tokenizer
+
+    data = (manifest_config or {}).get("data") or {}
+    if data.get("tokenizer"):
+        return data["tokenizer"]
+    if data.get("name", "default") == "default" and load_tokenizer(DEFAULT_TOKENIZER).vocab_size <= cfg.vocab_size:
+        return DEFAULT_TOKENIZER
+    return None
 
 
 def read_hf_tensors(hf_dir: Path) -> dict[str, Tensor]:
@@ -314,7 +280,7 @@ def read_hf_tensors(hf_dir: Path) -> dict[str, Tensor]:
 
 
 def import_state_dict(hf_dir: str | Path) -> tuple[dict[str, Tensor], Any]:
-    """An HF Llama directory -> (our CausalLM state_dict, model_zoo.ModelConfig)."""
+    """An HF directory of a supported family -> (our CausalLM state_dict, model_zoo.ModelConfig)."""
     hf_dir = Path(hf_dir)
     if not (hf_dir / CONFIG_FILE).exists():
         raise HFFormatError(f"{hf_dir / CONFIG_FILE} does not exist; point at an HF model directory")
@@ -338,15 +304,25 @@ def build_from_state_dict(state_dict: Mapping[str, Tensor], cfg: Any):
     return model.eval()
 
 
+def load_transformers_model(hf_dir: str | Path):
+    """transformers' own class for the directory's family, in fp32, eval mode (AutoModelForCausalLM
+    dispatches on config.json's model_type, so this also checks that we wrote the family we meant)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    want = hf_class_name(family_of_model_type(json.loads((Path(hf_dir) / CONFIG_FILE).read_text())["model_type"]))
+    if type(model).__name__ != want:
+        raise HFFormatError(f"transformers built {type(model).__name__} for {hf_dir}, expected {want}")
+    return model
+
+
 @torch.no_grad()
 def compare_logits(
     state_dict: Mapping[str, Tensor], cfg: Any, hf_dir: str | Path, seq_len: int = 32, seed: int = 0
 ) -> float:
     """max |logits(asyncpp) - logits(transformers)| in fp32 on random tokens."""
-    from transformers import LlamaForCausalLM
-
     ours = build_from_state_dict({k: v.float() for k, v in state_dict.items()}, cfg)
-    theirs = LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    theirs = load_transformers_model(hf_dir)
     tokens = torch.randint(0, cfg.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(seed))
     return (ours(tokens) - theirs(tokens).logits).abs().max().item()
 
@@ -364,14 +340,16 @@ def _load_state_file(path: Path) -> tuple[dict[str, Tensor], Any]:
 
 
 def load_checkpoint_weights(path: str | Path) -> tuple[dict[str, Tensor], Any]:
-    """The newest weights x_t of an asyncpp DCP checkpoint (any layout) as a CausalLM state_dict."""
+    """The newest weights x_t of an asyncpp DCP checkpoint (any layout) as a CausalLM state_dict, and its
+    model config (the registered model with the run's model.overrides)."""
     import torch.distributed.checkpoint as dcp
 
     from asyncpp.train.checkpoint import quiet_single_process_dcp, read_manifest
     from model_zoo import get_model_config
 
     manifest = read_manifest(path)
-    cfg = get_model_config(manifest["config"]["model"]["name"])
+    model = manifest["config"]["model"]
+    cfg = get_model_config(model["name"], **(model.get("overrides") or {}))
     meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     prefix = "weights/0/"
     request = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefix)}
@@ -383,28 +361,62 @@ def load_checkpoint_weights(path: str | Path) -> tuple[dict[str, Tensor], Any]:
     return state, cfg
 
 
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """["qk_norm=true", "moe.top_k=4"] -> {"qk_norm": True, "moe": {"top_k": 4}} (values parsed as JSON
+    where they parse, else kept as strings), for get_model_config."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise HFFormatError(f"--set {item!r} is not KEY=VALUE; e.g. --set qk_norm=true")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        *parents, leaf = key.split(".")
+        node = out
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return out
+
+
 def _export(args: argparse.Namespace) -> int:
     from model_zoo import build_model, get_model_config
 
+    overrides = parse_overrides(args.set)
+    run_config = None
     if args.checkpoint is not None:
+        from asyncpp.train.checkpoint import read_manifest
+
         state, cfg = load_checkpoint_weights(args.checkpoint)
+        run_config = read_manifest(args.checkpoint)["config"]
     elif args.state_dict is None:
         if args.model is None:
-            raise HFFormatError("export needs --model NAME (with --init-seed) or --state-dict FILE")
+            raise HFFormatError("export needs --model NAME (with --init-seed), --state-dict FILE or --checkpoint DIR")
         torch.manual_seed(args.init_seed)
-        cfg = get_model_config(args.model)
+        cfg = get_model_config(args.model, **overrides)
         state = build_model(cfg).state_dict()
     else:
         state, cfg = _load_state_file(Path(args.state_dict))
         if args.model is not None:
-            cfg = get_model_config(args.model)
+            cfg = get_model_config(args.model, **overrides)
         if cfg is None:
             raise HFFormatError(
                 f"{args.state_dict} holds a bare state_dict; say which model it is with --model NAME"
             )
+    family_of(cfg)  # refuse a model without an HF class before reading a tokenizer
+    if args.tokenizer == "auto":
+        tokenizer = default_tokenizer(cfg, run_config)
+        if tokenizer is None:
+            print(f"note: no tokenizer known for '{cfg.name}' (vocab {cfg.vocab_size}); pass --tokenizer PATH "
+                  "to include one", file=sys.stderr)
+    else:
+        tokenizer = None if args.tokenizer == "none" else args.tokenizer
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    out = export_state_dict(state, cfg, args.out, dtype=dtype)
-    print(f"exported '{cfg.name}' to {out} ({WEIGHTS_FILE}, {CONFIG_FILE})")
+    out = export_state_dict(state, cfg, args.out, dtype=dtype, tokenizer=tokenizer)
+    files = ", ".join(sorted(p.name for p in out.iterdir()))
+    print(f"exported '{cfg.name}' as {hf_class_name(family_of(cfg))} to {out} ({files})")
     return _verify(state, cfg, out) if args.verify else 0
 
 
@@ -418,34 +430,48 @@ def _import(args: argparse.Namespace) -> int:
     return _verify(state, cfg, args.hf_dir) if args.verify else 0
 
 
-def _verify(state: Mapping[str, Tensor], cfg: Any, hf_dir: str | Path, atol: float = 1e-4) -> int:
+def _verify(state: Mapping[str, Tensor], cfg: Any, hf_dir: str | Path) -> int:
+    from tools.hf_roundtrip import ATOL
+
+    atol = ATOL[family_of(cfg)]
     diff = compare_logits(state, cfg, hf_dir)
     ok = diff <= atol
-    print(f"verify: max |logits(asyncpp) - logits(transformers)| = {diff:.3g} ({'ok' if ok else 'MISMATCH'})")
+    print(f"verify: max |logits(asyncpp) - logits(transformers)| = {diff:.3g} "
+          f"({'ok' if ok else 'MISMATCH'}, tolerance {atol:g})")
     return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.hf", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    exp = sub.add_parser(
-        "export", help="asyncpp state_dict -> HF Llama directory (safetensors + config.json)"
-    )
-    exp.add_argument("--model", help="registered dense model (smollm2_135m, smollm2_360m, tiny_dense)")
+    exp = sub.add_parser("export", help="asyncpp weights -> HF directory (config.json, safetensors, tokenizer)")
+    exp.add_argument("--model", help="a registered model (python -c 'import model_zoo; print(model_zoo.MODEL_NAMES)')")
+    exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="model override with --model, as +model.overrides.KEY=VALUE in training "
+                          "(e.g. --set qk_norm=true); repeatable")
     exp.add_argument("--state-dict", help="torch.save'd state_dict, or a file written by `import`")
     exp.add_argument("--checkpoint", help="an asyncpp checkpoint directory (step_*), saved by any layout")
     exp.add_argument("--init-seed", type=int, default=0, help="without --state-dict: export a fresh init")
     exp.add_argument("--out", required=True, help="output directory")
     exp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: the state's dtype")
+    exp.add_argument("--tokenizer", default="auto",
+                     help="tokenizer.json, its directory or a cached hub name; 'auto' (default): the run's, or the "
+                          "embedded corpus' when it fits the vocabulary; 'none'")
     exp.add_argument("--verify", action="store_true", help="load it with transformers and compare logits")
-    imp = sub.add_parser("import", help="HF Llama directory -> {'state_dict', 'model_config'} .pt file")
+    imp = sub.add_parser("import", help="HF directory -> {'state_dict', 'model_config'} .pt file")
     imp.add_argument("hf_dir")
     imp.add_argument("--out", required=True, help="output .pt file")
     imp.add_argument("--verify", action="store_true", help="compare logits with transformers")
+    rt = sub.add_parser("roundtrip", help="every family's tiny model: export and import against transformers")
+    rt.add_argument("--json", help="also write the table here")
     args = parser.parse_args(argv)
     try:
+        if args.command == "roundtrip":
+            from tools.hf_roundtrip import main as roundtrip
+
+            return roundtrip(args.json)
         return _export(args) if args.command == "export" else _import(args)
-    except (HFFormatError, ValueError) as e:
+    except (HFFormatError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

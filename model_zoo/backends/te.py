@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from model_zoo.attention import Attention
+from model_zoo.attention import Attention, project_out, project_qkv
 from model_zoo.gated_deltanet import GatedDeltaNet
-from model_zoo.layers import RMSNorm, SwiGLU, apply_rotary
+from model_zoo.layers import RMSNorm, SwiGLU
 
 _GDN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "g_proj", "o_proj")
 
@@ -37,6 +37,9 @@ class TEAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = local.num_heads, local.num_kv_heads, local.head_dim
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = local.q_proj, local.k_proj, local.v_proj, local.o_proj
+        # The optional q/k norms and output gate (None when off), so project_qkv/project_out compute what
+        # the local layer computes.
+        self.q_norm, self.k_norm, self.gate_proj = local.q_norm, local.k_norm, local.gate_proj
         self.rotary = local.rotary
         # Causal mask inside the kernel; softmax scale defaults to 1/sqrt(head_dim), as SDPA's.
         self.core = te.DotProductAttention(
@@ -46,14 +49,10 @@ class TEAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
-        cos, sin = self.rotary(t, x.device)
-        # Rotate in [B, H, T, hd] (the local layout apply_rotary expects), hand TE [B, T, H, hd].
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        out = self.core(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.contiguous())
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+        # The local layer's q, k, v in [B, H, T, hd]; TE takes [B, T, H, hd].
+        q, k, v = project_qkv(self, x)
+        out = self.core(*(y.transpose(1, 2).contiguous() for y in (q, k, v)))
+        return project_out(self, out.reshape(b, t, self.num_heads * self.head_dim), x)
 
 
 @torch.no_grad()
@@ -87,14 +86,16 @@ def swap_to_te(model: nn.Module, te: Any) -> dict[str, int]:
     for parent in list(model.modules()):
         for attr, child in list(parent.named_children()):
             if isinstance(child, Attention):
-                counts["linear"] += _swap_linears(child, ("q_proj", "k_proj", "v_proj", "o_proj"), te)
+                gate = ("gate_proj",) if child.gate_proj is not None else ()
+                counts["linear"] += _swap_linears(child, ("q_proj", "k_proj", "v_proj", "o_proj", *gate), te)
                 replacements.append((parent, attr, TEAttention(child, te)))
                 counts["attention"] += 1
             elif isinstance(child, GatedDeltaNet):
                 counts["linear"] += _swap_linears(child, _GDN_PROJECTIONS, te)
             elif isinstance(child, SwiGLU):
                 counts["linear"] += _swap_linears(child, ("gate_proj", "up_proj", "down_proj"), te)
-            elif isinstance(child, RMSNorm):
+            elif isinstance(child, RMSNorm) and not isinstance(parent, Attention):
+                # (q/k norms stay local: the TEAttention built above already holds them.)
                 replacements.append((parent, attr, te_rms_norm(child, te)))
                 counts["rmsnorm"] += 1
     for parent, attr, new in replacements:

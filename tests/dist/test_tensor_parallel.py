@@ -21,6 +21,11 @@ CASES = {
     "hybrid_sp": {"kind": "equivalence", **DENSE_HYBRID, "sp": True, "optim": "sgd"},
     "moe": {"kind": "equivalence", "model": "tiny_moe", "optim": "adamw"},
     "hybrid_moe_sp": {"kind": "equivalence", "model": "tiny_hybrid", "sp": True, "optim": "sgd"},
+    # The Qwen3-Next options: per-head q/k norms (replicated, partial gradients), the gate split like q,
+    # partial rotary, FLA's l2norm; under SP the gate reads the gathered input like q.
+    "qwen3_next_options_sp": {"kind": "equivalence", "model": "tiny_hybrid", "sp": True, "optim": "adamw",
+                              "overrides": {"qk_norm": True, "attn_output_gate": True, "partial_rotary_factor": 0.25,
+                                            "gdn": {"fla_l2norm": True}}},
     "pruned_tied": {"kind": "pruned", "model": "tiny_dense"},
     "pruned_hybrid_sp": {"kind": "pruned", **DENSE_HYBRID, "sp": True},
 }
@@ -68,3 +73,13 @@ def test_plan_layouts(results: list[dict]) -> None:
     assert hybrid["embed.weight"] == hybrid["lm_head.weight"] == (0, False)
     assert "norm.weight" not in hybrid and "layers.3.mlp_norm.weight" not in hybrid
     assert sp["norm.weight"] == sp["layers.3.mlp_norm.weight"] == sp["layers.0.mixer_norm.weight"] == (None, True)
+
+
+def test_plan_layouts_of_the_attention_options(results: list[dict]) -> None:
+    """The output gate is split by head like q; the q/k norms' [head_dim] weights are replicated and their
+    gradients (each rank's heads only) summed over TP."""
+    plan = results[0]["qwen3_next_options_sp"]["plan"]
+    attn = {n.removeprefix("layers.3.mixer."): v for n, v in plan.items() if n.startswith("layers.3.mixer.")}
+    assert attn == {"q_proj.weight": (0, False), "k_proj.weight": (0, False), "v_proj.weight": (0, False),
+                    "gate_proj.weight": (0, False), "o_proj.weight": (1, False),
+                    "q_norm.weight": (None, True), "k_norm.weight": (None, True)}

@@ -1,4 +1,6 @@
-"""Export to / import from Hugging Face Llama format: transformers computes the same logits (fp32, 1e-5)."""
+"""Export to / import from Hugging Face format for every family (Llama, Qwen3, Qwen2-MoE, Qwen3-MoE,
+Qwen3-Next): transformers' own classes compute the same fp32 logits (tools/hf_roundtrip.ATOL says why 1e-5),
+the tokenizer loads with AutoTokenizer offline, and the files have the normal modes."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import pytest
 import torch
 
 from model_zoo import build_model, get_model_config
-from tools import hf
+from tools import hf, hf_roundtrip
+from tools.hf_families import family_of
 
 transformers = pytest.importorskip("transformers")  # a [dev] dependency; skipped only on a broken setup
 
@@ -93,7 +96,7 @@ def test_import_of_a_transformers_saved_model(tmp_path):
     state, cfg_back = hf.import_state_dict(tmp_path)
     # Not a registered shape (2 layers) and no asyncpp metadata: a generic name, the same architecture.
     assert cfg_back.name == "hf_llama"
-    assert all(getattr(cfg_back, k) == getattr(cfg, k) for k in hf._ARCH_FIELDS)
+    assert hf.architecture(cfg_back) == hf.architecture(cfg)
     ours = hf.build_from_state_dict(state, cfg_back)
     tokens = _tokens(cfg.vocab_size)
     with torch.no_grad():
@@ -123,10 +126,106 @@ def test_smollm2_135m_maps_to_the_published_hf_config():
     assert hf.model_config_from_hf(published) == get_model_config("smollm2_135m")
 
 
-def test_moe_and_hybrid_models_are_refused_by_name():
-    for name in ("tiny_moe", "tiny_hybrid"):
-        with pytest.raises(hf.HFFormatError, match=f"'{name}' is not a dense"):
-            hf.hf_config(get_model_config(name))
+@pytest.mark.parametrize("family", list(hf_roundtrip.TINY))
+def test_every_family_exports_to_transformers_own_class(tmp_path, family):
+    cfg = hf_roundtrip.tiny_config(family)
+    assert family_of(cfg) == family
+    diff = hf_roundtrip.export_difference(family, tmp_path)
+    assert diff <= hf_roundtrip.ATOL[family], diff
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [hf.hf_class_name(family)]
+
+
+# No asyncpp metadata in transformers' own save: a registered shape keeps its name (with the options set),
+# tiny_moe without its shared expert is not one.
+IMPORTED_NAME = {"llama": "tiny_dense", "qwen3": "tiny_dense", "qwen2_moe": "tiny_moe", "qwen3_moe": "hf_qwen3_moe",
+                 "qwen3_next": "tiny_hybrid"}
+
+
+@pytest.mark.parametrize("family", list(hf_roundtrip.TINY))
+def test_every_family_imports_from_transformers_save_pretrained(tmp_path, family):
+    diff = hf_roundtrip.import_difference(family, tmp_path)
+    assert diff <= hf_roundtrip.ATOL[family], diff
+    _, cfg = hf.import_state_dict(tmp_path)
+    assert (cfg.name, family_of(cfg)) == (IMPORTED_NAME[family], family)
+    assert hf.architecture(cfg) == hf.architecture(hf_roundtrip.tiny_config(family))
+
+
+@pytest.mark.parametrize("family", list(hf_roundtrip.TINY))
+def test_every_family_round_trips_to_the_same_tensors(tmp_path, family):
+    """Ours -> HF -> ours gives back every tensor bit for bit, except Qwen3-Next's zero-centred norms:
+    w - 1 + 1 is exact for w in [0.5, 2] and otherwise rounds once (at most half an ulp of |w - 1|)."""
+    cfg = hf_roundtrip.tiny_config(family)
+    model = hf_roundtrip.random_model(cfg)
+    hf.export_state_dict(model.state_dict(), cfg, tmp_path, tokenizer=None)
+    state, cfg_back = hf.import_state_dict(tmp_path)
+    assert cfg_back == cfg
+    original = model.state_dict()
+    assert state.keys() == original.keys()
+    for key, value in original.items():
+        if family == "qwen3_next" and "norm" in key and "o_norm" not in key:
+            torch.testing.assert_close(state[key], value, atol=6e-8, rtol=0)
+        else:
+            assert torch.equal(state[key], value), key
+
+
+def test_exported_tokenizer_loads_offline_and_encodes_like_ours(tmp_path, monkeypatch):
+    from tokenizers import Tokenizer
+
+    from data.default import DEFAULT_TOKENIZER
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, cfg = _random_model("tiny_dense")
+    hf.export_state_dict(model.state_dict(), cfg, tmp_path, tokenizer=hf.default_tokenizer(cfg))
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "def f(x):\n    return x + 1  # the CPython docs' tokenizer"
+    assert tok(text)["input_ids"] == Tokenizer.from_file(str(DEFAULT_TOKENIZER)).encode(text).ids
+    assert tok.eos_token == hf.EOD_TOKEN
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["eos_token_id"] == tok.eos_token_id == 0
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
+    from data.default import DEFAULT_TOKENIZER
+
+    model, cfg = _random_model("tiny_dense", vocab_size=1024)
+    with pytest.raises(hf.HFFormatError, match="8192 tokens but model 'tiny_dense' only 1024"):
+        hf.export_state_dict(model.state_dict(), cfg, tmp_path, tokenizer=DEFAULT_TOKENIZER)
+    assert hf.default_tokenizer(cfg) is None
+
+
+def test_files_have_the_normal_modes(tmp_path):
+    import os
+    import stat
+
+    model, cfg = _random_model("tiny_dense")
+    old = os.umask(0o022)
+    try:
+        out = hf.export_state_dict(model.state_dict(), cfg, tmp_path / "hf", tokenizer=hf.default_tokenizer(cfg))
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= modes.keys()
+    assert modes == dict.fromkeys(modes, 0o644)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+
+
+def test_models_without_an_hf_class_are_refused_naming_the_options():
+    with pytest.raises(hf.HFFormatError, match="'tiny_hybrid'.*lacks qk_norm=true, attn_output_gate=true, "
+                                               "gdn.fla_l2norm=true.*overrides.qk_norm=true"):
+        hf.hf_config(get_model_config("tiny_hybrid"))
+    with pytest.raises(hf.HFFormatError, match="'tiny_moe'.*shared expert=True.*overrides.qk_norm=false"):
+        hf.hf_config(get_model_config("tiny_moe", qk_norm=True))
+    with pytest.raises(hf.HFFormatError, match="'tiny_moe'.*shared expert=False.*overrides.qk_norm=true"):
+        hf.hf_config(get_model_config("tiny_moe", moe={"shared_expert_ffn_hidden_size": 0}))
+
+
+def test_aux_loss_free_router_bias_exports_only_while_zero(tmp_path):
+    cfg = get_model_config("tiny_moe", moe={"bias_update_rate": 1e-3})
+    model = hf_roundtrip.random_model(cfg)
+    hf.export_state_dict(model.state_dict(), cfg, tmp_path / "zero")  # as initialised: dropped
+    model.layers[1].mlp.update_bias(torch.arange(8.0))
+    with pytest.raises(hf.HFFormatError, match="layers.1.mlp.expert_bias is non-zero"):
+        hf.export_state_dict(model.state_dict(), cfg, tmp_path / "trained")
 
 
 def test_wrong_state_dict_is_refused_naming_the_keys(tmp_path):
@@ -165,8 +264,13 @@ def test_cli_export_then_import(tmp_path, capsys):
     assert back["model_config"]["name"] == "tiny_dense"
     for key, value in back["state_dict"].items():
         assert torch.equal(value, model.state_dict()[key]), key
-    assert hf.main(["export", "--model", "tiny_moe", "--out", str(tmp_path / "moe")]) == 2
-    assert "not a dense" in capsys.readouterr().err
+    assert hf.main(["export", "--model", "tiny_hybrid", "--out", str(tmp_path / "hybrid")]) == 2
+    assert "lacks qk_norm=true" in capsys.readouterr().err
+    options = ["--set", "qk_norm=true", "--set", "attn_output_gate=true", "--set", "partial_rotary_factor=0.25",
+               "--set", "gdn.fla_l2norm=true"]
+    assert hf.main(["export", "--model", "tiny_hybrid", *options, "--out", str(tmp_path / "next"), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "as Qwen3NextForCausalLM" in out and "tokenizer.json" in out and "(ok, tolerance 1e-05)" in out
 
 
 @pytest.mark.slow
@@ -177,3 +281,10 @@ def test_full_smollm2_135m_gives_the_same_logits_in_transformers(tmp_path):
     with torch.no_grad():
         ours = model(tokens)
     torch.testing.assert_close(_hf_logits(tmp_path, tokens), ours, atol=ATOL, rtol=0)
+
+
+def test_paper_sized_models_take_the_qwen_options():
+    """moe_2b + qk_norm is Qwen3-MoE's architecture, hybrid_moe_10b + the Qwen3-Next options Qwen3-Next's."""
+    assert family_of(get_model_config("moe_2b", qk_norm=True)) == "qwen3_moe"
+    assert family_of(get_model_config("hybrid_moe_10b", **hf_roundtrip.QWEN3_NEXT_OPTIONS)) == "qwen3_next"
+    assert get_model_config("hybrid_moe_10b", **hf_roundtrip.QWEN3_NEXT_OPTIONS).rotary_dim == 32
