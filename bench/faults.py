@@ -121,7 +121,8 @@ class Bench:
             "other_model": self.other("model=tiny_hybrid"), "other_optimizer": self.other("optimizer=adamw"),
             "missing_resume_path": self.missing_resume, "steps_at_checkpoint": self.steps_at_checkpoint,
             "async_crash": self.async_crash, "rerun_without_checkpoint": self.rerun_without_checkpoint,
-            "huge_lr": self.huge_lr,
+            "huge_lr": self.huge_lr, "sigterm_pipeline": self.sigterm_pipeline,
+            "kill9_torchrun_restarts": self.kill9_torchrun_restarts,
         }
 
     def no_space_at_start(self, out: Outcome, d: Path) -> None:
@@ -217,18 +218,96 @@ class Bench:
         a = self.pretrain(out, "optimizer.lr=1e30", d, "train.steps=6", "checkpoint.every=2",
                           "checkpoint.keep_last=2", "optimizer.lr=1e30")
         ck = d / "checkpoints"
-        out.checks["exits non-zero with a clear message"] = a.exit_code != 0 and "NaN/Inf" in a.said
+        out.checks["exits non-zero with a clear message"] = a.exit_code != 0 and any(
+            clear in a.said for clear in ("NaN/Inf", "training diverged"))
         out.checks["no checkpoint holds a non-finite tensor"] = all(_finite_checkpoint(ck / c) for c in _checkpoints(ck))
         out.checks["no partial save left"] = not list(ck.glob(".tmp-step_*"))
 
 
-def _finite_checkpoint(path: Path) -> bool:
+    # ---- a real pipeline under torchrun (P=2), default checkpoint settings ---------------------------
+    def torchrun(self, out: Outcome, what: str, run_dir: Path, *overrides: str, script: str = "pretrain.py",
+                 restarts: int = 0, env: dict | None = None, sigterm_after: int | None = None) -> Attempt:
+        """`sigterm_after` k: SIGTERM to torchrun (which forwards it to every worker) once k steps are logged."""
+        torchrun = str(Path(sys.executable).with_name("torchrun"))
+        cmd = [torchrun, "--standalone", "--nproc_per_node=2", f"--max-restarts={restarts}", script,
+               f"hydra.run.dir={run_dir}", *TINY, "parallel.pp=2", "schedule=2bw", *overrides]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=self.repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        signalled = None
+        if sigterm_after is not None:
+            while proc.poll() is None and len(_steps(run_dir)) < sigterm_after:
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            signalled = time.perf_counter()
+        text, _ = proc.communicate(timeout=900)
+        took = f"; {time.perf_counter() - signalled:.1f} s from SIGTERM to torchrun's exit" if signalled else ""
+        stops = [line.strip() for line in text.splitlines() if line.startswith("stop requested")]
+        said = (stops[0] + f" [x{len(stops)} ranks]" if stops else _key_line(text)) + took
+        resumed = next((line.strip() for line in text.splitlines() if line.startswith("resumed")), "")
+        attempt = Attempt(what, proc.returncode, said, resumed, time.perf_counter() - t0)
+        out.attempts.append(attempt)
+        return attempt
+
+    def sigterm_pipeline(self, out: Outcome, d: Path) -> None:
+        """SIGTERM at a random step of a 2BW pipeline with the default checkpoint settings (no periodic save
+        within this short run): a checkpoint at the agreed step, exit 143, the rerun ends bit-identical."""
+        import random
+
+        steps = 40
+        k = random.Random(os.getpid()).randint(3, 25)
+        self.torchrun(out, "uninterrupted", d / "full", f"train.steps={steps}")
+        a = self.torchrun(out, f"SIGTERM after {k} logged steps", d / "part", f"train.steps={steps}",
+                          sigterm_after=k)
+        saved = _checkpoints(d / "part" / "checkpoints")
+        stopped = int(saved[-1].split("_")[1]) if saved else -1
+        out.checks["exit 143"] = a.exit_code == 143
+        out.checks["every rank said it stopped, with the time"] = "[x2 ranks]" in a.said and "took" in a.said
+        out.checks[f"checkpoint at the agreed step (>= {k}, < {steps})"] = k <= stopped < steps
+        b = self.torchrun(out, "the same command again", d / "part", f"train.steps={steps}")
+        out.checks["rerun resumes at that step"] = b.exit_code == 0 and f"at step {stopped}" in b.resumed
+        out.checks["metrics hold each step once"] = _steps(d / "part") == list(range(steps))
+        out.checks["final weights bit-identical to the uninterrupted run"] = _same_checkpoint(
+            d / "full" / "checkpoints" / f"step_{steps:08d}", d / "part" / "checkpoints" / f"step_{steps:08d}")
+
+    def kill9_torchrun_restarts(self, out: Outcome, d: Path) -> None:
+        """kill -9 of rank 1 mid-run under torchrun --max-restarts=2, default settings: torchrun restarts the
+        job by itself in the same run directory, and it ends with the uninterrupted run's weights."""
+        steps = 30
+        self.torchrun(out, "uninterrupted", d / "full", f"train.steps={steps}")
+        a = self.torchrun(out, f"rank 1 SIGKILLed at step {self.kill_at} (first attempt)", d / "crash",
+                          f"train.steps={steps}", script="tests/dist/crash_once.py", restarts=2,
+                          env={"CRASH_RANK": "1", "CRASH_STEP": str(self.kill_at)})
+        out.checks["the job comes back by itself and exits 0"] = a.exit_code == 0
+        out.checks["metrics hold each step once"] = _steps(d / "crash") == list(range(steps))
+        out.checks["final weights equal the uninterrupted run's"] = _same_checkpoint(
+            d / "full" / "checkpoints" / f"step_{steps:08d}", d / "crash" / "checkpoints" / f"step_{steps:08d}")
+
+
+def _load_checkpoint(path: Path) -> dict:
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(str(path), f"{tmp}/all.pt")
-        state = torch.load(f"{tmp}/all.pt", weights_only=False)
+        return torch.load(f"{tmp}/all.pt", weights_only=False)
+
+
+def _same_checkpoint(a: Path, b: Path) -> bool:
+    """Every tensor of two checkpoints equal, bit for bit (weights, both versions, optimizer state)."""
+    import torch
+
+    if not (a.is_dir() and b.is_dir()):
+        return False
+    x, y = _load_checkpoint(a), _load_checkpoint(b)
+    tensors = [k for k, v in x.items() if torch.is_tensor(v)]
+    return bool(tensors) and all(torch.is_tensor(y.get(k)) and torch.equal(x[k], y[k]) for k in tensors)
+
+
+def _finite_checkpoint(path: Path) -> bool:
+    import torch
+
+    state = _load_checkpoint(path)
     return all(torch.isfinite(t).all() for t in state.values() if torch.is_tensor(t) and t.is_floating_point())
 
 
