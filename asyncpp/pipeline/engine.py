@@ -34,7 +34,8 @@ from asyncpp.optim.clip import grad_sq_norm
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
 from asyncpp.pipeline.p2p import StageComm
-from asyncpp.pipeline.reduction import GradientReduction
+from asyncpp.pipeline.reduction import GradientReduction, ShardedGradientReduction
+from asyncpp.pipeline.sharded import StageShards
 from asyncpp.pipeline.timer import stage_timer
 from asyncpp.pipeline.weights import WeightVersions
 from asyncpp.schedules.actions import Action, Op
@@ -89,7 +90,10 @@ class StageEngine:
         layouts: Sequence[ParamSharding] | None = None,
         balancing: RouterBiasVersions | None = None,
         load_stats: RouterLoadStats | None = None,
+        distributed_optimizer: bool = False,
     ):
+        """`distributed_optimizer` (with DP > 1): this rank owns, steps and keeps the state of only its share of
+        the parameters (pipeline/sharded.py); the DP reduction goes to the owners and x_{t+1} is broadcast."""
         self.module = module
         self.mesh = mesh
         self.comm = comm
@@ -114,8 +118,17 @@ class StageEngine:
         self.load_stats = load_stats if load_stats else None
         self.count_in_norm = [self._counted(t, lay) for t, lay in zip(self.tied_mask, self.layouts)]
         self.timer = stage_timer(mesh.pp_rank, mesh.device)  # perf_counter on CPU, CUDA events on CUDA
-        # The step's mathematics after the gradient, shared with the simulator (asyncpp.core.update).
-        self.rule = UpdateRule(optimizer, self.masters, grad_clip=grad_clip, lr_multiplier=lr_multiplier,
+        self.shards = None
+        if distributed_optimizer and mesh.dims.dp > 1:
+            if corrections.dc_lambda or corrections.grad_ef_lambda:
+                raise ValueError("parallel.distributed_optimizer=true does not support the gradient corrections "
+                                 "(staleness.dc_lambda, staleness.grad_ef_lambda); set them to 0 or turn it off")
+            self.shards = StageShards(mesh, optimizer, self.masters, expert=self.expert_mask, tied=self.tied_mask,
+                                      wait=self._wait, timer=self.timer)
+        owned = self.shards.select(self.masters) if self.shards else self.masters
+        # The step's mathematics after the gradient, shared with the simulator (asyncpp.core.update),
+        # on the parameters this rank updates (all of them without the distributed optimizer).
+        self.rule = UpdateRule(optimizer, owned, grad_clip=grad_clip, lr_multiplier=lr_multiplier,
                                corrections=corrections, balancing=self.balancing)
         self.error_feedback = self.rule.error_feedback
         self._read_version: dict[int, int] = {}  # step -> the weight version its forwards/backwards read
@@ -129,7 +142,8 @@ class StageEngine:
         common = {"grad_scale": grad_scale, "tied_mask": self.tied_mask, "layouts": self.layouts,
                   "count_in_norm": self.count_in_norm, "correct": self._correct,
                   "take_update_sq": self._take_update_sq, "wait": self._wait, "load_stats": self.load_stats}
-        self.reduction = GradientReduction(mesh, **common)
+        self.reduction = (ShardedGradientReduction(mesh, ownership=self.shards.ownership, **common) if self.shards
+                          else GradientReduction(mesh, **common))
 
     def _counted(self, tied: bool, layout: ParamSharding) -> bool:
         """Whether this rank's copy enters the global norms (all-reduced over mesh.norm_group): every
@@ -152,7 +166,7 @@ class StageEngine:
         ahead = 0  # index into `compute` of the next compute action whose receive is not posted yet
         for i, action in enumerate(actions):
             self.comm.poll()
-            self.reduction.progress()
+            self._progress()
             # Post the receive of every compute action up to the first one after this action: one
             # compute action ahead, in the order they are consumed (each direction is FIFO on its own
             # communicator, so a receive posted early never blocks anything else).
@@ -178,6 +192,8 @@ class StageEngine:
         x = None
         if not self.mesh.is_first_stage:
             x = self.comm.recv_forward(f"the input activation of {a}").requires_grad_()
+        if self.shards and a.version == self.versions.newest:
+            self.versions.sync()  # the broadcast of x_{t+1}: its wait is an event of its own, not forward time
         start = self.timer.now()
         self._use(a)
         self._read_version[a.step] = a.version
@@ -215,6 +231,16 @@ class StageEngine:
         self.reduction.start(a.step, grads, self._router_loads(a.step))
         self.timer.add(a, start, self.timer.now())
 
+    def _progress(self) -> None:
+        """Advance what is in flight without blocking: the reductions, and a completed broadcast of x_{t+1}."""
+        self.reduction.progress()
+        if self.shards and self.versions.filling and self.shards.broadcast_done():
+            self.versions.sync()
+
+    def per_parameter(self, values: list) -> list:
+        """A list over the parameters the rule updates, spread over every parameter (None: another owner's)."""
+        return self.shards.aligned(values) if self.shards else values
+
     def _take_update_sq(self, step: int) -> float | None:
         return self._update_sq.pop(step, None)
 
@@ -235,11 +261,18 @@ class StageEngine:
         record = self._record(a.step)
         record.grad_norm, record.router_loads = math.sqrt(grad_sq), loads
         x_t = self.versions.begin_update(a.step)
-        outcome = self.rule.apply(a.step, pending.grads, record.grad_norm, x_t, self._delayed(a.step), pending.loads)
+        grads, delayed = pending.grads, self._delayed(a.step)
+        counted = self.reduction.count_in_norm  # the distributed optimizer's: owned tensors only
+        if self.shards:
+            grads, x_t, delayed = self.shards.select(grads), self.shards.select(x_t), self.shards.select(delayed)
+            counted = self.shards.select(counted)
+        outcome = self.rule.apply(a.step, grads, record.grad_norm, x_t, delayed, pending.loads)
         record.lr, record.skipped = outcome.lr, outcome.skipped
         with torch.no_grad():
             self._update_sq[a.step] = 0.0 if outcome.skipped else grad_sq_norm(
-                [q - x for q, x, c in zip(self.masters, x_t, self.count_in_norm) if c])
+                [q - x for q, x, c in zip(self.rule.masters, x_t, counted) if c])
+        if self.shards:  # x_{t+1} of the other owners' parameters: waited for at its first read
+            self.versions.fill_newest_later(self.shards.start_broadcast(a))
         self.timer.add(a, start, self.timer.now())
         self.timer.add(a, wait_start, start, kind="idle")  # dropped if shorter than timer.MIN_IDLE_S
 

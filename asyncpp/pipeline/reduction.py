@@ -27,7 +27,7 @@ from asyncpp.core.balancing import RouterLoadStats
 from asyncpp.optim.clip import grad_sq_norm
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import ParamSharding
-from asyncpp.pipeline.buckets import Bucket, start_buckets
+from asyncpp.pipeline.buckets import Bucket, start_buckets, start_owner_buckets
 
 Wait = Callable[[object, str], None]
 Correct = Callable[[int, list[Tensor], list[bool]], None]
@@ -199,3 +199,68 @@ class GradientReduction:
             self.wait(dist.all_reduce(reduction, group=self.norm_group, async_op=True), what)
         return reduction.tolist()
 
+
+class ShardedGradientReduction(GradientReduction):
+    """The distributed optimizer's reduction (parallel.distributed_optimizer=true): the "dp" phase reduces
+    each sharded tensor to its owner only (asyncpp/optim/distributed.py: whole parameters, so this is a
+    reduce-scatter at parameter granularity), at the same start and wait points as the all-reduce; a
+    rank's gradient is then None for every tensor it does not own. Replicated tensors (a tied
+    embedding) and the router loads are still all-reduced.
+
+    The norm: every rank now holds a distinct piece of the gradient, so [||g_owned||^2, ...] is summed over
+    the whole job (`mesh.replica_norm_group`, a group of its own) instead of over the norm group of one
+    replica; each tensor is still counted exactly once, so the norm is the same number up to the order of
+    the fp32/fp64 sums."""
+
+    def __init__(self, mesh: Mesh, *, ownership, **kwargs):
+        super().__init__(mesh, **kwargs)
+        self.ownership = ownership
+        self.sharded = [ownership.sharded(i) for i in range(len(ownership.owners))]
+        self.count_in_norm = [self._counted(i, c) for i, c in enumerate(self.count_in_norm)]
+
+    def _counted(self, i: int, counted: bool) -> bool:
+        """A sharded tensor on its owner (TP-replicated ones on TP rank 0); ownership over DP already
+        spans the EP ranks, so the EP-rank-0 rule of the replicated case does not apply. A replicated
+        tensor as before, on DP rank 0 only (the sum now runs over the replicas too)."""
+        if not self.sharded[i]:
+            return counted and self.mesh.dp_rank == 0
+        if not self.ownership.owned(i):
+            return False
+        return self.layouts[i].is_tp_sharded or self.mesh.tp_rank == 0
+
+    @property
+    def norm_group(self):
+        return self.mesh.replica_norm_group
+
+    @property
+    def norm_group_size(self) -> int:
+        return self.mesh.dims.world_size
+
+    def _start_data_parallel(self, p: PendingReduction) -> list:
+        buckets: list = []
+        replicated = [g for g, s in zip(p.grads, self.sharded) if not s] + list(p.loads)
+        if replicated and self.mesh.dims.dp > 1:
+            buckets += start_buckets(replicated, self.mesh.dp_group, "the data-parallel gradient all-reduce")
+        o = self.ownership
+        for expert, group, size, rank in ((False, self.mesh.dp_group, self.mesh.dims.dp, o.dp_rank),
+                                          (True, self.mesh.edp_group, self.mesh.dims.edp, o.edp_rank)):
+            idx = [i for i, s in enumerate(self.sharded) if s and o.expert[i] == expert]
+            if idx and size > 1:
+                kind = "expert-data-parallel" if expert else "data-parallel"
+                buckets += start_owner_buckets([p.grads[i] for i in idx], [o.owners[i] for i in idx], group, rank,
+                                               "reduce", f"the {kind} gradient reduce to the owners")
+        return buckets
+
+    def _progress(self, p: PendingReduction, block: bool) -> bool:
+        if p.phase == "dp" and (block or all(b.work.is_completed() for b in p.buckets)):
+            for b in p.buckets:
+                b.finish(self.wait)
+            p.buckets = []
+            # Not this rank's to update: drop the (partially reduced) gradient now, its memory with it.
+            p.grads = [g if self.ownership.owned(i) else None for i, g in enumerate(p.grads)]
+        return super()._progress(p, block)
+
+    def _load_vector(self, step: int) -> Tensor:
+        """The loads are the same on every replica's counting rank: one replica contributes them."""
+        v = super()._load_vector(step)
+        return v if self.mesh.dp_rank == 0 else torch.zeros_like(v)
