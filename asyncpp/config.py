@@ -56,6 +56,11 @@ class ParallelConfig:
     stage_layers: tuple[int, ...] | None = None
     """Layers per pipeline stage, e.g. [3, 1] (None = even split). The last stage also runs the LM
     head and the loss, so giving it fewer layers balances small-vocabulary-heavy models."""
+    distributed_optimizer: bool = False
+    """Megatron's --use-distributed-optimizer (ZeRO-1) over DP: each replica owns whole parameters, keeps
+    their optimizer state and Error-Feedback buffer, receives their reduced gradient and broadcasts their
+    new weights (asyncpp/optim/distributed.py, pipeline/sharded.py). Pipeline runs only; with dp=1 it is a
+    no-op, as in Megatron. Not with the gradient corrections (staleness.dc_lambda, grad_ef_lambda)."""
 
 
 @dataclass(kw_only=True)
@@ -349,6 +354,12 @@ def _check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
         _positive(f"parallel.{name}", getattr(p, name))
     if p.dp is not None:
         _positive("parallel.dp", p.dp, "or leave it null to derive it from the world size")
+    s = cfg.staleness
+    if p.distributed_optimizer and (s.dc_lambda or s.grad_ef_lambda):
+        raise ConfigError(
+            f"parallel.distributed_optimizer=true with staleness.dc_lambda={s.dc_lambda}, staleness.grad_ef_lambda="
+            f"{s.grad_ef_lambda}: the gradient corrections read every parameter's gradient, which the distributed "
+            "optimizer leaves on its owner only; set both to 0 or parallel.distributed_optimizer=false")
     if p.sequence_parallel and cfg.train.seq_len % p.tp:
         raise ConfigError(
             f"parallel.sequence_parallel=true splits the sequence over parallel.tp={p.tp} ranks, which does not "

@@ -84,12 +84,26 @@ def stage_report(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, build_s
     versions = WeightVersions(params, kind_of(cfg.schedule.name).num_buffers(spec.stage, mesh.num_stages),
                               compute_dtype=dtype)
     versions.retarget(optimizer)
-    ef = ErrorFeedback(versions.masters, cfg.staleness.ef_lambda).prev_update
+    owned = versions.masters
+    if cfg.parallel.distributed_optimizer and mesh.dims.dp > 1:  # this rank's (DP rank 0's) share
+        owned = _owned_share(stage, spec, plan, mesh, optimizer, versions.masters, named)
+    ef = ErrorFeedback(owned, cfg.staleness.ef_lambda).prev_update
     report = stage_memory(cfg, model_cfg, mesh, spec, versions, optimizer, ef)
     shards = {n: {"shape": list(p.shape), "tp_dim": layout_of(plan, n).tp_dim, "expert": layout_of(plan, n).expert}
               for n, p in named}
     return {"stage": spec.stage, "rank": mesh.rank, "params": sum(p.numel() for p in params),
             "memory": report.to_dict(), "table": report.table(), "shards": shards}
+
+
+def _owned_share(stage: nn.Module, spec: StageSpec, plan: ShardingPlan, mesh: Mesh, optimizer, masters, named) -> list:
+    """The distributed optimizer: restrict `optimizer` to this rank's parameters; returns their masters."""
+    from asyncpp.pipeline.sharded import StageShards
+    from asyncpp.pipeline.stage import tied_parameters
+
+    tied = {id(p) for p in tied_parameters(stage, spec)}
+    shards = StageShards(mesh, optimizer, masters, expert=[layout_of(plan, n).expert for n, _ in named],
+                         tied=[id(p) in tied for _, p in named])
+    return shards.select(masters)
 
 
 def dry_run(cfg: RunConfig, model_cfg, world_size: int, build_stage: BuildStage, build_optimizer: BuildOptimizer,
@@ -99,7 +113,8 @@ def dry_run(cfg: RunConfig, model_cfg, world_size: int, build_stage: BuildStage,
     dims = ParallelDims.for_world(world_size, pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
     echo(f"dry run: model={model_cfg.name} world={world_size} -> pp={dims.pp} dp={dims.dp} (ep={dims.ep} x "
          f"edp={dims.edp}) tp={dims.tp}, schedule={cfg.schedule.name}, precision={cfg.train.precision}, "
-         f"optimizer={cfg.optimizer.name}, ef_lambda={cfg.staleness.ef_lambda} (meta tensors: \"allocated\" "
+         f"optimizer={cfg.optimizer.name}, ef_lambda={cfg.staleness.ef_lambda}, "
+         f"distributed_optimizer={p.distributed_optimizer and dims.dp > 1} (meta tensors: \"allocated\" "
          "rows are sized from the real shard shapes, nothing is allocated)")
     reports = []
     for s in range(dims.pp):

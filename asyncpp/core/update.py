@@ -122,7 +122,9 @@ class UpdateRule:
 
         x_t: the masters' values before this step (read-only; Error Feedback measures u_t against them).
         loads: b_t's expert loads per balanced router (aux-loss-free balancing), summed over DP."""
-        finite = math.isfinite(grad_norm) and any(g is not None for g in grads)
+        # No gradient at all is a skip, except for an empty list: a distributed-optimizer rank that owns
+        # none of its stage's parameters still takes the step every other rank takes.
+        finite = math.isfinite(grad_norm) and (not grads or any(g is not None for g in grads))
         if self.lr_multiplier is not None:
             self.optimizer.set_lr_multiplier(self.lr_multiplier(step))
         lr = float(self.optimizer.param_groups[0]["lr"])

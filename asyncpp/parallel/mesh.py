@@ -108,6 +108,7 @@ class Mesh:
         self.dp_rank = dp_mesh.get_local_rank()
         self.tp_rank = m.get_local_rank("tp")
         self.ep_rank = m.get_local_rank("ep")
+        self.edp_rank = m.get_local_rank("edp")
         self.pp_group = m.get_group("pp")
         self.dp_group = dp_mesh.get_group()
         self.tp_group = m.get_group("tp")
@@ -125,6 +126,11 @@ class Mesh:
         # {first stage, last stage} of each pipeline, for the tied embedding's gradient.
         self.embedding_group = self._per_pipeline([0, dims.pp - 1]) if dims.pp > 1 else None
         self.links = self._build_links()
+        # The distributed optimizer's norm (pipeline/reduction.ShardedGradientReduction): each rank holds
+        # a distinct piece of the reduced gradient, so the squared norm is summed over the whole job, on
+        # a communicator of its own. Created for every DP run (new_group is collective: every rank makes
+        # it at the same point); an NCCL communicator exists only once used.
+        self.replica_norm_group = dist.new_group(list(range(dims.world_size))) if dims.dp > 1 else self.norm_group
 
     def _per_pipeline(self, stages: list[int]):
         """A new group of `stages` in every pipeline (dp, tp coordinate); returns this rank's or None.

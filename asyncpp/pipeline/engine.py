@@ -4,15 +4,14 @@ The schedule (asyncpp/schedules) decides the order; this file owns autograd, com
 where each asynchronous handle is waited for:
 
 - FORWARD/BACKWARD switch the parameters to the action's weight version first (weights.py).
-- UPDATE_START(t) takes b_t's gradient and *starts* its reductions, none of which blocks: the DP
-  all-reduce (bucketed, in place for large tensors), then, once that has completed, the
-  tied-embedding all-reduce (first/last stage) and the all-reduce of [||g||^2, ||Δx_{t-1}||^2] over
-  the stages and the TP/EP shards (mesh.norm_group; replicas are counted once). The later phases
-  are started at the first action boundary where their inputs are ready (`_progress`), in step order.
-- UPDATE(t) completes whatever phase is left and waits for the norm only when x_{t+1} is needed,
-  then clips, skips non-finite steps consistently on every stage, runs the optimizer into the buffer
-  of x_{t+1}, and applies Error Feedback. In 2BW the wait falls m-(P-1-s) >= 1 microbatches after
-  the start, so the DP and the cross-stage reductions cost no bubble.
+- UPDATE_START(t) takes b_t's gradient and *starts* its reductions (reduction.GradientReduction: the DP
+  sum, the tied-embedding sum, the all-reduce of [||g||^2, ||Δx_{t-2}||^2] over the stages and the TP/EP
+  shards), none of which blocks; the later phases start at the first action boundary where their inputs
+  are ready, in step order.
+- UPDATE(t) completes whatever is left and waits for the norm only when x_{t+1} is needed, then clips,
+  skips non-finite steps consistently on every stage, runs the optimizer into the buffer of x_{t+1}, and
+  applies Error Feedback. In 2BW the wait falls m-(P-1-s) >= 1 microbatches after the start, so the DP
+  and the cross-stage reductions cost no bubble.
 - Receives are posted one compute action ahead of their use (p2p.StageComm), and every wait goes
   through the comm: timed on CPU, stream-ordered and watched from the host on CUDA.
 
@@ -34,8 +33,9 @@ from asyncpp.core.update import NO_CORRECTIONS, Corrections, UpdateRule
 from asyncpp.optim.clip import grad_sq_norm
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
-from asyncpp.pipeline.buckets import Bucket, start_buckets
 from asyncpp.pipeline.p2p import StageComm
+from asyncpp.pipeline.reduction import GradientReduction, ShardedGradientReduction
+from asyncpp.pipeline.sharded import StageShards
 from asyncpp.pipeline.stopping import ActionStream, is_compute
 from asyncpp.pipeline.timer import stage_timer
 from asyncpp.pipeline.weights import WeightVersions
@@ -73,25 +73,6 @@ class StepRecord:
     """Per layer of the model: busiest expert / mean load of this step (0 for non-MoE layers)."""
 
 
-@dataclass
-class _PendingUpdate:
-    grads: list[Tensor]
-    reduction: Tensor | None
-    """[||g||^2, ||Δx||^2, loads...], all-reduced over mesh.norm_group; None until phase "started"."""
-    work: object | None
-    norm_of_step: int | None
-    """The earlier step whose ||Δx||^2 rides along in `reduction` (None if nothing rides)."""
-    tied_work: object | None = None
-    """The last stage's tied-embedding all-reduce, waited for only in UPDATE."""
-    loads: list[Tensor] = field(default_factory=list)
-    """b_t's expert loads per balanced router, summed over DP (aux-loss-free balancing)."""
-    step: int = -1
-    buckets: list[Bucket] = field(default_factory=list)
-    """The DP / expert-DP all-reduces in flight (phase "dp")."""
-    phase: str = "dp"
-    """"dp" (DP buckets in flight) -> "tied" (tied all-reduce started) -> "started" (norm all-reduce started)."""
-
-
 class StageEngine:
     def __init__(
         self,
@@ -112,7 +93,10 @@ class StageEngine:
         layouts: Sequence[ParamSharding] | None = None,
         balancing: RouterBiasVersions | None = None,
         load_stats: RouterLoadStats | None = None,
+        distributed_optimizer: bool = False,
     ):
+        """`distributed_optimizer` (with DP > 1): this rank owns, steps and keeps the state of only its share of
+        the parameters (pipeline/sharded.py); the DP reduction goes to the owners and x_{t+1} is broadcast."""
         self.module = module
         self.mesh = mesh
         self.comm = comm
@@ -136,21 +120,34 @@ class StageEngine:
         self.balancing = balancing if balancing else None
         self.load_stats = load_stats if load_stats else None
         self.count_in_norm = [self._counted(t, lay) for t, lay in zip(self.tied_mask, self.layouts)]
-        # The step's mathematics after the gradient, shared with the simulator (asyncpp.core.update).
-        self.rule = UpdateRule(optimizer, self.masters, grad_clip=grad_clip, lr_multiplier=lr_multiplier,
+        self.timer = stage_timer(mesh.pp_rank, mesh.device)  # perf_counter on CPU, CUDA events on CUDA
+        self.shards = None
+        if distributed_optimizer and mesh.dims.dp > 1:
+            if corrections.dc_lambda or corrections.grad_ef_lambda:
+                raise ValueError("parallel.distributed_optimizer=true does not support the gradient corrections "
+                                 "(staleness.dc_lambda, staleness.grad_ef_lambda); set them to 0 or turn it off")
+            self.shards = StageShards(mesh, optimizer, self.masters, expert=self.expert_mask, tied=self.tied_mask,
+                                      wait=self._wait, timer=self.timer)
+        owned = self.shards.select(self.masters) if self.shards else self.masters
+        # The step's mathematics after the gradient, shared with the simulator (asyncpp.core.update),
+        # on the parameters this rank updates (all of them without the distributed optimizer).
+        self.rule = UpdateRule(optimizer, owned, grad_clip=grad_clip, lr_multiplier=lr_multiplier,
                                corrections=corrections, balancing=self.balancing,
                                raise_on_nonfinite_update=False)  # every rank must stop together: stopping.py
         self.error_feedback = self.rule.error_feedback
         self._read_version: dict[int, int] = {}  # step -> the weight version its forwards/backwards read
         self.inflight: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         self.losses: dict[int, list[Tensor]] = {}
-        self.pending: dict[int, _PendingUpdate] = {}
         self.records: dict[int, StepRecord] = {}
         # ||Δx_t||^2 of this stage's applied updates, waiting to ride along with a later step's
         # gradient-norm all-reduce (no extra collective). Lag 2: in 2BW the last stage starts the
         # reduction of b_{t+1} before it applies x_{t+1}, but always after it applied x_t.
         self._update_sq: dict[int, float] = {}
-        self.timer = stage_timer(mesh.pp_rank, mesh.device)  # perf_counter on CPU, CUDA events on CUDA
+        common = {"grad_scale": grad_scale, "tied_mask": self.tied_mask, "layouts": self.layouts,
+                  "count_in_norm": self.count_in_norm, "correct": self._correct,
+                  "take_update_sq": self._take_update_sq, "wait": self._wait, "load_stats": self.load_stats}
+        self.reduction = (ShardedGradientReduction(mesh, ownership=self.shards.ownership, **common) if self.shards
+                          else GradientReduction(mesh, **common))
 
     def _counted(self, tied: bool, layout: ParamSharding) -> bool:
         """Whether this rank's copy enters the global norms (all-reduced over mesh.norm_group): every
@@ -175,7 +172,7 @@ class StageEngine:
         while i < len(stream.actions):
             todo, action = stream.actions, stream.actions[i]
             self.comm.poll()
-            self._progress_pending()
+            self._progress()
             # Post the receive of every compute action up to the first one after this action: one
             # compute action ahead, in the order they are consumed (each direction is FIFO on its own
             # communicator, so a receive posted early never blocks anything else).
@@ -206,6 +203,8 @@ class StageEngine:
         x = None
         if not self.mesh.is_first_stage:
             x = self.comm.recv_forward(f"the input activation of {a}").requires_grad_()
+        if self.shards and a.version == self.versions.newest:
+            self.versions.sync()  # the broadcast of x_{t+1}: its wait is an event of its own, not forward time
         start = self.timer.now()
         self._use(a)
         self._read_version[a.step] = a.version
@@ -240,74 +239,21 @@ class StageEngine:
     def _update_start(self, a: Action) -> None:
         start = self.timer.now()
         grads = self.versions.take_grads()  # in the masters' dtype (fp32 sums under bf16 compute)
-        # Sum over microbatches, replicas and the tied pair first, scale once at the end: the
-        # simulator's order of floating-point operations.
-        loads = self._router_loads(a.step)
-        self._reduce_partial_tp(grads)
-        pending = _PendingUpdate(grads, None, None, None, loads=loads, step=a.step,
-                                 buckets=self._start_data_parallel(grads, loads))
-        self.pending[a.step] = pending
-        self._progress_pending()
+        self.reduction.start(a.step, grads, self._router_loads(a.step))
         self.timer.add(a, start, self.timer.now())
 
-    def _progress_pending(self) -> None:
-        """Advance the pending steps' reductions without blocking, oldest first: a step's norm
-        all-reduce is never started before an older step's (one order on every member of norm_group)."""
-        for t in sorted(self.pending):
-            if not self._progress(self.pending[t], block=False):
-                return
+    def _progress(self) -> None:
+        """Advance what is in flight without blocking: the reductions, and a completed broadcast of x_{t+1}."""
+        self.reduction.progress()
+        if self.shards and self.versions.filling and self.shards.broadcast_done():
+            self.versions.sync()
 
-    def _take_pending(self, step: int) -> _PendingUpdate:
-        """UPDATE(step)'s pending reductions, every phase started (blocking for what is left)."""
-        pending = self.pending.pop(step)
-        self._progress(pending, block=True)
-        return pending
+    def per_parameter(self, values: list) -> list:
+        """A list over the parameters the rule updates, spread over every parameter (None: another owner's)."""
+        return self.shards.aligned(values) if self.shards else values
 
-    def _progress(self, p: _PendingUpdate, block: bool) -> bool:
-        """dp -> tied -> started (see the module docstring); True once the norm all-reduce has started.
-        Without `block`, a phase advances only when the handles it needs have completed."""
-        if p.phase == "dp":
-            if not block and not all(b.work.is_completed() for b in p.buckets):
-                return False
-            for b in p.buckets:
-                b.finish(self._wait)
-            p.buckets = []
-            p.tied_work = self._start_tied(p.grads)
-            p.phase = "tied"
-        if p.phase == "tied":
-            if p.tied_work is not None and self.mesh.is_first_stage:
-                # The first stage counts the tied weight in the global norm, so it needs the sum first.
-                if not block and not p.tied_work.is_completed():
-                    return False
-                self._wait(p.tied_work, f"the tied-embedding gradient all-reduce of step {p.step} with the last stage")
-                p.tied_work = None
-            self._start_norm(p)
-            p.phase = "started"
-        return True
-
-    def _start_norm(self, p: _PendingUpdate) -> None:
-        """Scale b_t's gradient and start the all-reduce of [||g||^2, ||Δx_{t-2}||^2, loads]."""
-        grads = p.grads
-        # The last stage's tied part may still be in flight: it is scaled in UPDATE, after the wait.
-        in_flight = [t and p.tied_work is not None for t in self.tied_mask]
-        torch._foreach_mul_([g for g, f in zip(grads, in_flight) if not f], self.grad_scale / self.mesh.dims.dp)
-        self._correct(p.step, grads, only=[not f for f in in_flight])
-        grad_sq = grad_sq_norm([g for g, c in zip(grads, self.count_in_norm) if c])
-        lagged = p.step - 2
-        update_sq = self._update_sq.pop(lagged, None)
-        reduction = torch.tensor([grad_sq, update_sq or 0.0], dtype=torch.float64, device=self.mesh.device)
-        if self.load_stats is not None:  # router loads ride along: one slot per layer of the model
-            reduction = torch.cat([reduction, self.load_stats.vector(p.step, self.mesh.device)])
-        p.reduction, p.norm_of_step = reduction, lagged if update_sq is not None else None
-        if self.mesh.norm_group_size > 1:
-            p.work = dist.all_reduce(reduction, group=self.mesh.norm_group, async_op=True)
-
-    def _reduce_partial_tp(self, grads: list[Tensor]) -> None:
-        """Tensors replicated over TP whose gradient each TP rank holds only in part (a norm under
-        sequence parallelism) are summed over TP first, so every TP rank applies the same update."""
-        partial = [g for g, lay in zip(grads, self.layouts) if lay.tp_grad_reduce]
-        if partial and self.mesh.dims.tp > 1:
-            self._all_reduce_flat(partial, self.mesh.tp_group, "the tensor-parallel gradient all-reduce")
+    def _take_update_sq(self, step: int) -> float | None:
+        return self._update_sq.pop(step, None)
 
     def _router_loads(self, step: int) -> list[Tensor]:
         """This rank's expert loads of b_step, as float so they ride the DP gradient all-reduce."""
@@ -315,45 +261,9 @@ class StageEngine:
             return []
         return [load.float() for load in self.balancing.pop_loads(step)]
 
-    def _start_data_parallel(self, grads: list[Tensor], loads: Sequence[Tensor] = ()) -> list[Bucket]:
-        """Start the sum over the replicas of each tensor: DP for dense tensors; for experts the edp group
-        only, because the all-to-all already summed the tokens of the EP group into their gradients.
-        Router loads (per-rank token counts) are summed over all of DP, in the same all-reduce."""
-        dense = [g for g, e in zip(grads, self.expert_mask) if not e] + list(loads)
-        experts = [g for g, e in zip(grads, self.expert_mask) if e]
-        buckets = []
-        if dense and self.mesh.dims.dp > 1:
-            buckets += start_buckets(dense, self.mesh.dp_group, "the data-parallel gradient all-reduce")
-        if experts and self.mesh.dims.edp > 1:
-            buckets += start_buckets(experts, self.mesh.edp_group, "the expert-data-parallel gradient all-reduce")
-        return buckets
-
-    def _all_reduce_flat(self, grads: list[Tensor], group, what: str) -> None:
-        """A blocking bucketed all-reduce (the TP partial sums, small)."""
-        for bucket in start_buckets(grads, group, what):
-            bucket.finish(self._wait)
-
-    def _start_tied(self, grads: list[Tensor]):
-        """semantics.md: the tied weight's gradient is the sum of the first and last stage's parts.
-        Started here, when this stage finished b_t; returns the handle (None if nothing is tied)."""
-        group = self.mesh.embedding_group
-        tied = [g for g, t in zip(grads, self.tied_mask) if t]
-        if group is None or not tied:
-            return None
-        if len(tied) != 1:
-            raise RuntimeError(f"expected one tied embedding/head weight per stage, found {len(tied)}")
-        return dist.all_reduce(tied[0], group=group, async_op=True)
-
     def _update(self, a: Action) -> None:
-        pending = self._take_pending(a.step)
         wait_start = self.timer.now()
-        if pending.work is not None:
-            self._wait(pending.work, f"the cross-stage gradient-norm all-reduce of step {a.step}")
-        if pending.tied_work is not None:
-            self._wait(pending.tied_work, f"the tied-embedding gradient all-reduce of step {a.step}")
-            tied = [g for g, t in zip(pending.grads, self.tied_mask) if t]
-            torch._foreach_mul_(tied, self.grad_scale / self.mesh.dims.dp)
-            self._correct(a.step, pending.grads, only=self.tied_mask)  # the tied part was deferred in UPDATE_START
+        pending = self.reduction.finish(a.step)
         start = self.timer.now()
         grad_sq, update_sq, *loads = pending.reduction.tolist()
         if pending.norm_of_step is not None:
@@ -362,11 +272,18 @@ class StageEngine:
         record = self._record(a.step)
         record.grad_norm, record.router_loads = math.sqrt(grad_sq), loads
         x_t = self.versions.begin_update(a.step)
-        outcome = self.rule.apply(a.step, pending.grads, record.grad_norm, x_t, self._delayed(a.step), pending.loads)
+        grads, delayed = pending.grads, self._delayed(a.step)
+        counted = self.reduction.count_in_norm  # the distributed optimizer's: owned tensors only
+        if self.shards:
+            grads, x_t, delayed = self.shards.select(grads), self.shards.select(x_t), self.shards.select(delayed)
+            counted = self.shards.select(counted)
+        outcome = self.rule.apply(a.step, grads, record.grad_norm, x_t, delayed, pending.loads)
         record.lr, record.skipped, record.update_finite = outcome.lr, outcome.skipped, outcome.update_finite
         with torch.no_grad():
             self._update_sq[a.step] = 0.0 if outcome.skipped else grad_sq_norm(
-                [q - x for q, x, c in zip(self.masters, x_t, self.count_in_norm) if c])
+                [q - x for q, x, c in zip(self.rule.masters, x_t, counted) if c])
+        if self.shards:  # x_{t+1} of the other owners' parameters: waited for at its first read
+            self.versions.fill_newest_later(self.shards.start_broadcast(a))
         self.timer.add(a, start, self.timer.now())
         self.timer.add(a, wait_start, start, kind="idle")  # dropped if shorter than timer.MIN_IDLE_S
 
@@ -400,12 +317,9 @@ class StageEngine:
         steps = sorted(self._update_sq)  # the same steps on every stage: each stage ran every UPDATE
         if not steps:
             return
-        reduction = torch.tensor([self._update_sq.pop(t) for t in steps], dtype=torch.float64,
-                                 device=self.mesh.device)
-        if self.mesh.norm_group_size > 1:
-            self._wait(dist.all_reduce(reduction, group=self.mesh.norm_group, async_op=True),
-                       "the final update-norm all-reduce")
-        for t, sq in zip(steps, reduction.tolist()):
+        reduction = self.reduction.all_reduce_norms([self._update_sq.pop(t) for t in steps],
+                                                    "the final update-norm all-reduce")
+        for t, sq in zip(steps, reduction):
             self._record(t).update_norm = math.sqrt(sq)
 
     def step_loss(self, step: int) -> float:

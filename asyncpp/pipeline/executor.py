@@ -107,6 +107,7 @@ class PipelineExecutor:
             layouts=[layout_of(self.sharding, n) for n, _ in named],
             balancing=RouterBiasVersions(balanced_routers(self.model), versions.num_buffers),
             load_stats=RouterLoadStats.of(self.model, counted=mesh.tp_rank == 0 and mesh.ep_rank == 0),
+            distributed_optimizer=cfg.parallel.distributed_optimizer,
         )
 
     def _tokens(self, step: int, microbatch: int) -> Tensor:
@@ -256,9 +257,9 @@ class PipelineExecutor:
         if extra is None:
             extra = balancing.tensors() if balancing is not None else {}
         rule = self.engine.rule
-        buffers = {"ef": rule.error_feedback.prev_update}
+        buffers = {"ef": self.engine.per_parameter(rule.error_feedback.prev_update)}
         if rule.corrections.grad_ef_lambda:
-            buffers["gef"] = rule.grad_error_feedback.prev_grad
+            buffers["gef"] = self.engine.per_parameter(rule.grad_error_feedback.prev_grad)
         return ckpt.StageState(names, versions, buffers,
                                self.engine.optimizer, v.masters, shards, extra=extra)
 

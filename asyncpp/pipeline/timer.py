@@ -115,7 +115,8 @@ def clock_for(device: torch.device) -> Clock:
 
 
 class StageTimer:
-    """The events of one stage. F/B/U0/U are busy time; "idle" spans (waiting for a reduction) are not.
+    """The events of one stage. F/B/U0/U are busy time; "idle" spans (waiting for a reduction) are not, nor
+    are "comm" spans (a transfer in flight while the stage computes: the distributed optimizer's broadcast).
 
     Hot path: `start = timer.now(); ...; timer.add(action, start, timer.now())` or
     `with timer.span(action): ...`. Neither blocks; on CUDA, finished events are resolved on the way.
@@ -168,7 +169,7 @@ class StageTimer:
         return self.clock.seconds(self._origin_mark, self.clock.mark())
 
     def busy(self) -> float:
-        return sum(e.duration for e in self.events if e.kind != "idle")
+        return sum(e.duration for e in self.events if e.kind not in ("idle", "comm"))
 
     def mean_durations(self) -> dict[str, float]:
         """Mean duration of each kind of event (F, B, U0, U, idle): per-op costs for the cost model."""

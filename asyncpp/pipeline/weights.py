@@ -29,7 +29,7 @@ optimizer see fp32 only. The simulator (simulate.py) uses the same pieces and so
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -140,6 +140,8 @@ class WeightVersions:
         self.newest = 0
         self._active = 0  # index of the buffer the parameters point at
         self._unsynced: int | None = None  # mixed: the buffer of `newest` still waiting for the masters
+        # The distributed optimizer: the owners' new weights on their way into `newest` (fill_newest_later).
+        self._fill: Callable[[], None] | None = None
 
     def available(self, version: int) -> bool:
         return self.newest - self.num_buffers < version <= self.newest
@@ -148,7 +150,8 @@ class WeightVersions:
         """Point every parameter at version `version` (must still be held); `predicted`: at its weight
         prediction (a delayed read with weight prediction on)."""
         self._check_held(version)
-        self.sync()
+        if version == self.newest:  # older versions are complete: using them never waits for a fill
+            self.sync()
         if predicted and self.predict_delay:
             self._point_at(("predicted", version), self.prediction(version))
         else:
@@ -165,7 +168,8 @@ class WeightVersions:
         """What a forward/backward of `version` reads (compute dtype; the prediction if `predicted`): the
         x_read of DC-ASGD."""
         self._check_held(version)
-        self.sync()
+        if version == self.newest:
+            self.sync()
         return self.prediction(version) if predicted and self.predict_delay else self.buffers[version % self.num_buffers]
 
     @torch.no_grad()
@@ -181,9 +185,28 @@ class WeightVersions:
                 predict_weights(a, b, self.predict_delay, out=o)
             self._predicted[version] = out
         return self._predicted[version]
+
+    def fill_newest_later(self, fill: Callable[[], None]) -> None:
+        """The newest version is complete only after `fill()` (the distributed optimizer: the other DP ranks'
+        parameters, broadcast into the masters by their owners). It runs at the first read of the newest
+        version (use, read_tensors, tensors, the next begin_update): under 2BW the first forward of x_{t+1}
+        comes m - (P-1-s) >= 1 microbatches after UPDATE(t), so the transfer hides in that slack."""
+        if self._fill is not None:
+            raise RuntimeError(f"version {self.newest} already has a fill in flight")
+        self._fill = fill
+
+    @property
+    def filling(self) -> bool:
+        """Whether the newest version is still waiting for its fill."""
+        return self._fill is not None
+
     @torch.no_grad()
     def sync(self) -> None:
-        """Mixed precision: fill the newest version's buffer from the masters after an update (no-op otherwise)."""
+        """Complete the newest version: its pending fill, then (mixed precision) its buffer from the masters
+        after an update (no-op otherwise)."""
+        if self._fill is not None:
+            fill, self._fill = self._fill, None
+            fill()
         if self._unsynced is None:
             return
         torch._foreach_copy_(self.buffers[self._unsynced], self.masters)
@@ -219,6 +242,7 @@ class WeightVersions:
         """
         if step != self.newest:
             raise RuntimeError(f"update for step {step} but the newest version is {self.newest}")
+        self.sync()  # x_step complete (the distributed optimizer's fill)
         if self.mixed:
             # The masters hold x_t in fp32 and are stepped in place; x_t is returned in fp32 too, so Error
             # Feedback and the update norm measure the fp32 update (bf16(x_t) would add rounding to u_t).
@@ -246,15 +270,16 @@ class WeightVersions:
     def tensors(self, version: int) -> list[Tensor]:
         """The tensors holding `version` at full precision (for checkpoints; written in place on load):
         its buffer, or in mixed precision the fp32 masters for the newest version."""
+        self.sync()
         if self.mixed and version == self.newest:
             return [q.detach() for q in self.masters]
-        self.sync()
         return self.buffers[version % self.num_buffers]
 
     @torch.no_grad()
     def set_newest(self, version: int) -> None:
         """After a load: `version` is the newest; parameters and masters point at it (mixed precision:
         its buffer is refilled from the masters, which the load wrote)."""
+        self.sync()  # nothing may still be filling the buffers the load rewrites
         self.newest = version
         self._active = -1
         self._predicted.clear()  # the load rewrote the versions they were made from

@@ -56,8 +56,9 @@ class StageState:
     names: list[str]
     versions: dict[int, list[Tensor]]
     """age -> tensors in `names` order; written in place on load."""
-    buffers: dict[str, list[Tensor]]
-    """Per-parameter state besides weights and optimizer: {"ef": u_{t-1}, "gef": g_{t-1}}."""
+    buffers: dict[str, list[Tensor | None]]
+    """Per-parameter state besides weights and optimizer: {"ef": u_{t-1}, "gef": g_{t-1}}. None where another
+    rank holds it (the distributed optimizer: the parameter's owner saves it, under the same key)."""
     optimizer: object
     """An OptimizerSet (or torch optimizer) whose params are `opt_params`."""
     opt_params: list[Tensor]
@@ -137,7 +138,7 @@ def _flat(state: StageState, wrap: bool = True) -> dict[str, Tensor]:
     for age, tensors in state.versions.items():
         flat.update({f"weights/{age}/{n}": view(i, t) for i, (n, t) in enumerate(zip(state.names, tensors))})
     for kind, tensors in state.buffers.items():
-        flat.update({f"{kind}/{n}": view(i, t) for i, (n, t) in enumerate(zip(state.names, tensors))})
+        flat.update({f"{kind}/{n}": view(i, t) for i, (n, t) in enumerate(zip(state.names, tensors)) if t is not None})
     flat.update(_optimizer_tensors(state, wrap))
     flat.update(state.extra or {})
     return flat
@@ -460,7 +461,7 @@ def load(path: str | os.PathLike, state: StageState, ages: Sequence[int]) -> dic
                for a in ages for i, (n, t) in enumerate(zip(state.names, state.versions[a]))}
     for kind, tensors in state.buffers.items():  # absent from older/other runs' checkpoints: keep zeros
         request.update({f"{kind}/{n}": _global(state, i, t)
-                        for i, (n, t) in enumerate(zip(state.names, tensors)) if f"{kind}/{n}" in saved})
+                        for i, (n, t) in enumerate(zip(state.names, tensors)) if t is not None and f"{kind}/{n}" in saved})
     missing_extra = sorted(k for k in (state.extra or {}) if k not in saved)
     if missing_extra:
         raise ValueError(f"checkpoint {path} lacks {missing_extra[:3]}: it was saved without this state (e.g. "
@@ -480,7 +481,10 @@ def _allocate_optimizer_state(state: StageState, saved: dict) -> tuple[dict[str,
     for (the same buffers, wrapped as global DTensors where the parameter is sharded)."""
     local, request = {}, {}
     weights = state.versions[min(state.versions)]
+    stepped = _stepped(state)
     for i, (name, p) in enumerate(zip(state.names, state.opt_params)):
+        if id(p) not in stepped:  # the distributed optimizer: another DP rank owns this parameter's state
+            continue
         prefix = f"optim/{name}/"
         full_shape = tuple(_global(state, i, weights[i]).shape)
         for key, meta in saved.items():
@@ -492,6 +496,11 @@ def _allocate_optimizer_state(state: StageState, saved: dict) -> tuple[dict[str,
             else:
                 local[key] = request[key] = torch.empty(meta.size, dtype=meta.properties.dtype, device=p.device)
     return local, request
+
+
+def _stepped(state: StageState) -> set[int]:
+    """Ids of the parameters this rank's optimizer steps (under the distributed optimizer, its share)."""
+    return {id(p) for opt in _optimizers(state.optimizer) for g in opt.param_groups for p in g["params"]}
 
 
 def _install_optimizer_state(state: StageState, tensors: dict[str, Tensor]) -> None:

@@ -55,6 +55,14 @@ def _layouts() -> dict[str, Layout]:
         Layout("2bw-P2-TP2", make_config(model={"name": "tiny_moe"}, parallel={"pp": 2, "tp": 2}, train=short)),
         Layout("2bw-P2-EP2", make_config(model={"name": "tiny_moe"}, parallel={"pp": 2, "dp": 2, "ep": 2},
                                          train=short)),
+        # The distributed optimizer: reduces to the owners, the broadcast of x_{t+1} waited for at its first
+        # read, the norm over the whole job; with an evaluation drain and a checkpoint of the sharded state.
+        Layout("2bw-P2-DP2-zero", make_config(parallel={"pp": 2, "dp": 2, "distributed_optimizer": True},
+                                              train={**short, "eval_every": 2}, staleness={"ef_lambda": 1.0},
+                                              checkpoint={"enabled": True, "every": 2})),
+        Layout("2bw-P2-EP2-zero", make_config(model={"name": "tiny_moe"},
+                                              parallel={"pp": 2, "dp": 2, "ep": 2, "distributed_optimizer": True},
+                                              train=short)),
         Layout("2bw-P2-checkpoint", make_config(parallel={"pp": 2}, train=short,
                                                 checkpoint={"enabled": True, "every": 2})),
         Layout("2bw-P2-stop-midsegment", make_config(parallel={"pp": 2}, train={**short, "steps": 9},
@@ -70,9 +78,9 @@ def _layouts() -> dict[str, Layout]:
 
 
 LAYOUTS = _layouts()
-FAST = ("2bw-P2-DP2", "1f1b-P3", "megatron-2bw-P2", "2bw-P2-stop-midsegment")
+FAST = ("2bw-P2-DP2", "1f1b-P3", "megatron-2bw-P2", "2bw-P2-stop-midsegment", "2bw-P2-DP2-zero")
 """Recorded in the default suite (2BW with DP, tied embeddings, a sync start and an evaluation drain; a
-middle stage; the Megatron loop; a stream cut short by a stop); the rest is `slow`."""
+middle stage; the Megatron loop; a stream cut short by a stop; the distributed optimizer); the rest is `slow`."""
 
 
 def recorded_pipeline(rank: int, cfg_dict: dict) -> list:
