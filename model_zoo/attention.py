@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model_zoo.init import GlobalRNG, Initializer
 from model_zoo.layers import RotaryEmbedding, apply_rotary
 
 
@@ -39,7 +40,8 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
-    def init_weights(self, std: float, out_std: float) -> None:
+    def init_weights(self, std: float, out_std: float, init: Initializer | None = None) -> None:
+        init = init or GlobalRNG()
         for proj in (self.q_proj, self.k_proj, self.v_proj):
-            nn.init.normal_(proj.weight, mean=0.0, std=std)
-        nn.init.normal_(self.o_proj.weight, mean=0.0, std=out_std)
+            init.normal_(proj.weight, std)
+        init.normal_(self.o_proj.weight, out_std)
