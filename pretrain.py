@@ -104,7 +104,7 @@ def run(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.train.device)
     data = build_data(cfg, model_cfg)
-    model = build_model(model_cfg, device=device)
+    model = build_model(model_cfg, device=device, seed=cfg.seed)
     metrics = make_metrics(cfg, model_cfg)
     # Layers swapped (train.backend) and compiled before the optimizer sees their Parameters.
     prepare_model(model, backend=cfg.train.backend, compile=cfg.train.compile, device=device, log=metrics.message)
@@ -156,30 +156,12 @@ def optimizer_for(cfg: RunConfig, mesh):
     return build
 
 
-def parallelize_stage(mesh, sequence_parallel: bool = False):
-    """The TP/EP plan of a pipeline stage: stage -> (its ShardingPlan, the loss for its logits), or
-    None when the layout has neither (the stage then stays the plain pruned model)."""
-    from asyncpp.parallel.tp import logits_loss_for
-    from model_zoo.parallelize import apply_tensor_parallel
-
-    dims = mesh.dims
-    if dims.tp == 1 and dims.ep == 1:
-        return None
-
-    def apply(stage):
-        plan = apply_tensor_parallel(stage, mesh.tp_group if dims.tp > 1 else None,
-                                     ep_group=mesh.ep_group if dims.ep > 1 else None,
-                                     sequence_parallel=sequence_parallel and dims.tp > 1)
-        return plan, logits_loss_for(stage)
-
-    return apply
-
-
 def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
     """One pipeline stage per rank (torchrun). Validated before the process group exists."""
     import torch.distributed as dist
 
     from asyncpp.parallel.mesh import Mesh, ParallelDims, init_distributed
+    from asyncpp.pipeline.build import build_rank_stage
     from asyncpp.pipeline.executor import PipelineExecutor
 
     p = cfg.parallel
@@ -202,18 +184,16 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
         if mesh.rank == 0:
             dist.barrier()
         torch.manual_seed(cfg.seed)
-        model = build_model(model_cfg, device=device)
         metrics = make_metrics(cfg, model_cfg) if mesh.is_writer else None
         if cfg.train.backend != "local" and (p.tp > 1 or p.ep > 1):
             raise ConfigError(f"train.backend={cfg.train.backend} is not combined with tensor/expert parallelism yet "
                               f"(parallel.tp={p.tp}, parallel.ep={p.ep}); use train.backend=local")
-        # On the whole model, before PipelineExecutor prunes it to this stage (compilation is lazy: free for
-        # the blocks other stages own) and builds the stage's optimizer on the swapped Parameters.
-        prepare_model(model, backend=cfg.train.backend, compile=cfg.train.compile, device=device,
+        stage = build_rank_stage(cfg, model_cfg, mesh, device)  # only this rank's layers and shards
+        # Layers swapped and compiled before the optimizer is built on the stage's Parameters.
+        prepare_model(stage.model, backend=cfg.train.backend, compile=cfg.train.compile, device=device,
                       log=metrics.message if metrics is not None else (lambda text: None))
-        executor = PipelineExecutor(cfg, model, mesh, data, optimizer_for(cfg, mesh),
-                                    parallelize=parallelize_stage(mesh, cfg.parallel.sequence_parallel))
-        _print_stage_memory(cfg, model_cfg, mesh, executor, metrics)
+        executor = PipelineExecutor(cfg, stage, mesh, data, optimizer_for(cfg, mesh))
+        _print_stage_memory(mesh, executor, metrics)
         trainer = Trainer(cfg, executor, metrics, stop=STOP)
         trainer.resume()
         summary = {}
@@ -236,14 +216,11 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
         dist.destroy_process_group()
 
 
-def _print_stage_memory(cfg: RunConfig, model_cfg: ModelConfig, mesh, run, metrics) -> None:
+def _print_stage_memory(mesh, run, metrics) -> None:
     """Every stage's memory table (tp/dp rank 0 of each), printed once by the metrics rank. Collective."""
     import torch.distributed as dist
 
-    from asyncpp.analysis.dryrun import stage_memory
-
-    e = run.engine
-    mine = stage_memory(cfg, model_cfg, mesh, run.spec, e.versions, e.optimizer, e.error_feedback.prev_update)
+    mine = run.memory_plan()
     tables = [None] * dist.get_world_size()
     dist.all_gather_object(tables, mine.table() if mesh.dp_rank == 0 and mesh.tp_rank == 0 else None)
     if metrics is not None:
@@ -254,12 +231,11 @@ def run_dry(cfg: RunConfig, model_cfg: ModelConfig, echo=print) -> list[dict]:
     """dry_run=N: the layout at N ranks on a fake process group (asyncpp/analysis/dryrun.py); trains nothing.
     Writes <out_dir>/dry_run.json and returns the per-stage reports."""
     from asyncpp.analysis.dryrun import dry_run
-    from asyncpp.pipeline.stage import prune_to_stage
+    from asyncpp.pipeline.build import build_rank_stage
 
     def build_stage(mesh, spec):
-        stage = prune_to_stage(build_model(model_cfg, device="meta"), spec)
-        apply = parallelize_stage(mesh, cfg.parallel.sequence_parallel)
-        return (stage, apply(stage)[0]) if apply is not None else (stage, {})
+        stage = build_rank_stage(cfg, model_cfg, mesh, "meta")  # the real run's build, stopped before allocating
+        return stage.model, stage.sharding
 
     return dry_run(cfg, model_cfg, cfg.dry_run, build_stage,
                    lambda stage, plan, mesh: optimizer_for(cfg, mesh)(stage, plan),

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model_zoo.init import GlobalRNG, Initializer
 from model_zoo.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 
@@ -49,13 +50,14 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return project_out(self, out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim), x)
 
-    def init_weights(self, std: float, out_std: float) -> None:
+    def init_weights(self, std: float, out_std: float, init: Initializer | None = None) -> None:
+        init = init or GlobalRNG()
         for proj in (self.q_proj, self.k_proj, self.v_proj):
-            nn.init.normal_(proj.weight, mean=0.0, std=std)
-        nn.init.normal_(self.o_proj.weight, mean=0.0, std=out_std)
+            init.normal_(proj.weight, std)
+        init.normal_(self.o_proj.weight, out_std)
         # The options draw only when enabled, after the plain layer's tensors: a model without them draws as before.
         if self.gate_proj is not None:
-            nn.init.normal_(self.gate_proj.weight, mean=0.0, std=std)
+            init.normal_(self.gate_proj.weight, std)
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.init_weights()

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model_zoo.backends.kernels import fla_chunk_gated_delta_rule
+from model_zoo.init import GlobalRNG, Initializer
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> None:
@@ -218,26 +219,32 @@ class GatedDeltaNet(nn.Module):
         self.reset_parameters(std=0.02)
 
     @torch.no_grad()
-    def reset_parameters(self, std: float, out_std: float | None = None) -> None:
+    def reset_parameters(self, std: float, out_std: float | None = None, init: Initializer | None = None) -> None:
         """Linear weights ~ N(0, std); o_proj ~ N(0, out_std), default std.
 
         o_proj writes into the residual stream, so builders usually pass out_std = std / sqrt(2 * n_layers)
         (GPT-2 / Megatron scaled init) to keep the residual variance from growing with depth; this layer
         does not know the depth, hence the argument.
         """
+        init = init or GlobalRNG()
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj):
-            nn.init.normal_(lin.weight, mean=0.0, std=std)
-        nn.init.normal_(self.o_proj.weight, mean=0.0, std=std if out_std is None else out_std)
+            init.normal_(lin.weight, std)
+        init.normal_(self.o_proj.weight, std if out_std is None else out_std)
+        # PyTorch's Conv1d default (kaiming-uniform, a=sqrt(5)), as FLA / HF Qwen3-Next keep it:
+        # U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = in_channels / groups * kernel = conv_size (depthwise).
+        bound = 1.0 / math.sqrt(self.conv_size)
         for conv in (self.conv_q, self.conv_k, self.conv_v):
-            conv.reset_parameters()  # PyTorch's kaiming-uniform default, as FLA / HF Qwen3-Next keep it
+            init.uniform_(conv.weight, -bound, bound)
         # Mamba2 / FLA init: decay rate A ~ U[1, 16] stored as log; step dt log-uniform in
         # [1e-3, 1e-1] (floored at 1e-4) stored through the inverse softplus, so that
         # softplus(dt_bias) == dt at init and g = -A * dt spans slow and fast forgetting heads.
-        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
-        log_lo, log_hi = math.log(1e-3), math.log(1e-1)
-        dt = (torch.rand_like(self.dt_bias) * (log_hi - log_lo) + log_lo).exp().clamp(min=1e-4)
+        # Elementwise transforms after the draw: they commute with any slice (model_zoo/init.py).
+        init.uniform_(self.A_log, 1.0, 16.0)
+        self.A_log.log_()
+        init.uniform_(self.dt_bias, math.log(1e-3), math.log(1e-1))
+        dt = self.dt_bias.exp().clamp(min=1e-4)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
-        self.o_norm.reset_parameters()
+        init.ones_(self.o_norm.weight)
 
     def _causal_conv(self, conv: nn.Conv1d, x: Tensor) -> Tensor:
         """[B, T, C] -> [B, T, C]; left-pad by K-1 so position t sees only t-K+1..t."""

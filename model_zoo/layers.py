@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model_zoo.init import GlobalRNG, Initializer
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight, with the statistics taken in float32 so bf16 activations stay stable."""
@@ -19,8 +21,8 @@ class RMSNorm(nn.Module):
         # Normalise in fp32, scale in the activation dtype (the HF Llama order of operations).
         return F.rms_norm(x.float(), self.weight.shape, eps=self.eps).type_as(x) * self.weight
 
-    def init_weights(self) -> None:
-        nn.init.ones_(self.weight)
+    def init_weights(self, init: Initializer | None = None) -> None:
+        (init or GlobalRNG()).ones_(self.weight)
 
 
 def check_seq_len(seq_len: int, max_seq_len: int) -> None:
@@ -86,7 +88,8 @@ class SwiGLU(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.normal_(self.gate_proj.weight, mean=0.0, std=std)
-        nn.init.normal_(self.up_proj.weight, mean=0.0, std=std)
-        nn.init.normal_(self.down_proj.weight, mean=0.0, std=out_std)
+    def init_weights(self, std: float, out_std: float, init: Initializer | None = None) -> None:
+        init = init or GlobalRNG()
+        init.normal_(self.gate_proj.weight, std)
+        init.normal_(self.up_proj.weight, std)
+        init.normal_(self.down_proj.weight, out_std)

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from model_zoo.backends.kernels import cuda_capability
 from model_zoo.config import MoEConfig
+from model_zoo.init import GlobalRNG, Initializer
 from model_zoo.layers import SwiGLU
 
 _LOG = logging.getLogger(__name__)
@@ -371,14 +372,15 @@ class MoE(nn.Module):
             self.expert_bias = self.expert_bias.float()
         return self
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.normal_(self.router.weight, mean=0.0, std=std)
-        nn.init.normal_(self.w_gate, mean=0.0, std=std)
-        nn.init.normal_(self.w_up, mean=0.0, std=std)
-        nn.init.normal_(self.w_down, mean=0.0, std=out_std)
+    def init_weights(self, std: float, out_std: float, init: Initializer | None = None) -> None:
+        init = init or GlobalRNG()
+        init.normal_(self.router.weight, std)
+        init.normal_(self.w_gate, std)
+        init.normal_(self.w_up, std)
+        init.normal_(self.w_down, out_std)
         if self.shared_expert is not None:
-            self.shared_expert.init_weights(std, out_std)
-            nn.init.normal_(self.shared_gate.weight, mean=0.0, std=std)
+            self.shared_expert.init_weights(std, out_std, init)
+            init.normal_(self.shared_gate.weight, std)
         # to_empty() leaves the buffers uninitialised too.
         if self.expert_bias is not None:
             self.expert_bias.zero_()

@@ -8,6 +8,7 @@ cut `layers` into stages anywhere and ship a single activation between processes
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -15,6 +16,7 @@ from torch import Tensor, nn
 from model_zoo.attention import Attention
 from model_zoo.config import ModelConfig
 from model_zoo.gated_deltanet import GatedDeltaNet
+from model_zoo.init import Initializer, KeyedInit, ParamSlice
 from model_zoo.layers import RMSNorm, SwiGLU, check_seq_len
 from model_zoo.moe import MoE
 
@@ -51,14 +53,14 @@ class Block(nn.Module):
         h = h + self.mixer(self.mixer_norm(h))
         return h + self.mlp(self.mlp_norm(h))
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        self.mixer_norm.init_weights()
-        self.mlp_norm.init_weights()
+    def init_weights(self, std: float, out_std: float, init: Initializer | None = None) -> None:
+        self.mixer_norm.init_weights(init)
+        self.mlp_norm.init_weights(init)
         if isinstance(self.mixer, GatedDeltaNet):
-            self.mixer.reset_parameters(std, out_std)
+            self.mixer.reset_parameters(std, out_std, init)
         else:
-            self.mixer.init_weights(std, out_std)
-        self.mlp.init_weights(std, out_std)
+            self.mixer.init_weights(std, out_std, init)
+        self.mlp.init_weights(std, out_std, init)
 
 
 class CausalLM(nn.Module):
@@ -77,7 +79,7 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         """(Re)share the embedding with the head. Needed again after to_empty(), which gives every
         module its own fresh Parameter and so silently unties them."""
-        if self.config.tie_embeddings:
+        if self.config.tie_embeddings and hasattr(self, "embed") and hasattr(self, "lm_head"):
             self.lm_head.weight = self.embed.weight
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
@@ -98,20 +100,28 @@ class CausalLM(nn.Module):
         return self.head(h)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_weights(self, init: Initializer | None = None) -> None:
         """normal(0, init_std) for linears, experts and embeddings; ones for norms; GDN via its own
         reset_parameters (decay/conv params have their own schemes). With scale_residual_init, the
         projections that write into the residual stream use init_std / sqrt(2 * num_layers)
-        (GPT-2 / Megatron), since each of the 2 * num_layers residual branches adds variance."""
+        (GPT-2 / Megatron), since each of the 2 * num_layers residual branches adds variance.
+        Works on a pipeline stage too (layers it does not own are nn.Identity, its ends may be gone).
+        `init` defaults to the layout-free KeyedInit of this (whole, unsharded) model seeded by
+        torch.initial_seed()."""
         cfg = self.config
+        init = init or keyed_init(self, torch.initial_seed())
         std = cfg.init_std
         out_std = std / math.sqrt(2 * cfg.num_layers) if cfg.scale_residual_init else std
-        nn.init.normal_(self.embed.weight, mean=0.0, std=std)
+        if hasattr(self, "embed"):
+            init.normal_(self.embed.weight, std)
         for layer in self.layers:
-            layer.init_weights(std, out_std)
-        self.norm.init_weights()
-        if not cfg.tie_embeddings:
-            nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
+            if isinstance(layer, Block):
+                layer.init_weights(std, out_std, init)
+        if hasattr(self, "norm"):
+            self.norm.init_weights(init)
+        # A tied head is the embedding's Parameter (one stage), or a copy keyed as "embed.weight".
+        if hasattr(self, "lm_head") and not (cfg.tie_embeddings and hasattr(self, "embed")):
+            init.normal_(self.lm_head.weight, std)
 
     def moe_layers(self) -> list[MoE]:
         # getattr: a pipeline stage replaces the layers it does not own with nn.Identity.
@@ -142,16 +152,33 @@ class CausalLM(nn.Module):
         return stats
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> CausalLM:
+def keyed_init(model: CausalLM, seed: int, slice_of: Callable[[str, Tensor], ParamSlice] | None = None) -> KeyedInit:
+    """The layout-free initializer of `model` (whole, or a pipeline stage, possibly sharded: `slice_of`
+    says where each local tensor sits in the full model's). A tied head is keyed as the embedding."""
+    aliases = {"lm_head.weight": "embed.weight"} if model.config.tie_embeddings else {}
+    return KeyedInit.for_model(model, seed, slice_of, aliases)
+
+
+def materialize(model: CausalLM, device: str | torch.device, seed: int,
+                slice_of: Callable[[str, Tensor], ParamSlice] | None = None) -> CausalLM:
+    """Allocate a meta-device model (or stage, or shard of one) on `device` and initialize it: each
+    parameter from (seed, its full-model name, global shape, the slice held), model_zoo/init.py."""
+    model.to_empty(device=torch.device(device))
+    model.tie_weights()
+    init = keyed_init(model, seed, slice_of)
+    model.init_weights(init)
+    init.check_complete(model.named_parameters())
+    return model
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = None) -> CausalLM:
     """Construct on the meta device (no memory, no init cost), then materialise on `device` and
-    initialise. Same torch.manual_seed -> bit-identical weights. device="meta" returns the bare
-    skeleton (for counting or for a parallelize plan that materialises shards itself)."""
+    initialise. The weights are a function of `seed` alone (default torch.initial_seed(), i.e. what
+    torch.manual_seed last set), the same for every device and every parallel layout. device="meta"
+    returns the bare skeleton (for counting, or for a stage build that materialises shards itself)."""
     device = torch.device(device)
     with torch.device("meta"):
         model = CausalLM(cfg)
     if device.type == "meta":
         return model
-    model.to_empty(device=device)
-    model.tie_weights()
-    model.init_weights()
-    return model
+    return materialize(model, device, torch.initial_seed() if seed is None else seed)

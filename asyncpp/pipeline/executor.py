@@ -15,18 +15,18 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
-from asyncpp.core.loss import cross_entropy
 from asyncpp.core.records import DataSource, StepResult
 from asyncpp.core.update import Corrections, lr_multiplier_for
 from asyncpp.parallel.mesh import Mesh
-from asyncpp.parallel.sharding import ShardingPlan, global_view, layout_of
+from asyncpp.parallel.sharding import global_view, layout_of
+from asyncpp.pipeline.build import BuiltStage
 from asyncpp.pipeline.engine import StageEngine, StepRecord
 from asyncpp.pipeline.p2p import StageComm, naming_the_peer
-from asyncpp.pipeline.stage import StageSpec, prune_to_stage, stage_forward, tied_parameters
+from asyncpp.pipeline.stage import stage_forward, tied_parameters
 from asyncpp.pipeline.stopping import STOP_LAG, ActionStream, StopAgreement, stop_lookahead
 from asyncpp.pipeline.transfer import to_device
 from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
@@ -35,9 +35,6 @@ from asyncpp.schedules.build import build_schedule
 from asyncpp.schedules.registry import kind_of, step_delay
 from asyncpp.train import checkpoint as ckpt
 from asyncpp.train.preemption import CheckpointClock, StopFlag
-
-LossFn = Callable[[Tensor, Tensor], Tensor]
-Parallelize = Callable[[nn.Module], tuple[ShardingPlan, LossFn]]
 
 
 def segment_actions(kind: str, stage: int, P: int, m: int, delays: Sequence[int], t0: int, t1: int) -> list[Action]:
@@ -60,11 +57,9 @@ class PipelineExecutor:
     stops_at_any_step = False
     """A stop ends a segment at the step every rank agrees on (steps(), stopping.py), not after any step."""
 
-    def __init__(self, cfg: RunConfig, model: nn.Module, mesh: Mesh, data: DataSource, build_optimizer,
-                 parallelize: Parallelize | None = None):
-        """`parallelize(stage_model)` applies the model's TP/EP plan to the pruned stage in place and
-        returns (its ShardingPlan, the loss function for its logits); None = no TP/EP.
-        `build_optimizer(stage_model, sharding_plan)` builds the stage's optimizer."""
+    def __init__(self, cfg: RunConfig, stage: BuiltStage, mesh: Mesh, data: DataSource, build_optimizer):
+        """`stage` is this rank's built part of the model (asyncpp/pipeline/build.py: pruned, sharded,
+        initialized); `build_optimizer(stage_model, sharding_plan)` builds the stage's optimizer."""
         self.cfg, self.mesh, self.data = cfg, mesh, data
         self.is_writer = mesh.is_writer
         self.decides_time = mesh.rank == 0  # rank 0's clock decides timed checkpoints (CheckpointClock)
@@ -73,9 +68,10 @@ class PipelineExecutor:
         self._started: float | None = None  # set when the first segment starts (the timeline's origin)
         self._last_end = math.nan  # when the last stage finished the previous logged step's backward
         self._last_loss = math.nan  # the last logged step's loss (last stage; nan elsewhere)
-        self.spec = StageSpec(mesh.pp_rank, mesh.num_stages, len(model.layers), cfg.parallel.stage_layers)
-        self.model = prune_to_stage(model, self.spec)
-        self.sharding, self.loss_fn = parallelize(self.model) if parallelize is not None else ({}, cross_entropy)
+        if stage.spec.stage != mesh.pp_rank or stage.spec.num_stages != mesh.num_stages:
+            raise ValueError(f"the stage was built for stage {stage.spec.stage} of {stage.spec.num_stages}, "
+                             f"but this rank is stage {mesh.pp_rank} of {mesh.num_stages}")
+        self.spec, self.model, self.sharding, self.loss_fn = stage.spec, stage.model, stage.sharding, stage.loss_fn
         self.m = cfg.train.num_microbatches
         self.stop_lookahead = stop_lookahead(cfg.schedule.name, mesh.num_stages)
         self._agreement: StopAgreement | None = None  # created by the first segment, on every rank
@@ -91,7 +87,7 @@ class PipelineExecutor:
         versions = WeightVersions(
             params, kind.num_buffers(self.spec.stage, mesh.num_stages, weight_prediction=predict), compute_dtype=dtype,
             predict_delay=kind.stage_delay(self.spec.stage, mesh.num_stages) if predict else 0)
-        hidden = model.config.hidden_size
+        hidden = self.model.config.hidden_size
         # Under sequence parallelism a stage boundary carries this TP rank's sequence shard only.
         seq = cfg.train.seq_len // mesh.dims.tp if cfg.parallel.sequence_parallel else cfg.train.seq_len
         comm = StageComm(mesh, (cfg.train.micro_batch_size, seq, hidden), dtype,
@@ -243,6 +239,14 @@ class PipelineExecutor:
             "mean_backward_s_per_rank": [s.get("B", math.nan) for s in per_stage],
             "mean_update_s_per_rank": [s.get("U", 0.0) + s.get("U0", 0.0) for s in per_stage],
         }
+
+    def memory_plan(self):
+        """This rank's planned memory (asyncpp/analysis/memory.py), from its real tensors and schedule."""
+        from asyncpp.analysis.dryrun import stage_memory
+
+        e = self.engine
+        return stage_memory(self.cfg, self.model.config, self.mesh, self.spec, e.versions, e.optimizer,
+                            e.error_feedback.prev_update)
 
     # ---- checkpoints ------------------------------------------------------------------------
     def stage_state(self, extra: dict[str, Tensor] | None = None) -> ckpt.StageState:

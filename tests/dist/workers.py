@@ -9,6 +9,7 @@ import pretrain
 from asyncpp.config import RunConfig
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.optim import build_from_config
+from asyncpp.pipeline.build import build_rank_stage
 from asyncpp.pipeline.executor import PipelineExecutor
 from asyncpp.train.trainer import Trainer
 from asyncpp.reference.executor import build_simulator, evaluate
@@ -84,9 +85,8 @@ def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     dims = ParallelDims.for_world(torch.distributed.get_world_size(), pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
     mesh = Mesh(dims, torch.device("cpu"))
     torch.manual_seed(cfg.seed)
-    model = build_model(model_cfg)
-    run = PipelineExecutor(cfg, model, mesh, data_for(cfg, model_cfg.vocab_size), pretrain.optimizer_for(cfg, mesh),
-                           parallelize=pretrain.parallelize_stage(mesh, p.sequence_parallel))
+    stage = build_rank_stage(cfg, model_cfg, mesh, "cpu")
+    run = PipelineExecutor(cfg, stage, mesh, data_for(cfg, model_cfg.vocab_size), pretrain.optimizer_for(cfg, mesh))
     sink = Collect()
     trainer = Trainer(cfg, run, sink)
     trainer.resume()

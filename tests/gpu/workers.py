@@ -39,6 +39,7 @@ def gpu_pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     os.environ["LOCAL_RANK"] = "0"  # both ranks share GPU 0; DeviceMesh would otherwise pick cuda:LOCAL_RANK
     torch.cuda.set_device(0)
     from asyncpp.pipeline import executor as pipeline
+    from asyncpp.pipeline.build import build_rank_stage
 
     pipeline.StageComm = HostStagedComm
     cfg = RunConfig.from_dict(cfg_dict)
@@ -47,8 +48,8 @@ def gpu_pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     device = torch.device("cuda", 0)
     mesh = Mesh(ParallelDims.for_world(torch.distributed.get_world_size(), pp=cfg.parallel.pp), device)
     torch.manual_seed(cfg.seed)
-    model = build_model(model_cfg, device=device)
-    run = pipeline.PipelineExecutor(cfg, model, mesh, data_for(cfg, model_cfg.vocab_size),
+    stage = build_rank_stage(cfg, model_cfg, mesh, device)
+    run = pipeline.PipelineExecutor(cfg, stage, mesh, data_for(cfg, model_cfg.vocab_size),
                                     lambda stage, *_: build_from_config(stage, cfg.optimizer))
     sink = Collect()
     Trainer(cfg, run, sink).run()

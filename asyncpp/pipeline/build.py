@@ -1,0 +1,109 @@
+"""The one home of a rank's model build, for the real run and the dry run alike:
+
+    meta build -> prune to the stage -> TP/EP plan (shapes only) -> materialize the local shards on the
+    target device -> initialize them (model_zoo/init.py: a function of the seed, the parameter's
+    full-model name, its global shape and the slice this rank holds)
+
+so a rank never allocates a layer or a shard it does not own, and every layout (pp, tp, ep) starts from
+the same full-model weights as the single-process run. device="meta" stops before materializing (the dry
+run sizes memory from the shard shapes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from asyncpp.core.loss import cross_entropy
+from asyncpp.parallel.sharding import ParamSharding, ShardingPlan, layout_of
+from asyncpp.pipeline.stage import StageSpec, prune_to_stage
+from model_zoo import ModelConfig, build_model
+from model_zoo.init import ParamSlice
+from model_zoo.transformer import materialize
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+@dataclass
+class BuiltStage:
+    """What a rank trains: its pruned (and sharded) part of the model, named by full-model names."""
+
+    model: nn.Module
+    spec: StageSpec
+    sharding: ShardingPlan
+    """The TP/EP layout of every sharded parameter ({} without TP/EP)."""
+    loss_fn: LossFn
+    """The loss for the last stage's logits (vocabulary-parallel cross entropy when the head is sharded)."""
+
+
+@dataclass(frozen=True)
+class ShardCoords:
+    """This rank's position in the groups that split parameters (1 = not split)."""
+
+    tp_rank: int = 0
+    tp: int = 1
+    ep_rank: int = 0
+    ep: int = 1
+
+    @staticmethod
+    def of(mesh) -> ShardCoords:
+        d = mesh.dims
+        return ShardCoords(mesh.tp_rank if d.tp > 1 else 0, d.tp, mesh.ep_rank if d.ep > 1 else 0, d.ep)
+
+
+def param_slice(name: str, local_shape: torch.Size, layout: ParamSharding, at: ShardCoords) -> ParamSlice:
+    """Where the local piece of parameter `name` sits in the full tensor, from its layout. The plans
+    split with torch.chunk into equal parts (they refuse sizes that do not divide), so the global size is
+    the local size times the group size and the offset the rank times the local size."""
+    shape, offsets = list(local_shape), [0] * len(local_shape)
+    if layout.expert and at.ep > 1:  # experts along dim 0
+        offsets[0], shape[0] = at.ep_rank * shape[0], shape[0] * at.ep
+    if layout.is_tp_sharded and at.tp > 1:
+        d = layout.tp_dim
+        offsets[d], shape[d] = at.tp_rank * shape[d], shape[d] * at.tp
+    return ParamSlice(name, tuple(shape), tuple(offsets))
+
+
+Parallelize = Callable[[nn.Module], tuple[ShardingPlan, LossFn]]
+
+
+def build_stage(model_cfg: ModelConfig, spec: StageSpec, device: torch.device | str, seed: int,
+                parallelize: Parallelize | None = None, coords: ShardCoords = ShardCoords()) -> BuiltStage:
+    """This rank's stage: built on meta, pruned to `spec`, sharded by `parallelize` (the TP/EP plan, applied
+    on meta: shapes only), then, unless `device` is meta, allocated on `device` and initialized."""
+    model = prune_to_stage(build_model(model_cfg, device="meta"), spec)
+    sharding, loss_fn = parallelize(model) if parallelize is not None else ({}, cross_entropy)
+    if torch.device(device).type != "meta":
+        materialize(model, device, seed,
+                    lambda name, p: param_slice(name, p.shape, layout_of(sharding, name), coords))
+    return BuiltStage(model, spec, sharding, loss_fn)
+
+
+def tp_ep_plan(mesh, sequence_parallel: bool = False) -> Parallelize | None:
+    """The TP/EP plan of a stage on `mesh`: stage -> (its ShardingPlan, the loss for its logits), or None
+    when the layout has neither (the stage then stays the plain pruned model)."""
+    from asyncpp.parallel.tp import logits_loss_for
+    from model_zoo.parallelize import apply_tensor_parallel
+
+    dims = mesh.dims
+    if dims.tp == 1 and dims.ep == 1:
+        return None
+
+    def apply(stage: nn.Module) -> tuple[ShardingPlan, LossFn]:
+        plan = apply_tensor_parallel(stage, mesh.tp_group if dims.tp > 1 else None,
+                                     ep_group=mesh.ep_group if dims.ep > 1 else None,
+                                     sequence_parallel=sequence_parallel and dims.tp > 1)
+        return plan, logits_loss_for(stage)
+
+    return apply
+
+
+def build_rank_stage(cfg, model_cfg: ModelConfig, mesh, device: torch.device | str) -> BuiltStage:
+    """The stage this rank of `mesh` owns under run config `cfg` (seed, stage split, sequence parallelism)."""
+    p = cfg.parallel
+    spec = StageSpec(mesh.pp_rank, mesh.num_stages, model_cfg.num_layers, p.stage_layers)
+    return build_stage(model_cfg, spec, device, cfg.seed, tp_ep_plan(mesh, p.sequence_parallel),
+                       ShardCoords.of(mesh))
