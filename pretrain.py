@@ -43,13 +43,24 @@ register_resolvers()  # the run directory's name (configs/pretrain.yaml), before
 STOP = StopFlag()  # set by SIGTERM (slurm preemption); the loops checkpoint and stop at a step boundary
 
 
-def resolve(container: dict) -> tuple[RunConfig, ModelConfig]:
-    """Plain dict -> validated (RunConfig, ModelConfig). Raises ConfigError before anything is built."""
+def resolve(container: dict, world_size: int = 1) -> tuple[RunConfig, ModelConfig]:
+    """Plain dict -> validated (RunConfig, ModelConfig). Raises ConfigError before anything is built.
+
+    world_size > 1 (torchrun, a launcher checking a job it is about to submit, dry_run=N): parallel.dp is derived
+    from it first, so what depends on dp (train.global_batch_size's microbatch count) is checked at the
+    real layout, still before any process group exists."""
+    from asyncpp.parallel.mesh import ParallelDims
+
     cfg = RunConfig.from_dict(container)
     try:
         model_cfg = get_model_config(cfg.model.name, **(cfg.model.overrides or {}))
     except ValueError as e:
         raise ConfigError(f"model.overrides: {e}" if cfg.model.overrides else f"model.name: {e}") from None
+    ranks = cfg.dry_run or world_size  # dry_run=N lays the job out at N ranks
+    if ranks > 1:
+        p = cfg.parallel
+        dims = ParallelDims.for_world(ranks, pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
+        cfg = cfg.replace(parallel=dataclasses.replace(p, dp=dims.dp))
     return cfg.validate(model_cfg), model_cfg
 
 
@@ -268,7 +279,8 @@ def run_dry(cfg: RunConfig, model_cfg: ModelConfig, echo=print) -> list[dict]:
 def main(dcfg: DictConfig) -> float:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
-        cfg, model_cfg = resolve(OmegaConf.to_container(dcfg, resolve=True))
+        cfg, model_cfg = resolve(OmegaConf.to_container(dcfg, resolve=True),
+                                 world_size=int(os.environ.get("WORLD_SIZE", "1")))
         if cfg.dry_run:
             run_dry(cfg, model_cfg)
             return float("nan")
