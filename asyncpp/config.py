@@ -94,6 +94,9 @@ class TrainConfig:
     (`pip install -e .[gpu]`). model_zoo/backends, docs/gpu.md."""
     compile: bool = False
     """torch.compile each transformer block (one graph per block, reused by every pipeline stage)."""
+    peak_tflops: float | None = None
+    """Per-device peak TFLOP/s for the log's MFU; None = the device table (asyncpp/train/throughput.py:
+    H100/H200/A100), and no MFU on a CPU."""
 
     def __post_init__(self) -> None:
         # Without a global batch size the microbatch count needs no dp: fill it in at once, so a config built
@@ -383,6 +386,9 @@ def _check_train(cfg: RunConfig, model: ModelLimits) -> None:
         )
     if t.timeout_s <= 0:
         raise ConfigError(f"train.timeout_s={t.timeout_s} must be > 0 (seconds)")
+    if t.peak_tflops is not None and t.peak_tflops <= 0:
+        raise ConfigError(f"train.peak_tflops={t.peak_tflops} must be > 0 (a device's peak TFLOP/s, e.g. "
+                          "train.peak_tflops=989 for an H100 in bf16), or null to look the device up")
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     if t.eval_every < 0:

@@ -53,6 +53,9 @@ class Executor(Protocol):
     def summary(self, wall_s: float) -> dict:
         """Executor-specific summary fields (the pipeline's bubble per stage; collective there)."""
 
+    def running_bubble(self) -> float | None:
+        """This rank's idle share of the time so far (a pipeline stage), None without a pipeline. Local."""
+
 
 def segment_bounds(total_steps: int, *every: int, start: int = 0) -> list[tuple[int, int]]:
     """Drain points: every multiple of each `every` (evaluation, checkpoint; 0 = never) and the end."""
@@ -165,8 +168,16 @@ class Trainer:
         record.update(RouterLoadStats.as_metrics(r.router_loads))
         if val_loss is not None:
             record["val_loss"] = val_loss
+        if self.executor.is_writer and self._log_line_due(r.step):
+            bubble = self.executor.running_bubble()
+            if bubble is not None:
+                record["bubble_fraction"] = bubble
         self.metrics.log(record)
         self._count_skip(r)
+
+    def _log_line_due(self, step: int) -> bool:
+        """The steps that end a log window (metrics.MetricsLogger prints its line there)."""
+        return (step + 1) % self.cfg.logging.log_every == 0 or step + 1 == self.cfg.train.steps
 
     def _count_skip(self, r: StepResult) -> None:
         """Every rank counts: the skip decision comes from the all-reduced norm, so all ranks see the same
