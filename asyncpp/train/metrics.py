@@ -73,6 +73,11 @@ def wandb_run_id(out_dir: str | os.PathLike) -> str:
     return path.read_text().strip()
 
 
+def line_due(step: int, total_steps: int, log_every: int, evaluated: bool = False) -> bool:
+    """Whether step `step` ends a log window: every log_every iterations, the last one, and evaluations."""
+    return (step + 1) % log_every == 0 or step + 1 == total_steps or evaluated
+
+
 class MetricsLogger:
     def __init__(
         self,
@@ -133,7 +138,7 @@ class MetricsLogger:
         self._bar.update(1)
         self._window.add(record)
         iteration = record["step"] + 1
-        if iteration % self.log_every == 0 or iteration == self.total_steps or "val_loss" in record:
+        if line_due(record["step"], self.total_steps, self.log_every, "val_loss" in record):
             self._logger.info(self.iteration_line(iteration, record))
             self._window = IterationWindow()
         if record["step"] % self.log_every == 0 or "val_loss" in record:

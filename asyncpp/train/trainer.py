@@ -19,6 +19,7 @@ from asyncpp.core.balancing import RouterLoadStats
 from asyncpp.core.records import StepResult
 from asyncpp.schedules.registry import is_sync_step
 from asyncpp.train.checkpoint import due
+from asyncpp.train.metrics import line_due
 from asyncpp.train.preemption import StopFlag
 
 
@@ -168,16 +169,13 @@ class Trainer:
         record.update(RouterLoadStats.as_metrics(r.router_loads))
         if val_loss is not None:
             record["val_loss"] = val_loss
-        if self.executor.is_writer and self._log_line_due(r.step):
+        if self.executor.is_writer and line_due(r.step, self.cfg.train.steps, self.cfg.logging.log_every,
+                                                val_loss is not None):
             bubble = self.executor.running_bubble()
             if bubble is not None:
                 record["bubble_fraction"] = bubble
         self.metrics.log(record)
         self._count_skip(r)
-
-    def _log_line_due(self, step: int) -> bool:
-        """The steps that end a log window (metrics.MetricsLogger prints its line there)."""
-        return (step + 1) % self.cfg.logging.log_every == 0 or step + 1 == self.cfg.train.steps
 
     def _count_skip(self, r: StepResult) -> None:
         """Every rank counts: the skip decision comes from the all-reduced norm, so all ranks see the same
