@@ -35,9 +35,10 @@ from asyncpp.train.metrics import MetricsLogger
 from asyncpp.train.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from asyncpp.train.preemption import StopFlag
 from asyncpp.train.run_identity import register_resolvers
+from asyncpp.train.throughput import Throughput, device_peak_tflops
 from asyncpp.train.timeline import write_run_timeline
 from asyncpp.train.trainer import EXIT_DIVERGED, Trainer, TrainingAborted
-from model_zoo import ModelConfig, build_model, count_parameters, get_model_config
+from model_zoo import ModelConfig, build_model, count_parameters, flops_per_token, get_model_config
 from model_zoo.backends import prepare_model
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -45,13 +46,24 @@ register_resolvers()  # the run directory's name (configs/pretrain.yaml), before
 STOP = StopFlag()  # set by SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C); the loops checkpoint and stop at a step boundary
 
 
-def resolve(container: dict) -> tuple[RunConfig, ModelConfig]:
-    """Plain dict -> validated (RunConfig, ModelConfig). Raises ConfigError before anything is built."""
+def resolve(container: dict, world_size: int = 1) -> tuple[RunConfig, ModelConfig]:
+    """Plain dict -> validated (RunConfig, ModelConfig). Raises ConfigError before anything is built.
+
+    world_size > 1 (torchrun, a launcher checking a job it is about to submit, dry_run=N): parallel.dp is derived
+    from it first, so what depends on dp (train.global_batch_size's microbatch count) is checked at the
+    real layout, still before any process group exists."""
+    from asyncpp.parallel.mesh import ParallelDims
+
     cfg = RunConfig.from_dict(container)
     try:
         model_cfg = get_model_config(cfg.model.name, **(cfg.model.overrides or {}))
     except ValueError as e:
         raise ConfigError(f"model.overrides: {e}" if cfg.model.overrides else f"model.name: {e}") from None
+    ranks = cfg.dry_run or world_size  # dry_run=N lays the job out at N ranks
+    if ranks > 1:
+        p = cfg.parallel
+        dims = ParallelDims.for_world(ranks, pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
+        cfg = cfg.replace(parallel=dataclasses.replace(p, dp=dims.dp))
     return cfg.validate(model_cfg), model_cfg
 
 
@@ -118,12 +130,17 @@ def run(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
         trainer.resume()
         summary = trainer.run()
     finally:
-        metrics.close(summary)
-    metrics.message("summary: " + json.dumps(summary))
+        metrics.close(summary)  # logs the summary line
     return summary
 
 
-def make_metrics(cfg: RunConfig, model_cfg: ModelConfig) -> MetricsLogger:
+def make_metrics(cfg: RunConfig, model_cfg: ModelConfig, devices: int = 1, device=None) -> MetricsLogger:
+    """The writer's metrics; `devices` share each step's FLOPs (the world size; 1 in one process)."""
+    t, p = cfg.train, cfg.parallel
+    device = torch.device(cfg.train.device if device is None else device)
+    tokens_per_step = t.num_microbatches * t.micro_batch_size * t.seq_len * (p.dp or 1)
+    throughput = Throughput(flops_per_token(model_cfg, t.seq_len) * tokens_per_step, devices,
+                            device_peak_tflops(device, t.precision, t.peak_tflops))
     metrics = MetricsLogger(
         cfg.out_dir,
         total_steps=cfg.train.steps,
@@ -133,14 +150,16 @@ def make_metrics(cfg: RunConfig, model_cfg: ModelConfig) -> MetricsLogger:
         run_name=cfg.logging.run_name,
         progress=cfg.logging.progress,
         log_every=cfg.logging.log_every,
+        tokens_per_step=tokens_per_step,
+        throughput=throughput,
+        device=str(device),
     )
     counts = count_parameters(model_cfg)
-    t, p = cfg.train, cfg.parallel
     metrics.message(
         f"asyncpp: model={model_cfg.name} ({counts.total / 1e6:.2f}M params, {counts.active / 1e6:.2f}M active) "
         f"optimizer={cfg.optimizer.name} schedule={cfg.schedule.name} pp={p.pp} dp={p.dp} tp={p.tp} ep={p.ep} "
         f"ef_lambda={cfg.staleness.ef_lambda} m={t.num_microbatches} "
-        f"tokens/step={t.num_microbatches * t.micro_batch_size * t.seq_len * (p.dp or 1)} out_dir={cfg.out_dir}"
+        f"global_batch={t.global_batch_size} tokens/step={tokens_per_step} out_dir={cfg.out_dir}"
     )
     return metrics
 
@@ -184,7 +203,7 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
         if mesh.rank == 0:
             dist.barrier()
         torch.manual_seed(cfg.seed)
-        metrics = make_metrics(cfg, model_cfg) if mesh.is_writer else None
+        metrics = make_metrics(cfg, model_cfg, dims.world_size, device) if mesh.is_writer else None
         if cfg.train.backend != "local" and (p.tp > 1 or p.ep > 1):
             raise ConfigError(f"train.backend={cfg.train.backend} is not combined with tensor/expert parallelism yet "
                               f"(parallel.tp={p.tp}, parallel.ep={p.ep}); use train.backend=local")
@@ -206,8 +225,7 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
         finally:
             if metrics is not None:
                 (Path(cfg.out_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-                metrics.close(summary)
-                metrics.message("summary: " + json.dumps(summary))
+                metrics.close(summary)  # logs the summary line
         # No rank tears its process group down while a peer may still talk to it (gloo aborts the
         # process with "terminate called without an active exception" otherwise).
         dist.barrier()
@@ -246,7 +264,8 @@ def run_dry(cfg: RunConfig, model_cfg: ModelConfig, echo=print) -> list[dict]:
 def main(dcfg: DictConfig) -> float:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
-        cfg, model_cfg = resolve(OmegaConf.to_container(dcfg, resolve=True))
+        cfg, model_cfg = resolve(OmegaConf.to_container(dcfg, resolve=True),
+                                 world_size=int(os.environ.get("WORLD_SIZE", "1")))
         if cfg.dry_run:
             run_dry(cfg, model_cfg)
             return float("nan")

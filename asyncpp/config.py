@@ -63,11 +63,20 @@ class ParallelConfig:
     no-op, as in Megatron. Not with the gradient corrections (staleness.dc_lambda, grad_ef_lambda)."""
 
 
+#: train.num_microbatches when neither it nor train.global_batch_size is given.
+DEFAULT_MICROBATCHES = 4
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     steps: int = 300
     micro_batch_size: int = 8
-    num_microbatches: int = 4
+    num_microbatches: int | None = None
+    """Microbatches per step per DP replica (m). None: derived from global_batch_size, else
+    DEFAULT_MICROBATCHES. Read it from a validated config (RunConfig.validate fills it in)."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step over all DP replicas (Megatron's --global-batch-size); m is derived as
+    global_batch_size / (micro_batch_size x dp), which must divide it. None = micro_batch_size x m x dp."""
     seq_len: int = 128
     grad_clip: float = 1.0
     """Global gradient-norm clip; 0 disables clipping (the norm is still logged)."""
@@ -90,15 +99,33 @@ class TrainConfig:
     (`pip install -e .[gpu]`). model_zoo/backends, docs/gpu.md."""
     compile: bool = False
     """torch.compile each transformer block (one graph per block, reused by every pipeline stage)."""
+    peak_tflops: float | None = None
+    """Per-device peak TFLOP/s for the log's MFU; None = the device table (asyncpp/train/throughput.py:
+    H100/H200/A100), and no MFU on a CPU."""
+
+    def __post_init__(self) -> None:
+        # Without a global batch size the microbatch count needs no dp: fill it in at once, so a config built
+        # in Python without validate() still reads a number. With one, validate() derives it from dp.
+        if self.num_microbatches is None and self.global_batch_size is None:
+            self.num_microbatches = DEFAULT_MICROBATCHES
 
 
 @dataclass(kw_only=True)
 class LRScheduleConfig:
     kind: Literal["constant", "cosine", "wsd"] = "cosine"
-    warmup_steps: int = 30
+    warmup_steps: int | None = None
+    """Linear warmup steps; None = round(warmup_fraction x train.steps), so any train.steps fits."""
+    warmup_fraction: float = 0.1
+    """The warmup's share of the run when warmup_steps is None (the paper's recipe: 10%)."""
     min_lr_ratio: float = 0.1
     decay_fraction: float = 0.2
     """WSD only: the final fraction of steps over which the LR decays."""
+
+    def warmup_for(self, total_steps: int) -> int:
+        """The warmup in steps for a run of `total_steps` (the one place the fraction is turned into steps)."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return round(self.warmup_fraction * total_steps)
 
 
 @dataclass(kw_only=True)
@@ -266,11 +293,55 @@ class RunConfig:
         return dataclasses.replace(self, **sections)
 
     def validate(self, model: ModelLimits) -> RunConfig:
-        """Cross-field checks. Raises ConfigError naming the field, the value and the fix."""
-        for check in (_check_finite, _check_run, _check_train, _check_parallel, _check_tp_ep, _check_optimizer,
+        """Cross-field checks, on the config with its derived values filled in (the microbatch count of
+        train.global_batch_size, the warmup of warmup_fraction). Returns that resolved config; raises
+        ConfigError naming the field, the value and the fix. Under torchrun, set parallel.dp from the
+        world size first (pretrain.resolve does), so the microbatch count is derived from the real dp."""
+        _check_finite(self, model)
+        cfg = _resolve_derived(self)
+        for check in (_check_run, _check_train, _check_parallel, _check_tp_ep, _check_optimizer,
                       _check_staleness, _check_data, _check_logging, _check_checkpoint):
-            check(self, model)
-        return self
+            check(cfg, model)
+        return cfg
+
+
+def derive_num_microbatches(t: TrainConfig, dp: int) -> int:
+    """train.num_microbatches of a config: given, derived from global_batch_size (which must split into
+    whole microbatches on every DP replica, and agree with an explicit m), or DEFAULT_MICROBATCHES."""
+    _positive("train.micro_batch_size", t.micro_batch_size)
+    if t.global_batch_size is None:
+        return DEFAULT_MICROBATCHES if t.num_microbatches is None else t.num_microbatches
+    _positive("train.global_batch_size", t.global_batch_size)
+    per_step = t.micro_batch_size * dp
+    m, rest = divmod(t.global_batch_size, per_step)
+    if rest or m < 1:
+        lower, upper = max(per_step, t.global_batch_size - rest), (m + 1) * per_step
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
+            f"{t.micro_batch_size} x dp={dp} = {per_step} (every replica runs whole microbatches); use "
+            f"train.global_batch_size={lower} or {upper}, or change train.micro_batch_size"
+        )
+    if t.num_microbatches is not None and t.num_microbatches != m:
+        raise ConfigError(
+            f"train.num_microbatches={t.num_microbatches} disagrees with train.global_batch_size="
+            f"{t.global_batch_size} / (train.micro_batch_size={t.micro_batch_size} x dp={dp}) = {m}; set only one "
+            "of them (train.num_microbatches=null derives it)"
+        )
+    return m
+
+
+def _resolve_derived(cfg: RunConfig) -> RunConfig:
+    """The config with its derived fields filled in; the checks below then see plain numbers."""
+    t, s = cfg.train, cfg.optimizer.schedule
+    if not 0.0 <= s.warmup_fraction <= 1.0:
+        raise ConfigError(f"optimizer.schedule.warmup_fraction={s.warmup_fraction} must be in [0, 1] (the share of "
+                          "train.steps spent warming up); e.g. optimizer.schedule.warmup_fraction=0.1")
+    _positive("train.steps", t.steps)
+    m = derive_num_microbatches(t, cfg.parallel.dp or 1)
+    warmup = s.warmup_for(t.steps)
+    train = dataclasses.replace(t, num_microbatches=m, global_batch_size=m * t.micro_batch_size * (cfg.parallel.dp or 1))
+    schedule = dataclasses.replace(s, warmup_steps=warmup)
+    return cfg.replace(train=train, optimizer=dataclasses.replace(cfg.optimizer, schedule=schedule))
 
 
 def _check_finite(cfg: RunConfig, model: ModelLimits) -> None:
@@ -325,6 +396,9 @@ def _check_train(cfg: RunConfig, model: ModelLimits) -> None:
         )
     if t.timeout_s <= 0:
         raise ConfigError(f"train.timeout_s={t.timeout_s} must be > 0 (seconds)")
+    if t.peak_tflops is not None and t.peak_tflops <= 0:
+        raise ConfigError(f"train.peak_tflops={t.peak_tflops} must be > 0 (a device's peak TFLOP/s, e.g. "
+                          "train.peak_tflops=989 for an H100 in bf16), or null to look the device up")
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     if t.eval_every < 0:
@@ -382,11 +456,6 @@ def _check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
             f"parallel.pp={p.pp} is more stages than model '{model.name}' has layers ({model.num_layers}); "
             f"set parallel.pp<={model.num_layers}"
         )
-    if p.stage_layers is None and model.num_layers % p.pp:
-        raise ConfigError(
-            f"model '{model.name}' has {model.num_layers} layers, which parallel.pp={p.pp} stages cannot share "
-            f"evenly; give an explicit split, e.g. parallel.stage_layers={_example_split(model.num_layers, p.pp)}"
-        )
     try:  # the registry knows which (P, m) each kind serves (2bw: m >= P)
         kind_of(cfg.schedule.name).check(p.pp, m)
     except ScheduleKindError as e:
@@ -434,11 +503,6 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _example_split(num_layers: int, pp: int) -> list[int]:
-    base, extra = divmod(num_layers, pp)
-    return [base + (1 if s < extra else 0) for s in range(pp)]
-
-
 def _check_optimizer(cfg: RunConfig, model: ModelLimits) -> None:
     o = cfg.optimizer
     if o.lr <= 0:
@@ -463,7 +527,9 @@ def _check_optimizer(cfg: RunConfig, model: ModelLimits) -> None:
     s = o.schedule
     if not 0 <= s.warmup_steps <= cfg.train.steps:
         raise ConfigError(
-            f"optimizer.schedule.warmup_steps={s.warmup_steps} must be in [0, train.steps={cfg.train.steps}]"
+            f"optimizer.schedule.warmup_steps={s.warmup_steps} must be in [0, train.steps={cfg.train.steps}]; "
+            f"lower it, or set optimizer.schedule.warmup_steps=null to warm up for optimizer.schedule."
+            f"warmup_fraction={s.warmup_fraction} of the run"
         )
     if not 0.0 <= s.min_lr_ratio <= 1.0:
         raise ConfigError(f"optimizer.schedule.min_lr_ratio={s.min_lr_ratio} must be in [0, 1]")
@@ -623,6 +689,7 @@ def _check_logging(cfg: RunConfig, model: ModelLimits) -> None:
 
 
 __all__ = [
+    "DEFAULT_MICROBATCHES",
     "SIMULATOR_ONLY_STALENESS",
     "SYNC_SCHEDULES",
     "CheckpointConfig",
@@ -639,5 +706,6 @@ __all__ = [
     "StalenessConfig",
     "TrainConfig",
     "check_pipeline_options",
+    "derive_num_microbatches",
     "simulator_only_options",
 ]

@@ -12,13 +12,8 @@ forward/backward):
                       as a middle pipeline stage: activation in, activation gradient in, ~1.6B parameters.
 tokens/s counts forward + backward of one microbatch (the optimizer is benchmarked separately: Muon rows).
 
-MFU = achieved FLOP/s / peak, peak = --peak-tflops (default 989: H100 SXM dense bf16). FLOPs per token of
-a training step (forward + backward = 3 x forward):
-  6 N              N = parameters a token multiplies in matmuls (q/k/v/o, GDN projections and convolutions,
-                   MLP/shared expert, router, top_k of the E experts, the LM head; not the embedding lookup);
-  + 6 T H hd       per attention layer (causal QK^T and AV, T/2 keys on average, 2 FLOPs per MAC);
-  + 3 H [6 Dk Dv + C (5 Dk + 3 Dv)]   per GDN layer (the chunked form's state and intra-chunk matmuls).
-This is the usual model-FLOPs convention (Chowdhery et al. 2022): recomputation and padding do not count.
+MFU = achieved FLOP/s / peak, peak = --peak-tflops (default 989: H100 SXM dense bf16). FLOPs per token come
+from model_zoo.flops_per_token (the one count; the training log's TFLOP/s and MFU use it too).
 """
 
 from __future__ import annotations
@@ -39,44 +34,10 @@ from torch import nn
 
 from asyncpp.analysis.memory import activation_bytes
 from asyncpp.reference.simulator import lm_loss
-from model_zoo import ModelConfig, build_model, get_model_config
+from model_zoo import ModelConfig, build_model, flops_per_token, get_model_config
 from model_zoo.backends import BACKENDS, BackendError, apply_backend, compile_blocks, probe_backend
 
 H100_BF16_DENSE_TFLOPS = 989.0
-
-
-# ---- FLOPs ---------------------------------------------------------------------------------------
-
-def matmul_params_per_token(cfg: ModelConfig, layers: range, head: bool) -> float:
-    """N of the 6N rule for these layers (+ the LM head): see the module docstring."""
-    h, n = cfg.hidden_size, 0.0
-    for i in layers:
-        if cfg.layer_types[i] == "attn":
-            n += h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-        else:
-            g = cfg.gdn
-            hk, hv = g.num_heads * g.head_k_dim, g.num_heads * g.head_v_dim
-            n += h * (2 * hk + 3 * hv + 2 * g.num_heads) + (2 * hk + hv) * g.conv_size
-        if cfg.moe is None:
-            n += 3 * h * cfg.ffn_hidden_size
-        else:
-            m = cfg.moe
-            n += h * m.num_experts + m.top_k * 3 * h * m.expert_ffn_hidden_size
-            if m.shared_expert_ffn_hidden_size:
-                n += 3 * h * m.shared_expert_ffn_hidden_size + h
-    return n + (h * cfg.vocab_size if head else 0)
-
-
-def flops_per_token(cfg: ModelConfig, layers: range, seq_len: int, head: bool) -> float:
-    total = 6 * matmul_params_per_token(cfg, layers, head)
-    for i in layers:
-        if cfg.layer_types[i] == "attn":
-            total += 6 * seq_len * cfg.num_heads * cfg.head_dim
-        else:
-            g = cfg.gdn
-            c = min(g.chunk_size, seq_len)
-            total += 3 * g.num_heads * (6 * g.head_k_dim * g.head_v_dim + c * (5 * g.head_k_dim + 3 * g.head_v_dim))
-    return total
 
 
 # ---- timing --------------------------------------------------------------------------------------
@@ -158,7 +119,7 @@ def bench_stage(w: Workload, backend: str, compiled: bool, args, device: torch.d
     step = w.step_fn(model, args.micro_batch_size, args.seq_len, device)
     seconds = timed(step, device, args.warmup, args.iters)
     tokens = args.micro_batch_size * args.seq_len
-    flops = flops_per_token(w.cfg, w.layers, args.seq_len, w.whole_model) * tokens
+    flops = flops_per_token(w.cfg, args.seq_len, w.layers, head=w.whole_model) * tokens
     act_est = activation_bytes(w.cfg, w.layers, dtype=torch.bfloat16, micro_batch_size=args.micro_batch_size,
                                seq_len=args.seq_len, first=w.whole_model, last=w.whole_model)
     row.update(seconds_per_microbatch=seconds, tokens_per_s=tokens / seconds, tflops=flops / seconds / 1e12,

@@ -134,8 +134,7 @@ def stage_costs(name: str, ep: int, num_stages: int, args: argparse.Namespace) -
     import torch
 
     from asyncpp.core.partition import param_stages, stage_layer_ranges
-    from bench.gpu import flops_per_token
-    from model_zoo import get_model_config
+    from model_zoo import flops_per_token, get_model_config
     from model_zoo.transformer import CausalLM
 
     cfg = get_model_config(name)
@@ -156,7 +155,7 @@ def stage_costs(name: str, ep: int, num_stages: int, args: argparse.Namespace) -
                for d, e in zip(dense, experts)]
     tokens, rate = args.micro_batch_size * args.seq_len, args.peak_tflops * 1e12 * args.mfu
     last = num_stages - 1
-    forward = [tokens * flops_per_token(cfg, r, args.seq_len, head=s == last) / 3 / rate
+    forward = [tokens * flops_per_token(cfg, args.seq_len, r, head=s == last) / 3 / rate
                for s, r in enumerate(stage_layer_ranges(cfg.num_layers, num_stages, sizes))]
     activation = tokens * cfg.hidden_size * 2  # bf16
     costs = OpCosts(forward, [2 * f for f in forward], comm=activation / bandwidth, dp_comm=dp_comm)

@@ -80,6 +80,9 @@ def default_prefix(cache_dir: Path | None = None, *, corpus: Path = DEFAULT_CORP
     if is_complete(prefix):
         return prefix
     prefix.parent.mkdir(parents=True, exist_ok=True)
+    # Tens of seconds on a small machine, once per cache: say so before the wait, not only after it.
+    print(f"[data] first use of {Path(corpus).name}: tokenizing it into {prefix}.bin/.idx (once; later runs "
+          "read the cache)", flush=True)
     stage = Path(tempfile.mkdtemp(dir=prefix.parent, prefix=f"{prefix.name}.", suffix=".tmp"))
     try:
         docs = sorted(read_corpus(Path(corpus)), key=lambda d: unit_hash(d["id"]))

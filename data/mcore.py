@@ -105,6 +105,7 @@ def ensure_helpers(build_dir: Path) -> None:
     out_dir = build_dir / f"megatron-core-{megatron.core.__version__}-helpers"
     so = out_dir / f"helpers_cpp{sysconfig.get_config_var('EXT_SUFFIX')}"
     if not so.is_file():
+        print(f"[data] compiling megatron-core's dataset helpers into {so.parent} (once)", flush=True)
         _compile_helpers(src, so)
     spec = importlib.util.spec_from_file_location(_HELPERS, so)
     module = importlib.util.module_from_spec(spec)

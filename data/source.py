@@ -144,6 +144,8 @@ class IndexedDataSource:
         if final.is_dir():
             return build_gpt_datasets(self.prefixes, self.weights, path_to_cache=final, **kwargs)
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=f"{key}.", suffix=".tmp"))
+        print(f"[data] building megatron-core's dataset indices for {len(self.prefixes)} prefix(es) (once for this "
+              f"data, seq_len, seed and sample count; cached in {final})", flush=True)
         try:
             built = build_gpt_datasets(self.prefixes, self.weights, path_to_cache=tmp, **kwargs)
             try:

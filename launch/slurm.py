@@ -5,11 +5,23 @@ meet through a c10d rendezvous on the first node, and pretrain.py gets the hydra
         model=smollm2_135m parallel.pp=4 schedule=2bw staleness.ef_lambda=1
     python -m launch.slurm --nodes 2 --gpus-per-node 8 --dry-run -- parallel.pp=4 schedule=2bw
 
+Before anything is rendered, the overrides are composed and validated exactly as pretrain.py will
+(launch/validate.py, a subprocess: pretrain.compose + resolve at the job's world size, nodes x ranks per
+node), so a typo or an impossible layout fails here and not after the job has queued (`--no-validate`
+skips it).
+
+On the node, the script cds to --workdir, runs the environment hook (`--env-setup`, repeatable: `module
+load ...`, `source <venv>/bin/activate`, ...; default: activate .venv of the checkout, relative to the
+job's working directory) and finds torchrun on PATH (or `--torchrun`, e.g. a container prefix). The
+rendezvous port is derived from the job id (or `--rdzv-port`), NCCL/InfiniBand and CPU binding variables
+get defaults that the submitting environment or `--env KEY=VALUE` override, and the run checkpoints every
+`--checkpoint-every` steps unless the overrides set checkpoint.every.
+
 Preemption and time limits: the job is `--requeue`d and gets SIGTERM 120 s before its end; the script
-passes it to the ranks (which checkpoint) and requeues itself. Its run directory is named after the run
-(logging.run_name, else the overrides: asyncpp/train/run_identity.py), not the job id, so a requeued job
-and a resubmission of the same command both resume there. A rank that dies is restarted by
-torchrun (`--max-restarts`). See docs/launch.md.
+passes it to the ranks (which checkpoint) and requeues itself, at most `--max-requeues` times
+(SLURM_RESTART_COUNT). Its run directory is named after the run (logging.run_name, else the overrides:
+asyncpp/train/run_identity.py), not the job id, so a requeued job and a resubmission of the same command
+both resume there. A rank that dies is restarted by torchrun (`--max-restarts`). See docs/launch.md.
 
 No torch import here: this runs on a login node.
 """
@@ -29,7 +41,7 @@ from pathlib import Path
 import jinja2
 
 from asyncpp.train.run_identity import explicit_name, run_name
-from launch.torchrun import ENTRY, REPO, default_torchrun, split_overrides, torchrun_args, with_device
+from launch.torchrun import ENTRY, REPO, split_overrides, torchrun_args, with_device
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 TEMPLATE = "sbatch.sh.j2"
@@ -56,13 +68,26 @@ class SlurmJob:
     requeue: bool = True
     signal_seconds: int = 120
     max_restarts: int = 3
-    rdzv_port: int = 29500
+    max_requeues: int = 10
+    """Requeues after SIGTERM (time limit, preemption) before the job stops for good (SLURM_RESTART_COUNT)."""
+    rdzv_port: int | None = None
+    """None: 20000 + SLURM_JOB_ID mod 20000, so two jobs sharing a head node do not collide."""
     log_dir: str = "logs/slurm"
     run_root: str = "outputs/slurm"
     workdir: str = str(REPO)
-    torchrun: str = field(default_factory=default_torchrun)
+    torchrun: str = "torchrun"
+    """The torchrun command on the node (found on PATH after env_setup), e.g. a container prefix
+    `apptainer exec --nv img.sif torchrun`."""
+    env_setup: list[str] | None = None
+    """Shell lines that make the environment on the node; None = activate .venv of the work directory."""
     env: list[str] = field(default_factory=list)
-    """Extra KEY=VALUE exports (e.g. NCCL_SOCKET_IFNAME=ib0, WANDB_MODE=offline)."""
+    """Extra KEY=VALUE exports, after the defaults (e.g. NCCL_SOCKET_IFNAME=ib0, WANDB_MODE=offline)."""
+    cpu_bind: str = "none"
+    """srun --cpu-bind: one task per node runs torchrun and all its ranks, so it must not be pinned to a core."""
+    gpu_bind: str | None = None
+    """srun --gpu-bind (None: slurm's default)."""
+    checkpoint_every: int = 500
+    """checkpoint.every for the run unless the overrides set it (a requeue loses at most this many steps)."""
     extra_sbatch: list[str] = field(default_factory=list)
     """Extra sbatch options, e.g. --constraint=h100."""
     overrides: list[str] = field(default_factory=list)
@@ -87,7 +112,9 @@ class SlurmJob:
             raise ValueError(f"--time={self.time!r} is not an sbatch time; use e.g. 24:00:00 or 2-00:00:00")
         if not _NAME.fullmatch(self.job_name):
             raise ValueError(f"--job-name={self.job_name!r} may use letters, digits and _.+- only")
-        if not 1024 <= self.rdzv_port <= 65535:
+        if self.max_requeues < 0 or self.checkpoint_every < 0:
+            raise ValueError("--max-requeues and --checkpoint-every must be >= 0")
+        if self.rdzv_port is not None and not 1024 <= self.rdzv_port <= 65535:
             raise ValueError(f"--rdzv-port={self.rdzv_port} must be in [1024, 65535]")
         for path in ("log_dir", "run_root", "workdir"):
             if re.search(r"\s", getattr(self, path)):
@@ -100,11 +127,40 @@ class SlurmJob:
             raise ValueError(f"--env {bad[0]!r} must be KEY=VALUE")
         return self
 
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def job_overrides(self) -> list[str]:
+        """What pretrain.py gets: the overrides, train.device=cuda on GPU nodes, a periodic checkpoint."""
+        overrides = with_device(self.overrides, "cuda") if self.gpus_per_node else list(self.overrides)
+        if self.checkpoint_every and not any(o.lstrip("+~").startswith("checkpoint.every=") for o in overrides):
+            overrides.append(f"checkpoint.every={self.checkpoint_every}")
+        return overrides
+
+
+DEFAULT_ENV_SETUP = [
+    "# the checkout's own environment, relative to the job's working directory (not the login node's path)",
+    "if [ -f .venv/bin/activate ]; then source .venv/bin/activate; fi",
+]
+
+
+def validate_config(job: SlurmJob, python: str = sys.executable) -> str:
+    """Compose and validate the job's overrides as pretrain.py will, at its world size, in a subprocess
+    (this module imports no torch). Returns the resolved layout line; raises ValueError with pretrain's
+    'config error: ...' message when the job would be refused."""
+    cmd = [python, "-m", "launch.validate", "--world-size", str(job.world_size), "--", *job.job_overrides()]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.splitlines() if line.startswith("config error:")]
+        raise ValueError(lines[-1] if lines else result.stderr.strip()[-2000:])
+    return result.stdout.strip()
+
 
 def render(job: SlurmJob, command_line: str = "python -m launch.slurm") -> str:
     """The sbatch script for `job` (validated)."""
     job.validate()
-    overrides = with_device(job.overrides, "cuda") if job.gpus_per_node else list(job.overrides)
+    overrides = job.job_overrides()
     quoted = [shlex.quote(o) for o in overrides]
     if not any(o.startswith("hydra.run.dir=") for o in overrides):
         quoted.insert(0, '"hydra.run.dir=$RUN_DIR"')  # expanded by the shell, not by hydra
@@ -134,8 +190,13 @@ def render(job: SlurmJob, command_line: str = "python -m launch.slurm") -> str:
                 "signal_seconds",
                 "rdzv_port",
                 "extra_sbatch",
+                "max_requeues",
+                "cpu_bind",
+                "gpu_bind",
             )
         },
+        env_setup=DEFAULT_ENV_SETUP if job.env_setup is None else job.env_setup,
+        torchrun_exe=shlex.split(job.torchrun)[0],
         nproc_per_node=job.ranks_per_node,
         log_dir=str(Path(job.workdir) / job.log_dir),  # absolute: `sbatch <script>` works from anywhere
         run_dir=shlex.quote(job.run_dir),
@@ -147,7 +208,7 @@ def render(job: SlurmJob, command_line: str = "python -m launch.slurm") -> str:
             nnodes=job.nodes,
             nproc_per_node=job.ranks_per_node,
             max_restarts=job.max_restarts,
-            rdzv_endpoint=f"$HEAD_NODE:{job.rdzv_port}",
+            rdzv_endpoint="$HEAD_NODE:$RDZV_PORT",
             rdzv_id="$SLURM_JOB_ID",
         ),
         entry=ENTRY,
@@ -185,7 +246,7 @@ def submit(job: SlurmJob, script: str) -> str:
     return result.stdout.strip().split(";")[0]  # --parsable prints "jobid[;cluster]"
 
 
-def parse_args(argv: list[str]) -> tuple[SlurmJob, bool]:
+def parse_args(argv: list[str]) -> tuple[SlurmJob, bool, bool]:
     options, overrides = split_overrides(argv)
     p = argparse.ArgumentParser(
         prog="python -m launch.slurm",
@@ -213,7 +274,19 @@ def parse_args(argv: list[str]) -> tuple[SlurmJob, bool]:
     p.add_argument(
         "--max-restarts", type=int, default=3, help="torchrun restarts of the group after a failure"
     )
-    p.add_argument("--rdzv-port", type=int, default=29500)
+    p.add_argument("--rdzv-port", type=int, help="default: 20000 + SLURM_JOB_ID mod 20000 (one per job)")
+    p.add_argument("--max-requeues", type=int, default=10,
+                   help="requeues after SIGTERM (time limit, preemption) before the job stops (default 10)")
+    p.add_argument("--env-setup", action="append", default=None, metavar="LINE",
+                   help="shell line run on the node before torchrun, e.g. 'module load cuda/12.4' or "
+                        "'source /shared/venv/bin/activate' (repeatable; default: source .venv/bin/activate "
+                        "of --workdir if present)")
+    p.add_argument("--cpu-bind", default="none", help="srun --cpu-bind (default none: torchrun's ranks share the node)")
+    p.add_argument("--gpu-bind", help="srun --gpu-bind (default: slurm's)")
+    p.add_argument("--checkpoint-every", type=int, default=500,
+                   help="checkpoint.every unless the overrides set it (default 500; 0 = leave it)")
+    p.add_argument("--no-validate", dest="check_config", action="store_false",
+                   help="do not compose and validate the overrides on this node before rendering")
     p.add_argument("--log-dir", default="logs/slurm", help="%%x-%%j.out/.err and the .sbatch go here")
     p.add_argument(
         "--run-root", default="outputs/slurm",
@@ -221,7 +294,9 @@ def parse_args(argv: list[str]) -> tuple[SlurmJob, bool]:
     )
     p.add_argument("--workdir", default=str(REPO), help="the asyncpp checkout on the compute nodes")
     p.add_argument(
-        "--torchrun", default=None, help="torchrun executable (default: the one beside this python)"
+        "--torchrun", default="torchrun",
+        help="torchrun command on the node (default: torchrun on PATH after --env-setup; may be a container "
+             "prefix such as 'apptainer exec --nv img.sif torchrun')"
     )
     p.add_argument(
         "--env", action="append", default=[], metavar="KEY=VALUE", help="extra export (repeatable)"
@@ -238,19 +313,23 @@ def parse_args(argv: list[str]) -> tuple[SlurmJob, bool]:
         "--dry-run", action="store_true", help="print the script and the sbatch command; submit nothing"
     )
     args = vars(p.parse_args(options))
-    dry_run = args.pop("dry_run")
-    if args["torchrun"] is None:
-        args.pop("torchrun")
+    dry_run, check_config = args.pop("dry_run"), args.pop("check_config")
     try:
         job = SlurmJob(**args, overrides=overrides).validate()
     except ValueError as e:
         p.error(str(e))
-    return job, dry_run
+    return job, dry_run, check_config
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    job, dry_run = parse_args(argv)
+    job, dry_run, check_config = parse_args(argv)
+    if check_config:
+        try:
+            print(validate_config(job), file=sys.stderr)
+        except ValueError as e:
+            print(f"{e}\nnothing submitted: fix the overrides (or pass --no-validate)", file=sys.stderr)
+            return 2
     recorded = [a for a in argv if a != "--dry-run"]
     script = render(job, "python -m launch.slurm " + shlex.join(recorded))
     if dry_run:

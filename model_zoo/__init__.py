@@ -1,7 +1,7 @@
 """Plain nn.Module models that know nothing about parallelism (see transformer.CausalLM)."""
 
 from model_zoo.config import GDNConfig, ModelConfig, MoEConfig
-from model_zoo.counting import ParamCount, count_parameters
+from model_zoo.counting import ParamCount, count_parameters, flops_per_token
 from model_zoo.moe import MoE
 from model_zoo.registry import MODEL_NAMES, get_model_config
 from model_zoo.transformer import Block, CausalLM, build_model
@@ -17,5 +17,6 @@ __all__ = [
     "ParamCount",
     "build_model",
     "count_parameters",
+    "flops_per_token",
     "get_model_config",
 ]

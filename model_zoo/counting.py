@@ -29,3 +29,46 @@ def count_parameters(cfg: ModelConfig) -> ParamCount:
     total = sum(p.numel() for p in model.parameters())  # parameters() already de-duplicates ties
     idle = sum((m.num_experts - m.top_k) * m.params_per_expert() for m in model.moe_layers())
     return ParamCount(total=total, active=total - idle)
+
+
+# ---- FLOPs: the one count (the training log's TFLOP/s and MFU, bench/gpu.py) ---------------------------
+#
+# FLOPs per token of a training step (forward + backward = 3 x forward):
+#   6 N              N = parameters a token multiplies in matmuls (q/k/v/o, GDN projections and convolutions,
+#                    MLP/shared expert, router, top_k of the E experts, the LM head; not the embedding lookup);
+#   + 6 T H hd       per attention layer (causal QK^T and AV, T/2 keys on average, 2 FLOPs per MAC);
+#   + 3 H [6 Dk Dv + C (5 Dk + 3 Dv)]   per GDN layer (the chunked form's state and intra-chunk matmuls).
+# The usual model-FLOPs convention (Chowdhery et al. 2022): recomputation and padding do not count.
+
+def matmul_params_per_token(cfg: ModelConfig, layers: range, head: bool) -> float:
+    """N of the 6N rule for these layers (+ the LM head)."""
+    h, n = cfg.hidden_size, 0.0
+    for i in layers:
+        if cfg.layer_types[i] == "attn":
+            n += h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+        else:
+            g = cfg.gdn
+            hk, hv = g.num_heads * g.head_k_dim, g.num_heads * g.head_v_dim
+            n += h * (2 * hk + 3 * hv + 2 * g.num_heads) + (2 * hk + hv) * g.conv_size
+        if cfg.moe is None:
+            n += 3 * h * cfg.ffn_hidden_size
+        else:
+            m = cfg.moe
+            n += h * m.num_experts + m.top_k * 3 * h * m.expert_ffn_hidden_size
+            if m.shared_expert_ffn_hidden_size:
+                n += 3 * h * m.shared_expert_ffn_hidden_size + h
+    return n + (h * cfg.vocab_size if head else 0)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, layers: range | None = None, head: bool = True) -> float:
+    """Training FLOPs (forward + backward) per token of `layers` (default: all) and, with `head`, the LM head."""
+    layers = range(cfg.num_layers) if layers is None else layers
+    total = 6 * matmul_params_per_token(cfg, layers, head)
+    for i in layers:
+        if cfg.layer_types[i] == "attn":
+            total += 6 * seq_len * cfg.num_heads * cfg.head_dim
+        else:
+            g = cfg.gdn
+            c = min(g.chunk_size, seq_len)
+            total += 3 * g.num_heads * (6 * g.head_k_dim * g.head_v_dim + c * (5 * g.head_k_dim + 3 * g.head_v_dim))
+    return total

@@ -76,7 +76,8 @@ class UpdateOutcome:
 def lr_multiplier_for(cfg) -> Callable[[int], float]:
     """step -> LR multiplier of cfg.optimizer.schedule over cfg.train.steps (one closure for both executors)."""
     s = cfg.optimizer.schedule
-    return functools.partial(lr_multiplier, total_steps=cfg.train.steps, warmup_steps=s.warmup_steps, kind=s.kind,
+    return functools.partial(lr_multiplier, total_steps=cfg.train.steps, warmup_steps=s.warmup_for(cfg.train.steps),
+                             kind=s.kind,
                              min_lr_ratio=s.min_lr_ratio, decay_fraction=s.decay_fraction)
 
 

@@ -222,6 +222,12 @@ class PipelineExecutor:
     def wait_saves(self) -> None:
         self.saver.wait()
 
+    def running_bubble(self) -> float | None:
+        """This stage's idle share since the first step (its timer's busy time over elapsed time). Local; on
+        CUDA it waits for the work queued so far (the log line reads it every logging.log_every steps)."""
+        elapsed = self.engine.timer.elapsed()
+        return 1.0 - self.engine.timer.busy() / elapsed if elapsed > 0 else None
+
     def summary(self, wall_s: float) -> dict:
         """Per-stage busy time and bubble (collective), both on the device's clock (the timer's)."""
         wall, busy = self.engine.timer.elapsed(), self.engine.timer.busy()

@@ -147,3 +147,6 @@ class ReferenceExecutor:
 
     def summary(self, wall_s: float) -> dict:
         return {}
+
+    def running_bubble(self) -> None:
+        return None  # one process runs every stage back to back: no pipeline, no bubble

@@ -1,8 +1,15 @@
-"""Per-step metrics: metrics.jsonl, summary.json, wandb and a console progress bar.
+"""Per-step metrics: metrics.jsonl, summary.json, wandb, the per-iteration log line and a progress bar.
 
 One writer per run (rank 0 / the last pipeline stage in multi-process runs), so a run directory holds
 exactly one metrics.jsonl whatever the number of ranks. Lines are flushed as they are written so a
 killed run keeps everything up to its last step.
+
+The console: every `log_every` iterations a Megatron-style line (iteration, consumed tokens, ms/iter,
+tokens/s, lr, loss, grad norm, skipped steps, bubble, peak memory, TFLOP/s, MFU), and every message, go
+through the `logging` module to stdout and to <out_dir>/pretrain.log. The writer attaches those handlers
+itself: under torchrun it is the last stage, a rank whose hydra job logging is off, and hydra's own
+pretrain.log belongs to rank 0. A tqdm bar with an ETA is drawn only when its stream is a terminal (in a
+redirected log or a slurm .err file it would be one long \r-separated line); log lines then print above it.
 
 Invariants across attempts (reruns, restarts, resumes) of one run directory:
 - metrics.jsonl holds each step at most once: an attempt's first record (its start step: 0, or the step
@@ -13,14 +20,23 @@ Invariants across attempts (reruns, restarts, resumes) of one run directory:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from asyncpp.train.throughput import Throughput, peak_memory_bytes
+
+LOG_FILE = "pretrain.log"
+LOG_FORMAT = "[%(asctime)s] %(message)s"
 
 
 def _jsonable(value: Any) -> Any:
@@ -57,6 +73,11 @@ def wandb_run_id(out_dir: str | os.PathLike) -> str:
     return path.read_text().strip()
 
 
+def line_due(step: int, total_steps: int, log_every: int, evaluated: bool = False) -> bool:
+    """Whether step `step` ends a log window: every log_every iterations, the last one, and evaluations."""
+    return (step + 1) % log_every == 0 or step + 1 == total_steps or evaluated
+
+
 class MetricsLogger:
     def __init__(
         self,
@@ -69,13 +90,25 @@ class MetricsLogger:
         run_name: str | None = None,
         progress: bool = True,
         log_every: int = 10,
+        tokens_per_step: int | None = None,
+        throughput: Throughput | None = None,
+        device: str = "cpu",
     ):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.out_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - open until close()
         self._rewound = False  # until this attempt's first record has dropped what it will rewrite
-        self.log_every = log_every
-        self._bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True, disable=not progress)
+        self.log_every, self.total_steps = log_every, total_steps
+        self.tokens_per_step, self.throughput, self.device = tokens_per_step, throughput, device
+        self._logger = _RunLog(self.out_dir / LOG_FILE)
+        self._bar_stream = sys.stderr  # tqdm's
+        show_bar = progress and self._bar_stream.isatty()
+        self._bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True, disable=not show_bar,
+                         file=self._bar_stream)
+        self._redirect = contextlib.ExitStack()
+        if show_bar:  # log lines print above the bar instead of through it
+            self._redirect.enter_context(logging_redirect_tqdm(loggers=[self._logger.logger]))
+        self._window = IterationWindow()
         self._last_val: float | None = None
         self._wandb = None
         if wandb_mode != "disabled":
@@ -103,6 +136,11 @@ class MetricsLogger:
         if "val_loss" in record:
             self._last_val = record["val_loss"]
         self._bar.update(1)
+        self._window.add(record)
+        iteration = record["step"] + 1
+        if line_due(record["step"], self.total_steps, self.log_every, "val_loss" in record):
+            self._logger.info(self.iteration_line(iteration, record))
+            self._window = IterationWindow()
         if record["step"] % self.log_every == 0 or "val_loss" in record:
             shown = {"loss": f"{record.get('loss', float('nan')):.3f}"}
             if self._last_val is not None:
@@ -134,17 +172,47 @@ class MetricsLogger:
                               f"unchanged; free space in {self.out_dir}") from e
         self._file = open(path, "a", buffering=1)  # noqa: SIM115 - open until close()
         self._rewound = True
+        self._window = IterationWindow()
         self._bar.reset(total=self._bar.total)
         self._bar.update(step)
 
     def message(self, text: str) -> None:
-        """A console line that does not break the progress bar."""
-        self._bar.write(text)
+        """A line to the console (above the progress bar, if any) and to pretrain.log."""
+        self._logger.info(text)
+
+    def iteration_line(self, iteration: int, record: dict[str, Any]) -> str:
+        """The Megatron-style line for the window of steps that ends with `record` (iteration = step + 1)."""
+        w = self._window
+        seconds = w.seconds / w.steps if w.steps else math.nan
+        parts = [f"iteration {iteration:>{len(str(self.total_steps))}}/{self.total_steps}"]
+        if self.tokens_per_step is not None:
+            parts.append(f"consumed tokens {iteration * self.tokens_per_step:,}")
+        parts += [f"{seconds * 1e3:.1f} ms/iter", f"{w.tokens_per_s:,.0f} tokens/s",
+                  f"lr {record.get('lr', math.nan):.3e}", f"loss {w.mean_loss:.4f}",
+                  f"grad norm {record.get('grad_norm', math.nan):.3f}", f"skipped {w.skipped}"]
+        if "val_loss" in record:
+            parts.append(f"val loss {record['val_loss']:.4f}")
+        bubble = record.get("bubble_fraction")
+        parts.append(f"bubble {bubble:.3f} (this stage, so far)" if bubble is not None
+                     else "bubble n/a (one process: no pipeline)")
+        parts.append(f"peak mem {peak_memory_bytes(self.device) / 2**20:,.0f} MiB")
+        parts += self._flops_parts(seconds)
+        return " | ".join(parts)
+
+    def _flops_parts(self, seconds: float) -> list[str]:
+        if self.throughput is None or not seconds > 0:
+            return []
+        mfu = self.throughput.mfu(seconds)
+        return [f"{self.throughput.tflops_per_device(seconds):.3g} TFLOP/s/device",
+                f"MFU {mfu:.1%}" if mfu is not None else "MFU n/a (no peak for this device; set train.peak_tflops)"]
 
     def close(self, summary: dict[str, Any] | None = None) -> None:
         """End the run. With a summary (a successful end) write summary.json atomically; without one (or
         with an empty one: a crash) leave the previous summary.json as it is."""
         self._bar.close()
+        self._redirect.close()
+        if summary:
+            self._logger.info("summary: " + json.dumps({k: _jsonable(v) for k, v in summary.items()}))
         self._file.close()
         if summary:
             tmp = self.out_dir / "summary.json.tmp"
@@ -157,3 +225,60 @@ class MetricsLogger:
             if summary:
                 self._wandb.summary.update(summary)
             self._wandb.finish(exit_code=0 if summary else 1)
+        self._logger.close()
+
+
+class IterationWindow:
+    """The steps since the last log line: Megatron averages the loss over the log interval, and the step
+    time and tokens/s are the window's, not one (noisy) step's."""
+
+    def __init__(self) -> None:
+        self.steps = self.skipped = 0
+        self.seconds = self.tokens = self.loss_sum = 0.0
+        self.loss_steps = 0
+
+    def add(self, record: dict[str, Any]) -> None:
+        seconds = record.get("step_time_s", math.nan)
+        self.steps += 1
+        self.skipped += bool(record.get("skipped"))
+        if math.isfinite(seconds):
+            self.seconds += seconds
+            self.tokens += record.get("tokens_per_s", 0.0) * seconds
+        loss = record.get("loss", math.nan)
+        if math.isfinite(loss):
+            self.loss_sum, self.loss_steps = self.loss_sum + loss, self.loss_steps + 1
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.loss_steps if self.loss_steps else math.nan
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else math.nan
+
+
+class _RunLog:
+    """The run's text log: a `logging` logger with its own console (stdout) and <out_dir>/pretrain.log
+    handlers. It does not propagate, so hydra's root handlers (which write rank 0's pretrain.log in a
+    single process) do not print or store each line twice."""
+
+    def __init__(self, path: Path):
+        # One logger per run directory: two loggers open in one process (tests) never share handlers.
+        self.logger = logging.getLogger(f"asyncpp.run.{path.parent.resolve()}")
+        self.logger.setLevel(logging.INFO)
+        self.logger.propagate = False
+        self.logger.disabled = False  # hydra's job_logging=disabled (ranks > 0) disables existing loggers
+        formatter = logging.Formatter(LOG_FORMAT, datefmt="%Y-%m-%d %H:%M:%S")
+        self._handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout),
+                                                 logging.FileHandler(path, mode="a", encoding="utf-8")]
+        for handler in self._handlers:
+            handler.setFormatter(formatter)
+            self.logger.addHandler(handler)
+
+    def info(self, text: str) -> None:
+        self.logger.info(text)
+
+    def close(self) -> None:
+        for handler in self._handlers:
+            self.logger.removeHandler(handler)
+            handler.close()

@@ -19,6 +19,7 @@ from asyncpp.core.balancing import RouterLoadStats
 from asyncpp.core.records import StepResult
 from asyncpp.schedules.registry import is_sync_step
 from asyncpp.train.checkpoint import due
+from asyncpp.train.metrics import line_due
 from asyncpp.train.preemption import EXIT_CODE, CheckpointClock, StopFlag, announce
 
 EXIT_DIVERGED = 3
@@ -59,6 +60,9 @@ class Executor(Protocol):
 
     def summary(self, wall_s: float) -> dict:
         """Executor-specific summary fields (the pipeline's bubble per stage; collective there)."""
+
+    def running_bubble(self) -> float | None:
+        """This rank's idle share of the time so far (a pipeline stage), None without a pipeline. Local."""
 
 
 def segment_bounds(total_steps: int, *every: int, start: int = 0) -> list[tuple[int, int]]:
@@ -198,6 +202,11 @@ class Trainer:
         record.update(RouterLoadStats.as_metrics(r.router_loads))
         if val_loss is not None:
             record["val_loss"] = val_loss
+        if self.executor.is_writer and line_due(r.step, self.cfg.train.steps, self.cfg.logging.log_every,
+                                                val_loss is not None):
+            bubble = self.executor.running_bubble()
+            if bubble is not None:
+                record["bubble_fraction"] = bubble
         self.metrics.log(record)
         if len(self.step_times) == 4:
             self._warn_if_work_at_risk(sum(self.step_times[1:]) / 3)  # the first step pays for warm-up

@@ -35,12 +35,21 @@ def test_two_stage_2bw_run_writes_one_metrics_file_and_a_timeline(tmp_path):
     assert (tmp_path / "timeline.png").stat().st_size > 0
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["parallel"]["dp"] == 1  # derived from the world size and recorded
+    # The writer (the last stage, a rank without hydra's job logging) keeps pretrain.log: the log line with
+    # its stage's bubble, every 10 iterations, at evaluations and at the end.
+    log = (tmp_path / "pretrain.log").read_text()
+    lines = [line for line in log.splitlines() if "] iteration" in line]
+    assert [line.split("iteration ")[1].split(" |")[0].strip() for line in lines] == ["6/12", "10/12", "12/12"], log
+    assert all("(this stage, so far)" in line and "TFLOP/s/device" in line for line in lines)
+    assert "summary: " in log
 
 
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.pp=2", "parallel.dp=2"], "parallel.dp=2 but 2 ranks"),
     (["parallel.pp=2", "schedule=2bw", "train.num_microbatches=1"], "train.num_microbatches=1 < parallel.pp=2"),
     (["parallel.pp=2", "parallel.tp=2"], "not divisible by parallel.tp=2 x parallel.pp=2"),
+    # dp = 2 ranks / pp 1 = 2: 24 sequences do not split into microbatches of 8 on 2 replicas
+    (["parallel.pp=1", "schedule=sync", "train.global_batch_size=24"], "train.micro_batch_size=8 x dp=2 = 16"),
 ])
 def test_bad_layouts_fail_before_any_process_group(tmp_path, overrides, message):
     proc = torchrun(tmp_path, 2, *overrides)

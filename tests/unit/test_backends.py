@@ -191,10 +191,11 @@ def test_compile_skips_layers_of_other_stages():
 
 @pytest.mark.parametrize("name", ["smollm2_135m", "tiny_hybrid", "hybrid_moe_10b"])
 def test_bench_flop_count_uses_the_active_matmul_parameters(name):
-    """bench/gpu.py's N (6N rule) against model_zoo's independent count: the active parameters without
-    1-D ones (norms, gates' scalars) and without an untied embedding (a lookup, not a matmul)."""
-    from bench.gpu import flops_per_token, matmul_params_per_token
-    from model_zoo import count_parameters
+    """The FLOP count's N (6N rule; model_zoo/counting.py, used by bench/gpu.py and the training log) against
+    the independent parameter count: the active parameters without 1-D ones (norms, gates' scalars) and
+    without an untied embedding (a lookup, not a matmul)."""
+    from model_zoo import count_parameters, flops_per_token
+    from model_zoo.counting import matmul_params_per_token
 
     cfg = get_model_config(name)
     skeleton = build_model(cfg, device="meta")
@@ -203,7 +204,7 @@ def test_bench_flop_count_uses_the_active_matmul_parameters(name):
     n = matmul_params_per_token(cfg, range(cfg.num_layers), head=True)
     assert n == count_parameters(cfg).active - one_d - embed
     attn = sum(t == "attn" for t in cfg.layer_types)
-    assert flops_per_token(cfg, range(cfg.num_layers), 4096, head=True) >= 6 * n + attn * 6 * 4096 * cfg.num_heads * cfg.head_dim
+    assert flops_per_token(cfg, 4096) >= 6 * n + attn * 6 * 4096 * cfg.num_heads * cfg.head_dim
 
 
 def test_bench_gpu_smoke_runs_on_cpu_and_refuses_without_smoke(tmp_path, monkeypatch):

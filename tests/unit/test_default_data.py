@@ -67,7 +67,10 @@ def _tiny_corpus(tmp_path):
 def test_first_use_build_is_atomic_and_cached(tmp_path, capsys):
     corpus = _tiny_corpus(tmp_path)
     prefix = default_prefix(tmp_path / "cache", corpus=corpus, workers=0)
-    assert "tokenized tiny.jsonl.xz: 12 documents" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "tokenized tiny.jsonl.xz: 12 documents" in out
+    # The wait is announced before it starts (tens of seconds for the real corpus), not only reported after.
+    assert out.index("[data] first use of tiny.jsonl.xz: tokenizing") < out.index("tokenized tiny.jsonl.xz")
     assert sorted(p.name for p in prefix.parent.iterdir()) == [prefix.name + s for s in (".bin", ".idx", ".json")]
     assert default_prefix(tmp_path / "cache", corpus=corpus, workers=0) == prefix
     assert capsys.readouterr().out == "", "a cache hit does not tokenize again"

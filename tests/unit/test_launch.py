@@ -78,18 +78,20 @@ def test_sbatch_for_4_nodes_x_8_gpus():
     assert all(m.start() < first_command for m in re.finditer(r"^#SBATCH", script, flags=re.MULTILINE))
 
     words = _command(script)
-    assert words[:4] == ["srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    assert words[:5] == ["srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpu-bind=none"]
     tr = words.index("/venv/bin/torchrun")
     entry = words.index("pretrain.py")
     assert words[tr + 1 : entry] == [
         "--nnodes=4",
         "--nproc-per-node=8",
         "--rdzv-backend=c10d",
-        "--rdzv-endpoint=$HEAD_NODE:29500",
+        "--rdzv-endpoint=$HEAD_NODE:$RDZV_PORT",
         "--rdzv-id=$SLURM_JOB_ID",
         "--max-restarts=3",
     ]
-    assert words[-1] == "&"
+    assert words[-2:] == ["checkpoint.every=500", "&"]  # a periodic checkpoint unless the overrides set one
+    assert "RDZV_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))" in script  # one port per job
+    assert "RDZV_PORT=29400\n" in slurm.render(_job(rdzv_port=29400))
     assert 'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
     assert "cd /shared/asyncpp\n" in script
 
@@ -183,11 +185,12 @@ def test_script_runs_forwards_sigterm_and_requeues(tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=10)
     args = (tmp_path / "args").read_text().splitlines()
-    assert "--rdzv-endpoint=node-a:29500" in args and "--rdzv-id=4242" in args
+    assert "--rdzv-endpoint=node-a:24242" in args and "--rdzv-id=4242" in args  # 20000 + 4242 % 20000
     assert args[args.index("pretrain.py") + 1 :] == [
         "hydra.run.dir=outputs/slurm/sync_vs_2bw",
         *OVERRIDES,
         "train.device=cuda",
+        "checkpoint.every=500",
     ]
     assert (tmp_path / "log").read_text().splitlines() == ["TERM", "requeue 4242"], out
     assert proc.returncode == 143, out
@@ -197,6 +200,8 @@ def test_dry_run_prints_script_and_command_and_never_calls_sbatch(monkeypatch, c
     def no_subprocess(*args, **kwargs):
         raise AssertionError("a dry run must not run anything")
 
+    checked = []
+    monkeypatch.setattr(slurm, "validate_config", lambda job: checked.append(job.world_size) or "ok")
     monkeypatch.setattr(subprocess, "run", no_subprocess)
     monkeypatch.setenv("PATH", str(tmp_path))  # no slurm here
     rc = slurm.main(
@@ -220,6 +225,7 @@ def test_dry_run_prints_script_and_command_and_never_calls_sbatch(monkeypatch, c
         r"would write logs/slurm/asyncpp-\d{8}-\d{6}\.sbatch and run .*: sbatch --parsable logs/slurm/", out
     )
     assert not (tmp_path / "logs").exists()
+    assert checked == [16]  # validated at the job's world size before rendering
 
 
 def test_submit_writes_script_and_calls_sbatch(monkeypatch, capsys, tmp_path):
@@ -230,7 +236,7 @@ def test_submit_writes_script_and_calls_sbatch(monkeypatch, capsys, tmp_path):
     sbatch.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     rc = slurm.main(
-        ["--nodes", "1", "--gpus-per-node", "8", "--workdir", str(tmp_path), "--", "train.steps=10"]
+        ["--nodes", "1", "--gpus-per-node", "8", "--workdir", str(tmp_path), "--no-validate", "--", "train.steps=10"]
     )
     assert rc == 0 and "submitted job 777" in capsys.readouterr().out
     args = (tmp_path / "sbatch-args").read_text().split()
@@ -240,7 +246,7 @@ def test_submit_writes_script_and_calls_sbatch(monkeypatch, capsys, tmp_path):
 
 def test_missing_sbatch_is_a_clear_error(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert slurm.main(["--nodes", "1", "--gpus-per-node", "8", "--workdir", str(tmp_path)]) == 1
+    assert slurm.main(["--nodes", "1", "--gpus-per-node", "8", "--workdir", str(tmp_path), "--no-validate"]) == 1
     assert "sbatch is not on PATH" in capsys.readouterr().err
 
 
@@ -257,6 +263,72 @@ def test_bad_launcher_options_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         slurm.main([*argv, "--dry-run"])
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("world, overrides, message", [
+    (8, ["trian.steps=10"], "trian.steps is not a config key; did you mean train.steps?"),
+    (8, ["model=tiny_dense", "parallel.pp=8", "train.num_microbatches=8"], "more stages than model 'tiny_dense'"),
+    (8, ["parallel.pp=2", "parallel.stage_layers=[3,3]"], "parallel.stage_layers=[3, 3]"),
+    (6, ["parallel.pp=4"], "the job has 6 ranks, which is not divisible by parallel.tp=1 x parallel.pp=4"),
+    (16, ["parallel.pp=4", "train.global_batch_size=40"], "train.micro_batch_size=8 x dp=4 = 32"),
+])
+def test_launch_validation_refuses_what_pretrain_would(world, overrides, message, capsys):
+    """launch/validate.py composes and resolves like pretrain.py, at the job's world size (in-process here;
+    launch.slurm runs it as a subprocess)."""
+    from launch import validate
+
+    assert validate.main(["--world-size", str(world), "--", *overrides]) == validate.EXIT_CONFIG_ERROR
+    assert message in capsys.readouterr().err
+
+
+def test_launch_validation_accepts_the_docs_layout(capsys):
+    from launch import validate
+
+    assert validate.main(["--world-size", "16", "--", "model=smollm2_135m", "parallel.pp=4", "train.device=cuda"]) == 0
+    assert "16 ranks: pp=4 dp=4" in capsys.readouterr().out
+
+
+def test_slurm_refuses_a_typo_before_rendering(capsys, tmp_path):
+    """End to end through the subprocess: nothing rendered, nothing submitted, exit code 2."""
+    rc = slurm.main(["--nodes", "1", "--gpus-per-node", "8", "--workdir", str(tmp_path), "--dry-run", "--",
+                     "trian.steps=10"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "#SBATCH" not in out
+    assert "did you mean train.steps?" in err and "nothing submitted" in err
+
+
+def test_environment_hook_and_bounded_requeues(tmp_path):
+    default = slurm.render(_job())
+    assert "if [ -f .venv/bin/activate ]; then source .venv/bin/activate; fi" in default  # relative to workdir
+    assert "/venv/bin/torchrun" in default and "command -v /venv/bin/torchrun" in default
+    hooked = slurm.render(_job(env_setup=["module load cuda/12.4", "source /shared/env/bin/activate"],
+                               torchrun="apptainer exec --nv img.sif torchrun", gpu_bind="closest"))
+    assert "module load cuda/12.4\nsource /shared/env/bin/activate\n" in hooked
+    assert ".venv/bin/activate" not in hooked and "command -v apptainer" in hooked and "--gpu-bind=closest" in hooked
+    for line in ("export NCCL_IB_DISABLE=${NCCL_IB_DISABLE:-0}", "export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-"):
+        assert line in default
+    # SLURM_RESTART_COUNT at the bound: the SIGTERM handler checkpoints the ranks but does not requeue.
+    bin_dir = _fake_bin(tmp_path)
+    job = _job(torchrun=str(bin_dir / "torchrun"), workdir=str(tmp_path), max_requeues=2)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-a",
+           "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "2", "LOG": str(tmp_path / "log"), "ARGS": str(tmp_path / "args")}
+    proc = subprocess.Popen(["bash", "-c", slurm.render(job)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "args").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=10)
+    assert (tmp_path / "log").read_text().splitlines() == ["TERM"], out
+    assert "not requeueing: job 7 was requeued 2 times" in out and proc.returncode == 143
+
+
+def test_a_missing_torchrun_on_the_node_is_a_clear_error(tmp_path):
+    job = _job(torchrun="no-such-torchrun", workdir=str(tmp_path))
+    proc = subprocess.run(["bash", "-c", slurm.render(job)], cwd=tmp_path, capture_output=True, text=True, check=False,
+                          env={**os.environ, "SLURM_JOB_NODELIST": "n", "SLURM_JOB_ID": "1"}, timeout=30)
+    assert proc.returncode == 2 and "no-such-torchrun not found" in proc.stderr and "--env-setup" in proc.stderr
 
 
 def test_local_launcher_command_and_dry_run(capsys):
