@@ -53,9 +53,12 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """With tp > 1: norms and residuals work on sequence shards (activation memory / tp); the TP
     regions all-gather their input and reduce-scatter their output instead of all-reducing it."""
-    stage_layers: tuple[int, ...] | None = None
-    """Layers per pipeline stage, e.g. [3, 1] (None = even split). The last stage also runs the LM
-    head and the loss, so giving it fewer layers balances small-vocabulary-heavy models."""
+    stage_layers: tuple[int, ...] | Literal["auto"] | None = None
+    """Layers per pipeline stage, e.g. [3, 1]; `auto` (configs/parallel/default.yaml) picks the split whose
+    slowest stage is cheapest under the cost model of asyncpp.core.layer_costs (the last stage also runs the
+    LM head and the loss, the first the embedding; a stage may get 0 layers); None (a config built in
+    Python without a split) = the near-even asyncpp.core.partition.default_split. Resolved by
+    asyncpp.core.partition.stage_split, the same on every rank and in the simulator."""
 
 
 @dataclass(kw_only=True)
@@ -354,22 +357,22 @@ def _check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
             f"schedule=pipedream with parallel.pp={p.pp}: its per-stage delays P-1-s depend on the number of "
             "stages, so say how many it models, e.g. parallel.pp=4 (one process simulates them)"
         )
-    if p.stage_layers is not None and (
+    if p.stage_layers == "auto" and getattr(model, "hidden_size", None) is None:
+        raise ConfigError(f"parallel.stage_layers=auto needs the model's shape to cost its layers (model "
+                          f"'{model.name}' was given by its limits only); give the split, e.g. parallel.stage_layers=[3,1]")
+    explicit = p.stage_layers not in (None, "auto")
+    if explicit and (
         len(p.stage_layers) != p.pp or sum(p.stage_layers) != model.num_layers or min(p.stage_layers) < 0
     ):
         raise ConfigError(
             f"parallel.stage_layers={list(p.stage_layers)} must have parallel.pp={p.pp} non-negative entries "
-            f"summing to the {model.num_layers} layers of model '{model.name}'"
+            f"summing to the {model.num_layers} layers of model '{model.name}', or be auto (balanced by the "
+            "cost model)"
         )
-    if p.stage_layers is None and p.pp > model.num_layers:
+    if not explicit and p.pp > model.num_layers:
         raise ConfigError(
             f"parallel.pp={p.pp} is more stages than model '{model.name}' has layers ({model.num_layers}); "
             f"set parallel.pp<={model.num_layers}"
-        )
-    if p.stage_layers is None and model.num_layers % p.pp:
-        raise ConfigError(
-            f"model '{model.name}' has {model.num_layers} layers, which parallel.pp={p.pp} stages cannot share "
-            f"evenly; give an explicit split, e.g. parallel.stage_layers={_example_split(model.num_layers, p.pp)}"
         )
     try:  # the registry knows which (P, m) each kind serves (2bw: m >= P)
         kind_of(cfg.schedule.name).check(p.pp, m)
@@ -416,11 +419,6 @@ def check_parallel_sizes(model: ModelLimits, tp: int, ep: int = 1) -> None:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _example_split(num_layers: int, pp: int) -> list[int]:
-    base, extra = divmod(num_layers, pp)
-    return [base + (1 if s < extra else 0) for s in range(pp)]
 
 
 def _check_optimizer(cfg: RunConfig, model: ModelLimits) -> None:

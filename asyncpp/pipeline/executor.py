@@ -19,7 +19,9 @@ from torch import Tensor, nn
 
 from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
+from asyncpp.core.layer_costs import layer_costs
 from asyncpp.core.loss import cross_entropy
+from asyncpp.core.partition import stage_balance, stage_split
 from asyncpp.core.records import DataSource, StepResult
 from asyncpp.core.update import Corrections, lr_multiplier_for
 from asyncpp.parallel.mesh import Mesh
@@ -68,7 +70,7 @@ class PipelineExecutor:
         self.tokens_per_step = cfg.train.num_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len * mesh.dims.dp
         self._started: float | None = None  # set when the first segment starts (the timeline's origin)
         self._last_end = math.nan  # when the last stage finished the previous logged step's backward
-        self.spec = StageSpec(mesh.pp_rank, mesh.num_stages, len(model.layers), cfg.parallel.stage_layers)
+        self.spec = StageSpec(mesh.pp_rank, mesh.num_stages, len(model.layers), stage_split(cfg, model.config))
         self.model = prune_to_stage(model, self.spec)
         self.sharding, self.loss_fn = parallelize(self.model) if parallelize is not None else ({}, cross_entropy)
         self.m = cfg.train.num_microbatches
@@ -192,10 +194,22 @@ class PipelineExecutor:
         bubbles = [1.0 - s["busy_s"] / s["wall_s"] for s in per_stage]
         return {
             "bubble_fraction": sum(bubbles) / len(bubbles), "bubble_fraction_per_rank": bubbles,
+            **self._balance(per_stage),
             "mean_forward_s_per_rank": [s.get("F", math.nan) for s in per_stage],
             "mean_backward_s_per_rank": [s.get("B", math.nan) for s in per_stage],
             "mean_update_s_per_rank": [s.get("U", 0.0) + s.get("U0", 0.0) for s in per_stage],
         }
+
+    def _balance(self, per_rank: list[dict]) -> dict:
+        """Per-stage busy time (mean over a stage's ranks) and, if the stages are imbalanced, a better
+        parallel.stage_layers from it (asyncpp.core.partition.stage_balance): the usual cause of a bubble
+        that a bubble-free schedule shows is the last stage's LM head and loss."""
+        P = self.mesh.num_stages
+        busy = [[r["busy_s"] for r in per_rank if r["stage"] == s] for s in range(P)]
+        cfg = self.model.config
+        weights = layer_costs(cfg, self.cfg.train.seq_len, self.cfg.train.micro_batch_size,
+                              self.mesh.device.type).layers
+        return stage_balance(stage_split(self.cfg, cfg), [sum(b) / len(b) for b in busy], weights)
 
     # ---- checkpoints ------------------------------------------------------------------------
     def stage_state(self, extra: dict[str, Tensor] | None = None) -> ckpt.StageState:

@@ -49,9 +49,6 @@ CORPUS: dict[str, Bad] = {
     "more-stages-than-layers": Bad(
         ["parallel.pp=8", "train.num_microbatches=8"], "parallel.pp=8", "parallel.pp<=4"
     ),
-    "uneven-split": Bad(
-        ["model=smollm2_135m", "parallel.pp=4"], "parallel.pp=4", "parallel.stage_layers=[8, 8, 7, 7]"
-    ),
     "split-wrong-length": Bad(
         ["parallel.pp=2", "parallel.stage_layers=[1,1,2]"],
         "parallel.stage_layers=[1, 1, 2]",

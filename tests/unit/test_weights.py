@@ -79,8 +79,11 @@ def test_a_restored_stage_points_at_the_newest_version():
 def test_explicit_stage_split():
     assert [list(r) for r in stage_layer_ranges(4, 2, [3, 1])] == [[0, 1, 2], [3]]
     assert [list(r) for r in stage_layer_ranges(6, 3)] == [[0, 1], [2, 3], [4, 5]]
-    with pytest.raises(ValueError, match="cannot be split evenly"):
-        stage_layer_ranges(5, 2)  # an uneven split must be spelled out
+    # Without stage_layers the extra layers go to the first stages (the last one also runs the head and loss).
+    assert [len(r) for r in stage_layer_ranges(30, 4)] == [8, 8, 7, 7]
+    assert [list(r) for r in stage_layer_ranges(5, 2)] == [[0, 1, 2], [3, 4]]
+    with pytest.raises(ValueError, match="parallel.pp<=4"):
+        stage_layer_ranges(4, 5)
     with pytest.raises(ValueError, match="stage_layers"):
         stage_layer_ranges(4, 2, [2, 1])
 
