@@ -18,6 +18,7 @@ of the run's own processes, over its wall time ("other load", in cores), and /pr
     .venv/bin/python bench/peers.py                # M=4 and 8, 2 repetitions (about 10 minutes, quiet machine)
     .venv/bin/python bench/peers.py --quick        # smoke run: M=4, 12 steps, 1 repetition
     .venv/bin/python bench/peers.py --memory       # resident memory at steps 20, 80, 160 (2BW vs torch 1F1B)
+    .venv/bin/python bench/peers.py --only 2bw single --m 8 --splits [2,2] auto   # auto split vs the even one
 
 Writes bench_results/peers.json and bench_results/peers.png (bars: median tokens/s, whiskers: min-max).
 """
@@ -40,7 +41,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from peers_worker import MULTI_STAGE, OURS, TORCH
 
-CONFIGS = [("asyncpp", s) for s in OURS] + [("torch", s) for s in TORCH] + [("single", "")]
+EVEN = "[2,2]"
+"""The split every peer uses (embedding + layers 0-1 | layers 2-3, norm, head)."""
+
+
+def configs_for(splits: list[str]) -> list[tuple[str, str, str]]:
+    """(implementation, schedule, asyncpp's parallel.stage_layers or "") of every run of one repetition."""
+    return ([("asyncpp", s, split) for s in OURS for split in splits] + [("torch", s, "") for s in TORCH]
+            + [("single", "", "")])
 
 
 def machine_cpu_s() -> float:
@@ -54,8 +62,9 @@ def children_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_one(impl: str, schedule: str, m: int, args, extra: list[str] = ()) -> dict:
+def run_one(impl: str, schedule: str, m: int, args, split: str = "") -> dict:
     """One job; returns its worker JSON with the load it ran under."""
+    extra = [f"parallel.stage_layers={split}", *args.overrides] if impl == "asyncpp" else []
     out = Path(args.scratch) / f"{impl}-{schedule}-{m}.json"
     steps = args.steps
     if impl == "single":  # its rate is steady after the warm-up: half the measured steps keep the bench short
@@ -76,7 +85,7 @@ def run_one(impl: str, schedule: str, m: int, args, extra: list[str] = ()) -> di
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     result = json.loads(out.read_text())
-    result.update(impl=impl, schedule=schedule, m=m, run_wall_s=wall, other_load_cores=max(0.0, machine - own) / wall,
+    result.update(impl=impl, schedule=schedule, split=split, m=m, run_wall_s=wall, other_load_cores=max(0.0, machine - own) / wall,
                   loadavg_before=float(load_before), loadavg_after=float(Path("/proc/loadavg").read_text().split()[0]))
     return result
 
@@ -96,11 +105,12 @@ def summarize(run: dict) -> dict:
     }
 
 
-def label(impl: str, schedule: str) -> str:
+def label(impl: str, schedule: str, split: str = "") -> str:
     if impl == "single":
         return "ideal (2 x single process)"
     chunks = " (4 chunks)" if schedule in MULTI_STAGE else ""
-    return f"{impl} {schedule}{chunks}"
+    layers = f" layers={split}" if split and split != EVEN else ""
+    return f"{impl} {schedule}{chunks}{layers}"
 
 
 def table(rows: list[dict], reps: int) -> str:
@@ -111,7 +121,7 @@ def table(rows: list[dict], reps: int) -> str:
         bub = "/".join(f"{b:.2f}" for b in r["bubble_per_rank"]) if r["impl"] != "single" else ""
         anon = "/".join(f"{x:.0f}" for x in r["peak_anon_mb_per_rank"])
         rss = "/".join(f"{x:.0f}" for x in r["peak_rss_mb_per_rank"])
-        lines.append(f"{label(r['impl'], r['schedule']):38} {r['m']:>2} {r['tokens_per_s']:>9.0f} "
+        lines.append(f"{label(r['impl'], r['schedule'], r['split']):38} {r['m']:>2} {r['tokens_per_s']:>9.0f} "
                      f"{r['spread']:>6.1%} {r['share_of_ideal']:>8.2f} {bub:>13} {anon:>19} {rss:>18} "
                      f"{r['other_load_cores']:>9.2f}c")
     lines.append(f"\nmedian of {reps} interleaved repetitions; spread = (max - min) / median of tokens/s; bubble = "
@@ -121,22 +131,23 @@ def table(rows: list[dict], reps: int) -> str:
     return "\n".join(lines)
 
 
-def aggregate(runs: list[dict]) -> list[dict]:
+def aggregate(runs: list[dict], configs: list[tuple[str, str, str]]) -> list[dict]:
     rows = []
     ideal = {}
     for m in sorted({r["m"] for r in runs}):
         single = [summarize(r)["tokens_per_s"] for r in runs if r["m"] == m and r["impl"] == "single"]
         ideal[m] = 2 * statistics.median(single) if single else float("nan")
-    for impl, schedule in CONFIGS:
+    for impl, schedule, split in configs:
         for m in sorted({r["m"] for r in runs}):
-            mine = [summarize(r) for r in runs if (r["impl"], r["schedule"], r["m"]) == (impl, schedule, m)]
+            mine = [summarize(r) for r in runs
+                    if (r["impl"], r["schedule"], r["split"], r["m"]) == (impl, schedule, split, m)]
             if not mine:
                 continue
             tps = [x["tokens_per_s"] * (2 if impl == "single" else 1) for x in mine]
             med = statistics.median(tps)
             n = len(mine[0]["bubble_per_rank"])
             rows.append({
-                "impl": impl, "schedule": schedule, "m": m, "tokens_per_s": med, "tokens_per_s_runs": tps,
+                "impl": impl, "schedule": schedule, "split": split, "m": m, "tokens_per_s": med, "tokens_per_s_runs": tps,
                 "spread": (max(tps) - min(tps)) / med, "share_of_ideal": med / ideal[m],
                 "bubble_per_rank": [statistics.median(x["bubble_per_rank"][i] for x in mine) for i in range(n)],
                 "peak_anon_mb_per_rank": [max(x["peak_anon_mb_per_rank"][i] for x in mine) for i in range(n)],
@@ -153,11 +164,11 @@ def chart(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ms = sorted({r["m"] for r in rows})
-    names = [label(i, s) for i, s in CONFIGS if any((r["impl"], r["schedule"]) == (i, s) for r in rows)]
+    names = list(dict.fromkeys(label(r["impl"], r["schedule"], r["split"]) for r in rows))
     fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.8 / len(ms)
     for k, m in enumerate(ms):
-        sel = {label(r["impl"], r["schedule"]): r for r in rows if r["m"] == m}
+        sel = {label(r["impl"], r["schedule"], r["split"]): r for r in rows if r["m"] == m}
         xs = [i + k * width for i, n in enumerate(names) if n in sel]
         med = [sel[n]["tokens_per_s"] for n in names if n in sel]
         lo = [sel[n]["tokens_per_s"] - min(sel[n]["tokens_per_s_runs"]) for n in names if n in sel]
@@ -178,7 +189,7 @@ def memory_mode(args) -> dict:
     args.steps, args.warmup = 160, 5
     out = {}
     for impl, schedule in (("asyncpp", "2bw"), ("torch", "1F1B")):
-        run = run_one(impl, schedule, 4, args, args.overrides if impl == "asyncpp" else [])
+        run = run_one(impl, schedule, 4, args, EVEN if impl == "asyncpp" else "")
         out[f"{impl} {schedule}"] = {
             "other_load_cores": run["other_load_cores"],
             "ranks": [{str(s): r["memory_mb"][s - 1] for s in (20, 80, 160)} for r in run["ranks"]]}
@@ -197,6 +208,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--only", nargs="*", default=None, help="configurations to run, e.g. 2bw 1F1B single")
+    parser.add_argument("--splits", nargs="+", default=[EVEN],
+                        help=f"parallel.stage_layers of asyncpp's runs (default {EVEN}, the peers' split; "
+                             "e.g. --splits [2,2] auto compares auto with it)")
     parser.add_argument("--quick", action="store_true", help="smoke run: M=4, 12 steps (3 warm-up), 1 repetition")
     parser.add_argument("--memory", action="store_true", help="resident memory at steps 20/80/160 instead")
     parser.add_argument("--out", default="bench_results/peers.json")
@@ -214,18 +228,18 @@ def main() -> None:
             result = memory_mode(args)
             out.with_name(out.stem + "_memory.json").write_text(json.dumps(result, indent=2))
             return
-        configs = [c for c in CONFIGS if args.only is None or c[1] in args.only or c[0] in args.only]
+        configs = [c for c in configs_for(args.splits) if args.only is None or c[1] in args.only or c[0] in args.only]
         runs = []
         for rep in range(args.reps):
             for m in args.m:
                 k = rep % len(configs)  # rotate the order so no configuration always runs first
-                for impl, schedule in configs[k:] + configs[:k]:
-                    runs.append(run_one(impl, schedule, m, args, args.overrides if impl == "asyncpp" else []))
+                for impl, schedule, split in configs[k:] + configs[:k]:
+                    runs.append(run_one(impl, schedule, m, args, split))
                     s = summarize(runs[-1])
-                    name = "single process" if impl == "single" else label(impl, schedule)
+                    name = "single process" if impl == "single" else label(impl, schedule, split)
                     print(f"rep {rep} M={m} {name:38} {s['tokens_per_s']:8.0f} tokens/s "
                           f"(other load {s['other_load_cores']:.2f} cores)", flush=True)
-    rows = aggregate(runs)
+    rows = aggregate(runs, configs)
     print(table(rows, args.reps))
     for r in runs:
         for rank in r["ranks"]:
