@@ -53,9 +53,12 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """With tp > 1: norms and residuals work on sequence shards (activation memory / tp); the TP
     regions all-gather their input and reduce-scatter their output instead of all-reducing it."""
-    stage_layers: tuple[int, ...] | None = None
-    """Layers per pipeline stage, e.g. [3, 1] (None = even split). The last stage also runs the LM
-    head and the loss, so giving it fewer layers balances small-vocabulary-heavy models."""
+    stage_layers: tuple[int, ...] | Literal["auto"] | None = None
+    """Layers per pipeline stage, e.g. [3, 1]; `auto` (configs/parallel/default.yaml) picks the split whose
+    slowest stage is cheapest under the cost model of asyncpp.core.layer_costs (the last stage also runs the
+    LM head and the loss, the first the embedding; a stage may get 0 layers); None (a config built in
+    Python without a split) = the near-even asyncpp.core.partition.default_split. Resolved by
+    asyncpp.core.partition.stage_split, the same on every rank and in the simulator."""
     distributed_optimizer: bool = False
     """Megatron's --use-distributed-optimizer (ZeRO-1) over DP: each replica owns whole parameters, keeps
     their optimizer state and Error-Feedback buffer, receives their reduced gradient and broadcasts their
@@ -444,14 +447,19 @@ def _check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
             f"schedule=pipedream with parallel.pp={p.pp}: its per-stage delays P-1-s depend on the number of "
             "stages, so say how many it models, e.g. parallel.pp=4 (one process simulates them)"
         )
-    if p.stage_layers is not None and (
+    if p.stage_layers == "auto" and getattr(model, "hidden_size", None) is None:
+        raise ConfigError(f"parallel.stage_layers=auto needs the model's shape to cost its layers (model "
+                          f"'{model.name}' was given by its limits only); give the split, e.g. parallel.stage_layers=[3,1]")
+    explicit = p.stage_layers not in (None, "auto")
+    if explicit and (
         len(p.stage_layers) != p.pp or sum(p.stage_layers) != model.num_layers or min(p.stage_layers) < 0
     ):
         raise ConfigError(
             f"parallel.stage_layers={list(p.stage_layers)} must have parallel.pp={p.pp} non-negative entries "
-            f"summing to the {model.num_layers} layers of model '{model.name}'"
+            f"summing to the {model.num_layers} layers of model '{model.name}', or be auto (balanced by the "
+            "cost model)"
         )
-    if p.stage_layers is None and p.pp > model.num_layers:
+    if not explicit and p.pp > model.num_layers:
         raise ConfigError(
             f"parallel.pp={p.pp} is more stages than model '{model.name}' has layers ({model.num_layers}); "
             f"set parallel.pp<={model.num_layers}"

@@ -39,7 +39,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 return _convert(value, arg, path)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}={value!r} matches none of: {tp}")
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}={value!r} matches none of: {tp} "
+                          f"({'; '.join(errors)})")
     if origin is Literal:
         if value not in args:
             choices = ", ".join(repr(a) for a in args)

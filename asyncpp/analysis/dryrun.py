@@ -21,6 +21,7 @@ from torch import nn
 
 from asyncpp.analysis.memory import activation_bytes, in_flight_microbatches, versions_report
 from asyncpp.config import RunConfig
+from asyncpp.core.partition import stage_split
 from asyncpp.core.staleness import ErrorFeedback
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.parallel.sharding import ShardingPlan, layout_of
@@ -122,7 +123,7 @@ def dry_run(cfg: RunConfig, model_cfg, world_size: int, build_stage: BuildStage,
         _fake_group(rank, world_size)
         try:
             mesh = Mesh(dims, torch.device("cpu"))
-            spec = StageSpec(s, dims.pp, model_cfg.num_layers, p.stage_layers)
+            spec = StageSpec(s, dims.pp, model_cfg.num_layers, stage_split(cfg, model_cfg))
             reports.append(stage_report(cfg, model_cfg, mesh, spec, build_stage, build_optimizer))
         finally:
             dist.destroy_process_group()

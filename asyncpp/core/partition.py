@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from asyncpp.core.layer_costs import LayerCosts, layer_costs
+
 
 def default_split(num_layers: int, num_stages: int) -> list[int]:
     """Layers per stage when parallel.stage_layers is not given: as even as possible, the extra layers on
@@ -34,6 +36,112 @@ def stage_sizes(num_layers: int, num_stages: int, sizes: Sequence[int] | None = 
             )
         return list(sizes)
     return default_split(num_layers, num_stages)
+
+
+def balanced_split(costs: LayerCosts, num_stages: int, min_layers: int = 1) -> list[int]:
+    """The contiguous split of the layers into `num_stages` stages whose slowest stage is cheapest (the
+    embedding's cost on the first stage, the head's and the loss's on the last); among equally slow
+    splits, the one with the smallest sum of squared stage costs (so no stage idles for nothing).
+
+    Every stage gets at least `min_layers` layers. 0 would balance a model whose head costs several blocks
+    better (a last stage of only the head), but a stage without layers breaks what assumes every stage
+    holds some (MoE load statistics ride the norm all-reduce per stage), so `auto` keeps 1; splitting the
+    head itself is the way past that limit. Exact dynamic programme over (stages, layers): O(P L^2),
+    deterministic, so every rank and the simulator pick the same split without communicating."""
+    n = len(costs.layers)
+    if not 1 <= num_stages or num_stages * min_layers > n:
+        raise ValueError(f"{n} layers cannot give {num_stages} stages {min_layers} layer(s) each; set "
+                         f"parallel.pp<={n // max(min_layers, 1)} or give parallel.stage_layers")
+    prefix = [0.0]
+    for c in costs.layers:
+        prefix.append(prefix[-1] + c)
+
+    def stage(s: int, lo: int, hi: int) -> float:
+        return (prefix[hi] - prefix[lo] + (costs.embedding if s == 0 else 0.0)
+                + (costs.head if s == num_stages - 1 else 0.0))
+
+    # best[s][i]: (slowest, sum of squares) of stages 0..s covering layers [0, i); choice[s][i]: stage s's start.
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (n + 1) for _ in range(num_stages)]
+    choice = [[0] * (n + 1) for _ in range(num_stages)]
+    for i in range(min_layers, n + 1):
+        c = stage(0, 0, i)
+        best[0][i] = (c, c * c)
+    for s in range(1, num_stages):
+        for i in range(n + 1):
+            for j in range(i - min_layers + 1):
+                prev = best[s - 1][j]
+                c = stage(s, j, i)
+                cand = (max(prev[0], c), prev[1] + c * c)
+                if cand < best[s][i]:
+                    best[s][i], choice[s][i] = cand, j
+    sizes, end = [], n
+    for s in range(num_stages - 1, 0, -1):
+        start = choice[s][end]
+        sizes.append(end - start)
+        end = start
+    sizes.append(end)
+    return sizes[::-1]
+
+
+def suggest_split(sizes: Sequence[int], busy_s: Sequence[float], layer_weights: Sequence[float]) -> list[int]:
+    """A split for the next run from this run's measured per-stage busy time.
+
+    The cost model's relative layer weights are kept, but the time of one unit of them and the extra of the
+    first stage (embedding) and of the last (head and loss) are refitted to the measurement: every stage's
+    busy time is its layers' weights times one per-unit time, plus the embedding or the head. With two
+    stages or more, the middle stages (or, at P=2, the first stage with the embedding counted as layers)
+    give the unit; the last stage's excess over its layers is the head."""
+    sizes, n = list(sizes), len(sizes)
+    if n < 2:
+        return sizes
+    ranges, start = [], 0
+    for size in sizes:
+        ranges.append((start, start + size))
+        start += size
+    weight = [sum(layer_weights[a:b]) for a, b in ranges]
+    # Per-unit time from the stages that hold only layers (the middle ones), else from the first stage.
+    inner = [s for s in range(1, n - 1) if weight[s] > 0] or ([0] if weight[0] > 0 else [])
+    if not inner:
+        return sizes
+    unit = sum(busy_s[s] for s in inner) / sum(weight[s] for s in inner)
+    embedding = max(0.0, busy_s[0] - unit * weight[0]) if inner != [0] else 0.0
+    head = max(0.0, busy_s[-1] - unit * weight[-1])
+    measured = LayerCosts(tuple(w * unit for w in layer_weights), embedding, head)
+    return balanced_split(measured, n)
+
+
+IMBALANCE = 1.1
+"""A split is called imbalanced when its busiest stage works this much longer than the stages' mean."""
+
+
+def stage_balance(sizes: Sequence[int], busy_s: Sequence[float], layer_weights: Sequence[float]) -> dict:
+    """Why a pipeline has a bubble that its schedule does not explain: per-stage busy time, and, when the
+    busiest stage works more than IMBALANCE x the mean, the split `suggest_split` proposes from it."""
+    mean = sum(busy_s) / len(busy_s)
+    out = {"stage_layers": list(sizes), "busy_s_per_stage": list(busy_s),
+           "busy_max_over_mean": max(busy_s) / mean if mean > 0 else 1.0}
+    if out["busy_max_over_mean"] > IMBALANCE:
+        suggestion = suggest_split(sizes, busy_s, layer_weights)
+        if suggestion != list(sizes):
+            out["suggested_stage_layers"] = suggestion
+    busy = " / ".join(f"{b:.2f}" for b in busy_s)
+    out["stage_balance"] = (
+        f"busy time per stage {busy} s with parallel.stage_layers={list(sizes)}"
+        + (f": imbalanced (busiest {out['busy_max_over_mean']:.2f}x the mean), which is bubble no schedule removes; "
+           f"try parallel.stage_layers={out['suggested_stage_layers']}" if "suggested_stage_layers" in out else ""))
+    return out
+
+
+def stage_split(cfg, model) -> list[int]:
+    """cfg.parallel.stage_layers resolved for `model` (a model_zoo.ModelConfig) under `cfg` (a RunConfig): the
+    explicit list; `auto`, the cost model's balanced split at cfg.train's work shape on cfg.train.device
+    (asyncpp.core.layer_costs); None (a config built without one), the near-even `default_split`."""
+    p, t = cfg.parallel, cfg.train
+    if p.stage_layers == "auto":
+        device_type = str(t.device).split(":")[0]
+        return balanced_split(layer_costs(model, t.seq_len, t.micro_batch_size, device_type), p.pp)
+    return stage_sizes(model.num_layers, p.pp, p.stage_layers)
 
 
 def stage_layer_ranges(num_layers: int, num_stages: int, sizes: Sequence[int] | None = None) -> list[range]:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from asyncpp.core.loss import cross_entropy
+from asyncpp.core.partition import stage_split
 from asyncpp.parallel.sharding import ParamSharding, ShardingPlan, layout_of
 from asyncpp.pipeline.stage import StageSpec, prune_to_stage
 from model_zoo import ModelConfig, build_model
@@ -104,6 +105,6 @@ def tp_ep_plan(mesh, sequence_parallel: bool = False) -> Parallelize | None:
 def build_rank_stage(cfg, model_cfg: ModelConfig, mesh, device: torch.device | str) -> BuiltStage:
     """The stage this rank of `mesh` owns under run config `cfg` (seed, stage split, sequence parallelism)."""
     p = cfg.parallel
-    spec = StageSpec(mesh.pp_rank, mesh.num_stages, model_cfg.num_layers, p.stage_layers)
+    spec = StageSpec(mesh.pp_rank, mesh.num_stages, model_cfg.num_layers, stage_split(cfg, model_cfg))
     return build_stage(model_cfg, spec, device, cfg.seed, tp_ep_plan(mesh, p.sequence_parallel),
                        ShardCoords.of(mesh))

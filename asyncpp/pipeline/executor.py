@@ -19,6 +19,8 @@ from torch import Tensor
 
 from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
+from asyncpp.core.layer_costs import layer_costs
+from asyncpp.core.partition import stage_balance, stage_split
 from asyncpp.core.records import DataSource, StepResult
 from asyncpp.core.update import Corrections, lr_multiplier_for
 from asyncpp.parallel.mesh import Mesh
@@ -241,6 +243,7 @@ class PipelineExecutor:
             # Every rank's summary has the last stage's final loss: each decides its exit code on it.
             "final_loss": next(s["loss"] for s in per_stage if s["stage"] == last),
             "bubble_fraction": sum(bubbles) / len(bubbles), "bubble_fraction_per_rank": bubbles,
+            **self._balance(per_stage),
             "mean_forward_s_per_rank": [s.get("F", math.nan) for s in per_stage],
             "mean_backward_s_per_rank": [s.get("B", math.nan) for s in per_stage],
             "mean_update_s_per_rank": [s.get("U", 0.0) + s.get("U0", 0.0) for s in per_stage],
@@ -253,6 +256,17 @@ class PipelineExecutor:
         e = self.engine
         return stage_memory(self.cfg, self.model.config, self.mesh, self.spec, e.versions, e.optimizer,
                             e.error_feedback.prev_update)
+
+    def _balance(self, per_rank: list[dict]) -> dict:
+        """Per-stage busy time (mean over a stage's ranks) and, if the stages are imbalanced, a better
+        parallel.stage_layers from it (asyncpp.core.partition.stage_balance): the usual cause of a bubble
+        that a bubble-free schedule shows is the last stage's LM head and loss."""
+        P = self.mesh.num_stages
+        busy = [[r["busy_s"] for r in per_rank if r["stage"] == s] for s in range(P)]
+        cfg = self.model.config
+        weights = layer_costs(cfg, self.cfg.train.seq_len, self.cfg.train.micro_batch_size,
+                              self.mesh.device.type).layers
+        return stage_balance(stage_split(self.cfg, cfg), [sum(b) / len(b) for b in busy], weights)
 
     # ---- checkpoints ------------------------------------------------------------------------
     def stage_state(self, extra: dict[str, Tensor] | None = None) -> ckpt.StageState:

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from asyncpp.config import RunConfig
 from asyncpp.core.loss import lm_loss
-from asyncpp.core.partition import param_stages
+from asyncpp.core.partition import param_stages, stage_split
 from asyncpp.core.records import DataSource, StepResult
 from asyncpp.core.update import lr_multiplier_for
 from asyncpp.pipeline.transfer import to_device
@@ -50,7 +50,8 @@ def build_simulator(cfg: RunConfig, model: nn.Module, optimizer) -> DelayedUpdat
     return DelayedUpdateSimulator(
         model,
         optimizer,
-        parameter_delays(model, cfg.schedule.name, cfg.parallel.pp, cfg.parallel.stage_layers),
+        parameter_delays(model, cfg.schedule.name, cfg.parallel.pp,
+                         stage_split(cfg, model.config) if cfg.parallel.pp > 1 else None),
         loss_fn=lm_loss,
         grad_clip=cfg.train.grad_clip,
         ef_lambda=s.ef_lambda,

@@ -1,0 +1,254 @@
+"""asyncpp's pipeline schedules against torch.distributed.pipelining's, side by side, and the physical limit.
+
+Same model (tiny_dense), same split (embedding + layers 0-1 | layers 2-3, norm, head), same work (micro
+batch 4 x seq 128, M microbatches, AdamW, `--steps` steps of which the first `--warmup` are not timed), two
+ranks with one thread each (gloo on CPU). Torch's interleaved and V schedules need two chunks per rank:
+they get the model in 4 chunks (embedding + layer 0 | layer 1 | layer 2 | layer 3, norm, head), placed
+loop-style (Interleaved1F1B, InterleavedZeroBubble) or V-style (ZBVZeroBubble, DualPipeV). Torch's
+pipelining has no cross-stage tied weights, so its last chunk holds an untied copy of the head; asyncpp
+also all-reduces the tied embedding's gradient between its two stages every step.
+
+The limit is 2 x the single-process rate (one thread, the whole model, the same microbatches): two
+processes cannot do more work than two copies of one on two cores.
+
+Repetitions are interleaved (rep 1 of every configuration, then rep 2, in a rotated order), and every run
+records the machine's load: the CPU seconds the whole machine spent during the run (/proc/stat) minus those
+of the run's own processes, over its wall time ("other load", in cores), and /proc/loadavg.
+
+    .venv/bin/python bench/peers.py                # M=4 and 8, 2 repetitions (about 10 minutes, quiet machine)
+    .venv/bin/python bench/peers.py --quick        # smoke run: M=4, 12 steps, 1 repetition
+    .venv/bin/python bench/peers.py --memory       # resident memory at steps 20, 80, 160 (2BW vs torch 1F1B)
+    .venv/bin/python bench/peers.py --only 2bw single --m 8 --splits [2,2] auto   # auto split vs the even one
+
+Writes bench_results/peers.json and bench_results/peers.png (bars: median tokens/s, whiskers: min-max).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "bench" / "peers_worker.py"
+sys.path.insert(0, str(ROOT / "bench"))
+
+from peers_worker import MULTI_STAGE, OURS, TORCH
+
+EVEN = "[2,2]"
+"""The split every peer uses (embedding + layers 0-1 | layers 2-3, norm, head)."""
+
+
+def configs_for(splits: list[str]) -> list[tuple[str, str, str]]:
+    """(implementation, schedule, asyncpp's parallel.stage_layers or "") of every run of one repetition."""
+    return ([("asyncpp", s, split) for s in OURS for split in splits] + [("torch", s, "") for s in TORCH]
+            + [("single", "", "")])
+
+
+def machine_cpu_s() -> float:
+    """CPU seconds every core of the machine has spent busy since boot (/proc/stat: all but idle, iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def run_one(impl: str, schedule: str, m: int, args, split: str = "") -> dict:
+    """One job; returns its worker JSON with the load it ran under."""
+    extra = [f"parallel.stage_layers={split}", *args.overrides] if impl == "asyncpp" else []
+    out = Path(args.scratch) / f"{impl}-{schedule}-{m}.json"
+    steps = args.steps
+    if impl == "single":  # its rate is steady after the warm-up: half the measured steps keep the bench short
+        steps = args.warmup + max(2, (args.steps - args.warmup) // 2)
+    worker = [str(WORKER), "--impl", {"asyncpp": "ours"}.get(impl, impl), "--schedule", schedule,
+              "--microbatches", str(m), "--steps", str(steps), "--warmup", str(args.warmup),
+              "--out", str(out), *extra]
+    if impl == "single":
+        cmd = [sys.executable, *worker]
+    else:
+        cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node=2", *worker]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    load_before = Path("/proc/loadavg").read_text().split()[0]
+    machine0, own0, t0 = machine_cpu_s(), children_cpu_s(), time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - t0
+    machine, own = machine_cpu_s() - machine0, children_cpu_s() - own0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    result = json.loads(out.read_text())
+    result.update(impl=impl, schedule=schedule, split=split, m=m, run_wall_s=wall, other_load_cores=max(0.0, machine - own) / wall,
+                  loadavg_before=float(load_before), loadavg_after=float(Path("/proc/loadavg").read_text().split()[0]))
+    return result
+
+
+def summarize(run: dict) -> dict:
+    """The figures of one run: throughput over the slowest rank's measured interval, per-rank busy share
+    (CPU time / wall time) and peak anonymous and total resident memory."""
+    ranks = run["ranks"]
+    steps = ranks[0]["steps_measured"]
+    tokens = steps * run["m"] * 4 * 128
+    return {
+        "tokens_per_s": tokens / max(r["wall_s"] for r in ranks),
+        "bubble_per_rank": [1.0 - r["busy"] for r in ranks],
+        "peak_anon_mb_per_rank": [max(s["anon"] for s in r["memory_mb"]) for r in ranks],
+        "peak_rss_mb_per_rank": [max(s["hwm"] for s in r["memory_mb"]) for r in ranks],
+        "other_load_cores": run["other_load_cores"],
+    }
+
+
+def label(impl: str, schedule: str, split: str = "") -> str:
+    if impl == "single":
+        return "ideal (2 x single process)"
+    chunks = " (4 chunks)" if schedule in MULTI_STAGE else ""
+    layers = f" layers={split}" if split and split != EVEN else ""
+    return f"{impl} {schedule}{chunks}{layers}"
+
+
+def table(rows: list[dict], reps: int) -> str:
+    head = (f"{'schedule':38} {'M':>2} {'tokens/s':>9} {'spread':>7} {'of ideal':>8} {'bubble r0/r1':>13} "
+            f"{'peak anon MB r0/r1':>19} {'peak RSS MB r0/r1':>18} {'other load':>10}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        bub = "/".join(f"{b:.2f}" for b in r["bubble_per_rank"]) if r["impl"] != "single" else ""
+        anon = "/".join(f"{x:.0f}" for x in r["peak_anon_mb_per_rank"])
+        rss = "/".join(f"{x:.0f}" for x in r["peak_rss_mb_per_rank"])
+        lines.append(f"{label(r['impl'], r['schedule'], r['split']):38} {r['m']:>2} {r['tokens_per_s']:>9.0f} "
+                     f"{r['spread']:>6.1%} {r['share_of_ideal']:>8.2f} {bub:>13} {anon:>19} {rss:>18} "
+                     f"{r['other_load_cores']:>9.2f}c")
+    lines.append(f"\nmedian of {reps} interleaved repetitions; spread = (max - min) / median of tokens/s; bubble = "
+                 "1 - CPU time / wall time of each rank over the measured steps; other load = cores the rest of the "
+                 "machine kept busy during the runs (mean); ideal = 2 x the single-process rate (its bubble and "
+                 "memory are those of the single process).")
+    return "\n".join(lines)
+
+
+def aggregate(runs: list[dict], configs: list[tuple[str, str, str]]) -> list[dict]:
+    rows = []
+    ideal = {}
+    for m in sorted({r["m"] for r in runs}):
+        single = [summarize(r)["tokens_per_s"] for r in runs if r["m"] == m and r["impl"] == "single"]
+        ideal[m] = 2 * statistics.median(single) if single else float("nan")
+    for impl, schedule, split in configs:
+        for m in sorted({r["m"] for r in runs}):
+            mine = [summarize(r) for r in runs
+                    if (r["impl"], r["schedule"], r["split"], r["m"]) == (impl, schedule, split, m)]
+            if not mine:
+                continue
+            tps = [x["tokens_per_s"] * (2 if impl == "single" else 1) for x in mine]
+            med = statistics.median(tps)
+            n = len(mine[0]["bubble_per_rank"])
+            rows.append({
+                "impl": impl, "schedule": schedule, "split": split, "m": m, "tokens_per_s": med, "tokens_per_s_runs": tps,
+                "spread": (max(tps) - min(tps)) / med, "share_of_ideal": med / ideal[m],
+                "bubble_per_rank": [statistics.median(x["bubble_per_rank"][i] for x in mine) for i in range(n)],
+                "peak_anon_mb_per_rank": [max(x["peak_anon_mb_per_rank"][i] for x in mine) for i in range(n)],
+                "peak_rss_mb_per_rank": [max(x["peak_rss_mb_per_rank"][i] for x in mine) for i in range(n)],
+                "other_load_cores": statistics.mean(x["other_load_cores"] for x in mine),
+            })
+    return rows
+
+
+def chart(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ms = sorted({r["m"] for r in rows})
+    names = list(dict.fromkeys(label(r["impl"], r["schedule"], r["split"]) for r in rows))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(ms)
+    for k, m in enumerate(ms):
+        sel = {label(r["impl"], r["schedule"], r["split"]): r for r in rows if r["m"] == m}
+        xs = [i + k * width for i, n in enumerate(names) if n in sel]
+        med = [sel[n]["tokens_per_s"] for n in names if n in sel]
+        lo = [sel[n]["tokens_per_s"] - min(sel[n]["tokens_per_s_runs"]) for n in names if n in sel]
+        hi = [max(sel[n]["tokens_per_s_runs"]) - sel[n]["tokens_per_s"] for n in names if n in sel]
+        ax.bar(xs, med, width, yerr=[lo, hi], capsize=3, label=f"M={m}")
+    ax.set_xticks([i + width * (len(ms) - 1) / 2 for i in range(len(names))])
+    ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("tokens/s")
+    ax.set_title("tiny_dense, 2 ranks x 1 thread, micro batch 4 x 128")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def memory_mode(args) -> dict:
+    """Resident memory of rank 0 and 1 after steps 20, 80 and 160: asyncpp 2BW and torch 1F1B at M=4."""
+    args.steps, args.warmup = 160, 5
+    out = {}
+    for impl, schedule in (("asyncpp", "2bw"), ("torch", "1F1B")):
+        run = run_one(impl, schedule, 4, args, EVEN if impl == "asyncpp" else "")
+        out[f"{impl} {schedule}"] = {
+            "other_load_cores": run["other_load_cores"],
+            "ranks": [{str(s): r["memory_mb"][s - 1] for s in (20, 80, 160)} for r in run["ranks"]]}
+    print(f"{'run':16} {'rank':>4} " + " ".join(f"{f'step {s} anon/RSS MB':>22}" for s in (20, 80, 160)))
+    for name, v in out.items():
+        for i, r in enumerate(v["ranks"]):
+            cells = " ".join(f"{r[str(s)]['anon']:>10.0f} /{r[str(s)]['rss']:>10.0f}" for s in (20, 80, 160))
+            print(f"{name:16} {i:>4} {cells}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--m", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--only", nargs="*", default=None, help="configurations to run, e.g. 2bw 1F1B single")
+    parser.add_argument("--splits", nargs="+", default=[EVEN],
+                        help=f"parallel.stage_layers of asyncpp's runs (default {EVEN}, the peers' split; "
+                             "e.g. --splits [2,2] auto compares auto with it)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: M=4, 12 steps (3 warm-up), 1 repetition")
+    parser.add_argument("--memory", action="store_true", help="resident memory at steps 20/80/160 instead")
+    parser.add_argument("--out", default="bench_results/peers.json")
+    parser.add_argument("overrides", nargs="*", help="hydra overrides for asyncpp's runs")
+    args = parser.parse_args()
+    if args.quick:
+        args.m, args.steps, args.warmup, args.reps = [4], 12, 3, 1
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        args.scratch = scratch
+        if args.memory:
+            result = memory_mode(args)
+            out.with_name(out.stem + "_memory.json").write_text(json.dumps(result, indent=2))
+            return
+        configs = [c for c in configs_for(args.splits) if args.only is None or c[1] in args.only or c[0] in args.only]
+        runs = []
+        for rep in range(args.reps):
+            for m in args.m:
+                k = rep % len(configs)  # rotate the order so no configuration always runs first
+                for impl, schedule, split in configs[k:] + configs[:k]:
+                    runs.append(run_one(impl, schedule, m, args, split))
+                    s = summarize(runs[-1])
+                    name = "single process" if impl == "single" else label(impl, schedule, split)
+                    print(f"rep {rep} M={m} {name:38} {s['tokens_per_s']:8.0f} tokens/s "
+                          f"(other load {s['other_load_cores']:.2f} cores)", flush=True)
+    rows = aggregate(runs, configs)
+    print(table(rows, args.reps))
+    for r in runs:
+        for rank in r["ranks"]:
+            rank.pop("memory_mb", None)  # per-step samples: large, and the table has their peaks
+    out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "scratch"}, "rows": rows,
+                               "runs": runs}, indent=2))
+    chart(rows, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
