@@ -243,8 +243,13 @@ class StageEngine:
         self.timer.add(a, start, self.timer.now())
 
     def _progress(self) -> None:
-        """Advance what is in flight without blocking: the reductions, and a completed broadcast of x_{t+1}."""
-        self.reduction.progress()
+        """Advance what is in flight without blocking: the reductions, and a completed broadcast of x_{t+1}.
+        The reduction work done here (b_t's scaling, corrections and norm, deferred until its all-reduce has
+        arrived) is UPDATE_START(t)'s, so it is timed as U0: left untimed it would count as bubble."""
+        start = self.timer.now()
+        advanced = self.reduction.progress()
+        if advanced:
+            self.timer.add(Action(Op.UPDATE_START, advanced[-1]), start, self.timer.now())
         if self.shards and self.versions.filling and self.shards.broadcast_done():
             self.versions.sync()
 

@@ -95,11 +95,19 @@ class GradientReduction:
         self.pending[step] = pending
         self.progress()
 
-    def progress(self) -> None:
-        """Advance the pending steps' reductions without blocking, oldest first."""
+    def progress(self) -> list[int]:
+        """Advance the pending steps' reductions without blocking, oldest first. Returns the steps whose
+        reduction moved on a phase here, i.e. did work on this thread (scaling, corrections, the norm)."""
+        advanced = []
         for t in sorted(self.pending):
-            if not self._progress(self.pending[t], block=False):
-                return
+            p = self.pending[t]
+            before = p.phase
+            started = self._progress(p, block=False)
+            if p.phase != before:
+                advanced.append(t)
+            if not started:
+                break
+        return advanced
 
     def finish(self, step: int) -> PendingReduction:
         """Complete step's reductions (blocking for what is left): its gradient reduced and scaled (the tied

@@ -34,6 +34,9 @@ import torch
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.events import TimelineEvent
 
+PER_STEP_KINDS = ("U0", "U")
+"""Kinds whose cost is per step, not per event (mean_durations)."""
+
 MIN_IDLE_S = 1e-4
 """An "idle" span shorter than this is the clock's own noise (a wait that found its data ready), not a
 wait: it is dropped, so the timeline shows real stalls only."""
@@ -172,10 +175,18 @@ class StageTimer:
         return sum(e.duration for e in self.events if e.kind not in ("idle", "comm"))
 
     def mean_durations(self) -> dict[str, float]:
-        """Mean duration of each kind of event (F, B, U0, U, idle): per-op costs for the cost model."""
+        """Mean duration of each kind of event (F, B, U0, U, idle): per-op costs for the cost model. An update
+        may be timed in pieces (UPDATE_START's deferred reduction work, StageEngine._progress): U0 and U are
+        summed per step first, so their means stay the cost of one step's update."""
         sums: dict[str, list[float]] = {}
+        per_step: dict[tuple[str, int], float] = {}
         for e in self.events:
-            sums.setdefault(e.kind, []).append(e.duration)
+            if e.kind in PER_STEP_KINDS:
+                per_step[e.kind, e.step] = per_step.get((e.kind, e.step), 0.0) + e.duration
+            else:
+                sums.setdefault(e.kind, []).append(e.duration)
+        for (kind, _), d in per_step.items():
+            sums.setdefault(kind, []).append(d)
         return {kind: sum(v) / len(v) for kind, v in sums.items()}
 
     def end_of(self, op: Op, step: int) -> float:

@@ -159,3 +159,20 @@ def test_restart_keeps_earlier_events_on_their_origin(kind: str) -> None:
     before = [(e.start, e.end) for e in timer.events]
     timer.restart()
     assert [(e.start, e.end) for e in timer.events] == before
+
+
+def test_an_update_timed_in_pieces_costs_their_sum_per_step() -> None:
+    """UPDATE_START's deferred reduction work is timed as a second U0 event of the same step
+    (StageEngine._progress): the per-step cost the cost model reads is the sum, not the mean of pieces."""
+    timer = StageTimer(0)
+    t = timer.now()
+    for step, pieces in ((0, (0.1, 0.3)), (1, (0.2, 0.2))):
+        for d in pieces:
+            timer.add(Action(Op.UPDATE_START, step), t, t + d)
+            t += d
+    timer.add(F0, t, t + 0.5)
+    timer.add(F1, t + 0.5, t + 0.6)
+    means = timer.mean_durations()
+    assert means["U0"] == pytest.approx(0.4)  # (0.4 + 0.4) / 2 steps, not 0.2 per piece
+    assert means["F"] == pytest.approx(0.3)  # per op, as before
+    assert timer.busy() == pytest.approx(0.8 + 0.6)
