@@ -7,7 +7,9 @@
 `AsyncppLM` adapts our CausalLM and the run's tokenizer to lm-eval's `LM` interface (loglikelihood and
 loglikelihood_rolling; generation is not needed by the paper's Table 4 tasks). `--tasks local` runs the
 offline tasks shipped in data/eval/tasks/ (no network); `--tasks paper` the Table 4 list in
-data/eval/paper_tasks.yaml, whose data comes from the Hugging Face hub.
+data/eval/paper_tasks.yaml, whose data comes from the Hugging Face hub. Where the hub cannot be reached (or
+HF_DATASETS_OFFLINE is set) and the data is not cached, the run stops with an error that lists the datasets
+those tasks read and how to pre-download them (evaluate(), offline_message()).
 
 Scoring follows lm-eval's HF backend: the continuation's tokens are those of `encode(context +
 continuation)` after the context's (so a BPE merge across the boundary is scored as the model sees it),
@@ -188,8 +190,92 @@ def evaluate(lm: AsyncppLM, tasks: list[str], limit: int | None = None, num_fews
     specs = task_specs(tasks)
     # Indexing lm-eval's thousands of built-in task YAMLs takes seconds; local tasks arrive as configs.
     manager = TaskManager(include_defaults=any(isinstance(s, str) for s in specs))
-    return simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-                           bootstrap_iters=0, log_samples=False)
+    try:
+        return simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+                               bootstrap_iters=0, log_samples=False)
+    except Exception as e:  # only a failure to reach the hub is translated; anything else propagates as is
+        offline = offline_cause(e)
+        if offline is None:
+            raise
+        names = [s for s in specs if isinstance(s, str)]
+        raise EvaluateError(offline_message(names, hub_datasets(manager.task_index, names), offline)) from e
+
+
+# ---- hub tasks without network ------------------------------------------------------------------------
+
+# What datasets / huggingface_hub / requests / httpx raise when the hub cannot be reached, or is switched off
+# (HF_DATASETS_OFFLINE, HF_HUB_OFFLINE) and the data is not cached. Matched by name along the exception chain:
+# these libraries wrap each other's errors, and importing each to isinstance-check would import them all.
+_OFFLINE_ERRORS = {"ConnectionError", "ConnectError", "ConnectTimeout", "ReadTimeout", "Timeout", "ProxyError",
+                   "OfflineModeIsEnabled", "LocalEntryNotFoundError", "DatasetNotFoundError", "gaierror"}
+
+
+def offline_cause(error: BaseException) -> BaseException | None:
+    """The error in `error`'s chain that says the hub was unreachable (or offline mode hid it), or None."""
+    seen: set[int] = set()
+    node: BaseException | None = error
+    while node is not None and id(node) not in seen:
+        seen.add(id(node))
+        if type(node).__name__ in _OFFLINE_ERRORS or isinstance(node, ConnectionError):
+            return node
+        node = node.__cause__ or node.__context__
+    return None
+
+
+def hub_datasets(index: dict, names: Iterable[str]) -> dict[str, set[str]]:
+    """Hugging Face dataset id -> its configs (dataset_name; "" for the default) that lm-eval's tasks `names`
+    (tasks, groups or tags) read, from lm-eval's task index (no network)."""
+    from lm_eval.tasks._index import Kind
+
+    found: dict[str, set[str]] = {}
+    todo, seen = list(names), set()
+    while todo:
+        name = todo.pop()
+        entry = index.get(name) if isinstance(name, str) else None
+        if entry is None or name in seen:
+            continue
+        seen.add(name)
+        cfg = dict(entry.cfg or {})
+        if "dataset_path" not in cfg and cfg.get("include") and entry.yaml_path is not None:
+            included = Path(entry.yaml_path).parent / cfg["include"]  # a template holds the dataset
+            if included.is_file():
+                base = yaml.load(included.read_text(), Loader=_IgnoreTags)
+                cfg = {**(base or {}), **cfg}
+        if cfg.get("dataset_path"):
+            found.setdefault(cfg["dataset_path"], set()).add(cfg.get("dataset_name") or "")
+        children = cfg.get("task") if entry.kind == Kind.GROUP else None
+        for child in children if isinstance(children, list) else []:
+            todo.append(child.get("task") if isinstance(child, dict) else child)
+        if entry.kind == Kind.TAG:
+            todo += [n for n, e in index.items() if name in (e.tags or ())]
+    return found
+
+
+class _IgnoreTags(yaml.SafeLoader):
+    """lm-eval templates use `!function module.fn`; reading their dataset fields needs none of those."""
+
+
+_IgnoreTags.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def offline_message(tasks: list[str], datasets: dict[str, set[str]], cause: BaseException) -> str:
+    from datasets import config as ds_config
+
+    first = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else ""
+    listed = "; ".join(f"{path} ({', '.join(sorted(c for c in configs if c)) or 'default'})"
+                       if len(configs) <= 4 else f"{path} ({len(configs)} configs)"
+                       for path, configs in sorted(datasets.items()))
+    downloads = "\n".join(f"    huggingface-cli download --repo-type dataset {path}" for path in sorted(datasets))
+    return (
+        f"tasks {', '.join(tasks)} read their data from the Hugging Face hub, which this machine cannot reach "
+        f"({type(cause).__name__}: {first}).\n"
+        f"They need these datasets: {listed or '(lm-eval names none; see its task YAMLs)'}.\n"
+        "Pre-download them where the hub is reachable, into the cache this machine reads "
+        f"(HF_HOME, now {ds_config.HF_CACHE_HOME}; copy it over if that is another machine):\n"
+        f"{downloads}\n"
+        "  (or run this same command there once: lm-eval's first run fills the cache), then run here with "
+        "HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 so nothing tries the network. `--tasks local` needs no network."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
     python -m tools.hf export --model tiny_dense --state-dict weights.pt --out hf/tiny --verify
     python -m tools.hf export --checkpoint outputs/run/checkpoints/step_00000300 --out hf/run --verify
-    python -m tools.hf export --model tiny_hybrid --set qk_norm=true --set attn_output_gate=true --out hf/next
+    python -m tools.hf export --model moe_2b --set qk_norm=true --out hf/moe_2b      # Qwen3-MoE
     python -m tools.hf import hf/SmolLM2-135M --out smollm2.pt --verify
     python -m tools.hf roundtrip            # every family: export, transformers, import; max logit difference
 
@@ -244,6 +244,11 @@ def write_tokenizer(spec: str | Path, out: Path, cfg: Any) -> dict[str, int]:
     tok = PreTrainedTokenizerFast(tokenizer_file=str(loaded.path), eos_token=EOD_TOKEN, bos_token=EOD_TOKEN,
                                   unk_token=EOD_TOKEN, model_max_length=cfg.max_seq_len)
     tok.save_pretrained(str(out))
+    # transformers 5 names the class TokenizersBackend, which 4.x does not know; both load this name.
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
     return {"eos_token_id": loaded.eod_id, "bos_token_id": loaded.eod_id}
 
 

@@ -97,3 +97,23 @@ def test_bad_partial_rotary_factor_is_refused_naming_the_field(factor, message):
 def test_non_boolean_option_is_refused():
     with pytest.raises(ValueError, match="model.qk_norm='yes' must be true or false"):
         get_model_config("tiny_dense", qk_norm="yes")
+
+
+def test_transformer_engine_attention_computes_the_options():
+    """train.backend=te's attention (with tests/unit/test_backends.py's CPU stand-in for TE) keeps the q/k
+    norms and the gate under their names and computes what the local layer computes."""
+    from model_zoo.backends.te import TEAttention, swap_to_te
+    from tests.unit.test_backends import StandInTE
+
+    cfg = get_model_config("tiny_hybrid", **QWEN3_NEXT)
+    torch.manual_seed(0)
+    local = build_model(cfg)
+    torch.manual_seed(0)
+    swapped = build_model(cfg)
+    counts = swap_to_te(swapped, StandInTE)
+    assert isinstance(swapped.layers[3].mixer, TEAttention) and counts["attention"] == 1
+    assert counts["rmsnorm"] == 2 * cfg.num_layers + 1  # the q/k norms stay inside the TE attention
+    assert list(swapped.state_dict()) == list(local.state_dict())
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(swapped(tokens), local(tokens), rtol=1e-5, atol=1e-5)

@@ -182,6 +182,8 @@ def test_exported_tokenizer_loads_offline_and_encodes_like_ours(tmp_path, monkey
     assert tok.eos_token == hf.EOD_TOKEN
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["eos_token_id"] == tok.eos_token_id == 0
+    # a class name transformers 4.x knows too (5.x maps it to its TokenizersBackend)
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
 
 
 def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
@@ -288,3 +290,21 @@ def test_paper_sized_models_take_the_qwen_options():
     assert family_of(get_model_config("moe_2b", qk_norm=True)) == "qwen3_moe"
     assert family_of(get_model_config("hybrid_moe_10b", **hf_roundtrip.QWEN3_NEXT_OPTIONS)) == "qwen3_next"
     assert get_model_config("hybrid_moe_10b", **hf_roundtrip.QWEN3_NEXT_OPTIONS).rotary_dim == 32
+
+
+@pytest.mark.slow
+def test_cli_export_of_a_checkpoint_trained_with_overrides(tmp_path, capsys):
+    """A run's model.overrides (here qk_norm) come from its checkpoint's manifest: the export is that model,
+    Qwen3, with the run's tokenizer."""
+    import pretrain
+
+    run = tmp_path / "run"
+    cfg, model_cfg = pretrain.resolve(pretrain.compose([
+        f"out_dir={run}", "model=tiny_dense", "+model.overrides.qk_norm=true", "logging=disabled",
+        "logging.progress=false", "train.steps=1", "train.eval_every=0", "train.micro_batch_size=1",
+        "train.num_microbatches=1", "train.seq_len=16", "optimizer.schedule.warmup_steps=1"]))
+    pretrain.run(cfg, model_cfg)
+    step = next((run / "checkpoints").glob("step_*"))
+    assert hf.main(["export", "--checkpoint", str(step), "--out", str(tmp_path / "hf"), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "exported 'tiny_dense' as Qwen3ForCausalLM" in out and "tokenizer.json" in out and "(ok," in out
