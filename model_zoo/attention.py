@@ -55,12 +55,12 @@ class Attention(nn.Module):
         for proj in (self.q_proj, self.k_proj, self.v_proj):
             init.normal_(proj.weight, std)
         init.normal_(self.o_proj.weight, out_std)
-        # The options draw only when enabled, after the plain layer's tensors: a model without them draws as before.
+        # The options exist (and draw) only when enabled: a model without them initializes as before.
         if self.gate_proj is not None:
             init.normal_(self.gate_proj.weight, std)
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
-                norm.init_weights()
+                norm.init_weights(init)
 
 
 def project_qkv(attn: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -66,9 +66,13 @@ TINY_DENSE = ModelConfig(
 _TINY_MOE_SETTINGS = MoEConfig(num_experts=8, top_k=2, expert_ffn_hidden_size=128,
                                shared_expert_ffn_hidden_size=128, aux_loss_coef=0.01, normalize_topk=True)
 TINY_MOE = dataclasses.replace(TINY_DENSE, name="tiny_moe", ffn_hidden_size=0, moe=_TINY_MOE_SETTINGS)
+# The embedded default (`make train`) has Qwen3-Next's attention and Gated DeltaNet choices (per-head q/k
+# RMSNorm, a sigmoid-gated output, rotary on a quarter of each head, FLA's L2 norm), so a run of it exports to
+# transformers' Qwen3NextForCausalLM as it is (tools/hf.py, docs/hf.md). The paper configs keep them off.
 TINY_HYBRID = dataclasses.replace(
     TINY_MOE, name="tiny_hybrid", layer_types=("gdn", "gdn", "gdn", "attn"),
-    gdn=GDNConfig(num_heads=4, head_k_dim=32, head_v_dim=32, conv_size=4, chunk_size=64),
+    gdn=GDNConfig(num_heads=4, head_k_dim=32, head_v_dim=32, conv_size=4, chunk_size=64, fla_l2norm=True),
+    qk_norm=True, attn_output_gate=True, partial_rotary_factor=0.25,
 )
 
 _REGISTRY: dict[str, ModelConfig] = {c.name: c for c in (
