@@ -100,15 +100,20 @@ def plot_gantt(
         Patch(color="#EEEEEE", label="idle"),
         Patch(color="black", label="update start (U0)"),
         Patch(color="#C44E52", label="update (U)"),
+        Patch(color=_COLOURS["comm"][0], label="transfer in flight (comm)"),
     ]
-    fig.legend(handles=legend, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    fig.legend(handles=legend, loc="lower center", ncol=6, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))  # leave the bottom strip to the legend
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def _draw_stage(ax: object, evs: list[TimelineEvent], y: float) -> None:
-    bars = [e for e in evs if e.kind in _COLOURS]
+    bars = [e for e in evs if e.kind in _COLOURS and e.kind != "comm"]
+    # Transfers overlap the compute (the distributed optimizer's broadcast of x_{t+1}, the cost model's DP
+    # all-reduces): a thin strip along the top of the row, from start to completion.
+    comm = [e for e in evs if e.kind == "comm"]
+    ax.broken_barh([(e.start, e.duration) for e in comm], (y + 0.4, 0.08), facecolors=_COLOURS["comm"][0])
     ax.broken_barh(
         [(e.start, e.duration) for e in bars],
         (y - 0.4, 0.8),

@@ -1,0 +1,108 @@
+"""The distributed optimizer's memory per rank, planned and measured, with and without it (CPU, gloo).
+
+Runs a PP=2 x DP=2 2BW pipeline with Error Feedback for a few steps, twice (parallel.distributed_optimizer
+false / true), four gloo processes each, and reports per rank:
+- plan: the optimizer-state and EF rows of asyncpp.analysis.memory's per-rank report (what pretrain.py prints
+  at start), built from the engine's own optimizer and EF buffer;
+- measured: the bytes of the optimizer-state and EF tensors that exist after training (the storages torch
+  allocated, counted once each), and the process's peak RSS (ru_maxrss; it includes the Python runtime,
+  torch and the data, so only its difference between the two runs is meaningful).
+Prints a table and writes JSON:
+
+    .venv/bin/python bench/distributed_optimizer.py --out outputs/bench/distributed_optimizer.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository's asyncpp and tests, not an installed copy
+
+import torch
+
+from asyncpp.analysis.memory import optimizer_state_tensors, storage_bytes
+
+_MIB = 1024 * 1024
+
+
+def _rank(rank: int, cfg_dict: dict) -> dict:
+    import pretrain
+    from asyncpp.analysis.dryrun import stage_memory
+    from asyncpp.config import RunConfig
+    from asyncpp.parallel.mesh import Mesh, ParallelDims
+    from asyncpp.pipeline.executor import PipelineExecutor
+    from asyncpp.train.trainer import Trainer
+    from model_zoo import build_model, get_model_config
+    from tests.dist.workers import Collect, data_for
+
+    cfg = RunConfig.from_dict(cfg_dict)
+    model_cfg = get_model_config(cfg.model.name, **(cfg.model.overrides or {}))
+    p = cfg.parallel
+    mesh = Mesh(ParallelDims.for_world(torch.distributed.get_world_size(), pp=p.pp, dp=p.dp), torch.device("cpu"))
+    torch.manual_seed(cfg.seed)
+    run = PipelineExecutor(cfg, build_model(model_cfg), mesh, data_for(cfg, model_cfg.vocab_size),
+                           pretrain.optimizer_for(cfg, mesh), parallelize=pretrain.parallelize_stage(mesh, False))
+    e = run.engine
+    plan = stage_memory(cfg, model_cfg, mesh, run.spec, e.versions, e.optimizer, e.error_feedback.prev_update)
+    Trainer(cfg, run, Collect()).run()
+    return {
+        "stage": mesh.pp_rank, "dp": mesh.dp_rank,
+        "params_bytes": storage_bytes(e.masters),
+        "plan_optimizer_bytes": plan.get("optimizer state"), "plan_ef_bytes": plan.get("error feedback"),
+        "plan_total_bytes": plan.total,
+        "measured_optimizer_bytes": storage_bytes(optimizer_state_tensors(e.optimizer)),
+        "measured_ef_bytes": storage_bytes(e.error_feedback.prev_update),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        # The broadcast of x_{t+1}: how long each was in flight, and how long a read of x_{t+1} waited for it.
+        "broadcasts": e.shards.broadcasts if e.shards else 0,
+        "broadcast_in_flight_s": e.shards.in_flight_s if e.shards else 0.0,
+        "broadcast_blocked_s": e.shards.blocked_s if e.shards else 0.0,
+        "busy_s": e.timer.busy(),
+    }
+
+
+def measure(optimizer: str, zero: bool, steps: int, hidden: int) -> list[dict]:
+    from tests.dist.harness import run_ranks
+    from tests.dist.workers import make_config
+
+    # Untied (as moe_2b and hybrid_moe_10b): a tied embedding stays replicated under the distributed optimizer.
+    overrides = {"hidden_size": hidden, "ffn_hidden_size": 3 * hidden, "tie_embeddings": False}
+    cfg = make_config(model={"name": "tiny_dense", "overrides": overrides},
+                      parallel={"pp": 2, "dp": 2, "distributed_optimizer": zero}, optimizer={"name": optimizer},
+                      train={"steps": steps, "num_microbatches": 2}, staleness={"ef_lambda": 1.0})
+    return sorted(run_ranks(_rank, 4, cfg.to_dict(), timeout=900), key=lambda r: (r["stage"], r["dp"]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--optimizers", default="adamw,muon")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=512, help="tiny_dense's hidden size (memory scale)")
+    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "distributed_optimizer.json")
+    args = ap.parse_args()
+    rows = []
+    for name in args.optimizers.split(","):
+        for zero in (False, True):
+            for r in measure(name, zero, args.steps, args.hidden):
+                rows.append({"optimizer": name, "distributed_optimizer": zero, **r})
+    head = (f"{'optimizer':<9} {'dist.opt':<8} {'stage':>5} {'dp':>3} {'params':>8} {'opt plan':>9} {'opt meas':>9} "
+            f"{'EF plan':>8} {'EF meas':>8} {'peak RSS':>9} (MiB)  broadcasts: n, in flight, waited (s)")
+    print(head)
+    for r in rows:
+        print(f"{r['optimizer']:<9} {r['distributed_optimizer']!s:<8} {r['stage']:>5} {r['dp']:>3} "
+              f"{r['params_bytes'] / _MIB:>8.2f} {r['plan_optimizer_bytes'] / _MIB:>9.2f} "
+              f"{r['measured_optimizer_bytes'] / _MIB:>9.2f} {r['plan_ef_bytes'] / _MIB:>8.2f} "
+              f"{r['measured_ef_bytes'] / _MIB:>8.2f} {r['peak_rss_bytes'] / _MIB:>9.1f}        "
+              f"{r['broadcasts']:>3} {r['broadcast_in_flight_s']:>7.3f} {r['broadcast_blocked_s']:>7.3f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"steps": args.steps, "hidden": args.hidden, "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
