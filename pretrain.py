@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from asyncpp.analysis.memory import simulator_run_report
 from asyncpp.config import ConfigError, RunConfig, check_pipeline_options
+from asyncpp.core.recompute import apply_recompute, modes_per_layer
 from asyncpp.optim import build_from_config
 from asyncpp.reference.executor import ReferenceExecutor
 from asyncpp.train import preflight
@@ -103,6 +104,8 @@ def run(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
     device = torch.device(cfg.train.device)
     data = build_data(cfg, model_cfg)
     model = build_model(model_cfg, device=device, seed=cfg.seed)
+    p = cfg.parallel
+    apply_recompute(model, modes_per_layer(cfg.train.recompute, model_cfg.num_layers, p.pp, p.stage_layers))
     metrics = make_metrics(cfg, model_cfg)
     # Layers swapped (train.backend) and compiled before the optimizer sees their Parameters.
     prepare_model(model, backend=cfg.train.backend, compile=cfg.train.compile, device=device, log=metrics.message)
