@@ -161,6 +161,7 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
     """One pipeline stage per rank (torchrun). Validated before the process group exists."""
     import torch.distributed as dist
 
+    from asyncpp.analysis.measured import host_rss_bytes
     from asyncpp.parallel.mesh import Mesh, ParallelDims, init_distributed
     from asyncpp.pipeline.build import build_rank_stage
     from asyncpp.pipeline.executor import PipelineExecutor
@@ -189,11 +190,13 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
         if cfg.train.backend != "local" and (p.tp > 1 or p.ep > 1):
             raise ConfigError(f"train.backend={cfg.train.backend} is not combined with tensor/expert parallelism yet "
                               f"(parallel.tp={p.tp}, parallel.ep={p.ep}); use train.backend=local")
+        baseline = host_rss_bytes()  # the process before the model: what the memory plan does not count
         stage = build_rank_stage(cfg, model_cfg, mesh, device)  # only this rank's layers and shards
         # Layers swapped and compiled before the optimizer is built on the stage's Parameters.
         prepare_model(stage.model, backend=cfg.train.backend, compile=cfg.train.compile, device=device,
                       log=metrics.message if metrics is not None else (lambda text: None))
         executor = PipelineExecutor(cfg, stage, mesh, data, optimizer_for(cfg, mesh))
+        executor.process_baseline_bytes = baseline
         _print_stage_memory(mesh, executor, metrics)
         trainer = Trainer(cfg, executor, metrics, stop=STOP)
         trainer.resume()
