@@ -27,6 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from asyncpp.analysis.memory import simulator_run_report
 from asyncpp.config import ConfigError, RunConfig, check_pipeline_options
+from asyncpp.core.partition import stage_split
+from asyncpp.core.recompute import apply_recompute, modes_per_layer
 from asyncpp.core.update import NonFiniteUpdate
 from asyncpp.optim import build_from_config
 from asyncpp.reference.executor import ReferenceExecutor
@@ -117,6 +119,9 @@ def run(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
     device = torch.device(cfg.train.device)
     data = build_data(cfg, model_cfg)
     model = build_model(model_cfg, device=device, seed=cfg.seed)
+    p = cfg.parallel
+    split = stage_split(cfg, model_cfg) if p.pp > 1 else None
+    apply_recompute(model, modes_per_layer(cfg.train.recompute, model_cfg.num_layers, p.pp, split))
     metrics = make_metrics(cfg, model_cfg)
     # Layers swapped (train.backend) and compiled before the optimizer sees their Parameters.
     prepare_model(model, backend=cfg.train.backend, compile=cfg.train.compile, device=device, log=metrics.message)
@@ -179,6 +184,7 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
     """One pipeline stage per rank (torchrun). Validated before the process group exists."""
     import torch.distributed as dist
 
+    from asyncpp.analysis.measured import host_rss_bytes
     from asyncpp.parallel.mesh import Mesh, ParallelDims, init_distributed
     from asyncpp.pipeline.build import build_rank_stage
     from asyncpp.pipeline.executor import PipelineExecutor
@@ -207,11 +213,13 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
         if cfg.train.backend != "local" and (p.tp > 1 or p.ep > 1):
             raise ConfigError(f"train.backend={cfg.train.backend} is not combined with tensor/expert parallelism yet "
                               f"(parallel.tp={p.tp}, parallel.ep={p.ep}); use train.backend=local")
+        baseline = host_rss_bytes()  # the process before the model: what the memory plan does not count
         stage = build_rank_stage(cfg, model_cfg, mesh, device)  # only this rank's layers and shards
         # Layers swapped and compiled before the optimizer is built on the stage's Parameters.
         prepare_model(stage.model, backend=cfg.train.backend, compile=cfg.train.compile, device=device,
                       log=metrics.message if metrics is not None else (lambda text: None))
         executor = PipelineExecutor(cfg, stage, mesh, data, optimizer_for(cfg, mesh))
+        executor.process_baseline_bytes = baseline
         _print_stage_memory(mesh, executor, metrics)
         trainer = Trainer(cfg, executor, metrics, stop=STOP)
         trainer.resume()

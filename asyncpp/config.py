@@ -70,6 +70,9 @@ class ParallelConfig:
 DEFAULT_MICROBATCHES = 4
 
 
+RecomputeMode = Literal["none", "selective", "full"]
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     steps: int = 300
@@ -102,6 +105,10 @@ class TrainConfig:
     (`pip install -e .[gpu]`). model_zoo/backends, docs/gpu.md."""
     compile: bool = False
     """torch.compile each transformer block (one graph per block, reused by every pipeline stage)."""
+    recompute: RecomputeMode | tuple[RecomputeMode, ...] = "none"
+    """Activation recomputation: none; selective (each block's token mixer is replayed in the backward);
+    full (each block keeps only its input). One mode, or one per pipeline stage (a list of parallel.pp
+    modes). Bit-identical gradients, less activation memory (asyncpp/core/recompute.py)."""
     peak_tflops: float | None = None
     """Per-device peak TFLOP/s for the log's MFU; None = the device table (asyncpp/train/throughput.py:
     H100/H200/A100), and no MFU on a CPU."""
@@ -413,6 +420,14 @@ def _check_train(cfg: RunConfig, model: ModelLimits) -> None:
         )
     # A GPU-only backend on the CPU is a contradiction in the config itself, so it fails here, before
     # anything is built; a missing *package* on a GPU machine only falls back (model_zoo/backends).
+    if not isinstance(t.recompute, str) and len(t.recompute) != cfg.parallel.pp:
+        raise ConfigError(
+            f"train.recompute={list(t.recompute)} gives {len(t.recompute)} modes but parallel.pp={cfg.parallel.pp}; "
+            "give one mode per stage (e.g. train.recompute=[full,none]) or one for all (train.recompute=full)"
+        )
+    if t.recompute != "none" and t.backend != "local":  # a backend swaps the modules recompute wraps
+        raise ConfigError(f"train.recompute={t.recompute} is not combined with train.backend={t.backend} yet; "
+                          "use train.backend=local, or train.recompute=none")
     if t.backend != "local" and not t.device.startswith("cuda"):
         raise ConfigError(
             f"train.backend={t.backend} runs only on CUDA devices, but train.device={t.device}; use "

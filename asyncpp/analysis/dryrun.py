@@ -22,6 +22,7 @@ from torch import nn
 from asyncpp.analysis.memory import activation_bytes, in_flight_microbatches, versions_report
 from asyncpp.config import RunConfig
 from asyncpp.core.partition import stage_split
+from asyncpp.core.recompute import modes_per_layer
 from asyncpp.core.staleness import ErrorFeedback
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.parallel.sharding import ShardingPlan, layout_of
@@ -63,9 +64,10 @@ def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, version
     the same function sizes a dry run (meta tensors) and a real run (printed at start)."""
     t = cfg.train
     dtype = compute_dtype_of(t.precision)
+    recompute = modes_per_layer(t.recompute, model_cfg.num_layers, mesh.num_stages, stage_split(cfg, model_cfg))
     act = activation_bytes(local_shapes_config(model_cfg, mesh.dims), spec.layers, dtype=dtype,
                            micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
-                           first=spec.is_first, last=spec.is_last)
+                           first=spec.is_first, last=spec.is_last, recompute=recompute)
     in_flight = in_flight_microbatches(cfg.schedule.name, spec.stage, mesh.num_stages, t.num_microbatches)
     # A lazy update (2BW): b_{t+1}'s backward accumulates while b_t's gradient waits for U(t).
     grad_buffers = 2 if kind_of(cfg.schedule.name).lazy_update else 1

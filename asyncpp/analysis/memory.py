@@ -249,14 +249,34 @@ def activation_bytes_per_token(cfg: LayerShapes, layer: int, dtype: torch.dtype,
     return 2 * _norm_bytes(h, c) + mixer + mlp
 
 
+def recomputed_layer_bytes_per_token(cfg: LayerShapes, layer: int, mode: str, dtype: torch.dtype, seq_len: int,
+                                    micro_batch_size: int, moe_imbalance: float = 1.0) -> float:
+    """What Block `layer` keeps per token under train.recompute `mode` (asyncpp/core/recompute.py): full keeps
+    its input only; selective drops the token mixer's saved tensors (its input is the mixer norm's output,
+    already counted with the norm). Not counted: while a recomputed block's backward runs, that one block's
+    activations of one microbatch are live again (at most one block's worth more than this)."""
+    whole = activation_bytes_per_token(cfg, layer, dtype, seq_len, micro_batch_size, moe_imbalance)
+    if mode == "full":
+        return dtype.itemsize * cfg.hidden_size
+    if mode == "selective":
+        c = dtype.itemsize
+        mixer = (_attention_bytes(cfg, c, micro_batch_size) if cfg.layer_types[layer] == "attn"
+                 else _gdn_bytes(cfg, c, seq_len, micro_batch_size))
+        return whole - mixer
+    return whole
+
+
 def activation_bytes(cfg: LayerShapes, layers: Iterable[int], *, dtype: torch.dtype, micro_batch_size: int,
-                     seq_len: int, first: bool, last: bool, moe_imbalance: float = 1.0) -> int:
+                     seq_len: int, first: bool, last: bool, moe_imbalance: float = 1.0,
+                     recompute: Sequence[str] | None = None) -> int:
     """Saved activations of one microbatch's forward through a stage: the given Blocks, plus the token
     ids on the first stage, plus the final norm, LM head and fp32 cross entropy on the last.
-    `moe_imbalance`: mean over MoE layers of busiest / mean expert load (1.0 = balanced router)."""
+    `moe_imbalance`: mean over MoE layers of busiest / mean expert load (1.0 = balanced router).
+    `recompute`: the train.recompute mode of every layer of the model (None: none)."""
     tokens = micro_batch_size * seq_len
-    per_token = sum(activation_bytes_per_token(cfg, i, dtype, seq_len, micro_batch_size, moe_imbalance)
-                    for i in layers)
+    layers = list(layers)
+    per_token = sum(recomputed_layer_bytes_per_token(cfg, i, recompute[i] if recompute else "none", dtype, seq_len,
+                                                     micro_batch_size, moe_imbalance) for i in layers)
     if first:
         per_token += 8 * (seq_len + 1) / seq_len  # the int64 token block the embedding's backward indexes
     if last:

@@ -11,7 +11,7 @@ run sizes memory from the shard shapes).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from asyncpp.core.loss import cross_entropy
 from asyncpp.core.partition import stage_split
+from asyncpp.core.recompute import apply_recompute, modes_per_layer
 from asyncpp.parallel.sharding import ParamSharding, ShardingPlan, layout_of
 from asyncpp.pipeline.stage import StageSpec, prune_to_stage
 from model_zoo import ModelConfig, build_model
@@ -72,14 +73,18 @@ Parallelize = Callable[[nn.Module], tuple[ShardingPlan, LossFn]]
 
 
 def build_stage(model_cfg: ModelConfig, spec: StageSpec, device: torch.device | str, seed: int,
-                parallelize: Parallelize | None = None, coords: ShardCoords = ShardCoords()) -> BuiltStage:
+                parallelize: Parallelize | None = None, coords: ShardCoords = ShardCoords(),
+                recompute: Sequence[str] | None = None) -> BuiltStage:
     """This rank's stage: built on meta, pruned to `spec`, sharded by `parallelize` (the TP/EP plan, applied
-    on meta: shapes only), then, unless `device` is meta, allocated on `device` and initialized."""
+    on meta: shapes only), then, unless `device` is meta, allocated on `device` and initialized.
+    `recompute`: the activation-recomputation mode of every layer of the model (core/recompute.py)."""
     model = prune_to_stage(build_model(model_cfg, device="meta"), spec)
     sharding, loss_fn = parallelize(model) if parallelize is not None else ({}, cross_entropy)
     if torch.device(device).type != "meta":
         materialize(model, device, seed,
                     lambda name, p: param_slice(name, p.shape, layout_of(sharding, name), coords))
+    if recompute is not None:
+        apply_recompute(model, recompute)
     return BuiltStage(model, spec, sharding, loss_fn)
 
 
@@ -105,6 +110,8 @@ def tp_ep_plan(mesh, sequence_parallel: bool = False) -> Parallelize | None:
 def build_rank_stage(cfg, model_cfg: ModelConfig, mesh, device: torch.device | str) -> BuiltStage:
     """The stage this rank of `mesh` owns under run config `cfg` (seed, stage split, sequence parallelism)."""
     p = cfg.parallel
-    spec = StageSpec(mesh.pp_rank, mesh.num_stages, model_cfg.num_layers, stage_split(cfg, model_cfg))
+    split = stage_split(cfg, model_cfg)
+    spec = StageSpec(mesh.pp_rank, mesh.num_stages, model_cfg.num_layers, split)
+    modes = modes_per_layer(cfg.train.recompute, model_cfg.num_layers, mesh.num_stages, split)
     return build_stage(model_cfg, spec, device, cfg.seed, tp_ep_plan(mesh, p.sequence_parallel),
-                       ShardCoords.of(mesh))
+                       ShardCoords.of(mesh), recompute=modes)

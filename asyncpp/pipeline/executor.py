@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from asyncpp.analysis.measured import device_peak_bytes, host_peak_bytes
 from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
 from asyncpp.core.layer_costs import layer_costs
@@ -74,6 +75,7 @@ class PipelineExecutor:
             raise ValueError(f"the stage was built for stage {stage.spec.stage} of {stage.spec.num_stages}, "
                              f"but this rank is stage {mesh.pp_rank} of {mesh.num_stages}")
         self.spec, self.model, self.sharding, self.loss_fn = stage.spec, stage.model, stage.sharding, stage.loss_fn
+        self.process_baseline_bytes: int | None = None  # the RSS before the build, if the entry point measured it
         self.m = cfg.train.num_microbatches
         self.stop_lookahead = stop_lookahead(cfg.schedule.name, mesh.num_stages)
         self._agreement: StopAgreement | None = None  # created by the first segment, on every rank
@@ -236,12 +238,14 @@ class PipelineExecutor:
         per_stage = [None] * dist.get_world_size()
         with self._naming("every rank's summary (all_gather)"):
             dist.all_gather_object(per_stage, {"stage": self.spec.stage, "busy_s": busy, "wall_s": wall,
-                                           "loss": self._last_loss, **self.engine.timer.mean_durations()})
+                                               "loss": self._last_loss, "memory": self.memory_measured(),
+                                               **self.engine.timer.mean_durations()})
         bubbles = [1.0 - s["busy_s"] / s["wall_s"] for s in per_stage]
         last = self.mesh.num_stages - 1
         return {
             # Every rank's summary has the last stage's final loss: each decides its exit code on it.
             "final_loss": next(s["loss"] for s in per_stage if s["stage"] == last),
+            "memory_per_rank": [s["memory"] for s in per_stage],
             "bubble_fraction": sum(bubbles) / len(bubbles), "bubble_fraction_per_rank": bubbles,
             **self._balance(per_stage),
             "mean_forward_s_per_rank": [s.get("F", math.nan) for s in per_stage],
@@ -267,6 +271,20 @@ class PipelineExecutor:
         weights = layer_costs(cfg, self.cfg.train.seq_len, self.cfg.train.micro_batch_size,
                               self.mesh.device.type).layers
         return stage_balance(stage_split(self.cfg, cfg), [sum(b) / len(b) for b in busy], weights)
+
+    def memory_measured(self) -> dict:
+        """The plan's total next to this process's measured peak: the device allocator's peak on CUDA, the
+        resident-set high-water mark (since start: the build included) on the CPU. The host figure also
+        holds what the plan does not count (the interpreter, torch and its libraries: `process_baseline`,
+        the RSS before the stage was built, when the entry point recorded it)."""
+        plan = self.memory_plan()
+        device = self.mesh.device
+        cuda = device_peak_bytes(device)
+        return {"rank": self.mesh.rank, "stage": self.spec.stage, "plan_total_bytes": plan.total,
+                "plan": {i.name: i.nbytes for i in plan.items},
+                "measured_peak_bytes": cuda if cuda is not None else host_peak_bytes(),
+                "measured": "cuda_max_memory_allocated" if cuda is not None else "host_rss_high_water_mark",
+                "process_baseline_bytes": self.process_baseline_bytes}
 
     # ---- checkpoints ------------------------------------------------------------------------
     def stage_state(self, extra: dict[str, Tensor] | None = None) -> ckpt.StageState:

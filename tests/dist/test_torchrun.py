@@ -30,6 +30,12 @@ def test_two_stage_2bw_run_writes_one_metrics_file_and_a_timeline(tmp_path):
     assert [r["step"] for r in records if "val_loss" in r] == [5, 11]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert len(summary["bubble_fraction_per_rank"]) == 2 and 0 <= summary["bubble_fraction"] < 1
+    # Each rank's measured peak next to its plan (the host RSS high-water mark on the CPU, above the RSS the
+    # process had before it built its stage).
+    memory = summary["memory_per_rank"]
+    assert [m["stage"] for m in memory] == [0, 1] and all(m["measured"] == "host_rss_high_water_mark" for m in memory)
+    assert all(m["plan_total_bytes"] > 0 and m["measured_peak_bytes"] > m["process_baseline_bytes"] > 0
+               for m in memory)
     trace = json.loads((tmp_path / "timeline.json").read_text())
     assert {e["tid"] for e in trace["traceEvents"] if e.get("ph") == "X"} == {0, 1}
     assert (tmp_path / "timeline.png").stat().st_size > 0
