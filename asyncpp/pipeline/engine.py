@@ -218,8 +218,12 @@ class StageEngine:
         start = self.timer.now()
         self._use(a)
         backward_through(out, grad)
+        sent = x.grad if x is not None else None
         if x is not None:
-            self.comm.send_backward(x.grad)
+            self.comm.send_backward(sent)
+            self.comm.release(x)  # the graph that read it is gone; its .grad is in the send's hands
+        if grad is not None and grad is not sent:  # a stage without layers may pass `grad` itself on
+            self.comm.release(grad)
         self.timer.add(a, start, self.timer.now())
 
     def _use(self, a: Action) -> None:
@@ -353,9 +357,10 @@ class StageEngine:
         x_t = self.versions.begin_update(a.step)
         outcome = self.rule.apply(a.step, pending.grads, record.grad_norm, x_t, self._delayed(a.step), pending.loads)
         record.lr, record.skipped = outcome.lr, outcome.skipped
-        with torch.no_grad():
-            self._update_sq[a.step] = 0.0 if outcome.skipped else grad_sq_norm(
-                [q - x for q, x, c in zip(self.masters, x_t, self.count_in_norm) if c])
+        with torch.no_grad():  # one difference at a time, not a second copy of the stage (same fp64 sum order)
+            self._update_sq[a.step] = 0.0 if outcome.skipped else sum(
+                grad_sq_norm([q - x]) for q, x, c in zip(self.masters, x_t, self.count_in_norm) if c)
+        self.versions.recycle(pending.grads)  # the next step but one accumulates into them
         self.timer.add(a, start, self.timer.now())
         self.timer.add(a, wait_start, start, kind="idle")  # dropped if shorter than timer.MIN_IDLE_S
 
