@@ -76,7 +76,8 @@ def run_one(impl: str, schedule: str, m: int, args, split: str = "") -> dict:
         cmd = [sys.executable, *worker]
     else:
         cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node=2", *worker]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(dict(e.split("=", 1) for e in args.asyncpp_env)
+                                                      if impl == "asyncpp" else {})}
     load_before = Path("/proc/loadavg").read_text().split()[0]
     machine0, own0, t0 = machine_cpu_s(), children_cpu_s(), time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
@@ -213,6 +214,9 @@ def main() -> None:
                              "e.g. --splits [2,2] auto compares auto with it)")
     parser.add_argument("--quick", action="store_true", help="smoke run: M=4, 12 steps (3 warm-up), 1 repetition")
     parser.add_argument("--memory", action="store_true", help="resident memory at steps 20/80/160 instead")
+    parser.add_argument("--asyncpp-env", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="environment of asyncpp's runs only, e.g. MALLOC_MMAP_THRESHOLD_=65536 (glibc: large "
+                             "blocks always mmapped, which keeps the heap from fragmenting; costs page faults)")
     parser.add_argument("--out", default="bench_results/peers.json")
     parser.add_argument("overrides", nargs="*", help="hydra overrides for asyncpp's runs")
     args = parser.parse_args()

@@ -228,8 +228,12 @@ class StageEngine:
         start = self.timer.now()
         self._use(a)
         backward_through(out, grad)
+        sent = x.grad if x is not None else None
         if x is not None:
-            self.comm.send_backward(x.grad)
+            self.comm.send_backward(sent)
+            self.comm.release(x)  # the graph that read it is gone; its .grad is in the send's hands
+        if grad is not None and grad is not sent:  # a stage without layers may pass `grad` itself on
+            self.comm.release(grad)
         self.timer.add(a, start, self.timer.now())
 
     def _use(self, a: Action) -> None:
@@ -284,11 +288,12 @@ class StageEngine:
             counted = self.shards.select(counted)
         outcome = self.rule.apply(a.step, grads, record.grad_norm, x_t, delayed, pending.loads)
         record.lr, record.skipped, record.update_finite = outcome.lr, outcome.skipped, outcome.update_finite
-        with torch.no_grad():
-            self._update_sq[a.step] = 0.0 if outcome.skipped else grad_sq_norm(
-                [q - x for q, x, c in zip(self.rule.masters, x_t, counted) if c])
+        with torch.no_grad():  # one difference at a time, not a second copy of the stage (same fp64 sum order)
+            self._update_sq[a.step] = 0.0 if outcome.skipped else sum(
+                grad_sq_norm([q - x]) for q, x, c in zip(self.rule.masters, x_t, counted) if c)
         if self.shards:  # x_{t+1} of the other owners' parameters: waited for at its first read
             self.versions.fill_newest_later(self.shards.start_broadcast(a))
+        self.versions.recycle(pending.grads)  # the next step but one accumulates into them
         self.timer.add(a, start, self.timer.now())
         self.timer.add(a, wait_start, start, kind="idle")  # dropped if shorter than timer.MIN_IDLE_S
 

@@ -128,6 +128,12 @@ class StageComm:
         self._pending: deque[tuple[dist.Work, Tensor, Tensor | None]] = deque()
         # Receives posted ahead of use, per direction, oldest first: (work, buffer, src rank).
         self._posted: dict[str, deque[tuple[dist.Work, Tensor, int]]] = {"forward": deque(), "backward": deque()}
+        # Receive buffers handed back by the engine once nothing reads them (`release`), reused by the next
+        # receive: a stage allocates at most its peak of in-flight receives, once, instead of one buffer per
+        # microbatch (a fresh 0.25-256 MB block per receive fragments the host heap, and RSS grows with run
+        # length). `_owned` holds the ids of the buffers this comm made, so nothing else enters the pool.
+        self._free: list[Tensor] = []
+        self._owned: set[int] = set()
 
     # ---- waiting ------------------------------------------------------------------------------
     def wait(self, work: dist.Work, what: str) -> None:
@@ -140,7 +146,22 @@ class StageComm:
 
     # ---- receiving ----------------------------------------------------------------------------
     def _buffer(self) -> Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=self.mesh.device)
+        if self._free:
+            return self._free.pop()
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.mesh.device)
+        self._owned.add(id(buf))
+        return buf
+
+    def release(self, received: Tensor) -> None:
+        """Hand a received tensor back once nothing reads it any more (the engine: an input activation after
+        its microbatch's backward, an output gradient after the backward it fed). Its `.grad` is dropped
+        (a send of it holds its own reference until it completes); tensors this comm did not allocate
+        (a host-staged copy, an evaluation's activation) are left alone."""
+        if id(received) not in self._owned:
+            return
+        received.grad = None
+        received.requires_grad_(False)
+        self._free.append(received)
 
     def _arrived(self, buf: Tensor) -> Tensor:
         """The received buffer as the stage uses it (a host-staged subclass moves it to the device)."""

@@ -137,6 +137,7 @@ class WeightVersions:
         if not self.mixed:
             self.masters = [nn.Parameter(p.data, requires_grad=p.requires_grad) for p in params]
         self.grad_sums = GradSums(params) if self.mixed else None
+        self._spare_grads: list[Tensor] | None = None  # a consumed gradient set to reuse (recycle())
         self.newest = 0
         self._active = 0  # index of the buffer the parameters point at
         self._unsynced: int | None = None  # mixed: the buffer of `newest` still waiting for the masters
@@ -217,11 +218,24 @@ class WeightVersions:
         the parameters start accumulating the next step's from nothing."""
         if self.grad_sums is not None:
             return [g if g is not None else torch.zeros_like(q) for g, q in zip(self.grad_sums.pop(), self.masters)]
-        grads = []
-        for p in self.params:
+        grads, spare, self._spare_grads = [], self._spare_grads, None
+        for i, p in enumerate(self.params):
             grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
-            p.grad = None  # the next step's microbatches accumulate into a fresh .grad
+            # The next step's microbatches accumulate into a recycled, zeroed gradient set if the engine
+            # gave one back (`recycle`), else into a fresh .grad. Autograd adds into an existing .grad in
+            # place, and 0 + g == g, so the sums are the same floats (up to the sign of an exact zero).
+            p.grad = spare[i].zero_() if spare is not None else None
         return grads
+
+    def recycle(self, grads: list[Tensor]) -> None:
+        """Give back a step's gradient set once the update has consumed it; the next take_grads() installs it
+        (zeroed) as the accumulator of the step after. Two sets then alternate for the whole run instead of
+        a fresh one per step (whose allocation pattern kept the host heap growing). fp32 only: under mixed
+        precision the sums live in GradSums. Only where the schedule holds two sets anyway (two or more weight
+        versions: step t's gradient waits for UPDATE(t) while step t+1 accumulates); a synchronous stage
+        keeps one, as the memory plan (asyncpp.analysis.memory) counts."""
+        if self.num_buffers >= 2 and self.grad_sums is None and all(g.shape == p.shape and g.dtype == p.dtype for g, p in zip(grads, self.params)):
+            self._spare_grads = grads
 
     def _point(self, index: int) -> None:
         self._point_at(index, self.buffers[index])
