@@ -186,6 +186,7 @@ def run_torch(args) -> dict:
 def run_ours(args) -> dict:
     """asyncpp's PipelineExecutor driven directly (no trainer: no logging, evaluation or checkpoints)."""
     from asyncpp.parallel.mesh import Mesh, ParallelDims
+    from asyncpp.pipeline.build import build_rank_stage
     from asyncpp.pipeline.executor import PipelineExecutor
     from asyncpp.schedules.actions import Op
     from pretrain import build_data, compose, optimizer_for, resolve
@@ -205,7 +206,8 @@ def run_ours(args) -> dict:
     if mesh.rank == 0:
         dist.barrier()
     torch.manual_seed(cfg.seed)
-    executor = PipelineExecutor(cfg, build_model(model_cfg), mesh, data, optimizer_for(cfg, mesh))
+    stage = build_rank_stage(cfg, model_cfg, mesh, mesh.device)  # pretrain.py's per-rank build
+    executor = PipelineExecutor(cfg, stage, mesh, data, optimizer_for(cfg, mesh))
     rec = Recorder()
     # Two segments: the warm-up, then the measured steps. A segment drains at its end, so the measured one
     # includes one pipeline fill and drain (2BW: about one microbatch slot in 35 * m; a flushing schedule
