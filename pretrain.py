@@ -36,10 +36,10 @@ from asyncpp.train import preflight
 from asyncpp.train.metrics import MetricsLogger
 from asyncpp.train.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from asyncpp.train.preemption import StopFlag
-from asyncpp.train.run_identity import register_resolvers
+from asyncpp.train.run_identity import EXIT_DIVERGED, record_exit, register_resolvers
 from asyncpp.train.throughput import Throughput, device_peak_tflops
 from asyncpp.train.timeline import write_run_timeline
-from asyncpp.train.trainer import EXIT_DIVERGED, Trainer, TrainingAborted
+from asyncpp.train.trainer import Trainer, TrainingAborted
 from model_zoo import ModelConfig, build_model, count_parameters, flops_per_token, get_model_config
 from model_zoo.backends import prepare_model
 
@@ -281,19 +281,25 @@ def main(dcfg: DictConfig) -> float:
                         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         summary = run_distributed(cfg, model_cfg) if distributed else run(cfg, model_cfg)
     except ConfigError as e:  # raised before any model or process group exists
-        print(f"config error: {e}", file=sys.stderr)
-        preflight.record_config_error(os.environ.get(preflight.CONFIG_ERROR_FILE_ENV), f"config error: {e}")
-        sys.exit(preflight.EXIT_CONFIG_ERROR)  # distinct from a crash (1): launchers do not retry it
+        leave(preflight.EXIT_CONFIG_ERROR, f"config error: {e}")  # distinct from a crash (1): never retried
     except (TrainingAborted, NonFiniteUpdate) as e:  # every rank raises it at the same step: no hang, no traceback
-        print(f"training diverged: {e}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_DIVERGED)
-    if summary.get("stopped_at") is not None:
-        sys.exit(PREEMPTED_EXIT_CODE)  # checkpointed; let the scheduler requeue the job
+        leave(EXIT_DIVERGED, f"training diverged: {e}")
+    if summary.get("stopped_at") is not None:  # checkpointed; let the scheduler requeue the job
+        leave(PREEMPTED_EXIT_CODE, f"stopped at step {summary['stopped_at']} (checkpointed); rerun to resume",
+              quiet=True)
     if not math.isfinite(summary.get("final_loss", 0.0)):
-        print(f"training diverged: the final loss is {summary['final_loss']} (summary.json has the run's record); "
-              "lower optimizer.lr and rerun from an earlier checkpoint", file=sys.stderr, flush=True)
-        sys.exit(EXIT_DIVERGED)
+        leave(EXIT_DIVERGED, f"training diverged: the final loss is {summary['final_loss']} (summary.json has the "
+              "run's record); lower optimizer.lr and rerun from an earlier checkpoint")
     return float(summary.get("final_val_loss", float("nan")))  # the value hydra sweepers optimize
+
+
+def leave(code: int, message: str, quiet: bool = False) -> None:
+    """Exit on purpose with `code`: say why (unless already said), and tell the launcher through
+    $ASYNCPP_EXIT_FILE, since torchrun reports 1 whatever the ranks' codes were (run_identity.record_exit)."""
+    if not quiet:
+        print(message, file=sys.stderr, flush=True)
+    record_exit(code, message)
+    sys.exit(code)
 
 
 def _quiet_hydra_on_other_ranks() -> None:

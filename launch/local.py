@@ -9,9 +9,10 @@ No torch import here; torchrun does the work.
 Restarts (`--max-restarts R`): after a failed attempt the same torchrun command runs again, up to R times.
 The run directory is named after the command (configs/pretrain.yaml), so every attempt resumes from the
 newest complete checkpoint there. This launcher restarts rather than torchrun's own `--max-restarts`,
-because torchrun retries every failure alike: a config error (pretrain.py exits 2, before any process
-group; it leaves its message in $ASYNCPP_CONFIG_ERROR_FILE) fails again at once, so it is never retried,
-and neither is a stop on purpose (143: SIGTERM, checkpointed; 130: Ctrl-C).
+because torchrun retries every failure alike, and reports 1 for any of them (a SIGTERM it forwarded too).
+pretrain.py leaves the reason of a deliberate exit in $ASYNCPP_EXIT_FILE (asyncpp/train/run_identity.py):
+a config error (2, before any process group) fails again at once and a divergence (3) again at the same
+step, so neither is retried, and a stop on purpose (143: SIGTERM/Ctrl-C, checkpointed) returns 143.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from asyncpp.train.run_identity import CONFIG_ERROR_FILE_ENV, EXIT_CONFIG_ERROR
+from asyncpp.train.run_identity import (
+    EXIT_CONFIG_ERROR,
+    EXIT_DIVERGED,
+    EXIT_FILE_ENV,
+    EXIT_STOPPED,
+    read_exit,
+)
 from launch.torchrun import ENTRY, REPO, default_torchrun, split_overrides, torchrun_args, with_device
 
 STOPPED = (130, 143, -2, -15)  # Ctrl-C / SIGTERM: the run checkpointed and stopped on purpose
@@ -54,22 +61,24 @@ def command(
 
 def run_with_restarts(cmd: list[str], max_restarts: int, *, run: Callable = subprocess.run,
                       echo: Callable[[str], None] = print) -> int:
-    """Run `cmd` until it succeeds, stops on purpose, fails with a config error, or has failed
-    1 + `max_restarts` times. Returns the exit code of the last attempt (2 for a config error)."""
+    """Run `cmd` until it succeeds, stops on purpose, fails with a config error or diverges, or has failed
+    1 + `max_restarts` times. Returns the exit code pretrain.py meant (2, 3, 143), else the last attempt's."""
     with tempfile.TemporaryDirectory(prefix="asyncpp-launch-") as tmp:
-        marker = Path(tmp) / "config_error"
-        env = {**os.environ, CONFIG_ERROR_FILE_ENV: str(marker)}
+        marker = Path(tmp) / "exit"
+        env = {**os.environ, EXIT_FILE_ENV: str(marker)}
         rc = 0
         for attempt in range(max_restarts + 1):
+            marker.unlink(missing_ok=True)
             rc = run(cmd, cwd=REPO, env=env, check=False).returncode
             if rc == 0:
                 return 0
-            if marker.exists():
-                echo(f"[launch.local] {marker.read_text().strip()}\n[launch.local] a config error is not retried")
-                return EXIT_CONFIG_ERROR
-            if rc in STOPPED:
-                echo(f"[launch.local] stopped (exit {rc}); rerun the same command to resume")
-                return rc
+            meant = read_exit(marker)
+            if meant is not None and meant[0] in (EXIT_CONFIG_ERROR, EXIT_DIVERGED):
+                echo(f"[launch.local] {meant[1]}\n[launch.local] exit {meant[0]}: not retried")
+                return meant[0]
+            if rc in STOPPED or (meant is not None and meant[0] == EXIT_STOPPED):
+                echo(f"[launch.local] stopped (exit {EXIT_STOPPED}); rerun the same command to resume")
+                return EXIT_STOPPED
             if attempt < max_restarts:
                 echo(f"[launch.local] attempt {attempt + 1} failed (exit {rc}); restart {attempt + 1} of "
                      f"{max_restarts}: the run resumes from its newest checkpoint")

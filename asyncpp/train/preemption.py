@@ -19,7 +19,9 @@ import time
 import torch
 import torch.distributed as dist
 
-EXIT_CODE = 143  # 128 + SIGTERM, what a job killed by SIGTERM reports: the scheduler may requeue it
+from asyncpp.train.run_identity import EXIT_STOPPED
+
+EXIT_CODE = EXIT_STOPPED  # 128 + SIGTERM, what a job killed by SIGTERM reports: the scheduler may requeue it
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 """SIGTERM: slurm's preemption and torchrun's shutdown; SIGINT: Ctrl-C; SIGUSR1: `sbatch --signal=USR1@N`."""
 

@@ -25,13 +25,13 @@ from asyncpp.config import ConfigError, RunConfig, parse_blend
 from asyncpp.optim import build_from_config
 from asyncpp.schedules.registry import stage_delay
 from asyncpp.train import checkpoint as ckpt
-from asyncpp.train.run_identity import CONFIG_ERROR_FILE_ENV, EXIT_CONFIG_ERROR
+from asyncpp.train.run_identity import EXIT_CONFIG_ERROR
 from data.default import default_cache_dir, default_prefix
 from data.indexed import IndexedDataError, check_prefix, check_token_ids
 from model_zoo import build_model
 
-__all__ = ["CONFIG_ERROR_FILE_ENV", "EXIT_CONFIG_ERROR", "check", "check_data", "check_device", "check_directories",
-           "check_disk_space", "check_resume", "checkpoint_bytes", "config_differences", "record_config_error"]
+__all__ = ["EXIT_CONFIG_ERROR", "check", "check_data", "check_device", "check_directories",
+           "check_disk_space", "check_resume", "checkpoint_bytes", "config_differences"]
 
 Warn = Callable[[str], None]
 
@@ -55,12 +55,6 @@ def check(cfg: RunConfig, model_cfg, *, rank: int = 0, local_world_size: int = 1
     if cfg.checkpoint.enabled:
         check_disk_space(cfg, checkpoint_bytes(cfg, model_cfg, point))
     check_data(cfg, model_cfg)
-
-
-def record_config_error(path: str | None, message: str) -> None:
-    """Leave `message` at `path` (CONFIG_ERROR_FILE_ENV's value) for the launcher; no-op without one."""
-    if path:
-        Path(path).write_text(message + "\n")
 
 
 # ---- device ---------------------------------------------------------------------------------------

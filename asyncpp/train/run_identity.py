@@ -1,5 +1,6 @@
 """What a launcher and a run share: the run's name (and so its directory), independent of the clock, so
-rerunning the same command resumes it; and how a config error is told apart from a crash.
+rerunning the same command resumes it; and how a deliberate exit (a config error, a divergence, a
+checkpointed stop) is told apart from a crash.
 
 Megatron's `--save/--load` and torchtitan's `checkpoint.folder` make the checkpoint directory part of the
 command; here it is derived from it. The name is `logging.run_name` if given, else the command's hydra
@@ -12,14 +13,43 @@ name. Imports neither torch nor hydra: launch/ calls it on a login node.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Iterable
+from pathlib import Path
 
 EXIT_CONFIG_ERROR = 2
-"""pretrain.py's exit code for a ConfigError (found before any process group): launch.local never retries it."""
-CONFIG_ERROR_FILE_ENV = "ASYNCPP_CONFIG_ERROR_FILE"
-"""Set by launch.local: pretrain.py writes a config error's message there, so the launcher can tell it from
-a crash (torchrun exits 1 whatever its ranks' exit codes were)."""
+"""pretrain.py's exit code for a ConfigError (found before any process group): never retried."""
+EXIT_DIVERGED = 3
+"""pretrain.py's exit code for a run that diverged (a non-finite update, max_consecutive_skips, a non-finite final
+loss): not a crash (1) a restart would cure, nor a config error; its last checkpoint is still a good one."""
+EXIT_STOPPED = 143
+"""128 + SIGTERM: the run was asked to stop (a signal) and checkpointed; rerunning the command resumes it."""
+EXIT_FILE_ENV = "ASYNCPP_EXIT_FILE"
+"""Set by launch.local: when pretrain.py exits on purpose (EXIT_CONFIG_ERROR, EXIT_DIVERGED, EXIT_STOPPED) it
+leaves "<code> <message>" there. torchrun reports 1 whatever its ranks' codes were (and re-raises a SIGTERM it
+forwarded), so this file is how the launcher tells a deliberate exit from a crash: only a crash is retried."""
+
+
+def record_exit(code: int, message: str, path: str | None = None) -> None:
+    """Leave `code` and `message` for the launcher at `path` (default: $ASYNCPP_EXIT_FILE; no-op without one).
+    Every rank may write it; they write the same line, each through its own temporary file and a rename."""
+    path = path or os.environ.get(EXIT_FILE_ENV)
+    if not path:
+        return
+    tmp = Path(f"{path}.{os.getpid()}.tmp")
+    tmp.write_text(f"{code} {message}\n")
+    os.replace(tmp, path)
+
+
+def read_exit(path: str | Path) -> tuple[int, str] | None:
+    """(code, message) that pretrain.py left at `path`, or None (nothing there: a crash, or a clean end)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    code, _, message = path.read_text().strip().partition(" ")
+    return int(code), message
+
 
 DEFAULT_NAME = "default"
 MAX_NAME = 120

@@ -22,10 +22,6 @@ from asyncpp.train.checkpoint import due
 from asyncpp.train.metrics import line_due
 from asyncpp.train.preemption import EXIT_CODE, CheckpointClock, StopFlag, announce
 
-EXIT_DIVERGED = 3
-"""pretrain.py's exit code for a run that diverged (a non-finite update, max_consecutive_skips, a non-finite final
-loss): not a crash (1) a restart would cure, nor a config error (2); its last checkpoint is still a good one."""
-
 
 class TrainingAborted(RuntimeError):
     """Too many consecutive non-finite steps."""

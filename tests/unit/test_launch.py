@@ -354,34 +354,40 @@ def test_local_launcher_command_and_dry_run(capsys):
 
 
 class _Attempts:
-    """A fake subprocess.run: attempt i exits codes[i]; `config_error_at` writes the marker pretrain.py
-    leaves for a config error."""
+    """A fake subprocess.run: attempt i exits codes[i] (torchrun's 1 for any failed rank); `meant` maps an
+    attempt to the (code, message) pretrain.py leaves in $ASYNCPP_EXIT_FILE when it exits on purpose."""
 
-    def __init__(self, codes, config_error_at=None):
-        self.codes, self.config_error_at, self.calls = list(codes), config_error_at, 0
+    def __init__(self, codes, meant=None):
+        self.codes, self.meant, self.calls = list(codes), meant or {}, 0
 
     def __call__(self, cmd, cwd, env, check):
-        from asyncpp.train.run_identity import CONFIG_ERROR_FILE_ENV
+        from asyncpp.train.run_identity import EXIT_FILE_ENV, record_exit
 
         i, self.calls = self.calls, self.calls + 1
-        if i == self.config_error_at:
-            Path(env[CONFIG_ERROR_FILE_ENV]).write_text("config error: train.device=cuda but ...")
+        if i in self.meant:
+            record_exit(*self.meant[i], path=env[EXIT_FILE_ENV])
         return subprocess.CompletedProcess(cmd, self.codes[i])
 
 
-@pytest.mark.parametrize("codes, config_error_at, calls, rc", [
-    ([1, 1, 0], None, 3, 0),       # a crash is retried and the run comes back
-    ([1, 1, 1], None, 3, 1),       # ... at most 1 + max_restarts times
-    ([2], 0, 1, 2),                # a config error is not retried
-    ([1, 2], 1, 2, 2),             # ... not even when it shows up in a restart
-    ([143], None, 1, 143),         # a stop on purpose (SIGTERM, checkpointed) is not retried
+CONFIG_ERROR = (2, "config error: train.device=cuda but ...")
+
+
+@pytest.mark.parametrize("codes, meant, calls, rc", [
+    ([1, 1, 0], None, 3, 0),                                  # a crash is retried and the run comes back
+    ([1, 1, 1], None, 3, 1),                                  # ... at most 1 + max_restarts times
+    ([1], {0: CONFIG_ERROR}, 1, 2),                           # a config error is not retried
+    ([1, 1], {1: CONFIG_ERROR}, 2, 2),                        # ... not even when it shows up in a restart
+    ([1], {0: (3, "training diverged: step 1: ...")}, 1, 3),  # nor is a divergence
+    ([143], None, 1, 143),                                    # a stop on purpose (checkpointed) is not retried
+    ([1], {0: (143, "stopped at step 12")}, 1, 143),          # ... also when torchrun re-raised the SIGTERM as 1
+    ([1, 0], {}, 2, 0),                                       # the file of an earlier attempt is not reread
 ])
-def test_local_launcher_restarts_crashes_but_not_config_errors(codes, config_error_at, calls, rc):
-    fake, said = _Attempts(codes, config_error_at), []
+def test_local_launcher_restarts_crashes_but_not_deliberate_exits(codes, meant, calls, rc):
+    fake, said = _Attempts(codes, meant), []
     assert local.run_with_restarts(["torchrun"], 2, run=fake, echo=said.append) == rc
     assert fake.calls == calls
-    if config_error_at is not None:
-        assert "not retried" in said[-1] and "train.device=cuda" in said[-1]
+    if meant and rc in (2, 3):
+        assert "not retried" in said[-1] and meant[min(meant)][1] in said[-1]
 
 
 def test_launch_imports_no_torch():

@@ -60,15 +60,15 @@ def test_cuda_on_a_machine_without_it_is_refused_before_anything_starts(tmp_path
 def test_a_config_error_exits_2_before_any_model_and_tells_the_launcher(tmp_path):
     """Through pretrain.py's main, as torchrun or launch.local runs it (this machine has no CUDA build, or
     no GPU: either way the device check refuses it)."""
-    marker = tmp_path / "config_error"
-    env = {"PATH": "/usr/bin:/bin", "ASYNCPP_CONFIG_ERROR_FILE": str(marker), "HOME": str(tmp_path)}
+    marker = tmp_path / "exit"
+    env = {"PATH": "/usr/bin:/bin", "ASYNCPP_EXIT_FILE": str(marker), "HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "pretrain.py", f"hydra.run.dir={tmp_path / 'run'}", *BASE,
                           "train.device=cuda"], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if preflight.torch.cuda.is_available():
         pytest.skip("this machine has CUDA: train.device=cuda is valid here")
     assert out.returncode == 2, out.stderr[-2000:]
     assert "config error: train.device=cuda" in out.stderr and "use train.device=cpu" in out.stderr
-    assert marker.read_text().startswith("config error: train.device=cuda")
+    assert marker.read_text().startswith("2 config error: train.device=cuda")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no model, no metrics: nothing started
 
 
