@@ -5,7 +5,8 @@
 Each mode (train.recompute = none, selective, full) runs in a fresh process: build the stage
 (asyncpp/pipeline/build.py), run one microbatch's forward and keep its graph, as a pipeline stage holds an
 in-flight microbatch until its backward. "activations" is the resident set after the forward minus before
-it (large tensors are mmap'ed and unmapped when freed, so RSS follows live tensor bytes); the plan's
+it (the children run with MALLOC_MMAP_THRESHOLD_=65536: every tensor of 64 KiB or more is mmap'ed and
+unmapped when freed, so RSS follows live tensor bytes); the plan's
 estimate for recompute=none (asyncpp/analysis/memory.activation_bytes) is printed next to it. Then the
 backward runs and the gradients are checked against mode none's, bit for bit.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -80,7 +82,11 @@ def main(argv: list[str] | None = None) -> None:
         cmd = [sys.executable, __file__, "--child", mode, "--model", args.model, "--pp", str(args.pp),
                "--stage", str(args.stage), "--seq-len", str(args.seq_len),
                "--micro-batch-size", str(args.micro_batch_size)]
-        rows.append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1]))
+        # glibc keeps freed heap chunks below its mmap threshold (up to 32 MiB) resident, which hides what the
+        # forward frees and reuses; with every block of 64 KiB or more mmap'ed, RSS follows the live tensors.
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+        proc = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+        rows.append(json.loads(proc.stdout.splitlines()[-1]))
     base = rows[0]
     mib = 2**20
     print(f"{args.model}, stage {args.stage} of pp={args.pp}, one microbatch of {args.micro_batch_size} x "
