@@ -81,6 +81,15 @@ def test_distributed_optimizer_equals_replicated_under_2bw_with_error_feedback(o
 
 
 @pytest.mark.slow
+def test_distributed_optimizer_under_bf16_broadcasts_the_fp32_masters():
+    """bf16 compute: the owners broadcast their fp32 masters; every replica casts them into its bf16 x_{t+1}."""
+    kw = {"train": {"precision": "bf16"}}
+    sharded, replicated = run(config("muon", True, **kw)), run(config("muon", False, **kw))
+    assert_close(sharded, replicated, range(5))
+    assert_replicas_identical(sharded[2])
+
+
+@pytest.mark.slow
 def test_distributed_optimizer_with_expert_parallelism():
     """pp=2 x dp=2 with ep=2: dense parameters sharded over DP, experts over expert-DP (here 1 rank)."""
     kw = {"model": {"name": "tiny_moe"}, "parallel": {"ep": 2}}
