@@ -188,6 +188,7 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
     from asyncpp.parallel.mesh import Mesh, ParallelDims, init_distributed
     from asyncpp.pipeline.build import build_rank_stage
     from asyncpp.pipeline.executor import PipelineExecutor
+    from asyncpp.pipeline.p2p import naming_the_peer
 
     p = cfg.parallel
     check_pipeline_options(cfg, model_cfg)
@@ -200,14 +201,18 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
     device = init_distributed(torch.device(cfg.train.device).type, cfg.train.timeout_s)
     try:
         mesh = Mesh(dims, device)
+        timeout = cfg.train.timeout_s
         shared = [cfg.out_dir]
-        dist.broadcast_object_list(shared, src=0)  # one run directory, rank 0's (hydra's ${now} differs)
+        with naming_the_peer(mesh, "rank 0's run directory (broadcast)", timeout):
+            dist.broadcast_object_list(shared, src=0)  # one run directory, rank 0's (hydra's ${now} differs)
         cfg = cfg.replace(out_dir=shared[0])
         if mesh.rank != 0:
-            dist.barrier()  # rank 0 tokenizes and fills the cache first; the others then hit it
+            with naming_the_peer(mesh, "rank 0 to fill the data cache (start-up barrier)", timeout):
+                dist.barrier()  # rank 0 tokenizes and fills the cache first; the others then hit it
         data = build_data(cfg, model_cfg)
         if mesh.rank == 0:
-            dist.barrier()
+            with naming_the_peer(mesh, "the other ranks after the data cache (start-up barrier)", timeout):
+                dist.barrier()
         torch.manual_seed(cfg.seed)
         metrics = make_metrics(cfg, model_cfg, dims.world_size, device) if mesh.is_writer else None
         if cfg.train.backend != "local" and (p.tp > 1 or p.ep > 1):
@@ -236,7 +241,8 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
                 metrics.close(summary)  # logs the summary line
         # No rank tears its process group down while a peer may still talk to it (gloo aborts the
         # process with "terminate called without an active exception" otherwise).
-        dist.barrier()
+        with naming_the_peer(mesh, "every rank at the end (the final barrier)", timeout):
+            dist.barrier()
         return summary
     finally:
         dist.destroy_process_group()
@@ -246,9 +252,12 @@ def _print_stage_memory(mesh, run, metrics) -> None:
     """Every stage's memory table (tp/dp rank 0 of each), printed once by the metrics rank. Collective."""
     import torch.distributed as dist
 
+    from asyncpp.pipeline.p2p import naming_the_peer
+
     mine = run.memory_plan()
     tables = [None] * dist.get_world_size()
-    dist.all_gather_object(tables, mine.table() if mesh.dp_rank == 0 and mesh.tp_rank == 0 else None)
+    with naming_the_peer(mesh, "every stage's memory table (all_gather)", run.cfg.train.timeout_s):
+        dist.all_gather_object(tables, mine.table() if mesh.dp_rank == 0 and mesh.tp_rank == 0 else None)
     if metrics is not None:
         metrics.message("\n".join(t for t in tables if t is not None))
 
