@@ -79,3 +79,17 @@ def test_a_synchronous_stage_keeps_one_gradient_set():
     _accumulate(model, 1)
     versions.take_grads()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_gradient_set_with_holes_is_not_recycled():
+    """The distributed optimizer drops the gradients a rank does not own (None): such a set is not reused
+    (its memory is what the optimizer saves), and nothing fails on the holes."""
+    model = _model()
+    versions = WeightVersions(list(model.parameters()), num_buffers=2)
+    _accumulate(model, 0)
+    grads = versions.take_grads()
+    grads[1] = None
+    versions.recycle(grads)
+    _accumulate(model, 1)
+    versions.take_grads()
+    assert all(p.grad is None for p in model.parameters())  # no spare set was installed
