@@ -46,6 +46,8 @@ def matmul_params_per_token(cfg: ModelConfig, layers: range, head: bool) -> floa
     for i in layers:
         if cfg.layer_types[i] == "attn":
             n += h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+            if cfg.attn_output_gate:  # gate_proj: hidden -> heads x head_dim, like q_proj
+                n += h * cfg.head_dim * cfg.num_heads
         else:
             g = cfg.gdn
             hk, hv = g.num_heads * g.head_k_dim, g.num_heads * g.head_v_dim

@@ -73,6 +73,8 @@ def _attention(model, seq_len: int, device_type: str, e: float) -> float:
     h, hd = model.hidden_size, model.head_dim
     q, kv = model.num_heads * hd, model.num_kv_heads * hd
     projections = 6 * h * (2 * q + 2 * kv)  # q, k, v in; out
+    if getattr(model, "attn_output_gate", False):  # the sigmoid gate's projection, like q, and the gating
+        projections += 6 * h * q + e * 3 * q
     # Scores and the weighted sum over the keys a query sees: all T on the CPU's math path, T/2 on
     # average with a causal flash kernel; softmax forward and backward over the same scores.
     keys = seq_len if device_type == "cpu" else (seq_len + 1) / 2
