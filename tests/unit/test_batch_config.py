@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from asyncpp.config import DEFAULT_MICROBATCHES, ConfigError
-from asyncpp.core.partition import default_split
+from asyncpp.core.partition import default_split, stage_split
 from asyncpp.core.update import lr_multiplier_for
+from model_zoo import get_model_config
 from pretrain import compose, resolve
 
 
@@ -92,6 +93,9 @@ def test_default_split_is_even_with_the_extra_layers_first(layers, pp, split):
 
 def test_uneven_model_on_a_pipeline_just_works():
     cfg = check(["model=smollm2_135m", "parallel.pp=4"])
-    assert cfg.parallel.stage_layers is None  # default_split at build time: [8, 8, 7, 7]
+    assert cfg.parallel.stage_layers == "auto"  # the hydra default: resolved at build time by stage_split
+    split = stage_split(cfg, get_model_config("smollm2_135m"))
+    assert len(split) == 4 and sum(split) == 30 and min(split) >= 1
+    assert default_split(30, 4) == [8, 8, 7, 7]  # a config built without a split (stage_layers=None)
     with pytest.raises(ValueError, match="parallel.pp<=4"):
         default_split(4, 5)

@@ -214,7 +214,8 @@ def test_files_have_the_normal_modes(tmp_path):
 def test_models_without_an_hf_class_are_refused_naming_the_options():
     with pytest.raises(hf.HFFormatError, match="'tiny_hybrid'.*lacks qk_norm=true, attn_output_gate=true, "
                                                "gdn.fla_l2norm=true.*overrides.qk_norm=true"):
-        hf.hf_config(get_model_config("tiny_hybrid"))
+        hf.hf_config(get_model_config("tiny_hybrid", qk_norm=False, attn_output_gate=False, partial_rotary_factor=1.0,
+                                      gdn={"fla_l2norm": False}))
     with pytest.raises(hf.HFFormatError, match="'tiny_moe'.*shared expert=True.*overrides.qk_norm=false"):
         hf.hf_config(get_model_config("tiny_moe", qk_norm=True))
     with pytest.raises(hf.HFFormatError, match="'tiny_moe'.*shared expert=False.*overrides.qk_norm=true"):
@@ -266,11 +267,12 @@ def test_cli_export_then_import(tmp_path, capsys):
     assert back["model_config"]["name"] == "tiny_dense"
     for key, value in back["state_dict"].items():
         assert torch.equal(value, model.state_dict()[key]), key
-    assert hf.main(["export", "--model", "tiny_hybrid", "--out", str(tmp_path / "hybrid")]) == 2
+    off = ["--set", "qk_norm=false", "--set", "attn_output_gate=false", "--set", "partial_rotary_factor=1.0",
+           "--set", "gdn.fla_l2norm=false"]
+    assert hf.main(["export", "--model", "tiny_hybrid", *off, "--out", str(tmp_path / "hybrid")]) == 2
     assert "lacks qk_norm=true" in capsys.readouterr().err
-    options = ["--set", "qk_norm=true", "--set", "attn_output_gate=true", "--set", "partial_rotary_factor=0.25",
-               "--set", "gdn.fla_l2norm=true"]
-    assert hf.main(["export", "--model", "tiny_hybrid", *options, "--out", str(tmp_path / "next"), "--verify"]) == 0
+    # As registered (make train's model), tiny_hybrid has Qwen3-Next's options: it exports as it is.
+    assert hf.main(["export", "--model", "tiny_hybrid", "--out", str(tmp_path / "next"), "--verify"]) == 0
     out = capsys.readouterr().out
     assert "as Qwen3NextForCausalLM" in out and "tokenizer.json" in out and "(ok, tolerance 1e-05)" in out
 
