@@ -7,13 +7,13 @@ from torch import Tensor
 
 import pretrain
 from asyncpp.config import RunConfig
-from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.optim import build_from_config
+from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.pipeline.build import build_rank_stage
 from asyncpp.pipeline.executor import PipelineExecutor
-from asyncpp.train.trainer import Trainer
 from asyncpp.reference.executor import build_simulator, evaluate
-from model_zoo import build_model, get_model_config
+from asyncpp.train.trainer import Trainer
+from model_zoo import ModelConfig, build_model, get_model_config
 from tests.threads import single_thread
 
 
@@ -76,14 +76,19 @@ class Collect:
         self.records = [r for r in self.records if r["step"] < step]
 
 
-def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
-    """One rank of a pipeline run: losses (last stage) and this stage's final parameters by name."""
+def rank_layout(cfg_dict: dict) -> tuple[RunConfig, ModelConfig, Mesh]:
+    """A worker's run config, model config (both validated) and CPU mesh at the process group's world size."""
     cfg = RunConfig.from_dict(cfg_dict)
     model_cfg = get_model_config(cfg.model.name, **(cfg.model.overrides or {}))
     cfg.validate(model_cfg)
     p = cfg.parallel
     dims = ParallelDims.for_world(torch.distributed.get_world_size(), pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
-    mesh = Mesh(dims, torch.device("cpu"))
+    return cfg, model_cfg, Mesh(dims, torch.device("cpu"))
+
+
+def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
+    """One rank of a pipeline run: losses (last stage) and this stage's final parameters by name."""
+    cfg, model_cfg, mesh = rank_layout(cfg_dict)
     torch.manual_seed(cfg.seed)
     stage = build_rank_stage(cfg, model_cfg, mesh, "cpu")
     run = PipelineExecutor(cfg, stage, mesh, data_for(cfg, model_cfg.vocab_size), pretrain.optimizer_for(cfg, mesh))
