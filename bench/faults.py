@@ -81,6 +81,8 @@ class Attempt:
     resumed: str
     """The run's 'resumed ... at step N' line, if it resumed."""
     seconds: float
+    stop_steps: list[int] = field(default_factory=list)
+    """Per rank that got the signal: the step it was in when it saw it (its 'signal N in step t' line)."""
 
 
 @dataclass
@@ -245,7 +247,9 @@ class Bench:
         stops = [line.strip() for line in text.splitlines() if line.startswith("stop requested")]
         said = (stops[0] + f" [x{len(stops)} ranks]" if stops else _key_line(text)) + took
         resumed = next((line.strip() for line in text.splitlines() if line.startswith("resumed")), "")
-        attempt = Attempt(what, proc.returncode, said, resumed, time.perf_counter() - t0)
+        # "signal 15 in step t": the step whose backward was running on that rank when it saw the request.
+        seen = [int(x) for x in re.findall(r"signal \d+ in step (\d+)", text)]
+        attempt = Attempt(what, proc.returncode, said, resumed, time.perf_counter() - t0, seen)
         out.attempts.append(attempt)
         return attempt
 
@@ -268,7 +272,9 @@ class Bench:
         meant = exit_file.read_text().split(" ", 1)[0] if exit_file.exists() else "nothing"
         out.checks[f"the launcher gets exit 143 (torchrun itself: {a.exit_code})"] = meant == "143"
         out.checks["every rank said it stopped, with the time"] = "[x2 ranks]" in a.said and "took" in a.said
-        out.checks[f"checkpoint at the agreed step (>= {k}, < {steps})"] = k <= stopped < steps
+        seen = a.stop_steps
+        out.checks[f"checkpoint at the step of the signal or the next (in steps {sorted(set(seen))}, saved "
+                   f"at {stopped})"] = bool(seen) and all(0 < stopped - t <= 2 for t in seen)
         b = self.torchrun(out, "the same command again", d / "part", f"train.steps={steps}")
         out.checks["rerun resumes at that step"] = b.exit_code == 0 and f"at step {stopped}" in b.resumed
         out.checks["metrics hold each step once"] = _steps(d / "part") == list(range(steps))

@@ -36,7 +36,7 @@ from asyncpp.parallel.sharding import REPLICATED, ParamSharding
 from asyncpp.pipeline.p2p import StageComm
 from asyncpp.pipeline.reduction import GradientReduction, ShardedGradientReduction
 from asyncpp.pipeline.sharded import StageShards
-from asyncpp.pipeline.stopping import ActionStream, is_compute
+from asyncpp.pipeline.stopping import ActionStream, receives_ahead
 from asyncpp.pipeline.timer import stage_timer
 from asyncpp.pipeline.weights import WeightVersions
 from asyncpp.schedules.actions import Action, Op
@@ -160,10 +160,11 @@ class StageEngine:
         return layout.expert or self.mesh.ep_rank == 0
 
     # ---- actions -------------------------------------------------------------------------
-    def run(self, actions: Iterable[Action] | ActionStream) -> Iterator[int]:
-        """Run the actions in order, yielding t after each UPDATE(t): the caller collects what is complete
-        (control stays with the caller; nothing is called back). Given an ActionStream, the caller may cut
-        it between yields (a stop, stopping.py); `stream.fixed` tells it how much is executed or posted."""
+    def run(self, actions: Iterable[Action] | ActionStream) -> Iterator[tuple[Op, int]]:
+        """Run the actions in order, yielding (op, t) after each UPDATE_START(t) and UPDATE(t): the caller
+        posts and reads the stop agreement there, and collects what is complete (control stays with the
+        caller; nothing is called back). Given an ActionStream, the caller may cut it at an UPDATE's yield (a
+        stop, stopping.py); `stream.fixed` tells it how much is executed or posted."""
         handlers = {Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
                     Op.UPDATE_START: self._update_start, Op.UPDATE: self._update}
         stream = actions if isinstance(actions, ActionStream) else ActionStream(actions)
@@ -173,20 +174,16 @@ class StageEngine:
             todo, action = stream.actions, stream.actions[i]
             self.comm.poll()
             self._progress()
-            # Post the receive of every compute action up to the first one after this action: one
-            # compute action ahead, in the order they are consumed (each direction is FIFO on its own
-            # communicator, so a receive posted early never blocks anything else).
             scan = min(scan, stream.fixed)  # after a cut, its tail past the fixed prefix is new: rescan it
-            while scan < len(todo) and posted <= i:
-                if is_compute(todo[scan]):
-                    self._post_receive(todo[scan])
-                    posted = scan
-                scan += 1
+            scan, newly = receives_ahead(todo, i, scan, posted)
+            for k in newly:
+                self._post_receive(todo[k])
+                posted = k
             stream.fixed = max(i + 1, posted + 1)
             handlers[action.op](action)
             i += 1
-            if action.op == Op.UPDATE:
-                yield action.step
+            if action.op in (Op.UPDATE_START, Op.UPDATE):
+                yield action.op, action.step
 
     def execute(self, actions: Iterable[Action]) -> None:
         """Run the actions in order."""

@@ -30,7 +30,7 @@ from asyncpp.pipeline.build import BuiltStage
 from asyncpp.pipeline.engine import StageEngine, StepRecord
 from asyncpp.pipeline.p2p import StageComm, naming_the_peer
 from asyncpp.pipeline.stage import stage_forward, tied_parameters
-from asyncpp.pipeline.stopping import STOP_LAG, ActionStream, StopAgreement, stop_lookahead
+from asyncpp.pipeline.stopping import ActionStream, StopAgreement, stop_lookahead
 from asyncpp.pipeline.transfer import to_device
 from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
 from asyncpp.schedules.actions import Action, Op
@@ -168,23 +168,30 @@ class PipelineExecutor:
         todo = list(range(t0, t1))
         stream = ActionStream(self._segment_actions(t0, t1))
         end = None  # the agreed step this segment ends at, once decided
-        for t in self.engine.run(stream):
-            bad_update = not self.engine.records[t].update_finite
-            with self._naming(f"the stop agreement of step {t} (posting it)"):
-                self._agreement.post(t, stop is not None and stop.reached(t), bad_update,
-                                     clock is not None and clock.due())
-            # Waited for every step, in step order, on every rank (also after a stop is decided). Raises
-            # NonFiniteUpdate on every rank if any rank's update of that step was not finite.
-            stopping, checkpoint = (self._agreement.result(t - STOP_LAG, self.engine.comm.wait)
-                                    if t - STOP_LAG >= t0 else (False, False))
+        bad_update = None  # the newest step whose update this rank found not finite, since its last post
+        for op, t in self.engine.run(stream):
+            if op is Op.UPDATE_START:
+                with self._naming(f"the stop agreement of step {t} (posting it)"):
+                    self._agreement.post(t, stop is not None and stop.reached(t), bad_update,
+                                         clock is not None and clock.due())
+                bad_update = None
+                continue
+            if not self.engine.records[t].update_finite:
+                bad_update = t
+            # Waited for at every UPDATE(t), on every rank (also after a stop is decided). Raises
+            # NonFiniteUpdate on every rank if any rank had applied a non-finite update before posting it.
+            stopping, checkpoint = self._agreement.result(t, self.engine.comm.wait)
             if (stopping or checkpoint) and end is None:
-                end = min(t - STOP_LAG + self.stop_lookahead, t1)  # the same on every rank
+                end = min(t + self.stop_lookahead, t1)  # the same on every rank
                 if end < t1:
                     stream.cut(self._segment_actions(t0, end))
                     todo[:] = [s for s in todo if s < end]
                 if not stopping and clock is not None:  # a timed checkpoint, not a stop
                     clock.agreed_at = end
             yield from self._ready(todo)
+        # The updates after this rank's last post (the drain's) are agreed on here, at the drain point.
+        with self._naming(f"the stop agreement of the end of the segment at step {t1} (posting it)"):
+            self._agreement.post(t1, False, bad_update, False)
         stopping, checkpoint = self._agreement.drain(self.engine.comm.wait)
         if checkpoint and not stopping and end is None and clock is not None:
             clock.agreed_at = t1  # asked for in the segment's last steps: saved at its end
@@ -224,7 +231,8 @@ class PipelineExecutor:
         return naming_the_peer(self.mesh, what, self.cfg.train.timeout_s)
 
     def wait_saves(self) -> None:
-        self.saver.wait()
+        with self._naming("every rank's part of the background checkpoint"):
+            self.saver.wait()
 
     def running_bubble(self) -> float | None:
         """This stage's idle share since the first step (its timer's busy time over elapsed time). Local; on
@@ -310,8 +318,10 @@ class PipelineExecutor:
         c = self.cfg
         d = self.mesh.dims
         layout = {"pp": d.pp, "dp": d.dp, "tp": d.tp, "ep": d.ep, "stage_layers": c.parallel.stage_layers}
-        self.saver.save(ckpt.checkpoint_root(c), step_done, self.stage_state(), config=c.to_dict(), layout=layout,
-                  keep_last=c.checkpoint.keep_last, data=ckpt.data_position(self.data, step_done, c))
+        with self._naming(f"every rank's part of the checkpoint of step {step_done} (its collectives)"):
+            self.saver.save(ckpt.checkpoint_root(c), step_done, self.stage_state(), config=c.to_dict(),
+                            layout=layout, keep_last=c.checkpoint.keep_last,
+                            data=ckpt.data_position(self.data, step_done, c))
 
     def resume(self, warn: Callable[[str], None] | None = None) -> int | None:
         """Collective. Load checkpoint.resume's checkpoint, if any; returns its step (None: nothing to resume)."""
@@ -324,7 +334,8 @@ class PipelineExecutor:
         ages = [step - version for version in v.held()]
         balancing = self.engine.balancing
         extra = balancing.reset(step, ages) if balancing is not None else {}
-        ckpt.load(path, self.stage_state(extra), ages=ages)
+        with self._naming(f"every rank's part of loading {path} (its collectives)"):
+            ckpt.load(path, self.stage_state(extra), ages=ages)
         v.set_newest(step)
         if balancing is not None:
             balancing.use(step)

@@ -59,7 +59,7 @@ def check_schedules(
     if max_versions is not None:
         _check_version_bound(schedules, max_versions)
     execution_order(schedules, collective_updates=collective_updates)
-    _check_fifo(schedules)
+    check_fifo(schedules)
 
 
 def max_versions_for(kind: str, stage: int, num_stages: int) -> int:
@@ -254,7 +254,7 @@ def _describe_stuck(
     return f"stage {s} stuck at #{i} {schedules[s][i]} waiting for {', '.join(waits)}"
 
 
-def _check_fifo(schedules: Sequence[Sequence[Action]]) -> None:
+def check_fifo(schedules: Sequence[Sequence[Action]]) -> None:
     """Each p2p channel delivers in send order, so the receiver must consume in that order too."""
     for s in range(len(schedules) - 1):
         for op, src, dst, what in ((Op.FORWARD, s, s + 1, "activation"), (Op.BACKWARD, s + 1, s, "gradient")):

@@ -266,6 +266,9 @@ class Saver:
         try:
             dcp.save(_flat(state), checkpoint_id=str(tmp), no_dist=not _distributed())
         except (Exception, CheckpointException) as e:  # the same on every rank (a BaseException)
+            if _os_error(e) is None and _distributed():  # not the disk: a peer died inside DCP's collectives
+                commit.abandon()
+                raise RuntimeError(f"DCP's collectives failed while saving {final}: {e}") from e
             raise commit.failed(e) from e
         _barrier()  # every rank's shards are on disk (DCP's coordinator wrote .metadata after them)
         error = None
@@ -313,10 +316,14 @@ class _Commit:
             shutil.rmtree(trash, ignore_errors=True)
         _prune(self.root, self.keep_last)
 
-    def failed(self, error: BaseException) -> CheckpointWriteError:
-        """Remove the partial directory (rank 0) and say what happened and what is still there."""
+    def abandon(self) -> None:
+        """Remove the partial directory (rank 0; a stale one left by a dead rank 0 goes at the next start)."""
         if _rank() == 0:
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def failed(self, error: BaseException) -> CheckpointWriteError:
+        """Remove the partial directory (rank 0) and say what happened and what is still there."""
+        self.abandon()
         cause = _os_error(error)
         why = str(cause) if cause is not None else f"{type(error).__name__}: {error}"
         return CheckpointWriteError(

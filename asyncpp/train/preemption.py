@@ -4,7 +4,8 @@ object handed to the training loop; only pretrain.py installs the signal handler
 edge).
 
 Latency: the single-process loop stops after the current step. A pipeline agrees on a stop step inside a
-segment (asyncpp/pipeline/stopping.py): at most `stop_lookahead(kind, P) + 1` steps after the signal, plus
+segment (asyncpp/pipeline/stopping.py): 2BW completes the step the signal came in and the next, a synchronous
+kind the step it came in (`stop_lookahead(kind, P)` steps after the first UPDATE_START that sees it), plus
 the drain and the save. Both are far below torchrun's 30 s grace between its SIGTERM and its SIGKILL for
 the tiny and the small models; the time taken is printed on every rank.
 """
@@ -37,6 +38,9 @@ class StopFlag:
         self.requested = False
         self.signal: int | None = None
         self.since: float | None = None  # time.monotonic() of the first request
+        self.seen_at: int | None = None
+        """The step boundary at which a loop first saw the request: the single process after step t, a pipeline
+        at UPDATE_START(t), i.e. while b_t's backward was still running on this stage."""
         self.at_step = at_step
         """Test hook (pretrain.py: ASYNCPP_STOP_AT_STEP): request a stop when a step >= at_step is reached, as
         if SIGTERM had arrived then, so a stop mid-segment is deterministic in CI."""
@@ -52,6 +56,8 @@ class StopFlag:
         """Whether a stop is requested, checked at the boundary after `step` (fires the test hook)."""
         if self.at_step is not None and step >= self.at_step and not self.requested:
             self.set(signal.SIGTERM)
+        if self.requested and self.seen_at is None:
+            self.seen_at = step
         return self.requested
 
     def elapsed(self) -> float:

@@ -178,7 +178,10 @@ class Trainer:
             self._save(step_done)
         self.executor.wait_saves()  # the checkpoint is committed before the rank reports it
         self.stopped_at = step_done
-        cause = f"signal {self.stop.signal}" if self.stop.requested else "another rank's signal"
+        cause = "another rank's signal"
+        if self.stop.requested:
+            seen = "" if self.stop.seen_at is None else f" in step {self.stop.seen_at}"
+            cause = f"signal {self.stop.signal}{seen}"
         took = f"took {self.stop.elapsed():.1f} s from the signal" if self.stop.requested else "agreed with the others"
         announce(f"stop requested ({cause}): checkpoint at step {step_done}; exiting {EXIT_CODE}; {took}")
 

@@ -97,3 +97,46 @@ def test_consecutive_non_finite_steps_abort_every_rank_at_the_same_step():
     results = run_ranks(poisoned_rank, 2, cfg.to_dict(), [3, 4, 5])
     for r in results:
         assert r["error"].startswith("TrainingAborted: 2 consecutive steps had a non-finite gradient (last: step 4)")
+
+
+def rank_dies_saving(rank: int, cfg_dict: dict, victim: int, where: str) -> dict:
+    """The victim dies as the checkpoint begins (`where`="start": before its first collective) or inside DCP
+    ("dcp": the others are in DCP's own plan gather)."""
+    import asyncpp.train.checkpoint as ckpt
+
+    if where == "start":
+        original = ckpt.Saver.save
+
+        def save(self, *args, **kwargs):
+            if rank == victim:
+                os._exit(17)
+            return original(self, *args, **kwargs)
+
+        ckpt.Saver.save = save
+    else:
+        dcp_save = ckpt.dcp.save
+
+        def inside(*args, **kwargs):
+            if rank == victim:
+                os._exit(17)
+            return dcp_save(*args, **kwargs)
+
+        ckpt.dcp.save = inside
+    return pipeline_rank(rank, cfg_dict)
+
+
+@pytest.mark.parametrize("where", ["start", "dcp"])
+def test_a_rank_dying_in_a_checkpoint_is_named_and_nothing_is_committed(tmp_path, where):
+    """The checkpoint's collectives (ours, and DCP's own plan gather) see a dead peer as a raw gloo error: the
+    survivor says which stage gave up waiting for which checkpoint, and no checkpoint is committed."""
+    cfg = make_config(parallel={"pp": 2}, train={"steps": 4, "timeout_s": 20.0},
+                      checkpoint={"enabled": True, "every": 2, "dir": str(tmp_path / "ckpt")})
+    results = run_ranks(rank_dies_saving, 2, cfg.to_dict(), 1, where, timeout=120, expect_dead=True)
+    assert results[1] == ("died", 17)
+    survivor = results[0]
+    assert isinstance(survivor, str), survivor
+    assert "PipelineTimeout" in survivor
+    assert "stage 0 (rank 0) gave up waiting for every rank's part of the checkpoint of step 2" in survivor
+    from asyncpp.train.checkpoint import list_checkpoints
+
+    assert list_checkpoints(tmp_path / "ckpt") == []

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncpp.pipeline.stopping import STOP_LAG, stop_lookahead
+from asyncpp.pipeline.stopping import stop_lookahead
 from asyncpp.train.checkpoint import list_checkpoints
 from tests.dist.harness import run_ranks
 from tests.dist.workers import make_config, pipeline_rank
@@ -56,9 +56,9 @@ def test_a_stop_mid_segment_checkpoints_the_agreed_step_and_the_rerun_is_bit_ide
 
     cfg = config(tmp_path / "part", kind, P)
     part = run_ranks(stopped_rank, P, cfg.to_dict(), requester, at_step)
-    # The request is seen at UPDATE(at_step) and agreed one step later: the stop step is exactly this one.
+    # The request is posted at UPDATE_START(at_step) and agreed at UPDATE(at_step): the stop step is this one.
     expected = at_step + stop_lookahead(kind, P)
-    assert expected < STEPS - STOP_LAG  # really mid-segment: the only drain point is the end
+    assert expected < STEPS - 1  # really mid-segment: the only drain point is the end
     assert {res["summary"]["stopped_at"] for res in part} == {expected}
     assert [c.name for c in list_checkpoints(tmp_path / "part" / "ckpt")] == [f"step_{expected:08d}"]
     steps = [r["step"] for res in part for r in res["records"]]
@@ -86,7 +86,7 @@ def test_timed_checkpoints_cut_the_stream_where_rank_0_asks_and_change_no_number
     reference = run_ranks(pipeline_rank, 2, plain.to_dict())
     results = run_ranks(pipeline_rank, 2, timed.to_dict())
     saved = [int(c.name.split("_")[1]) for c in list_checkpoints(tmp_path / "timed" / "ckpt")]
-    # Asked at step 0, agreed at UPDATE(1): the first cut is at the lookahead, then every lookahead steps.
+    # Asked at UPDATE_START(0), agreed at UPDATE(0): the first cut is at the lookahead, then every lookahead steps.
     k = stop_lookahead("2bw", 2)
     assert saved == [*range(k, STEPS, k), STEPS], saved
     losses = {r["step"]: r["loss"] for res in results for r in res["records"]}

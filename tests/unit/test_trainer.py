@@ -146,3 +146,11 @@ def test_a_run_that_can_lose_more_than_the_limit_warns_once():
     cfg = cfg.replace(checkpoint=dataclasses.replace(cfg.checkpoint, warn_loss_minutes=1.0))
     Trainer(cfg, Scripted(stops_at_any_step=True), quiet).run()
     assert not any("a crash can lose" in m for m in quiet.messages)
+
+
+def test_a_stop_flag_remembers_the_step_it_was_first_seen_in():
+    """The stop message names it ("signal 15 in step t"): bench/faults.py checks the checkpoint is at s <= t + 2."""
+    stop = StopFlag(at_step=3)
+    assert not stop.reached(2) and stop.seen_at is None
+    assert stop.reached(3) and stop.reached(4)
+    assert stop.seen_at == 3
