@@ -324,6 +324,32 @@ def test_environment_hook_and_bounded_requeues(tmp_path):
     assert "not requeueing: job 7 was requeued 2 times" in out and proc.returncode == 143
 
 
+@pytest.mark.parametrize("signalled", [False, True])
+def test_the_job_exits_with_the_code_the_ranks_meant_and_a_divergence_is_not_requeued(tmp_path, signalled):
+    """torchrun reports 1; the ranks left "3 training diverged ..." in $ASYNCPP_EXIT_FILE: the job fails with 3,
+    says why, and a SIGTERM that finds the run already diverged does not requeue it."""
+    bin_dir = _fake_bin(tmp_path)
+    wait = 'while true; do sleep 0.05; done' if signalled else 'exit 1'
+    (bin_dir / "torchrun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$ARGS"\n'
+                                      'echo "3 training diverged: step 5" > "$ASYNCPP_EXIT_FILE"\n'
+                                      f"trap 'exit 1' TERM\n{wait}\n")
+    job = _job(torchrun=str(bin_dir / "torchrun"), workdir=str(tmp_path))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-a",
+           "SLURM_JOB_ID": "9", "LOG": str(tmp_path / "log"), "ARGS": str(tmp_path / "args")}
+    proc = subprocess.Popen(["bash", "-c", slurm.render(job)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    if signalled:
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "args").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=10)
+    assert proc.returncode == 3, out
+    assert "the run exited 3: training diverged: step 5" in out
+    assert not (tmp_path / "log").exists() or "requeue" not in (tmp_path / "log").read_text()
+
+
 def test_a_missing_torchrun_on_the_node_is_a_clear_error(tmp_path):
     job = _job(torchrun="no-such-torchrun", workdir=str(tmp_path))
     proc = subprocess.run(["bash", "-c", slurm.render(job)], cwd=tmp_path, capture_output=True, text=True, check=False,
