@@ -21,7 +21,8 @@ Preemption and time limits: the job is `--requeue`d and gets SIGTERM 120 s befor
 passes it to the ranks (which checkpoint) and requeues itself, at most `--max-requeues` times
 (SLURM_RESTART_COUNT). Its run directory is named after the run (logging.run_name, else the overrides:
 asyncpp/train/run_identity.py), not the job id, so a requeued job and a resubmission of the same command
-both resume there. A rank that dies is restarted by torchrun (`--max-restarts`). See docs/launch.md.
+both resume there. A rank that dies restarts the group (`--max-restarts`; the script restarts, not torchrun,
+so a config error or a divergence is not retried). See docs/launch.md.
 
 No torch import here: this runs on a login node.
 """
@@ -191,6 +192,7 @@ def render(job: SlurmJob, command_line: str = "python -m launch.slurm") -> str:
                 "rdzv_port",
                 "extra_sbatch",
                 "max_requeues",
+                "max_restarts",
                 "cpu_bind",
                 "gpu_bind",
             )
@@ -207,7 +209,7 @@ def render(job: SlurmJob, command_line: str = "python -m launch.slurm") -> str:
         torchrun_args=torchrun_args(
             nnodes=job.nodes,
             nproc_per_node=job.ranks_per_node,
-            max_restarts=job.max_restarts,
+            max_restarts=0,  # the script restarts, telling a deliberate exit from a crash (sbatch.sh.j2)
             rdzv_endpoint="$HEAD_NODE:$RDZV_PORT",
             rdzv_id="$SLURM_JOB_ID",
         ),
@@ -272,7 +274,8 @@ def parse_args(argv: list[str]) -> tuple[SlurmJob, bool, bool]:
     )
     p.add_argument("--signal-seconds", type=int, default=120, help="SIGTERM this long before the time limit")
     p.add_argument(
-        "--max-restarts", type=int, default=3, help="torchrun restarts of the group after a failure"
+        "--max-restarts", type=int, default=3,
+        help="restarts of the group after a crash (not after a config error or a divergence)"
     )
     p.add_argument("--rdzv-port", type=int, help="default: 20000 + SLURM_JOB_ID mod 20000 (one per job)")
     p.add_argument("--max-requeues", type=int, default=10,

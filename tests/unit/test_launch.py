@@ -87,7 +87,7 @@ def test_sbatch_for_4_nodes_x_8_gpus():
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=$HEAD_NODE:$RDZV_PORT",
         "--rdzv-id=$SLURM_JOB_ID",
-        "--max-restarts=3",
+        "--max-restarts=0",  # the script restarts (up to --max-restarts=3), not torchrun
     ]
     assert words[-2:] == ["checkpoint.every=500", "&"]  # a periodic checkpoint unless the overrides set one
     assert "RDZV_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))" in script  # one port per job
@@ -348,6 +348,30 @@ def test_the_job_exits_with_the_code_the_ranks_meant_and_a_divergence_is_not_req
     assert proc.returncode == 3, out
     assert "the run exited 3: training diverged: step 5" in out
     assert not (tmp_path / "log").exists() or "requeue" not in (tmp_path / "log").read_text()
+
+
+@pytest.mark.parametrize("exits, meant, runs, rc", [
+    ([1, 0], [None, None], 2, 0),            # a crash: restarted, and the restart finishes
+    ([1, 1, 1, 1, 1], [None] * 5, 4, 1),     # crashes: 1 + --max-restarts=3 attempts
+    ([1], ["2 config error: bad field"], 1, 2),  # a config error: never retried, the job fails with 2
+])
+def test_the_script_restarts_crashes_but_not_deliberate_exits(tmp_path, exits, meant, runs, rc):
+    bin_dir = _fake_bin(tmp_path)
+    count = tmp_path / "count"
+    lines = ['n=$(( $(cat "$COUNT" 2>/dev/null || echo 0) + 1 )); echo $n > "$COUNT"']
+    for i, (code, note) in enumerate(zip(exits, meant), start=1):
+        write = f'echo "{note}" > "$ASYNCPP_EXIT_FILE"; ' if note else ""
+        lines.append(f"if [ $n = {i} ]; then {write}exit {code}; fi")
+    (bin_dir / "torchrun").write_text("#!/bin/bash\n" + "\n".join(lines) + "\nexit 99\n")
+    job = _job(torchrun=str(bin_dir / "torchrun"), workdir=str(tmp_path))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-a",
+           "SLURM_JOB_ID": "5", "COUNT": str(count), "LOG": str(tmp_path / "log")}
+    proc = subprocess.run(["bash", "-c", slurm.render(job)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=30, check=False)
+    assert int(count.read_text()) == runs, proc.stdout
+    assert proc.returncode == rc, proc.stdout
+    if rc == 2:
+        assert "the run exited 2: config error: bad field; not retried" in proc.stdout
 
 
 def test_a_missing_torchrun_on_the_node_is_a_clear_error(tmp_path):
