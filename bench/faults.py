@@ -111,7 +111,7 @@ class Bench:
         proc = subprocess.run(cmd, cwd=self.repo, capture_output=True, text=True, timeout=900, check=False,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
         text = proc.stdout + proc.stderr
-        resumed = next((line.strip() for line in text.splitlines() if line.startswith("resumed")), "")
+        resumed = next((line.strip() for line in text.splitlines() if "resumed at step" in line), "")
         attempt = Attempt(what, proc.returncode, _key_line(text), resumed, time.perf_counter() - t0)
         out.attempts.append(attempt)
         return attempt
@@ -246,7 +246,7 @@ class Bench:
         took = f"; {time.perf_counter() - signalled:.1f} s from SIGTERM to torchrun's exit" if signalled else ""
         stops = [line.strip() for line in text.splitlines() if line.startswith("stop requested")]
         said = (stops[0] + f" [x{len(stops)} ranks]" if stops else _key_line(text)) + took
-        resumed = next((line.strip() for line in text.splitlines() if line.startswith("resumed")), "")
+        resumed = next((line.strip() for line in text.splitlines() if "resumed at step" in line), "")
         # "signal 15 in step t": the step whose backward was running on that rank when it saw the request.
         seen = [int(x) for x in re.findall(r"signal \d+ in step (\d+)", text)]
         attempt = Attempt(what, proc.returncode, said, resumed, time.perf_counter() - t0, seen)
