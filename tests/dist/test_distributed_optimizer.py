@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.equivalence, pytest.mark.dist]
 
 def run(cfg) -> tuple[dict[int, dict], dict[str, torch.Tensor], list[dict]]:
     p = cfg.parallel
-    results = run_ranks(pipeline_rank, p.pp * (p.dp or 1), cfg.to_dict())
+    results = run_ranks(pipeline_rank, p.pp * p.tp * (p.dp or 1), cfg.to_dict())
     records = {r["step"]: r for res in results for r in res["records"]}
     params = {}
     for res in results:
@@ -95,6 +95,25 @@ def test_distributed_optimizer_with_expert_parallelism():
     kw = {"model": {"name": "tiny_moe"}, "parallel": {"ep": 2}}
     sharded, replicated = run(config("muon", True, **kw)), run(config("muon", False, **kw))
     assert_close(sharded, replicated, range(5))
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_with_tensor_parallelism():
+    """pp=2 x tp=2 x dp=2 (8 ranks): each TP rank shards its own slices over its DP group; a TP-replicated
+    tensor (a norm) has one owner per TP rank, and TP ranks' owners agree (the same reduced gradient)."""
+    kw = {"parallel": {"tp": 2}}
+    sharded, replicated = run(config("muon", True, **kw)), run(config("muon", False, **kw))
+    for t, rec in replicated[0].items():
+        assert sharded[0][t]["loss"] == pytest.approx(rec["loss"], rel=1e-5), t
+    # Each TP rank holds its own slices under the full names: compare rank by rank (stage, tp).
+    def slices(results):
+        return {(r["stage"], r["tp"]): r["params"] for r in results if r["dp"] == 0}
+    mine, want = slices(sharded[2]), slices(replicated[2])
+    assert sorted(mine) == sorted(want) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for key, params in want.items():
+        for name, p in params.items():
+            assert relative_error(mine[key][name], p) < 1e-5, (key, name)
+    assert_replicas_identical(sharded[2])
 
 
 def checkpointed(tmp_path, train: dict | None = None, **kw):
