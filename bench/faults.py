@@ -244,7 +244,7 @@ class Bench:
             signalled = time.perf_counter()
         text, _ = proc.communicate(timeout=900)
         took = f"; {time.perf_counter() - signalled:.1f} s from SIGTERM to torchrun's exit" if signalled else ""
-        stops = [line.strip() for line in text.splitlines() if line.startswith("stop requested")]
+        stops = re.findall(r"stop requested \(.*?took [\d.]+ s from the signal|stop requested \(another[^\n]*", text)
         said = (stops[0] + f" [x{len(stops)} ranks]" if stops else _key_line(text)) + took
         resumed = next((line.strip() for line in text.splitlines() if "resumed at step" in line), "")
         # "signal 15 in step t": the step whose backward was running on that rank when it saw the request.

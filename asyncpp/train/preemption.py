@@ -98,5 +98,7 @@ class CheckpointClock:
 
 
 def announce(text: str) -> None:
-    """A line every rank prints (stderr, flushed): a stop is the one event each rank's log must show."""
-    print(text, file=sys.stderr, flush=True)
+    """A line every rank prints (stderr): a stop is the one event each rank's log must show. One write(2) of
+    the whole line, so that the ranks' lines, merged by torchrun into one stream, never interleave."""
+    sys.stderr.flush()
+    os.write(2, f"{text}\n".encode())
