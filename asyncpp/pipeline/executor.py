@@ -20,6 +20,7 @@ from torch import Tensor
 from asyncpp.analysis.measured import device_peak_bytes, host_peak_bytes
 from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
+from asyncpp.core.batches import BatchPlan
 from asyncpp.core.layer_costs import layer_costs
 from asyncpp.core.partition import stage_balance, stage_split
 from asyncpp.core.records import DataSource, StepResult
@@ -67,7 +68,6 @@ class PipelineExecutor:
         self.is_writer = mesh.is_writer
         self.decides_time = mesh.rank == 0  # rank 0's clock decides timed checkpoints (CheckpointClock)
         self.saver = ckpt.Saver(cfg.checkpoint.async_save)
-        self.tokens_per_step = cfg.train.num_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len * mesh.dims.dp
         self._started: float | None = None  # set when the first segment starts (the timeline's origin)
         self._last_end = math.nan  # when the last stage finished the previous logged step's backward
         self._last_loss = math.nan  # the last logged step's loss (last stage; nan elsewhere)
@@ -76,7 +76,8 @@ class PipelineExecutor:
                              f"but this rank is stage {mesh.pp_rank} of {mesh.num_stages}")
         self.spec, self.model, self.sharding, self.loss_fn = stage.spec, stage.model, stage.sharding, stage.loss_fn
         self.process_baseline_bytes: int | None = None  # the RSS before the build, if the entry point measured it
-        self.m = cfg.train.num_microbatches
+        self.batches = BatchPlan.of(cfg, mesh.dims.dp)
+        self.m = self.batches.microbatches(0)  # of the running segment: steps() sets it (a batch rampup changes it)
         self.stop_lookahead = stop_lookahead(cfg.schedule.name, mesh.num_stages)
         self._agreement: StopAgreement | None = None  # created by the first segment, on every rank
         self.delays = [
@@ -111,8 +112,8 @@ class PipelineExecutor:
         )
 
     def _tokens(self, step: int, microbatch: int) -> Tensor:
-        """Global microbatch index (t * dp + dp_rank) * m + j: DP=2 with m equals DP=1 with 2m."""
-        index = (step * self.mesh.dims.dp + self.mesh.dp_rank) * self.m + microbatch
+        """The global microbatch index of the plan: DP=2 with m equals DP=1 with 2m (asyncpp/core/batches.py)."""
+        index = self.batches.microbatch_index(step, self.mesh.dp_rank, microbatch)
         return to_device(self.data.train_microbatch(index), self.mesh.device)  # CUDA: pinned, no host sync
 
     def _forward(self, step: int, microbatch: int, x: Tensor | None) -> Tensor:
@@ -165,6 +166,7 @@ class PipelineExecutor:
                 dist.barrier()  # a common time origin for every stage's timeline (same-host clocks)
             self._started = self._last_end = self.engine.timer.restart()
             self._agreement = StopAgreement(self.cfg.train.timeout_s)  # collective: same point on every rank
+        self._start_segment(t0, t1)
         todo = list(range(t0, t1))
         stream = ActionStream(self._segment_actions(t0, t1))
         end = None  # the agreed step this segment ends at, once decided
@@ -192,6 +194,14 @@ class PipelineExecutor:
         yield from self._ready(todo, drained=True)
         self.engine.versions.use(self.engine.versions.newest)  # evaluation and the caller see x_{end}
 
+    def _start_segment(self, t0: int, t1: int) -> None:
+        """A segment runs one m (the trainer cuts segments where a batch rampup changes it): the schedule's
+        and the gradient's 1/m follow it. The engine is drained here, so no reduction holds the old scale."""
+        m = self.batches.constant(t0, t1)
+        if m != self.m:
+            self.m = m
+            self.engine.rescale(1.0 / m)
+
     def _segment_actions(self, t0: int, t1: int) -> list[Action]:
         return segment_actions(self.cfg.schedule.name, self.spec.stage, self.mesh.num_stages, self.m,
                                self.delays, t0, t1)
@@ -209,7 +219,8 @@ class PipelineExecutor:
                 end = self.engine.timer.end_of(Op.BACKWARD, step)
                 dt, self._last_end = end - self._last_end, end
             self._last_loss = loss
-            yield StepResult(step, loss, rec.grad_norm, rec.update_norm, rec.lr, rec.skipped, self.tokens_per_step,
+            tokens = self.batches.global_batch(step) * self.cfg.train.seq_len
+            yield StepResult(step, loss, rec.grad_norm, rec.update_norm, rec.lr, rec.skipped, tokens,
                              dt, rec.router_loads)
 
     def stop_agreed(self, requested: bool) -> bool:
@@ -311,7 +322,7 @@ class PipelineExecutor:
         d = self.mesh.dims
         layout = {"pp": d.pp, "dp": d.dp, "tp": d.tp, "ep": d.ep, "stage_layers": c.parallel.stage_layers}
         self.saver.save(ckpt.checkpoint_root(c), step_done, self.stage_state(), config=c.to_dict(), layout=layout,
-                  keep_last=c.checkpoint.keep_last, data=ckpt.data_position(self.data, step_done, c))
+                  keep_last=c.checkpoint.keep_last, data=ckpt.data_position(self.data, step_done, self.batches))
 
     def resume(self, warn: Callable[[str], None] | None = None) -> int | None:
         """Collective. Load checkpoint.resume's checkpoint, if any; returns its step (None: nothing to resume)."""
