@@ -23,10 +23,11 @@ from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.layer_costs import layer_costs
 from asyncpp.core.partition import stage_balance, stage_split
-from asyncpp.core.records import DataSource, StepResult
+from asyncpp.core.records import DataSource, PipelineBubble, StepResult
 from asyncpp.core.update import Corrections, lr_multiplier_for
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import global_view, layout_of
+from asyncpp.pipeline.bubble import BubbleGather
 from asyncpp.pipeline.build import BuiltStage
 from asyncpp.pipeline.engine import StageEngine, StepRecord
 from asyncpp.pipeline.p2p import StageComm, naming_the_peer
@@ -38,6 +39,7 @@ from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
 from asyncpp.schedules.registry import kind_of, step_delay
 from asyncpp.train import checkpoint as ckpt
+from asyncpp.train.metrics import line_due
 from asyncpp.train.preemption import CheckpointClock, StopFlag
 
 
@@ -80,6 +82,7 @@ class PipelineExecutor:
         self.m = self.batches.microbatches(0)  # of the running segment: steps() sets it (a batch rampup changes it)
         self.stop_lookahead = stop_lookahead(cfg.schedule.name, mesh.num_stages)
         self._agreement: StopAgreement | None = None  # created by the first segment, on every rank
+        self._bubbles: BubbleGather | None = None  # on the agreement's group, created with it
         self.delays = [
             step_delay(cfg.schedule.name, self.spec.stage, mesh.num_stages, t, cfg.train.steps, cfg.staleness)
             for t in range(cfg.train.steps)
@@ -166,6 +169,8 @@ class PipelineExecutor:
                 dist.barrier()  # a common time origin for every stage's timeline (same-host clocks)
             self._started = self._last_end = self.engine.timer.restart()
             self._agreement = StopAgreement(self.cfg.train.timeout_s)  # collective: same point on every rank
+            self._bubbles = BubbleGather(self._agreement.group, self.mesh.rank, dist.get_world_size(),
+                                         keep=self.is_writer)
         self._start_segment(t0, t1)
         todo = list(range(t0, t1))
         stream = ActionStream(self._segment_actions(t0, t1))
@@ -175,10 +180,13 @@ class PipelineExecutor:
             with self._naming(f"the stop agreement of step {t} (posting it)"):
                 self._agreement.post(t, stop is not None and stop.reached(t), bad_update,
                                      clock is not None and clock.due())
+                if self._logs_line(t, t1):  # the same steps on every rank, after the agreement: one op order
+                    self._bubbles.post(t, self.spec.stage, *self.engine.timer.snapshot())
             # Waited for every step, in step order, on every rank (also after a stop is decided). Raises
             # NonFiniteUpdate on every rank if any rank's update of that step was not finite.
             stopping, checkpoint = (self._agreement.result(t - STOP_LAG, self.engine.comm.wait)
                                     if t - STOP_LAG >= t0 else (False, False))
+            self._bubbles.collect(t - STOP_LAG, self.engine.comm.wait)
             if (stopping or checkpoint) and end is None:
                 end = min(t - STOP_LAG + self.stop_lookahead, t1)  # the same on every rank
                 if end < t1:
@@ -188,6 +196,7 @@ class PipelineExecutor:
                     clock.agreed_at = end
             yield from self._ready(todo)
         stopping, checkpoint = self._agreement.drain(self.engine.comm.wait)
+        self._bubbles.drain(self.engine.comm.wait)
         if checkpoint and not stopping and end is None and clock is not None:
             clock.agreed_at = t1  # asked for in the segment's last steps: saved at its end
         self.engine.finish()
@@ -237,11 +246,18 @@ class PipelineExecutor:
     def wait_saves(self) -> None:
         self.saver.wait()
 
-    def running_bubble(self) -> float | None:
-        """This stage's idle share since the first step (its timer's busy time over elapsed time). Local; on
-        CUDA it waits for the work queued so far (the log line reads it every logging.log_every steps)."""
-        elapsed = self.engine.timer.elapsed()
-        return 1.0 - self.engine.timer.busy() / elapsed if elapsed > 0 else None
+    def _logs_line(self, step: int, t1: int) -> bool:
+        """Whether the trainer writes a log line at `step` (it reads the bubble then): every logging.log_every
+        steps, the run's last, and an evaluation (at the end of the segment [t0, t1)). A pure function of the
+        step and the segment, so every rank posts the same bubble all-reduces."""
+        every = self.cfg.train.eval_every
+        evaluated = step == t1 - 1 and every > 0 and (t1 % every == 0 or t1 == self.cfg.train.steps)
+        return line_due(step, self.cfg.train.steps, self.cfg.logging.log_every, evaluated)
+
+    def running_bubble(self, step: int) -> PipelineBubble | None:
+        """The pipeline's idle share so far, as every rank's timer saw it at UPDATE(step) (bubble.py: gathered
+        without blocking); the metrics writer's, on the steps its log line reports; None elsewhere."""
+        return self._bubbles.pop(step) if self._bubbles is not None else None
 
     def summary(self, wall_s: float) -> dict:
         """Per-stage busy time and bubble (collective), both on the device's clock (the timer's)."""

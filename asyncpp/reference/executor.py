@@ -153,5 +153,5 @@ class ReferenceExecutor:
     def summary(self, wall_s: float) -> dict:
         return {}
 
-    def running_bubble(self) -> None:
+    def running_bubble(self, step: int) -> None:
         return None  # one process runs every stage back to back: no pipeline, no bubble

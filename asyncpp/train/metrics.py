@@ -193,9 +193,7 @@ class MetricsLogger:
                   f"grad norm {record.get('grad_norm', math.nan):.3f}", f"skipped {w.skipped}"]
         if "val_loss" in record:
             parts.append(f"val loss {record['val_loss']:.4f}")
-        bubble = record.get("bubble_fraction")
-        parts.append(f"bubble {bubble:.3f} (this stage, so far)" if bubble is not None
-                     else "bubble n/a (one process: no pipeline)")
+        parts.append(bubble_part(record))
         parts.append(f"peak mem {peak_memory_bytes(self.device) / 2**20:,.0f} MiB")
         parts += self._flops_parts(w.tokens_per_s)
         return " | ".join(parts)
@@ -227,6 +225,18 @@ class MetricsLogger:
                 self._wandb.summary.update(summary)
             self._wandb.finish(exit_code=0 if summary else 1)
         self._logger.close()
+
+
+def bubble_part(record: dict[str, Any]) -> str:
+    """The pipeline's idle share so far: the mean over its ranks and the worst stage (a step record's
+    bubble_fraction and bubble_fraction_per_stage, gathered from every stage's timer)."""
+    mean, stages = record.get("bubble_fraction"), record.get("bubble_fraction_per_stage")
+    if mean is None:
+        return "bubble n/a (one process: no pipeline)"
+    if not stages:
+        return f"bubble {mean:.3f} (so far)"
+    worst = max(range(len(stages)), key=lambda s: stages[s])
+    return f"bubble {mean:.3f} mean, {stages[worst]:.3f} max (stage {worst}; so far)"
 
 
 class IterationWindow:

@@ -17,7 +17,7 @@ from typing import Protocol
 from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterLoadStats
 from asyncpp.core.batches import BatchPlan
-from asyncpp.core.records import StepResult
+from asyncpp.core.records import PipelineBubble, StepResult
 from asyncpp.schedules.registry import is_sync_step
 from asyncpp.train.checkpoint import due
 from asyncpp.train.metrics import line_due
@@ -60,8 +60,9 @@ class Executor(Protocol):
     def summary(self, wall_s: float) -> dict:
         """Executor-specific summary fields (the pipeline's bubble per stage; collective there)."""
 
-    def running_bubble(self) -> float | None:
-        """This rank's idle share of the time so far (a pipeline stage), None without a pipeline. Local."""
+    def running_bubble(self, step: int) -> PipelineBubble | None:
+        """The pipeline's idle share so far at `step` (every stage's, gathered without blocking), on the metrics
+        rank at the steps a log line reports; None without a pipeline."""
 
 
 def segment_bounds(total_steps: int, *every: int, start: int = 0, at: Sequence[int] = ()) -> list[tuple[int, int]]:
@@ -210,9 +211,9 @@ class Trainer:
             record["val_loss"] = val_loss
         if self.executor.is_writer and line_due(r.step, self.cfg.train.steps, self.cfg.logging.log_every,
                                                 val_loss is not None):
-            bubble = self.executor.running_bubble()
+            bubble = self.executor.running_bubble(r.step)
             if bubble is not None:
-                record["bubble_fraction"] = bubble
+                record.update(bubble.as_metrics())
         self.metrics.log(record)
         if len(self.step_times) == 4:
             self._warn_if_work_at_risk(sum(self.step_times[1:]) / 3)  # the first step pays for warm-up

@@ -27,7 +27,8 @@ def test_the_ramp_of_these_tests():
 
 
 def test_2bw_pipeline_with_a_batch_rampup_equals_the_simulator():
-    cfg = make_config(parallel={"pp": 2}, schedule={"name": "2bw"}, train=RAMP, staleness={"ef_lambda": 1.0})
+    cfg = make_config(parallel={"pp": 2}, schedule={"name": "2bw"}, train=RAMP, staleness={"ef_lambda": 1.0},
+                      logging={"log_every": 3})
     records, ref, results = assert_equivalent(cfg)
     # As in test_four_stage_2bw_hybrid_moe_...: one thread per process, the same kernels in the same order.
     assert [r["loss"] for r in records] == [s.loss for s in ref["stats"]]
@@ -40,6 +41,13 @@ def test_2bw_pipeline_with_a_batch_rampup_equals_the_simulator():
     assert [r["consumed_tokens"] for r in records] == [2 * seq * sum(M[: t + 1]) for t in range(7)]
     summary = next(r["summary"] for r in results if r["records"])
     assert summary["tokens"] == 2 * seq * sum(M)
+    # The log line's bubble (issue 20): on its steps (every 3rd and the last), every stage's.
+    logged = [r for r in records if "bubble_fraction" in r]
+    assert [r["step"] for r in logged] == [2, 5, 6]
+    for r in logged:
+        stages = r["bubble_fraction_per_stage"]
+        assert len(stages) == 2 and all(0.0 <= b < 1.0 for b in stages), r
+        assert r["bubble_fraction"] == pytest.approx(sum(stages) / 2, rel=1e-12)  # dp 1: a rank is a stage
 
 
 def test_pipeline_resumed_in_the_middle_of_the_ramp_equals_the_uninterrupted_run(tmp_path):

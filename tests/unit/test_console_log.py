@@ -80,9 +80,10 @@ def test_the_pipeline_bubble_reaches_the_line_on_log_steps_only(tmp_path, capsys
     m.close()
     lines = [line for line in capsys.readouterr().out.splitlines() if "iteration" in line]
     assert [re.search(r"iteration +(\d+)/", line).group(1) for line in lines] == ["4", "8", "10"]
-    assert all("bubble 0.250 (this stage, so far)" in line for line in lines)
+    assert all("bubble 0.250 mean, 0.300 max (stage 0; so far)" in line for line in lines)
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "bubble_fraction" in r] == [3, 7, 9]
+    assert all(r["bubble_fraction_per_stage"] == [0.3, 0.2] for r in records if "bubble_fraction" in r)
 
 
 def test_mfu_needs_a_peak_on_cpu():

@@ -10,7 +10,7 @@ import pytest
 
 from asyncpp.config import RunConfig
 from asyncpp.core.batches import BatchPlan
-from asyncpp.core.records import StepResult
+from asyncpp.core.records import PipelineBubble, StepResult
 from asyncpp.train.preemption import StopFlag
 from asyncpp.train.trainer import Trainer, TrainingAborted, segment_bounds
 
@@ -55,8 +55,8 @@ class Scripted:
     def summary(self, wall_s):
         return {}
 
-    def running_bubble(self):
-        return 0.25  # a pipeline stage idle a quarter of the time so far
+    def running_bubble(self, step):
+        return PipelineBubble(0.25, (0.3, 0.2))  # a pipeline idle a quarter of the time so far, stage 0 most
 
 
 class Sink:
