@@ -54,9 +54,10 @@ class ParallelConfig:
     """With tp > 1: norms and residuals work on sequence shards (activation memory / tp); the TP
     regions all-gather their input and reduce-scatter their output instead of all-reducing it."""
     stage_layers: tuple[int, ...] | Literal["auto"] | None = None
-    """Layers per pipeline stage, e.g. [3, 1]; `auto` (configs/parallel/default.yaml) picks the split whose
+    """Layers per pipeline stage, e.g. [3, 1] or [4, 0] (an explicit split may give a stage 0 layers: only the
+    embedding, or only the norm, head and loss); `auto` (configs/parallel/default.yaml) picks the split whose
     slowest stage is cheapest under the cost model of asyncpp.core.layer_costs (the last stage also runs the
-    LM head and the loss, the first the embedding; a stage may get 0 layers); None (a config built in
+    LM head and the loss, the first the embedding; at least 1 layer per stage); None (a config built in
     Python without a split) = the near-even asyncpp.core.partition.default_split. Resolved by
     asyncpp.core.partition.stage_split, the same on every rank and in the simulator."""
     distributed_optimizer: bool = False
