@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from asyncpp.analysis.memory import simulator_run_report
 from asyncpp.config import ConfigError, RunConfig, check_pipeline_options
+from asyncpp.core.batches import BatchPlan
 from asyncpp.core.partition import stage_split
 from asyncpp.core.recompute import apply_recompute, modes_per_layer
 from asyncpp.core.update import NonFiniteUpdate
@@ -100,7 +101,7 @@ def build_data(cfg: RunConfig, model_cfg: ModelConfig):
         source = IndexedDataSource(
             prefixes, weights, tokenizer=d.tokenizer, split=d.split, seq_len=t.seq_len,
             micro_batch_size=t.micro_batch_size, seed=cfg.seed,
-            train_samples=t.steps * t.num_microbatches * (cfg.parallel.dp or 1) * t.micro_batch_size,
+            train_samples=BatchPlan.of(cfg).samples_before(t.steps),
             eval_samples=t.eval_batches * t.micro_batch_size if t.eval_every else 0, cache_dir=cache_dir)
     except (IndexedDataError, FileNotFoundError, ValueError) as e:  # bad files, tokenizer or blend: say which
         raise ConfigError(f"data.name={d.name}: {e}") from None
@@ -143,8 +144,7 @@ def make_metrics(cfg: RunConfig, model_cfg: ModelConfig, devices: int = 1, devic
     """The writer's metrics; `devices` share each step's FLOPs (the world size; 1 in one process)."""
     t, p = cfg.train, cfg.parallel
     device = torch.device(cfg.train.device if device is None else device)
-    tokens_per_step = t.num_microbatches * t.micro_batch_size * t.seq_len * (p.dp or 1)
-    throughput = Throughput(flops_per_token(model_cfg, t.seq_len) * tokens_per_step, devices,
+    throughput = Throughput(flops_per_token(model_cfg, t.seq_len), devices,
                             device_peak_tflops(device, t.precision, t.peak_tflops))
     metrics = MetricsLogger(
         cfg.out_dir,
@@ -155,7 +155,6 @@ def make_metrics(cfg: RunConfig, model_cfg: ModelConfig, devices: int = 1, devic
         run_name=cfg.logging.run_name,
         progress=cfg.logging.progress,
         log_every=cfg.logging.log_every,
-        tokens_per_step=tokens_per_step,
         throughput=throughput,
         device=str(device),
     )
@@ -163,8 +162,9 @@ def make_metrics(cfg: RunConfig, model_cfg: ModelConfig, devices: int = 1, devic
     metrics.message(
         f"asyncpp: model={model_cfg.name} ({counts.total / 1e6:.2f}M params, {counts.active / 1e6:.2f}M active) "
         f"optimizer={cfg.optimizer.name} schedule={cfg.schedule.name} pp={p.pp} dp={p.dp} tp={p.tp} ep={p.ep} "
-        f"ef_lambda={cfg.staleness.ef_lambda} m={t.num_microbatches} "
-        f"global_batch={t.global_batch_size} tokens/step={tokens_per_step} out_dir={cfg.out_dir}"
+        f"ef_lambda={cfg.staleness.ef_lambda} {BatchPlan.of(cfg).describe()} global_batch={t.global_batch_size}"
+        f"{f' rampup={list(t.batch_rampup)}' if t.batch_rampup else ''} "
+        f"tokens/step={t.global_batch_size * t.seq_len} out_dir={cfg.out_dir}"
     )
     return metrics
 
@@ -234,7 +234,7 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
             events = executor.timeline_events()
             if events is not None:
                 write_run_timeline(events, cfg.out_dir, f"{cfg.schedule.name}: P={mesh.num_stages}, "
-                                   f"m={cfg.train.num_microbatches}", cfg.train.steps)
+                                   f"{executor.batches.describe()}", cfg.train.steps)
         finally:
             if metrics is not None:
                 (Path(cfg.out_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))

@@ -54,9 +54,10 @@ class ParallelConfig:
     """With tp > 1: norms and residuals work on sequence shards (activation memory / tp); the TP
     regions all-gather their input and reduce-scatter their output instead of all-reducing it."""
     stage_layers: tuple[int, ...] | Literal["auto"] | None = None
-    """Layers per pipeline stage, e.g. [3, 1]; `auto` (configs/parallel/default.yaml) picks the split whose
+    """Layers per pipeline stage, e.g. [3, 1] or [4, 0] (an explicit split may give a stage 0 layers: only the
+    embedding, or only the norm, head and loss); `auto` (configs/parallel/default.yaml) picks the split whose
     slowest stage is cheapest under the cost model of asyncpp.core.layer_costs (the last stage also runs the
-    LM head and the loss, the first the embedding; a stage may get 0 layers); None (a config built in
+    LM head and the loss, the first the embedding; at least 1 layer per stage); None (a config built in
     Python without a split) = the near-even asyncpp.core.partition.default_split. Resolved by
     asyncpp.core.partition.stage_split, the same on every rank and in the simulator."""
     distributed_optimizer: bool = False
@@ -83,6 +84,11 @@ class TrainConfig:
     global_batch_size: int | None = None
     """Sequences per optimizer step over all DP replicas (Megatron's --global-batch-size); m is derived as
     global_batch_size / (micro_batch_size x dp), which must divide it. None = micro_batch_size x m x dp."""
+    batch_rampup: tuple[int, int, int] | None = None
+    """[start, increment, samples]: Megatron's --rampup-batch-size. The global batch starts at `start` sequences
+    and grows by `increment` every samples / ((global_batch_size - start) / increment) consumed samples until it
+    reaches global_batch_size (the m of a step follows, asyncpp/core/batches.py). start and increment must be
+    multiples of micro_batch_size x dp. None = off. The LR schedule stays step-based."""
     seq_len: int = 128
     grad_clip: float = 1.0
     """Global gradient-norm clip; 0 disables clipping (the norm is still logged)."""
@@ -309,7 +315,7 @@ class RunConfig:
         world size first (pretrain.resolve does), so the microbatch count is derived from the real dp."""
         _check_finite(self, model)
         cfg = _resolve_derived(self)
-        for check in (_check_run, _check_train, _check_parallel, _check_tp_ep, _check_optimizer,
+        for check in (_check_run, _check_train, _check_batch_rampup, _check_parallel, _check_tp_ep, _check_optimizer,
                       _check_staleness, _check_data, _check_logging, _check_checkpoint):
             check(cfg, model)
         return cfg
@@ -436,6 +442,41 @@ def _check_train(cfg: RunConfig, model: ModelLimits) -> None:
 
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def _check_batch_rampup(cfg: RunConfig, model: ModelLimits) -> None:
+    """train.batch_rampup: Megatron's rule needs start < global batch, a whole number of increments between
+    them and samples >= 1 (it divides by both); every batch on the ramp must split into whole microbatches on
+    every replica, and the smallest one must still serve the schedule (2BW: m >= P)."""
+    t, dp = cfg.train, cfg.parallel.dp or 1
+    if t.batch_rampup is None:
+        return
+    start, increment, samples = t.batch_rampup
+    final, per_step = t.global_batch_size, t.micro_batch_size * dp
+    field = f"train.batch_rampup={list(t.batch_rampup)}"
+    for name, value in (("start", start), ("increment", increment), ("samples", samples)):
+        if value < 1:
+            raise ConfigError(f"{field}: {name}={value} must be >= 1 ([start, increment, samples], e.g. "
+                              f"train.batch_rampup=[{per_step},{per_step},{100 * final}])")
+    for name, value in (("start", start), ("increment", increment)):
+        if value % per_step:
+            lower, upper = max(per_step, value - value % per_step), (value // per_step + 1) * per_step
+            raise ConfigError(f"{field}: {name}={value} is not a multiple of train.micro_batch_size="
+                              f"{t.micro_batch_size} x dp={dp} = {per_step} (every batch on the ramp must split into "
+                              f"whole microbatches on every replica); use {name}={lower} or {upper}")
+    if start >= final:
+        raise ConfigError(f"{field}: start={start} must be below train.global_batch_size={final} (the batch the "
+                          "ramp ends at); lower start, raise train.global_batch_size, or set train.batch_rampup=null")
+    if (final - start) % increment:
+        raise ConfigError(f"{field}: train.global_batch_size={final} - start={start} = {final - start} is not a "
+                          f"multiple of increment={increment} (the ramp must land on the global batch); use an "
+                          f"increment dividing {final - start}, e.g. {per_step}")
+    m0 = start // per_step  # the ramp's first batch has the fewest microbatches
+    if not kind_of(cfg.schedule.name).serves(cfg.parallel.pp, m0):  # the registry's rule (2bw: m >= P)
+        raise ConfigError(f"{field}: its first batch of start={start} sequences runs m={m0} microbatches per "
+                          f"replica, fewer than parallel.pp={cfg.parallel.pp}, which schedule={cfg.schedule.name} "
+                          f"needs (two weight versions cannot cover the in-flight work); raise start to "
+                          f"{cfg.parallel.pp * per_step}")
 
 
 def _check_parallel(cfg: RunConfig, model: ModelLimits) -> None:

@@ -110,21 +110,27 @@ class RouterLoadStats:
     rank 0) and leaves zeros elsewhere. The simulator builds the same vector, so both log the same numbers.
     """
 
-    def __init__(self, routers: dict[int, nn.Module], num_layers: int, counted: bool = True):
+    def __init__(self, routers: dict[int, nn.Module], num_layers: int, counted: bool = True,
+                 model_has_routers: bool | None = None):
         self.routers, self.num_layers, self.counted = routers, num_layers, counted
+        self.model_has_routers = bool(routers) if model_has_routers is None else model_has_routers
         self.counts: dict[int, dict[int, Tensor]] = {}
         self.aux: dict[int, dict[int, list[Tensor]]] = {}
 
     @classmethod
     def of(cls, model: nn.Module, counted: bool = True) -> RouterLoadStats:
-        """The routers of `model`'s layers (a pipeline stage's Identity layers have none)."""
+        """The routers of `model`'s layers (a pipeline stage's Identity layers have none). Whether the stats
+        exist at all is the whole model's property (its config has `moe`), not the stage's: every stage sends
+        the same vector in the norm all-reduce, a stage with no MoE layer (0 layers) zeros (issue 21)."""
         layers = getattr(model, "layers", [])
         routers = {i: layer.mlp for i, layer in enumerate(layers)
                    if hasattr(getattr(layer, "mlp", None), "last_expert_load")}
-        return cls(routers, len(layers), counted)
+        moe = getattr(getattr(model, "config", None), "moe", None) is not None
+        return cls(routers, len(layers), counted, model_has_routers=bool(routers) or moe)
 
     def __bool__(self) -> bool:
-        return bool(self.routers)
+        """Whether the vector exists (then of the same length on every stage of the model)."""
+        return self.model_has_routers
 
     def record(self, step: int) -> None:
         mine, aux = self.counts.setdefault(step, {}), self.aux.setdefault(step, {})

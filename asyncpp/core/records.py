@@ -36,3 +36,17 @@ class StepResult:
     update_cosine: float | None = None
     """Diagnostics steps only (simulator): cosine between the applied and the fresh update."""
     update_rel_error: float | None = None
+
+
+@dataclass(frozen=True)
+class PipelineBubble:
+    """The pipeline's idle share so far, from every rank's stage timer (busy time over elapsed time): what the
+    log line reports on its steps (asyncpp/pipeline/bubble.py gathers it without blocking)."""
+
+    mean: float
+    """Mean over the ranks (summary.json's bubble_fraction, at the end of a run)."""
+    per_stage: tuple[float, ...]
+    """Per stage, the mean over its ranks (DP/TP replicas)."""
+
+    def as_metrics(self) -> dict:
+        return {"bubble_fraction": self.mean, "bubble_fraction_per_stage": list(self.per_stage)}

@@ -149,6 +149,14 @@ class StageEngine:
         self.reduction = (ShardedGradientReduction(mesh, ownership=self.shards.ownership, **common) if self.shards
                           else GradientReduction(mesh, **common))
 
+    def rescale(self, grad_scale: float) -> None:
+        """A new gradient scale (1/m of a new segment, under a batch rampup). Only between segments: a pending
+        reduction would mix the two scales."""
+        if self.reduction.pending:
+            raise RuntimeError(f"the gradient scale changes while steps {sorted(self.reduction.pending)} are still "
+                               "being reduced; change it only at a drained segment boundary")
+        self.grad_scale = self.reduction.grad_scale = grad_scale
+
     def _counted(self, tied: bool, layout: ParamSharding) -> bool:
         """Whether this rank's copy enters the global norms (all-reduced over mesh.norm_group): every
         tensor is counted exactly once. The tied weight on the first stage; a TP-replicated tensor on

@@ -20,12 +20,14 @@ from torch import Tensor
 from asyncpp.analysis.measured import device_peak_bytes, host_peak_bytes
 from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
+from asyncpp.core.batches import BatchPlan
 from asyncpp.core.layer_costs import layer_costs
 from asyncpp.core.partition import stage_balance, stage_split
-from asyncpp.core.records import DataSource, StepResult
+from asyncpp.core.records import DataSource, PipelineBubble, StepResult
 from asyncpp.core.update import Corrections, lr_multiplier_for
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import global_view, layout_of
+from asyncpp.pipeline.bubble import BubbleGather
 from asyncpp.pipeline.build import BuiltStage
 from asyncpp.pipeline.engine import StageEngine, StepRecord
 from asyncpp.pipeline.p2p import StageComm, naming_the_peer
@@ -37,6 +39,7 @@ from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
 from asyncpp.schedules.registry import kind_of, step_delay
 from asyncpp.train import checkpoint as ckpt
+from asyncpp.train.metrics import line_due
 from asyncpp.train.preemption import CheckpointClock, StopFlag
 
 
@@ -67,7 +70,6 @@ class PipelineExecutor:
         self.is_writer = mesh.is_writer
         self.decides_time = mesh.rank == 0  # rank 0's clock decides timed checkpoints (CheckpointClock)
         self.saver = ckpt.Saver(cfg.checkpoint.async_save)
-        self.tokens_per_step = cfg.train.num_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len * mesh.dims.dp
         self._started: float | None = None  # set when the first segment starts (the timeline's origin)
         self._last_end = math.nan  # when the last stage finished the previous logged step's backward
         self._last_loss = math.nan  # the last logged step's loss (last stage; nan elsewhere)
@@ -76,9 +78,11 @@ class PipelineExecutor:
                              f"but this rank is stage {mesh.pp_rank} of {mesh.num_stages}")
         self.spec, self.model, self.sharding, self.loss_fn = stage.spec, stage.model, stage.sharding, stage.loss_fn
         self.process_baseline_bytes: int | None = None  # the RSS before the build, if the entry point measured it
-        self.m = cfg.train.num_microbatches
+        self.batches = BatchPlan.of(cfg, mesh.dims.dp)
+        self.m = self.batches.microbatches(0)  # of the running segment: steps() sets it (a batch rampup changes it)
         self.stop_lookahead = stop_lookahead(cfg.schedule.name, mesh.num_stages)
         self._agreement: StopAgreement | None = None  # created by the first segment, on every rank
+        self._bubbles: BubbleGather | None = None  # on the agreement's group, created with it
         self.delays = [
             step_delay(cfg.schedule.name, self.spec.stage, mesh.num_stages, t, cfg.train.steps, cfg.staleness)
             for t in range(cfg.train.steps)
@@ -111,8 +115,8 @@ class PipelineExecutor:
         )
 
     def _tokens(self, step: int, microbatch: int) -> Tensor:
-        """Global microbatch index (t * dp + dp_rank) * m + j: DP=2 with m equals DP=1 with 2m."""
-        index = (step * self.mesh.dims.dp + self.mesh.dp_rank) * self.m + microbatch
+        """The global microbatch index of the plan: DP=2 with m equals DP=1 with 2m (asyncpp/core/batches.py)."""
+        index = self.batches.microbatch_index(step, self.mesh.dp_rank, microbatch)
         return to_device(self.data.train_microbatch(index), self.mesh.device)  # CUDA: pinned, no host sync
 
     def _forward(self, step: int, microbatch: int, x: Tensor | None) -> Tensor:
@@ -165,6 +169,9 @@ class PipelineExecutor:
                 dist.barrier()  # a common time origin for every stage's timeline (same-host clocks)
             self._started = self._last_end = self.engine.timer.restart()
             self._agreement = StopAgreement(self.cfg.train.timeout_s)  # collective: same point on every rank
+            self._bubbles = BubbleGather(self._agreement.group, self.mesh.rank, dist.get_world_size(),
+                                         keep=self.is_writer)
+        self._start_segment(t0, t1)
         todo = list(range(t0, t1))
         stream = ActionStream(self._segment_actions(t0, t1))
         end = None  # the agreed step this segment ends at, once decided
@@ -181,6 +188,10 @@ class PipelineExecutor:
             # Waited for at every UPDATE(t), on every rank (also after a stop is decided). Raises
             # NonFiniteUpdate on every rank if any rank had applied a non-finite update before posting it.
             stopping, checkpoint = self._agreement.result(t, self.engine.comm.wait)
+            if self._logs_line(t, t1):  # the same steps on every rank, after the agreement: one op order
+                with self._naming(f"the bubble all-gather of step {t} (posting it)"):
+                    self._bubbles.post(t, self.spec.stage, *self.engine.timer.snapshot())
+            self._bubbles.collect(t - 1, self.engine.comm.wait)
             if (stopping or checkpoint) and end is None:
                 end = min(t + self.stop_lookahead, t1)  # the same on every rank
                 if end < t1:
@@ -193,11 +204,20 @@ class PipelineExecutor:
         with self._naming(f"the stop agreement of the end of the segment at step {t1} (posting it)"):
             self._agreement.post(t1, False, bad_update, False)
         stopping, checkpoint = self._agreement.drain(self.engine.comm.wait)
+        self._bubbles.drain(self.engine.comm.wait)
         if checkpoint and not stopping and end is None and clock is not None:
             clock.agreed_at = t1  # asked for in the segment's last steps: saved at its end
         self.engine.finish()
         yield from self._ready(todo, drained=True)
         self.engine.versions.use(self.engine.versions.newest)  # evaluation and the caller see x_{end}
+
+    def _start_segment(self, t0: int, t1: int) -> None:
+        """A segment runs one m (the trainer cuts segments where a batch rampup changes it): the schedule's
+        and the gradient's 1/m follow it. The engine is drained here, so no reduction holds the old scale."""
+        m = self.batches.constant(t0, t1)
+        if m != self.m:
+            self.m = m
+            self.engine.rescale(1.0 / m)
 
     def _segment_actions(self, t0: int, t1: int) -> list[Action]:
         return segment_actions(self.cfg.schedule.name, self.spec.stage, self.mesh.num_stages, self.m,
@@ -216,7 +236,8 @@ class PipelineExecutor:
                 end = self.engine.timer.end_of(Op.BACKWARD, step)
                 dt, self._last_end = end - self._last_end, end
             self._last_loss = loss
-            yield StepResult(step, loss, rec.grad_norm, rec.update_norm, rec.lr, rec.skipped, self.tokens_per_step,
+            tokens = self.batches.global_batch(step) * self.cfg.train.seq_len
+            yield StepResult(step, loss, rec.grad_norm, rec.update_norm, rec.lr, rec.skipped, tokens,
                              dt, rec.router_loads)
 
     def stop_agreed(self, requested: bool) -> bool:
@@ -234,11 +255,18 @@ class PipelineExecutor:
         with self._naming("every rank's part of the background checkpoint"):
             self.saver.wait()
 
-    def running_bubble(self) -> float | None:
-        """This stage's idle share since the first step (its timer's busy time over elapsed time). Local; on
-        CUDA it waits for the work queued so far (the log line reads it every logging.log_every steps)."""
-        elapsed = self.engine.timer.elapsed()
-        return 1.0 - self.engine.timer.busy() / elapsed if elapsed > 0 else None
+    def _logs_line(self, step: int, t1: int) -> bool:
+        """Whether the trainer writes a log line at `step` (it reads the bubble then): every logging.log_every
+        steps, the run's last, and an evaluation (at the end of the segment [t0, t1)). A pure function of the
+        step and the segment, so every rank posts the same bubble all-reduces."""
+        every = self.cfg.train.eval_every
+        evaluated = step == t1 - 1 and every > 0 and (t1 % every == 0 or t1 == self.cfg.train.steps)
+        return line_due(step, self.cfg.train.steps, self.cfg.logging.log_every, evaluated)
+
+    def running_bubble(self, step: int) -> PipelineBubble | None:
+        """The pipeline's idle share so far, as every rank's timer saw it at UPDATE(step) (bubble.py: gathered
+        without blocking); the metrics writer's, on the steps its log line reports; None elsewhere."""
+        return self._bubbles.pop(step) if self._bubbles is not None else None
 
     def summary(self, wall_s: float) -> dict:
         """Per-stage busy time and bubble (collective), both on the device's clock (the timer's)."""
@@ -321,7 +349,7 @@ class PipelineExecutor:
         with self._naming(f"every rank's part of the checkpoint of step {step_done} (its collectives)"):
             self.saver.save(ckpt.checkpoint_root(c), step_done, self.stage_state(), config=c.to_dict(),
                             layout=layout, keep_last=c.checkpoint.keep_last,
-                            data=ckpt.data_position(self.data, step_done, c))
+                            data=ckpt.data_position(self.data, step_done, self.batches))
 
     def resume(self, warn: Callable[[str], None] | None = None) -> int | None:
         """Collective. Load checkpoint.resume's checkpoint, if any; returns its step (None: nothing to resume)."""

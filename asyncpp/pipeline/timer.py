@@ -37,6 +37,9 @@ from asyncpp.schedules.events import TimelineEvent
 PER_STEP_KINDS = ("U0", "U")
 """Kinds whose cost is per step, not per event (mean_durations)."""
 
+NOT_BUSY = ("idle", "comm")
+"""Event kinds that are not the stage's own work: waiting for a reduction, a transfer in flight."""
+
 MIN_IDLE_S = 1e-4
 """An "idle" span shorter than this is the clock's own noise (a wait that found its data ready), not a
 wait: it is dropped, so the timeline shows real stalls only."""
@@ -130,6 +133,7 @@ class StageTimer:
         self.clock: Clock = clock if clock is not None else HostClock()
         self._origin_mark, self.origin_s = self.clock.origin()
         self._done: list[TimelineEvent] = []
+        self._busy_s = 0.0  # sum of the resolved busy events' durations, in resolution order (busy())
         # (action, start mark, end mark, kind) not resolved yet, in the order they were added.
         self._pending: deque[tuple[Action, Mark, Mark, str]] = deque()
 
@@ -166,13 +170,22 @@ class StageTimer:
         """Forget every event recorded so far, pending ones too (without waiting for them)."""
         self._done.clear()
         self._pending.clear()
+        self._busy_s = 0.0
 
     def elapsed(self) -> float:
         """Seconds from the origin to now on this clock: on CUDA, until the work queued so far is done."""
         return self.clock.seconds(self._origin_mark, self.clock.mark())
 
     def busy(self) -> float:
-        return sum(e.duration for e in self.events if e.kind not in ("idle", "comm"))
+        self._resolve(block=True)
+        return self._busy_s
+
+    def snapshot(self) -> tuple[float, float]:
+        """(busy seconds, seconds from the origin to the end of the newest resolved event) without waiting: on
+        CUDA only the events the device has already reached count, so reading it every few steps syncs
+        nothing. Their ratio is the stage's busy share so far (up to that event)."""
+        self._resolve(block=False)
+        return self._busy_s, (self._done[-1].end if self._done else 0.0)
 
     def mean_durations(self) -> dict[str, float]:
         """Mean duration of each kind of event (F, B, U0, U, idle): per-op costs for the cost model. An update
@@ -215,6 +228,8 @@ class StageTimer:
             if kind == "idle" and t1 - t0 < MIN_IDLE_S:
                 continue
             self._done.append(TimelineEvent(self.stage, str(action), t0, t1, kind, action.step, action.microbatch))
+            if kind not in NOT_BUSY:
+                self._busy_s += t1 - t0
 
 
 def stage_timer(stage: int, device: torch.device) -> StageTimer:

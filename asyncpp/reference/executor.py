@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from asyncpp.config import RunConfig
+from asyncpp.core.batches import BatchPlan
 from asyncpp.core.loss import lm_loss
 from asyncpp.core.partition import param_stages, stage_split
 from asyncpp.core.records import DataSource, StepResult
@@ -104,6 +105,7 @@ class ReferenceExecutor:
         self.cfg, self.model, self.data = cfg, model, data
         self.device = torch.device(cfg.train.device)
         self.sim = build_simulator(cfg, model, optimizer)
+        self.batches = BatchPlan.of(cfg)  # parallel.dp replicas, simulated as m_t * dp microbatches per step
         self.saver = ckpt.Saver(cfg.checkpoint.async_save)
 
     def resume(self, warn: Callable[[str], None]) -> int | None:
@@ -124,9 +126,11 @@ class ReferenceExecutor:
             yield self.sim.step(step, self._microbatches(step))
 
     def _microbatches(self, step: int) -> list[Tensor]:
-        # dp replicas are simulated as m * dp microbatches: global index (t * dp + r) * m + j, as in the pipeline.
-        m = self.cfg.train.num_microbatches * (self.cfg.parallel.dp or 1)
-        return [to_device(self.data.train_microbatch(step * m + i), self.device) for i in range(m)]
+        # dp replicas are simulated as m_t * dp microbatches, replica by replica: the pipeline's global indices
+        # (BatchPlan.microbatch_index), so the simulator averages over exactly the samples the pipeline reads.
+        b = self.batches
+        return [to_device(self.data.train_microbatch(b.microbatch_index(step, r, j)), self.device)
+                for r in range(b.dp) for j in range(b.microbatches(step))]
 
     def val_batches(self) -> list[Tensor]:
         return self.data.val_batches()
@@ -138,7 +142,7 @@ class ReferenceExecutor:
         c = self.cfg
         self.saver.save(ckpt.checkpoint_root(c), step_done, simulator_state(self.sim, self.model),
                         config=c.to_dict(), layout={"pp": 1, "dp": 1, "simulated_pp": c.parallel.pp},
-                        keep_last=c.checkpoint.keep_last, data=ckpt.data_position(self.data, step_done, c))
+                        keep_last=c.checkpoint.keep_last, data=ckpt.data_position(self.data, step_done, self.batches))
 
     def stop_agreed(self, requested: bool) -> bool:
         return requested
@@ -149,5 +153,5 @@ class ReferenceExecutor:
     def summary(self, wall_s: float) -> dict:
         return {}
 
-    def running_bubble(self) -> None:
+    def running_bubble(self, step: int) -> None:
         return None  # one process runs every stage back to back: no pipeline, no bubble

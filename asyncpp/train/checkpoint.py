@@ -557,12 +557,11 @@ def due(step_done: int, total_steps: int, every: int) -> bool:
     return step_done == total_steps or (every > 0 and step_done % every == 0)
 
 
-def data_position(source, step_done: int, cfg) -> dict:
-    """The data position: consumed samples (a function of the step) and what the stream depends on."""
-    t = cfg.train
+def data_position(source, step_done: int, batches) -> dict:
+    """The data position: consumed samples (batches: the run's asyncpp.core.batches.BatchPlan, cumulative over
+    a batch rampup) and what the stream depends on."""
     identity = source.identity() if hasattr(source, "identity") else None
-    consumed = step_done * t.num_microbatches * (cfg.parallel.dp or 1) * t.micro_batch_size
-    return {"consumed_samples": consumed, "identity": identity}
+    return {"consumed_samples": batches.samples_before(step_done), "identity": identity}
 
 
 def check_data_position(manifest: dict, source, cfg, warn=print) -> None:

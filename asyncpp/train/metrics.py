@@ -90,7 +90,6 @@ class MetricsLogger:
         run_name: str | None = None,
         progress: bool = True,
         log_every: int = 10,
-        tokens_per_step: int | None = None,
         throughput: Throughput | None = None,
         device: str = "cpu",
     ):
@@ -99,7 +98,7 @@ class MetricsLogger:
         self._file = open(self.out_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - open until close()
         self._rewound = False  # until this attempt's first record has dropped what it will rewrite
         self.log_every, self.total_steps = log_every, total_steps
-        self.tokens_per_step, self.throughput, self.device = tokens_per_step, throughput, device
+        self.throughput, self.device = throughput, device
         self._logger = _RunLog(self.out_dir / LOG_FILE)
         self._bar_stream = sys.stderr  # tqdm's
         show_bar = progress and self._bar_stream.isatty()
@@ -185,25 +184,25 @@ class MetricsLogger:
         w = self._window
         seconds = w.seconds / w.steps if w.steps else math.nan
         parts = [f"iteration {iteration:>{len(str(self.total_steps))}}/{self.total_steps}"]
-        if self.tokens_per_step is not None:
-            parts.append(f"consumed tokens {iteration * self.tokens_per_step:,}")
+        if "consumed_tokens" in record:  # the trainer's, from the batch plan (cumulative under a batch rampup)
+            parts.append(f"consumed tokens {record['consumed_tokens']:,}")
+        if "global_batch_size" in record:
+            parts.append(f"global batch {record['global_batch_size']:,}")
         parts += [f"{seconds * 1e3:.1f} ms/iter", f"{w.tokens_per_s:,.0f} tokens/s",
                   f"lr {record.get('lr', math.nan):.3e}", f"loss {w.mean_loss:.4f}",
                   f"grad norm {record.get('grad_norm', math.nan):.3f}", f"skipped {w.skipped}"]
         if "val_loss" in record:
             parts.append(f"val loss {record['val_loss']:.4f}")
-        bubble = record.get("bubble_fraction")
-        parts.append(f"bubble {bubble:.3f} (this stage, so far)" if bubble is not None
-                     else "bubble n/a (one process: no pipeline)")
+        parts.append(bubble_part(record))
         parts.append(f"peak mem {peak_memory_bytes(self.device) / 2**20:,.0f} MiB")
-        parts += self._flops_parts(seconds)
+        parts += self._flops_parts(w.tokens_per_s)
         return " | ".join(parts)
 
-    def _flops_parts(self, seconds: float) -> list[str]:
-        if self.throughput is None or not seconds > 0:
+    def _flops_parts(self, tokens_per_s: float) -> list[str]:
+        if self.throughput is None or not tokens_per_s > 0:
             return []
-        mfu = self.throughput.mfu(seconds)
-        return [f"{self.throughput.tflops_per_device(seconds):.3g} TFLOP/s/device",
+        mfu = self.throughput.mfu(tokens_per_s)
+        return [f"{self.throughput.tflops_per_device(tokens_per_s):.3g} TFLOP/s/device",
                 f"MFU {mfu:.1%}" if mfu is not None else "MFU n/a (no peak for this device; set train.peak_tflops)"]
 
     def close(self, summary: dict[str, Any] | None = None) -> None:
@@ -226,6 +225,18 @@ class MetricsLogger:
                 self._wandb.summary.update(summary)
             self._wandb.finish(exit_code=0 if summary else 1)
         self._logger.close()
+
+
+def bubble_part(record: dict[str, Any]) -> str:
+    """The pipeline's idle share so far: the mean over its ranks and the worst stage (a step record's
+    bubble_fraction and bubble_fraction_per_stage, gathered from every stage's timer)."""
+    mean, stages = record.get("bubble_fraction"), record.get("bubble_fraction_per_stage")
+    if mean is None:
+        return "bubble n/a (one process: no pipeline)"
+    if not stages:
+        return f"bubble {mean:.3f} (so far)"
+    worst = max(range(len(stages)), key=lambda s: stages[s])
+    return f"bubble {mean:.3f} mean, {stages[worst]:.3f} max (stage {worst}; so far)"
 
 
 class IterationWindow:

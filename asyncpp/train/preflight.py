@@ -165,6 +165,8 @@ def config_differences(saved: dict, current: dict) -> list[tuple[str, object, ob
         x, y = a.get(key, missing), b.get(key, missing)
         if isinstance(x, list) and isinstance(y, tuple | list):
             y = list(y)
+        if x is missing and y is None:  # an option added since the checkpoint was saved, left off: no change
+            continue
         if x != y and not _matches(key, IGNORED):
             out.append((key, "<absent>" if x is missing else x, "<absent>" if y is missing else y))
     return out

@@ -50,19 +50,20 @@ def peak_memory_bytes(device: torch.device | str) -> int:
 
 @dataclass(frozen=True)
 class Throughput:
-    """FLOPs of one step and how many devices share them, to turn a step time into per-device rates."""
+    """FLOPs of one token and how many devices share them, to turn a token rate into per-device rates. Per
+    token, not per step: under a batch rampup (train.batch_rampup) steps differ in size."""
 
-    flops_per_step: float
-    """Model FLOPs of one optimizer step over all replicas (flops_per_token x tokens per step)."""
+    flops_per_token: float
+    """Model FLOPs of one trained token (model_zoo.flops_per_token: forward and backward)."""
     devices: int
     """Devices the step runs on (world size; 1 in a single process, which simulates every stage and replica)."""
     peak_tflops: float | None
     """Per-device peak (device_peak_tflops); None: MFU is not reported."""
 
-    def tflops_per_device(self, seconds_per_step: float) -> float:
-        return self.flops_per_step / seconds_per_step / self.devices / 1e12
+    def tflops_per_device(self, tokens_per_s: float) -> float:
+        return self.flops_per_token * tokens_per_s / self.devices / 1e12
 
-    def mfu(self, seconds_per_step: float) -> float | None:
+    def mfu(self, tokens_per_s: float) -> float | None:
         if self.peak_tflops is None:
             return None
-        return self.tflops_per_device(seconds_per_step) / self.peak_tflops
+        return self.tflops_per_device(tokens_per_s) / self.peak_tflops

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterLoadStats
-from asyncpp.core.records import StepResult
+from asyncpp.core.batches import BatchPlan
+from asyncpp.core.records import PipelineBubble, StepResult
 from asyncpp.schedules.registry import is_sync_step
 from asyncpp.train.checkpoint import due
 from asyncpp.train.metrics import line_due
@@ -32,6 +33,8 @@ class Executor(Protocol):
     """True: a stop request is honoured after any step (nothing is in flight between steps)."""
     is_writer: bool
     """This rank writes metrics (the pipeline's last stage, DP and TP rank 0)."""
+    batches: BatchPlan
+    """m_t and the data position of every step (asyncpp/core/batches.py), at this executor's dp."""
 
     def resume(self, warn: Callable[[str], None]) -> int | None:
         """Load checkpoint.resume's checkpoint, if any (collective in a pipeline); its step, else None."""
@@ -57,13 +60,15 @@ class Executor(Protocol):
     def summary(self, wall_s: float) -> dict:
         """Executor-specific summary fields (the pipeline's bubble per stage; collective there)."""
 
-    def running_bubble(self) -> float | None:
-        """This rank's idle share of the time so far (a pipeline stage), None without a pipeline. Local."""
+    def running_bubble(self, step: int) -> PipelineBubble | None:
+        """The pipeline's idle share so far at `step` (every stage's, gathered without blocking), on the metrics
+        rank at the steps a log line reports; None without a pipeline."""
 
 
-def segment_bounds(total_steps: int, *every: int, start: int = 0) -> list[tuple[int, int]]:
-    """Drain points: every multiple of each `every` (evaluation, checkpoint; 0 = never) and the end."""
-    cuts = {total_steps}
+def segment_bounds(total_steps: int, *every: int, start: int = 0, at: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """Drain points: every multiple of each `every` (evaluation, checkpoint; 0 = never), the steps `at` (where
+    a batch rampup changes m: a segment runs one m) and the end."""
+    cuts = {total_steps} | {c for c in at if 0 < c < total_steps}
     for k in every:
         if k > 0:
             cuts |= set(range(k, total_steps, k))
@@ -99,7 +104,7 @@ class Trainer:
         self.stop = stop or StopFlag()
         self.start_step = 0
         self.stopped_at: int | None = None
-        self.skipped = self.consecutive_skips = self.tokens = self.tokens_per_step = 0
+        self.skipped = self.consecutive_skips = self.tokens = 0
         self.steps_done = 0
         self.last_loss = self.val_loss = math.nan
         self.step_times: list[float] = []
@@ -124,7 +129,8 @@ class Trainer:
         started = time.perf_counter()
         self.clock = CheckpointClock(ck.every_minutes if ck.enabled else 0.0,
                                      decides=getattr(self.executor, "decides_time", True))
-        for t0, t1 in segment_bounds(t.steps, t.eval_every, ck.every if ck.enabled else 0, start=self.start_step):
+        for t0, t1 in segment_bounds(t.steps, t.eval_every, ck.every if ck.enabled else 0, start=self.start_step,
+                                     at=self.executor.batches.changes()):
             done = self._segment(t0, t1, val)
             while done < t1 and self.clock.agreed_at == done:  # cut for a timed checkpoint: save, then go on
                 self._save(done, why=f"checkpoint.every_minutes={ck.every_minutes:g}")
@@ -187,14 +193,19 @@ class Trainer:
 
     def _log(self, r: StepResult, val_loss: float | None) -> None:
         self.tokens += r.tokens
-        self.tokens_per_step, self.steps_done = r.tokens, r.step + 1
+        self.steps_done = r.step + 1
         self.step_times.append(r.step_time_s)
         self.last_loss = r.loss
+        batches = self.executor.batches
         record = {
             "step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "update_norm": r.update_norm,
             "tokens_per_s": r.tokens / r.step_time_s if r.step_time_s > 0 else math.nan,
             "step_time_s": r.step_time_s, "skipped": r.skipped,
             "sync_step": is_sync_step(r.step, self.cfg.train.steps, self.cfg.staleness),
+            # Megatron's "global batch size" and consumed samples, in tokens: under a batch rampup neither is a
+            # multiple of the step.
+            "global_batch_size": batches.global_batch(r.step),
+            "consumed_tokens": batches.samples_before(r.step + 1) * self.cfg.train.seq_len,
         }
         if r.update_cosine is not None:  # staleness.diagnostics_every steps (their step_time_s includes it)
             record.update(update_cosine=r.update_cosine, update_rel_error=r.update_rel_error)
@@ -203,9 +214,9 @@ class Trainer:
             record["val_loss"] = val_loss
         if self.executor.is_writer and line_due(r.step, self.cfg.train.steps, self.cfg.logging.log_every,
                                                 val_loss is not None):
-            bubble = self.executor.running_bubble()
+            bubble = self.executor.running_bubble(r.step)
             if bubble is not None:
-                record["bubble_fraction"] = bubble
+                record.update(bubble.as_metrics())
         self.metrics.log(record)
         if len(self.step_times) == 4:
             self._warn_if_work_at_risk(sum(self.step_times[1:]) / 3)  # the first step pays for warm-up
@@ -252,7 +263,7 @@ class Trainer:
             "final_loss": self.last_loss,
             "final_val_loss": self.val_loss,
             "skipped_steps": self.skipped,
-            "tokens": steps_done * self.tokens_per_step,
+            "tokens": self.executor.batches.samples_before(steps_done) * self.cfg.train.seq_len,
             "tokens_this_attempt": self.tokens,
             "wall_time_s": wall,
             "mean_step_time_s": sum(steady) / len(steady),

@@ -94,6 +94,17 @@ def test_uneven_stage_split_with_pipedream_delays():
     assert_equivalent(cfg)
 
 
+@pytest.mark.parametrize("stage_layers", [[4, 0], pytest.param([0, 4], marks=pytest.mark.slow)])
+def test_a_stage_without_layers_of_a_moe_model(stage_layers):
+    """Issue 21: a stage with 0 layers (only the head, or only the embedding) of an MoE model failed in the
+    gradient-norm all-reduce (the load statistics it carries had another length there). Any split is the
+    same mathematics."""
+    cfg = make_config(model={"name": "tiny_moe"}, parallel={"pp": 2, "stage_layers": stage_layers},
+                      train={"steps": 4, "num_microbatches": 2})
+    records, _, _ = assert_equivalent(cfg)
+    assert any(k.startswith("moe/layer") for k in records[-1])
+
+
 # ---- semantics.md 4: TP, EP and aux-loss-free balancing change nothing in the mathematics ----------
 
 def assemble(results: list[dict]) -> dict[str, torch.Tensor]:

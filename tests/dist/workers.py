@@ -7,6 +7,7 @@ from torch import Tensor
 
 import pretrain
 from asyncpp.config import RunConfig
+from asyncpp.core.batches import BatchPlan
 from asyncpp.optim import build_from_config
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.pipeline.build import build_rank_stage
@@ -117,10 +118,11 @@ def _reference_run(cfg: RunConfig) -> dict:
     model = build_model(model_cfg)
     sim = build_simulator(cfg, model, optimizer_factory(cfg)(model))
     data = data_for(cfg, model_cfg.vocab_size)
-    m = cfg.train.num_microbatches * (cfg.parallel.dp or 1)
+    plan = BatchPlan.of(cfg)  # m_t * dp microbatches from the step's first global index (a rampup grows m_t)
     stats, val = [], None
     for t in range(cfg.train.steps):
-        stats.append(sim.step(t, [data.train_microbatch(t * m + j) for j in range(m)]))
+        first, n = plan.first_microbatch(t), plan.microbatches(t) * plan.dp
+        stats.append(sim.step(t, [data.train_microbatch(first + j) for j in range(n)]))
         if cfg.train.eval_every and ((t + 1) % cfg.train.eval_every == 0 or t == cfg.train.steps - 1):
             val = evaluate(model, data.val_batches(), torch.device("cpu"))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}

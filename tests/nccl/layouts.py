@@ -67,6 +67,9 @@ def _layouts() -> dict[str, Layout]:
                                                 checkpoint={"enabled": True, "every": 2})),
         Layout("2bw-P2-stop-midsegment", make_config(parallel={"pp": 2}, train={**short, "steps": 9},
                                                      checkpoint={"enabled": True, "every": 0}), stop=(1, 1)),
+        # A batch rampup: m = 2, 2, 3, 3, 4 (segments cut at steps 2 and 4, each stream with its own m).
+        Layout("2bw-P2-rampup", make_config(parallel={"pp": 2}, train={"steps": 5, "micro_batch_size": 2,
+                                                                     "num_microbatches": 4, "batch_rampup": [4, 2, 16]})),
         Layout("megatron-2bw-P2", make_config(parallel={"pp": 2}, schedule={"name": "2bw"},
                                               train={"steps": 4, "num_microbatches": 2}), megatron=True),
         Layout("megatron-1f1b-P3", make_config(model={"name": "tiny_dense", "overrides": {"num_layers": 3}},
@@ -78,9 +81,10 @@ def _layouts() -> dict[str, Layout]:
 
 
 LAYOUTS = _layouts()
-FAST = ("2bw-P2-DP2", "1f1b-P3", "megatron-2bw-P2", "2bw-P2-stop-midsegment", "2bw-P2-DP2-zero")
+FAST = ("2bw-P2-DP2", "1f1b-P3", "megatron-2bw-P2", "2bw-P2-stop-midsegment", "2bw-P2-DP2-zero", "2bw-P2-rampup")
 """Recorded in the default suite (2BW with DP, tied embeddings, a sync start and an evaluation drain; a
-middle stage; the Megatron loop; a stream cut short by a stop; the distributed optimizer); the rest is `slow`."""
+middle stage; the Megatron loop; a stream cut short by a stop; the distributed optimizer; a batch rampup's
+streams of different m); the rest is `slow`."""
 
 
 def recorded_pipeline(rank: int, cfg_dict: dict) -> list:

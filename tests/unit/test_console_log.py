@@ -20,16 +20,17 @@ from tests.unit.test_trainer import Scripted
 
 def record(step: int, loss: float, seconds: float = 0.5, tokens: int = 1000, **extra) -> dict:
     return {"step": step, "loss": loss, "lr": 1e-3 * (step + 1), "grad_norm": 2.0 + step, "update_norm": 0.1,
-            "tokens_per_s": tokens / seconds, "step_time_s": seconds, "skipped": False, "sync_step": False, **extra}
+            "tokens_per_s": tokens / seconds, "step_time_s": seconds, "skipped": False, "sync_step": False,
+            "global_batch_size": tokens // 10, "consumed_tokens": (step + 1) * tokens, **extra}
 
 
 def logger(tmp_path, **kw) -> MetricsLogger:
     return MetricsLogger(tmp_path, total_steps=kw.pop("total_steps", 6), progress=kw.pop("progress", True),
-                         log_every=kw.pop("log_every", 3), tokens_per_step=1000, **kw)
+                         log_every=kw.pop("log_every", 3), **kw)
 
 
 def test_a_line_every_log_every_iterations_to_stdout_and_pretrain_log(tmp_path, capsys):
-    m = logger(tmp_path, throughput=Throughput(flops_per_step=4e12, devices=2, peak_tflops=8.0))
+    m = logger(tmp_path, throughput=Throughput(flops_per_token=4e9, devices=2, peak_tflops=8.0))
     for t in range(6):
         m.log(record(t, loss=10.0 - t, seconds=0.5 if t < 3 else 0.25, skipped=(t == 4)))
     m.message("a message")
@@ -39,9 +40,9 @@ def test_a_line_every_log_every_iterations_to_stdout_and_pretrain_log(tmp_path, 
     assert len(lines) == 2, out  # iterations 3 and 6
     first, second = lines
     # Window means: loss (10+9+8)/3, 500 ms/iter, 2000 tokens/s; lr and grad norm of the window's last step.
-    for fragment in ("iteration 3/6", "consumed tokens 3,000", "500.0 ms/iter", "2,000 tokens/s", "lr 3.000e-03",
+    for fragment in ("iteration 3/6", "consumed tokens 3,000", "global batch 100", "500.0 ms/iter", "2,000 tokens/s", "lr 3.000e-03",
                      "loss 9.0000", "grad norm 4.000", "skipped 0", "bubble n/a (one process", "MiB",
-                     "4 TFLOP/s/device", "MFU 50.0%"):  # 4e12 FLOPs / 0.5 s / 2 devices = 4 TFLOP/s of 8
+                     "4 TFLOP/s/device", "MFU 50.0%"):  # 4e9 FLOPs x 2000 tokens/s / 2 devices = 4 TFLOP/s of 8
         assert fragment in first, (fragment, first)
     for fragment in ("iteration 6/6", "consumed tokens 6,000", "250.0 ms/iter", "loss 6.0000", "skipped 1",
                      "MFU 100.0%"):
@@ -79,20 +80,21 @@ def test_the_pipeline_bubble_reaches_the_line_on_log_steps_only(tmp_path, capsys
     m.close()
     lines = [line for line in capsys.readouterr().out.splitlines() if "iteration" in line]
     assert [re.search(r"iteration +(\d+)/", line).group(1) for line in lines] == ["4", "8", "10"]
-    assert all("bubble 0.250 (this stage, so far)" in line for line in lines)
+    assert all("bubble 0.250 mean, 0.300 max (stage 0; so far)" in line for line in lines)
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "bubble_fraction" in r] == [3, 7, 9]
+    assert all(r["bubble_fraction_per_stage"] == [0.3, 0.2] for r in records if "bubble_fraction" in r)
 
 
 def test_mfu_needs_a_peak_on_cpu():
     assert device_peak_tflops("cpu", "bf16") is None
     assert device_peak_tflops("cpu", "bf16", override=100.0) == 100.0
-    assert Throughput(1e12, 1, None).mfu(1.0) is None
+    assert Throughput(1e9, 1, None).mfu(1000.0) is None
     assert set(PEAK_TFLOPS) >= {"H100", "H200", "A100"} and all(set(p) == {"bf16", "fp32"} for p in PEAK_TFLOPS.values())
 
 
 def test_mfu_is_reported_as_missing_on_cpu_without_override(tmp_path, capsys):
-    m = logger(tmp_path, throughput=Throughput(1e12, 1, None), progress=False)
+    m = logger(tmp_path, throughput=Throughput(1e9, 1, None), progress=False)
     for t in range(3):
         m.log(record(t, 1.0))
     m.close()

@@ -175,6 +175,22 @@ def test_a_changed_hyperparameter_is_listed_but_resumes(tmp_path):
     assert said == [f"warning: resuming {path} (step 3) with a changed config: optimizer.lr: checkpoint 0.01, this run 0.005"]
 
 
+def test_an_option_added_since_the_checkpoint_and_left_off_is_no_change(tmp_path):
+    """A checkpoint saved before train.batch_rampup existed resumes without a warning while the ramp is off; one
+    saved with a ramp lists the change when the ramp changes (the data position follows the new ramp)."""
+    saved_cfg, _ = config(tmp_path)
+    path = fake_checkpoint(ckpt.checkpoint_root(saved_cfg), 3, saved_cfg)
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    del manifest["config"]["train"]["batch_rampup"]
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    said = []
+    assert preflight.check_resume(saved_cfg, warn=said.append)[1] == 3 and said == []
+    cfg, _ = config(tmp_path, "train.batch_rampup=[8,8,100]")
+    assert preflight.check_resume(cfg, warn=said.append)[1] == 3
+    assert said == [(f"warning: resuming {path} (step 3) with a changed config: train.batch_rampup: checkpoint "
+                     "'<absent>', this run [8, 8, 100]")]
+
+
 def test_train_steps_at_or_below_the_checkpoint_step_is_refused(tmp_path):
     saved_cfg, _ = config(tmp_path)
     fake_checkpoint(ckpt.checkpoint_root(saved_cfg), 6, saved_cfg)

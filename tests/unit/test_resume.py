@@ -57,6 +57,10 @@ def run(out_dir, *overrides, stop_at: int | None = None):
     ("sync", ["optimizer=adamw"]),
     ("2bw", ["staleness.grad_ef_lambda=0.5", "staleness.weight_prediction=true", "optimizer=lion"]),
     ("2bw", ["checkpoint.async_save=true"]),
+    # A batch rampup (micro batch 2, global 4): m = 1, 1, 1, 1, 2, 2, so the step-3 checkpoint is in the middle
+    # of the ramp's first piece, before its change at step 4; with [2, 2, 2], m = 1, 2, 2, ... (a change at step 1).
+    ("2bw", ["train.batch_rampup=[2,2,7]"]),
+    ("sync", ["train.batch_rampup=[2,2,2]"]),
 ])
 def test_resumed_run_equals_uninterrupted_bitwise(tmp_path, schedule, extra):
     full, full_weights = run(tmp_path / "full", f"schedule={schedule}", *extra)

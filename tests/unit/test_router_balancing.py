@@ -72,3 +72,20 @@ def test_bias_changes_routing_but_not_the_weights_formula():
     counts_2bw = [c for _, c in seen_2bw[0][4:]]
     assert any(not torch.equal(a, b) for a, b in zip(counts_sync, counts_2bw)), \
         "sync and 2bw read different biases from step 1 on, so their routing must differ somewhere"
+
+
+@pytest.mark.parametrize("sizes", [[4, 0], [0, 4], [2, 2]])
+def test_every_stage_of_a_moe_model_sends_the_same_load_vector(sizes):
+    """Issue 21: the per-layer load statistics ride the gradient-norm all-reduce over the stages, so every stage
+    must send a vector of the same length; a stage with 0 layers (no router of its own) sent none, and gloo
+    failed with a size mismatch. It now sends zeros in the model's slots."""
+    from asyncpp.core.balancing import RouterLoadStats
+    from asyncpp.pipeline.stage import StageSpec, prune_to_stage
+
+    cfg = get_model_config("tiny_moe")
+    for stage in range(2):
+        model = prune_to_stage(build_model(cfg), StageSpec(stage, 2, cfg.num_layers, sizes))
+        stats = RouterLoadStats.of(model)
+        assert stats, (sizes, stage)
+        assert stats.vector(0, torch.device("cpu")).shape == (2 * cfg.num_layers,)
+    assert not RouterLoadStats.of(build_model(get_model_config("tiny_dense")))  # no MoE: nothing rides along

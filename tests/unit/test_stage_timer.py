@@ -176,3 +176,32 @@ def test_an_update_timed_in_pieces_costs_their_sum_per_step() -> None:
     assert means["U0"] == pytest.approx(0.4)  # (0.4 + 0.4) / 2 steps, not 0.2 per piece
     assert means["F"] == pytest.approx(0.3)  # per op, as before
     assert timer.busy() == pytest.approx(0.8 + 0.6)
+
+
+def test_snapshot_counts_only_what_the_device_reached_and_never_waits() -> None:
+    """The log line's bubble reads every stage's snapshot every logging.log_every steps: on CUDA it must not
+    sync, so it covers the events the device has finished, up to the newest of them."""
+    timer, dev = fake_timer()
+    timer.restart()
+    s = timer.now()
+    dev.now = 1.0
+    timer.add(F0, s, timer.now())  # F: 0 -> 1
+    dev.now = 1.5
+    s = timer.now()
+    dev.now = 2.5
+    timer.add(B0, s, timer.now())  # B: 1.5 -> 2.5, not reached yet
+    dev.reached = 1.0
+    assert timer.snapshot() == (1.0, 1.0) and dev.syncs == 0
+    dev.reached = 2.5
+    assert timer.snapshot() == (2.0, 2.5) and dev.syncs == 0  # busy 2 of 2.5: the idle 0.5 between them
+    assert timer.busy() == 2.0
+
+
+def test_the_pipeline_bubble_of_every_ranks_rows() -> None:
+    from asyncpp.pipeline.bubble import bubble_of
+
+    # (stage, busy, elapsed) of 4 ranks: 2 stages x 2 DP replicas; idle shares 0.25, 0.75, 0.5, 0.5.
+    rows = torch.tensor([[0, 3, 4], [1, 1, 4], [0, 2, 4], [1, 2, 4]], dtype=torch.float64)
+    bubble = bubble_of(rows)
+    assert bubble.mean == 0.5 and bubble.per_stage == (0.375, 0.625)
+    assert bubble.as_metrics() == {"bubble_fraction": 0.5, "bubble_fraction_per_stage": [0.375, 0.625]}

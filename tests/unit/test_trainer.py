@@ -9,7 +9,8 @@ import math
 import pytest
 
 from asyncpp.config import RunConfig
-from asyncpp.core.records import StepResult
+from asyncpp.core.batches import BatchPlan
+from asyncpp.core.records import PipelineBubble, StepResult
 from asyncpp.train.preemption import StopFlag
 from asyncpp.train.trainer import Trainer, TrainingAborted, segment_bounds
 
@@ -18,6 +19,7 @@ class Scripted:
     """An executor whose step t has loss 10 - t and is skipped when t is in `skip`; it logs what it is asked."""
 
     is_writer = True
+    batches = BatchPlan(steps=10, micro_batch_size=1, dp=1, num_microbatches=4)  # config()'s: 100 tokens a step
 
     def __init__(self, stops_at_any_step: bool, skip=(), stop: StopFlag | None = None, stop_after: int = -1,
                  resume_at: int | None = None):
@@ -53,8 +55,8 @@ class Scripted:
     def summary(self, wall_s):
         return {}
 
-    def running_bubble(self):
-        return 0.25  # a pipeline stage idle a quarter of the time so far
+    def running_bubble(self, step):
+        return PipelineBubble(0.25, (0.3, 0.2))  # a pipeline idle a quarter of the time so far, stage 0 most
 
 
 class Sink:
@@ -72,7 +74,8 @@ class Sink:
 
 
 def config(**train) -> RunConfig:
-    return RunConfig.from_dict({"train": {"steps": 10, "eval_every": 4, **train},
+    return RunConfig.from_dict({"train": {"steps": 10, "eval_every": 4, "micro_batch_size": 1, "num_microbatches": 4,
+                                          "seq_len": 25, **train},
                                 "checkpoint": {"every": 5}, "logging": {"wandb_mode": "disabled"}})
 
 
