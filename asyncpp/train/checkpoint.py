@@ -62,7 +62,8 @@ class StageState:
     rank holds it (the distributed optimizer: the parameter's owner saves it, under the same key)."""
     optimizer: object
     """An OptimizerSet (or torch optimizer) whose params are `opt_params`."""
-    opt_params: list[Tensor]
+    opt_params: list[Tensor | None]
+    """Per name: the tensor the optimizer steps (its master); None where another rank holds the master."""
     shards: list[Shard | None] | None = None
     """Per name: how this rank's tensor is a piece of the full one (TP/EP), None = the whole tensor."""
     extra: dict[str, Tensor] | None = None
