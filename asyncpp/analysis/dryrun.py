@@ -89,7 +89,7 @@ def stage_report(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, build_s
     versions.retarget(optimizer)
     owned = versions.masters
     if cfg.parallel.distributed_optimizer and mesh.dims.dp > 1:  # this rank's (DP rank 0's) share
-        owned = _owned_share(stage, spec, plan, mesh, optimizer, versions.masters, named)
+        owned = _owned_share(stage, spec, plan, mesh, optimizer, versions, named)
     ef = ErrorFeedback(owned, cfg.staleness.ef_lambda).prev_update
     report = stage_memory(cfg, model_cfg, mesh, spec, versions, optimizer, ef)
     shards = {n: {"shape": list(p.shape), "tp_dim": layout_of(plan, n).tp_dim, "expert": layout_of(plan, n).expert}
@@ -98,15 +98,19 @@ def stage_report(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, build_s
             "memory": report.to_dict(), "table": report.table(), "shards": shards}
 
 
-def _owned_share(stage: nn.Module, spec: StageSpec, plan: ShardingPlan, mesh: Mesh, optimizer, masters, named) -> list:
-    """The distributed optimizer: restrict `optimizer` to this rank's parameters; returns their masters."""
+def _owned_share(stage: nn.Module, spec: StageSpec, plan: ShardingPlan, mesh: Mesh, optimizer, versions: WeightVersions,
+                 named) -> list:
+    """The distributed optimizer: restrict `optimizer` to this rank's parameters and (bf16) drop the other
+    owners' fp32 masters, as the engine does; returns this rank's masters."""
     from asyncpp.pipeline.sharded import StageShards
     from asyncpp.pipeline.stage import tied_parameters
 
     tied = {id(p) for p in tied_parameters(stage, spec)}
-    shards = StageShards(mesh, optimizer, masters, expert=[layout_of(plan, n).expert for n, _ in named],
+    shards = StageShards(mesh, optimizer, versions.masters, expert=[layout_of(plan, n).expert for n, _ in named],
                          tied=[id(p) in tied for _, p in named])
-    return shards.select(masters)
+    owned = shards.select(versions.masters)
+    shards.shard_masters(versions)
+    return owned
 
 
 def dry_run(cfg: RunConfig, model_cfg, world_size: int, build_stage: BuildStage, build_optimizer: BuildOptimizer,

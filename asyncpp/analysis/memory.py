@@ -328,12 +328,13 @@ def versions_report(versions, optimizer, *, error_feedback: Sequence[Tensor], ac
     dtype = buffers[0].dtype if buffers else torch.float32
     items = [MemoryItem(f"weight versions ({versions.num_buffers} x {_dtype_name(dtype)})",
                         storage_bytes(buffers, counted), ALLOCATED)]
-    masters = storage_bytes(versions.masters, counted)
+    held = [q for q in versions.masters if q is not None]  # bf16 + distributed optimizer: the owned share
+    masters = storage_bytes(held, counted)
     items.append(MemoryItem("fp32 master weights" + ("" if versions.mixed else " (share the newest version)"),
                             masters, ALLOCATED))
-    items += _optimizer_and_rest(optimizer, error_feedback, versions.masters, counted, grad_buffers)
-    if versions.mixed:  # begin_update's fp32 copy of x_t, alive during the update
-        items.append(MemoryItem("update scratch (fp32 x_t)", _numel_bytes(versions.masters), ESTIMATED))
+    items += _optimizer_and_rest(optimizer, error_feedback, versions.params, counted, grad_buffers)
+    if versions.mixed:  # begin_update's fp32 copy of x_t (the masters held here), alive during the update
+        items.append(MemoryItem("update scratch (fp32 x_t)", _numel_bytes(held), ESTIMATED))
     items.append(_activation_item(activation_bytes_per_mb, in_flight))
     return MemoryReport(title, items)
 

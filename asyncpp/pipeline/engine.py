@@ -129,6 +129,8 @@ class StageEngine:
             self.shards = StageShards(mesh, optimizer, self.masters, expert=self.expert_mask, tied=self.tied_mask,
                                       wait=self._wait, timer=self.timer)
         owned = self.shards.select(self.masters) if self.shards else self.masters
+        if self.shards:
+            self.shards.shard_masters(versions)  # bf16: the other owners' fp32 masters are dropped here
         # The step's mathematics after the gradient, shared with the simulator (asyncpp.core.update),
         # on the parameters this rank updates (all of them without the distributed optimizer).
         self.rule = UpdateRule(optimizer, owned, grad_clip=grad_clip, lr_multiplier=lr_multiplier,
@@ -297,7 +299,7 @@ class StageEngine:
             self._update_sq[a.step] = 0.0 if outcome.skipped else sum(
                 grad_sq_norm([q - x]) for q, x, c in zip(self.rule.masters, x_t, counted) if c)
         if self.shards:  # x_{t+1} of the other owners' parameters: waited for at its first read
-            self.versions.fill_newest_later(self.shards.start_broadcast(a))
+            self.versions.fill_newest_later(self.shards.start_broadcast(a, self.versions.newest_buffer()))
         self.versions.recycle(pending.grads)  # the next step but one accumulates into them
         self.timer.add(a, start, self.timer.now())
         self.timer.add(a, wait_start, start, kind="idle")  # dropped if shorter than timer.MIN_IDLE_S

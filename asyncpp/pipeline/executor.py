@@ -329,6 +329,7 @@ class PipelineExecutor:
         names = ["embed.weight" if id(p) in tied else n for n, p in self.model.named_parameters() if p.requires_grad]
         v = self.engine.versions
         versions = {v.newest - version: v.tensors(version) for version in v.held()}
+        copies = {v.newest - version: v.copies(version) for version in v.held()}  # saved by their masters' owners
         d = self.mesh.dims
         shards = [global_view(layout, self.mesh.device_mesh, d.tp, d.ep) for layout in self.engine.layouts]
         balancing = self.engine.balancing
@@ -339,7 +340,7 @@ class PipelineExecutor:
         if rule.corrections.grad_ef_lambda:
             buffers["gef"] = self.engine.per_parameter(rule.grad_error_feedback.prev_grad)
         return ckpt.StageState(names, versions, buffers,
-                               self.engine.optimizer, v.masters, shards, extra=extra)
+                               self.engine.optimizer, v.masters, shards, extra=extra, copies=copies)
 
     def save(self, step_done: int) -> None:
         """Collective; called at a drain point, where every stage holds x_{step_done} as its newest."""

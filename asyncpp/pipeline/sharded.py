@@ -2,8 +2,10 @@
 
 Each DP rank owns whole parameters (asyncpp/optim/distributed.py): their optimizer state and their
 Error-Feedback buffer u_{t-1} live on the owner only, the owner alone receives their reduced gradient
-(reduction.ShardedGradientReduction) and steps them. UPDATE(t) then broadcasts each owner's new weights
-into every replica's buffer of x_{t+1} (weights.WeightVersions.fill_newest_later), asynchronously:
+(reduction.ShardedGradientReduction) and steps them. Under mixed precision the fp32 masters are sharded
+the same way (shard_masters): a rank keeps its own parameters' masters only. UPDATE(t) then broadcasts each
+owner's new weights, in the compute dtype, into every replica's buffer of x_{t+1}
+(weights.WeightVersions.fill_newest_later), asynchronously:
 nothing reads x_{t+1} before the first forward of b_{t+2} (2BW), so the transfer is waited for there, or
 earlier if the engine sees it complete at an action boundary. The timeline shows each transfer as a
 "comm" event from its start in UPDATE(t) to its completion, and any wait for it as "idle".
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
@@ -24,6 +27,9 @@ from asyncpp.parallel.mesh import Mesh
 from asyncpp.pipeline.buckets import OwnerBucket, start_owner_buckets
 from asyncpp.pipeline.timer import StageTimer
 from asyncpp.schedules.actions import Action
+
+if TYPE_CHECKING:
+    from asyncpp.pipeline.weights import WeightVersions
 
 
 def matrix_mask(optimizer, params: Sequence[Tensor]) -> list[bool]:
@@ -44,12 +50,12 @@ class StageShards:
         passes no `wait`/`timer`, which only the broadcast needs)."""
         d = mesh.dims
         self.mesh = mesh
-        self.masters = list(masters)
+        self.count = len(masters)  # no reference kept: the masters of other owners' parameters must be freeable
         self.ownership: Ownership = plan_ownership(
-            self.masters, matrix=matrix_mask(optimizer, self.masters), expert=expert, replicated=tied,
+            masters, matrix=matrix_mask(optimizer, masters), expert=expert, replicated=tied,
             dp=d.dp, edp=d.edp, dp_rank=mesh.dp_rank, edp_rank=mesh.edp_rank)
         self.owned = [i for i, own in enumerate(self.ownership.mask) if own]
-        restrict_to_owned(optimizer, self.select(self.masters))
+        restrict_to_owned(optimizer, self.select(masters))
         self.wait = wait
         self.timer = timer
         self._inflight: list[OwnerBucket] = []
@@ -57,29 +63,41 @@ class StageShards:
         self.in_flight_s = 0.0  # host seconds from each broadcast's start to its completion being seen
         self.blocked_s = 0.0  # host seconds a read of x_{t+1} waited for it (0 when the slack hid it)
 
+    def shard_masters(self, versions: WeightVersions) -> None:
+        """ZeRO-1 for the fp32 masters (mixed precision): this rank keeps those of the parameters it owns
+        (a tied weight, owned by every replica, included); the others' x_{t+1} comes from their owners into
+        the compute-dtype buffer. A no-op in fp32, where the masters are the newest buffer. The one place
+        that decides which masters a rank holds: the engine and the dry run both call it."""
+        versions.keep_masters(self.ownership.mask)
+
     def select(self, values: Sequence) -> list:
         """The owned parameters' entries of a per-parameter list."""
         return [values[i] for i in self.owned]
 
     def aligned(self, owned_values: Sequence) -> list:
         """A per-owned-parameter list spread back over every parameter (None where not owned)."""
-        out: list = [None] * len(self.masters)
+        out: list = [None] * self.count
         for i, v in zip(self.owned, owned_values):
             out[i] = v
         return out
 
-    def start_broadcast(self, action: Action) -> Callable[[], None]:
-        """Start sending the owned parameters' new values (the masters, now x_{t+1}) to the other replicas
-        and receiving theirs in place; returns the function that completes it (WeightVersions' fill).
+    def start_broadcast(self, action: Action, newest: Sequence[Tensor]) -> Callable[[], None]:
+        """Start sending the owned parameters' new values to the other replicas and receiving theirs in place;
+        returns the function that completes it (WeightVersions' fill). `newest`: the buffer of x_{t+1} in the
+        compute dtype (WeightVersions.newest_buffer), complete for the owned parameters. Under bf16 the owner
+        sends bf16(master), half the bytes of the fp32 master; a receiver gets the very bits it would have
+        made by casting the fp32 master itself, since the cast (round to nearest even) is deterministic.
         Issue order: dense tensors over DP, then experts over expert-DP, each by owner: one order everywhere."""
         o, d = self.ownership, self.mesh.dims
+        if len(newest) != self.count:
+            raise ValueError(f"start_broadcast: {len(newest)} tensors for {self.count} parameters")
         buckets: list[OwnerBucket] = []
         for expert, group, size, rank in ((False, self.mesh.dp_group, d.dp, o.dp_rank),
                                           (True, self.mesh.edp_group, d.edp, o.edp_rank)):
-            idx = [i for i in range(len(self.masters)) if o.sharded(i) and o.expert[i] == expert]
+            idx = [i for i in range(self.count) if o.sharded(i) and o.expert[i] == expert]
             if idx and size > 1:
                 kind = "expert-data-parallel" if expert else "data-parallel"
-                buckets += start_owner_buckets([self.masters[i].data for i in idx], [o.owners[i] for i in idx],
+                buckets += start_owner_buckets([newest[i] for i in idx], [o.owners[i] for i in idx],
                                                group, rank, "broadcast",
                                                f"the {kind} broadcast of x_{action.step + 1} from its owners")
         self._inflight = buckets

@@ -24,6 +24,10 @@ use() of any version (or tensors()), which keeps the engine's call sequence the 
 Gradients: each microbatch's bf16 gradient is added, as autograd produces it, into an fp32 sum per
 parameter (GradSums); take_grads() hands the step's fp32 sums over, so reductions, clipping and the
 optimizer see fp32 only. The simulator (simulate.py) uses the same pieces and so computes the same floats.
+
+The distributed optimizer under mixed precision (keep_masters): a rank keeps the fp32 masters of the
+parameters it owns only; `masters[i]` is None for the others, whose x_{t+1} its owner sends straight into
+the compute-dtype buffer (newest_buffer). In fp32 the masters are the newest buffer and cost nothing.
 """
 
 from __future__ import annotations
@@ -135,7 +139,8 @@ class WeightVersions:
         for _ in range(num_buffers - 1):
             self.buffers.append([torch.empty_like(p.data) for p in params])
         if not self.mixed:
-            self.masters = [nn.Parameter(p.data, requires_grad=p.requires_grad) for p in params]
+            self.masters: list[nn.Parameter | None] = [nn.Parameter(p.data, requires_grad=p.requires_grad)
+                                                       for p in params]
         self.grad_sums = GradSums(params) if self.mixed else None
         self._spare_grads: list[Tensor] | None = None  # a consumed gradient set to reuse (recycle())
         self.newest = 0
@@ -187,9 +192,25 @@ class WeightVersions:
             self._predicted[version] = out
         return self._predicted[version]
 
+    def keep_masters(self, keep: Sequence[bool]) -> None:
+        """Mixed precision: drop the fp32 masters where `keep` is False (the distributed optimizer: another DP
+        rank owns the parameter; pipeline.sharded.StageShards decides which). Their entries become None, in
+        place, so every holder of this list sees it; the newest version of those parameters then arrives by
+        fill_newest_later into the compute-dtype buffer. A no-op in fp32, where a master is the newest
+        buffer itself. Before the first update only: the masters must not be stepped yet."""
+        if len(keep) != len(self.masters):
+            raise ValueError(f"keep_masters: {len(keep)} flags for {len(self.masters)} parameters")
+        if not self.mixed:
+            return
+        if self.newest != 0:
+            raise RuntimeError(f"keep_masters() after {self.newest} updates; call it before the first")
+        for i, k in enumerate(keep):
+            if not k:
+                self.masters[i] = None
+
     def fill_newest_later(self, fill: Callable[[], None]) -> None:
         """The newest version is complete only after `fill()` (the distributed optimizer: the other DP ranks'
-        parameters, broadcast into the masters by their owners). It runs at the first read of the newest
+        parameters, broadcast into the newest buffer by their owners). It runs at the first read of the newest
         version (use, read_tensors, tensors, the next begin_update): under 2BW the first forward of x_{t+1}
         comes m - (P-1-s) >= 1 microbatches after UPDATE(t), so the transfer hides in that slack."""
         if self._fill is not None:
@@ -208,16 +229,32 @@ class WeightVersions:
         if self._fill is not None:
             fill, self._fill = self._fill, None
             fill()
+        self._cast_masters()
+
+    @torch.no_grad()
+    def _cast_masters(self) -> None:
+        """Mixed precision after an update: the masters held here, cast into the newest buffer (once)."""
         if self._unsynced is None:
             return
-        torch._foreach_copy_(self.buffers[self._unsynced], self.masters)
+        held = [(b, q) for b, q in zip(self.buffers[self._unsynced], self.masters) if q is not None]
+        if held:
+            torch._foreach_copy_([b for b, _ in held], [q for _, q in held])
         self._unsynced = None
+
+    def newest_buffer(self) -> list[Tensor]:
+        """The newest version in the compute dtype, as the distributed optimizer's owners send it: its buffer,
+        with every master held here cast into it first (fp32: the buffer is the masters' own storage)."""
+        if self._fill is not None:
+            raise RuntimeError(f"version {self.newest} is still waiting for its fill; it cannot be sent yet")
+        self._cast_masters()
+        return self.buffers[self.newest % self.num_buffers]
 
     def take_grads(self) -> list[Tensor]:
         """The step's gradient of every parameter, in the masters' dtype (zeros where none arrived);
         the parameters start accumulating the next step's from nothing."""
         if self.grad_sums is not None:
-            return [g if g is not None else torch.zeros_like(q) for g, q in zip(self.grad_sums.pop(), self.masters)]
+            return [g if g is not None else torch.zeros_like(p, dtype=MASTER_DTYPE)
+                    for g, p in zip(self.grad_sums.pop(), self.params)]
         grads, spare, self._spare_grads = [], self._spare_grads, None
         for i, p in enumerate(self.params):
             grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
@@ -262,8 +299,8 @@ class WeightVersions:
         if self.mixed:
             # The masters hold x_t in fp32 and are stepped in place; x_t is returned in fp32 too, so Error
             # Feedback and the update norm measure the fp32 update (bf16(x_t) would add rounding to u_t).
-            self.sync()
-            x_t = [q.detach().clone() for q in self.masters]
+            # None where no master is held here (keep_masters): that parameter is another rank's to update.
+            x_t = [q.detach().clone() if q is not None else None for q in self.masters]
             self._unsynced = (step + 1) % self.num_buffers
             self.newest = step + 1
             return x_t
@@ -285,16 +322,24 @@ class WeightVersions:
 
     def tensors(self, version: int) -> list[Tensor]:
         """The tensors holding `version` at full precision (for checkpoints; written in place on load):
-        its buffer, or in mixed precision the fp32 masters for the newest version."""
+        its buffer, or in mixed precision the fp32 masters for the newest version (its compute-dtype buffer
+        where no master is held here: keep_masters)."""
         self.sync()
+        buffer = self.buffers[version % self.num_buffers]
         if self.mixed and version == self.newest:
-            return [q.detach() for q in self.masters]
-        return self.buffers[version % self.num_buffers]
+            return [q.detach() if q is not None else b for q, b in zip(self.masters, buffer)]
+        return buffer
+
+    def copies(self, version: int) -> list[bool]:
+        """Per parameter: whether tensors(version) is a compute-dtype copy of an fp32 master another rank
+        holds (the distributed optimizer under mixed precision), which that rank saves."""
+        return [self.mixed and version == self.newest and q is None for q in self.masters]
 
     @torch.no_grad()
     def set_newest(self, version: int) -> None:
         """After a load: `version` is the newest; parameters and masters point at it (mixed precision:
-        its buffer is refilled from the masters, which the load wrote)."""
+        its buffer is refilled from the masters held here, which the load wrote; it wrote the others'
+        entries of the buffer directly)."""
         self.sync()  # nothing may still be filling the buffers the load rewrites
         self.newest = version
         self._active = -1

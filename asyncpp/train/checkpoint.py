@@ -4,7 +4,8 @@ Layout-free keys: every tensor is saved under the parameter's name in the *full*
 checkpoint written by a 2-stage pipeline loads into one process or a 4-stage pipeline (each rank
 asks DCP for the keys it owns). A tied LM head is saved and loaded as `embed.weight`.
 
-    weights/<age>/<name>      weight version x_{t-age} (age 0 = x_t, the newest; 2BW also needs age 1)
+    weights/<age>/<name>      weight version x_{t-age} (age 0 = x_t, the newest; 2BW also needs age 1);
+                              under bf16 age 0 is the fp32 master, saved by its owner (distributed optimizer)
     ef/<name>                 Error Feedback's u_{t-1} (and gef/<name>: gradient-level EF's g_{t-1})
     optim/<name>/<key>        the optimizer state of that parameter (momentum, exp_avg, step, ...)
 
@@ -61,11 +62,17 @@ class StageState:
     rank holds it (the distributed optimizer: the parameter's owner saves it, under the same key)."""
     optimizer: object
     """An OptimizerSet (or torch optimizer) whose params are `opt_params`."""
-    opt_params: list[Tensor]
+    opt_params: list[Tensor | None]
+    """Per name: the tensor the optimizer steps (its master); None where another rank holds the master."""
     shards: list[Shard | None] | None = None
     """Per name: how this rank's tensor is a piece of the full one (TP/EP), None = the whole tensor."""
     extra: dict[str, Tensor] | None = None
     """Other named state, whole on every rank that holds it (versioned router biases); filled in place."""
+    copies: dict[int, list[bool]] | None = None
+    """age -> per name: this rank's tensor is a compute-dtype copy of an fp32 master another rank holds (the
+    distributed optimizer under bf16). Not saved from here (the owner saves the master under the same key,
+    so no key has writers of two dtypes); loaded all the same: DCP copies the saved fp32 values into the
+    bf16 tensor, which is the owner's own cast, bit for bit."""
 
 
 Shard = Callable[[Tensor], Tensor]
@@ -136,7 +143,9 @@ def _flat(state: StageState, wrap: bool = True) -> dict[str, Tensor]:
 
     flat = {}
     for age, tensors in state.versions.items():
-        flat.update({f"weights/{age}/{n}": view(i, t) for i, (n, t) in enumerate(zip(state.names, tensors))})
+        copy = (state.copies or {}).get(age) or [False] * len(tensors)
+        flat.update({f"weights/{age}/{n}": view(i, t) for i, (n, t) in enumerate(zip(state.names, tensors))
+                     if not copy[i]})
     for kind, tensors in state.buffers.items():
         flat.update({f"{kind}/{n}": view(i, t) for i, (n, t) in enumerate(zip(state.names, tensors)) if t is not None})
     flat.update(_optimizer_tensors(state, wrap))

@@ -98,8 +98,12 @@ def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     trainer.resume()
     summary = trainer.run()
     params = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    v = run.engine.versions
+    # The fp32 masters this rank holds apart from its weight versions (bf16; in fp32 they are the newest version).
+    master_bytes = sum(q.numel() * q.element_size() for q in v.masters if q is not None) if v.mixed else 0
     return {"stage": mesh.pp_rank, "dp": mesh.dp_rank, "tp": mesh.tp_rank, "ep": mesh.ep_rank, "records": sink.records,
-            "params": params, "summary": summary, "layouts": {n: (l.tp_dim, l.expert) for n, l in run.sharding.items()}}
+            "params": params, "summary": summary, "layouts": {n: (l.tp_dim, l.expert) for n, l in run.sharding.items()},
+            "master_bytes": master_bytes}
 
 
 def reference_run(cfg: RunConfig) -> dict:

@@ -60,6 +60,11 @@ def _layouts() -> dict[str, Layout]:
         Layout("2bw-P2-DP2-zero", make_config(parallel={"pp": 2, "dp": 2, "distributed_optimizer": True},
                                               train={**short, "eval_every": 2}, staleness={"ef_lambda": 1.0},
                                               checkpoint={"enabled": True, "every": 2})),
+        # bf16: the owners' masters sharded too, x_{t+1} broadcast in bf16; the checkpoint saves the masters
+        # from their owners only.
+        Layout("2bw-P2-DP2-zero-bf16", make_config(parallel={"pp": 2, "dp": 2, "distributed_optimizer": True},
+                                                   train={**short, "precision": "bf16"}, staleness={"ef_lambda": 1.0},
+                                                   checkpoint={"enabled": True, "every": 2})),
         Layout("2bw-P2-EP2-zero", make_config(model={"name": "tiny_moe"},
                                               parallel={"pp": 2, "dp": 2, "ep": 2, "distributed_optimizer": True},
                                               train=short)),

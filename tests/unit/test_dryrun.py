@@ -65,3 +65,17 @@ def test_sharded_parameters_add_up_to_the_model(tmp_path):
 def test_ep_must_divide_dp_before_anything_is_built(tmp_path):
     with pytest.raises(Exception, match="parallel.ep=4 does not divide the 2 data-parallel ranks"):
         dry(["model=tiny_moe", "parallel.pp=2", "parallel.ep=4", "dry_run=4"], tmp_path)
+
+
+def test_distributed_optimizer_under_bf16_plans_the_owned_share_of_the_masters(tmp_path):
+    """The masters, the fp32 copy of x_t and the EF buffer are all the owned parameters' (DP rank 0's share):
+    the same bytes, below the whole stage's, which the run without the distributed optimizer keeps."""
+    base = ["model=tiny_dense", "parallel.pp=2", "dry_run=8", "optimizer=adamw", "staleness.ef_lambda=1.0",
+            "train.precision=bf16"]
+    def items(flag: str, sub) -> list[dict]:
+        return [{i["name"].split(" (")[0]: i["bytes"] for i in r["memory"]["items"]}
+                for r in dry(base + [f"parallel.distributed_optimizer={flag}"], tmp_path / sub)]
+    for sharded, whole in zip(items("true", "a"), items("false", "b")):
+        assert sharded["fp32 master weights"] == sharded["error feedback buffer"] == sharded["update scratch"]
+        assert 0 < sharded["fp32 master weights"] < whole["fp32 master weights"] == whole["error feedback buffer"]
+        assert sharded["optimizer state"] < whole["optimizer state"]

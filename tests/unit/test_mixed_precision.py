@@ -72,6 +72,42 @@ def test_set_newest_after_a_load_refills_the_version_from_the_masters():
     assert torch.equal(lin.weight, loaded.to(BF16))
 
 
+def test_keep_masters_drops_the_other_owners_fp32_masters_and_their_x_next_comes_in_bf16():
+    """The distributed optimizer under bf16 (StageShards.shard_masters): parameter 1 is another rank's. This rank
+    keeps no fp32 master for it, steps and casts only its own, and the buffer of x_{t+1} takes parameter 1 from
+    its owner's broadcast (here written by hand, as the fill does); a checkpoint loads its bf16 copy in place."""
+    own, other = nn.Parameter(torch.linspace(-1, 1, 12).reshape(3, 4) / 3), nn.Parameter(torch.ones(5) / 3)
+    versions = WeightVersions([own, other], 2, compute_dtype=BF16)
+    full = versions.masters[0].detach().clone()
+    opt = torch.optim.SGD([versions.masters[0]], lr=1.0)
+    versions.retarget(opt)
+    versions.keep_masters([True, False])
+    assert versions.masters[1] is None and versions.masters[0].dtype == torch.float32
+    x_t = versions.begin_update(0)
+    assert x_t[1] is None and torch.equal(x_t[0], full)
+    versions.masters[0].grad = torch.full_like(full, 1e-3)
+    opt.step()
+    sent = versions.newest_buffer()  # what the owner broadcasts: its master cast once, in bf16
+    assert sent[0].dtype == BF16 and torch.equal(sent[0], (full - 1e-3).to(BF16))
+    received = torch.full((5,), 0.25, dtype=BF16)
+    versions.fill_newest_later(lambda: sent[1].copy_(received))
+    versions.use(1)  # runs the fill; the cast does not overwrite the received entry (no master for it)
+    assert torch.equal(own, (full - 1e-3).to(BF16)) and torch.equal(other, received)
+    newest = versions.tensors(1)
+    assert newest[0].dtype == torch.float32 and newest[1].dtype == BF16
+    assert versions.copies(1) == [False, True] and versions.copies(0) == [False, False]
+    newest[1].copy_(torch.full((5,), 0.5))  # a load: DCP casts the owner's saved fp32 master in place
+    versions.set_newest(1)
+    assert torch.equal(other, torch.full((5,), 0.5, dtype=BF16))
+    assert torch.equal(versions.take_grads()[1], torch.zeros(5))  # no gradient arrived: fp32 zeros
+
+
+def test_keep_masters_is_a_no_op_in_fp32():
+    versions = WeightVersions([nn.Parameter(torch.ones(3))], 2)
+    versions.keep_masters([False])
+    assert versions.masters[0] is not None and versions.copies(0) == [False]
+
+
 def test_grad_sums_add_bf16_microbatch_gradients_in_fp32():
     w = nn.Parameter(torch.ones(64, dtype=BF16))
     sums = GradSums([w])
