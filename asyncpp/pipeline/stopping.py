@@ -62,7 +62,7 @@ class ActionStream:
 
 
 def is_compute(a: Action) -> bool:
-    return a.op in (Op.FORWARD, Op.BACKWARD)
+    return a.op in (Op.FORWARD, Op.BACKWARD, Op.HEAD)
 
 
 class StopAgreement:

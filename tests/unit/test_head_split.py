@@ -142,3 +142,33 @@ def test_config_refusals() -> None:
         _cfg(head_split_tokens=5).validate(limits)
     with pytest.raises(ConfigError, match="head_split=tokens with parallel.tp=2"):
         _cfg(head_split="tokens", tp=2).validate(limits)
+
+
+def test_a_stop_inside_a_segment_cuts_a_head_split_stream_at_a_prefix() -> None:
+    """pipeline/stopping.py's lookahead also serves the head split's streams (one more warm-up forward, H on
+    stage 0): what a rank has executed or posted when it learns of a stop is a prefix of the stop stream."""
+    from asyncpp.pipeline.executor import segment_actions
+    from asyncpp.pipeline.stopping import STOP_LAG, stop_lookahead
+    from asyncpp.schedules.registry import kind_of
+    from tests.unit.test_stop_midsegment import T, delays_of, fixed_at_update
+
+    bad, checked = [], 0
+    for kind in ("sync", "1f1b", "2bw"):
+        for P in (2, 3, 4):
+            for m in (2, 3, 5):
+                if not kind_of(kind).serves(P, m):
+                    continue
+                for sync in ((0, 0), (1, 1), (2, 0)):
+                    for stage in range(P):
+                        delays = delays_of(kind, stage, P, sync)
+                        full = segment_actions(kind, stage, P, m, delays, 0, T, head_split=True)
+                        for t in range(T - STOP_LAG):
+                            s = t + stop_lookahead(kind, P)
+                            if s >= T:
+                                continue
+                            fixed = fixed_at_update(full, t + STOP_LAG)
+                            cut = segment_actions(kind, stage, P, m, delays, 0, s, head_split=True)
+                            checked += 1
+                            if cut[:fixed] != full[:fixed]:
+                                bad.append((kind, P, m, sync, stage, t))
+    assert checked > 100 and bad == []
