@@ -22,9 +22,9 @@ With `head_split` (parallel.head_split=tokens) stage 0 is also the helper that r
 a share of every microbatch's tokens (Op.HEAD, asyncpp/core/head_split.py). The chain of a microbatch is
 then F_0 .. F_{P-1}, H (on stage 0), B_{P-1} .. B_0: a pipeline of P+1 virtual stages whose last one lives
 on stage 0, so each stage warms up with one forward more (P-s instead of P-1-s), and stage 0 runs, in the
-steady state, F(k+P), H(k+1), B(k): H(k+1) finds its input ready (F_{P-1}(k+1) ran during stage 0's previous
-unit) and B_{P-1}(k) finds H(k)'s output ready, so the helper's work adds no bubble (the cost model checks
-it, tests/unit/test_head_split.py). An H of b_{t+1} may run before UPDATE_START(t): its weight gradient goes
+steady state, F(k+P), H(k+d), B(k) with d = head_lag(P): H(k+d) must come late enough for its input to have
+crossed the P-1 stages forward, and early enough for its output to cross them backward before B_0(k+d);
+the cost model finds the window of d bubble-free (tests/unit/test_head_split.py, P = 2..16). An H of b_{t+1} may run before UPDATE_START(t): its weight gradient goes
 to the step's own accumulator (pipeline/head.py), not into b_t's.
 """
 
@@ -66,6 +66,17 @@ HEAD_SPLIT_KINDS = ("sync", "1f1b", "2bw")
 """The kinds a head split serves: 1F1B order (GPipe's all-forwards-first would hold every token share's
 hidden states at once; pipedream's per-stage delays would make the helper read the head at stage 0's delay,
 not the last stage's)."""
+
+
+def head_lag(num_stages: int) -> int:
+    """d of the helper's steady unit F(k+P), H(k+d), B(k): floor(2P/3) (1 at P=2).
+
+    Found with the cost model, not derived: over P = 2..16, stages of equal cost with backward = 2 x forward
+    and any share of the head on the helper (H from 0.1 to 2/3 of stage 0's work), the placements H(k+d)
+    before B(k) that keep 2BW's step at m x the stage cost form a window of one or two values of d, and
+    floor(2P/3) is in each (the backward's 2/3 of a unit sets the slope). Other cost ratios may shift the
+    window at large P; P=2 has d=1 for any costs."""
+    return (2 * num_stages) // 3
 
 
 def check_head_split(kind: str, num_stages: int) -> None:
@@ -144,11 +155,14 @@ def _stream_actions(
         return Action(op, t, k % m, version_of(t, delays[t]))
 
     out: list[Action] = []
+    heads, lag = 0, head_lag(num_stages)  # H(0..heads-1) are placed
     for op, k in order:
         t, j = steps[k // m], k % m
         if helper and op is Op.BACKWARD:
-            # H(k+1) right before B(k) (H(0) too, before the first): the steady unit F(k+P), H(k+1), B(k).
-            out.extend(action(Op.HEAD, i) for i in ((0, 1) if k == 0 else (k + 1,)) if i < n)
+            # Every H(i), i <= k + lag, right before B(k): the steady unit F(k+P), H(k+lag), B(k).
+            while heads < min(k + lag + 1, n):
+                out.append(action(Op.HEAD, heads))
+                heads += 1
         out.append(action(op, k))
         # Backwards run in ascending k, so j == m-1 is the step's last backward on this stage.
         if op is Op.BACKWARD and j == m - 1:

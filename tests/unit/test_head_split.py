@@ -39,10 +39,13 @@ def test_invariants_hold_with_sync_start_and_cooldown() -> None:
 
 
 def test_steady_unit_of_the_helper() -> None:
-    """Stage 0 runs F(k+P), H(k+1), B(k) in the steady state (the order the cost model shows bubble-free)."""
+    """Stage 0 runs F(k+P), H(k+d), B(k) in the steady state, d = head_lag(P) (1 at P=2, 2 at P=4)."""
     s0 = build_schedule("2bw", 0, 2, 8, [1], head_split=True)
     compute = [f"{a.op.value}{a.microbatch}" for a in s0 if a.op in (Op.FORWARD, Op.BACKWARD, Op.HEAD)]
     assert compute[:9] == ["F0", "F1", "F2", "H0", "H1", "B0", "F3", "H2", "B1"]
+    s0 = build_schedule("2bw", 0, 4, 8, [1], head_split=True)
+    compute = [f"{a.op.value}{a.microbatch}" for a in s0 if a.op in (Op.FORWARD, Op.BACKWARD, Op.HEAD)]
+    assert compute[:13] == ["F0", "F1", "F2", "F3", "F4", "H0", "H1", "H2", "B0", "F5", "H3", "B1", "F6"]
 
 
 def _moved(schedule: list[Action], i: int, j: int) -> list[Action]:
@@ -172,3 +175,21 @@ def test_a_stop_inside_a_segment_cuts_a_head_split_stream_at_a_prefix() -> None:
                             if cut[:fixed] != full[:fixed]:
                                 bad.append((kind, P, m, sync, stage, t))
     assert checked > 100 and bad == []
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 6, 8, 16])
+@pytest.mark.parametrize("head", [0.3, 2.0])
+def test_no_bubble_beyond_the_balance_at_any_depth(P: int, head: float, monkeypatch) -> None:
+    """Stages of equal cost 3 (backward = 2 x forward), stage 0's made of its layers and its H: 2BW's step is
+    m x 3 exactly, i.e. the helper's H (placed by build.head_lag) adds no bubble. The placement is what does
+    it: with H one microbatch earlier (lag - 1) the same costs bubble at P >= 3."""
+    from asyncpp.schedules import build
+
+    body = 3.0 - head
+    costs = OpCosts(forward=[body / 3] + [1.0] * (P - 1), backward=[2 * body / 3] + [2.0] * (P - 1), head=head)
+    m = 2 * P
+    assert predict("2bw", P, m, 8, costs, head_split=True)["step_time"] == pytest.approx(3.0 * m, rel=1e-9)
+    if P >= 3:
+        lag = build.head_lag(P)
+        monkeypatch.setattr(build, "head_lag", lambda num_stages: lag - 1)
+        assert predict("2bw", P, m, 8, costs, head_split=True)["step_time"] > 1.05 * 3.0 * m
