@@ -28,7 +28,7 @@ from tests.dist.workers import make_config, pipeline_rank, reference_run
 pytestmark = [pytest.mark.equivalence, pytest.mark.dist]
 
 
-def assert_split_equivalent(cfg) -> list[dict]:
+def assert_split_equivalent(cfg) -> tuple[list[dict], list[dict], dict]:
     results = run_ranks(pipeline_rank, 2, cfg.to_dict())
     records = next(r["records"] for r in results if r["records"])
     ref = reference_run(cfg)
@@ -45,7 +45,7 @@ def assert_split_equivalent(cfg) -> list[dict]:
     helper, last = (next(r for r in results if r["stage"] == s)["params"] for s in (0, 1))
     replica = helper["embed.weight" if tied else "lm_head.weight"]
     assert torch.equal(replica, last["lm_head.weight"])  # one update of one reduced gradient on both
-    return results
+    return results, records, ref
 
 
 UNTIED = {"name": "tiny_dense", "overrides": {"tie_embeddings": False}}
@@ -55,7 +55,7 @@ UNTIED = {"name": "tiny_dense", "overrides": {"tie_embeddings": False}}
 def test_head_split_equals_simulator(schedule: str, optimizer: str) -> None:
     cfg = make_config(model=UNTIED, parallel={"pp": 2, "head_split": "tokens", "stage_layers": [2, 2]},
                       schedule={"name": schedule}, optimizer={"name": optimizer})
-    results = assert_split_equivalent(cfg)
+    results, _, _ = assert_split_equivalent(cfg)
     helper = next(r for r in results if r["stage"] == 0)
     assert "lm_head.weight" in helper["params"]  # the untied head's replica lives on stage 0
 
@@ -65,5 +65,6 @@ def test_head_split_tied_embeddings_with_sync_start_and_eval() -> None:
     share is set by hand and the split is the cost model's."""
     cfg = make_config(parallel={"pp": 2, "head_split": "tokens", "head_split_tokens": 7, "stage_layers": "auto"},
                       train={"eval_every": 3}, staleness={"sync_start_steps": 2})
-    results = assert_split_equivalent(cfg)
+    results, records, ref = assert_split_equivalent(cfg)
     assert "lm_head.weight" not in next(r for r in results if r["stage"] == 0)["params"]
+    assert records[-1]["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)  # the last stage's whole head
