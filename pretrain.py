@@ -200,7 +200,7 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     device = init_distributed(torch.device(cfg.train.device).type, cfg.train.timeout_s)
     try:
-        mesh = Mesh(dims, device)
+        mesh = Mesh(dims, device, head_link=p.head_split == "tokens")
         timeout = cfg.train.timeout_s
         shared = [cfg.out_dir]
         with naming_the_peer(mesh, "rank 0's run directory (broadcast)", timeout):

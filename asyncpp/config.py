@@ -65,6 +65,14 @@ class ParallelConfig:
     their optimizer state and Error-Feedback buffer, receives their reduced gradient and broadcasts their
     new weights (asyncpp/optim/distributed.py, pipeline/sharded.py). Pipeline runs only; with dp=1 it is a
     no-op, as in Megatron. Not with the gradient corrections (staleness.dc_lambda, grad_ef_lambda)."""
+    head_split: Literal["none", "tokens"] = "none"
+    """tokens: stage 0 runs the LM head and loss of a share of every microbatch's tokens for the last stage
+    (a replica of the head weight, reduced like a tied embedding), so a head that costs several blocks no
+    longer caps the pipeline's balance (asyncpp/core/head_split.py, docs/parallelism.md). Pipeline runs with
+    schedule sync, 1f1b or 2bw, tp=1; the mathematics is the unsplit model's (the simulator ignores it)."""
+    head_split_tokens: int | None = None
+    """With head_split=tokens: how many of the micro_batch_size x seq_len tokens the helper takes; None = the
+    cost model's balance (chosen with stage_layers=auto's split)."""
 
 
 #: train.num_microbatches when neither it nor train.global_batch_size is given.
@@ -524,6 +532,44 @@ def _check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
         kind_of(cfg.schedule.name).check(p.pp, m)
     except ScheduleKindError as e:
         raise ConfigError(str(e)) from None
+    _check_head_split(cfg)
+
+
+def _check_head_split(cfg: RunConfig) -> None:
+    p = cfg.parallel
+    if p.head_split not in ("none", "tokens"):
+        raise ConfigError(f"parallel.head_split={p.head_split!r} is not one of none, tokens (vocabulary sharding "
+                          "across stages is not implemented: docs/parallelism.md says why tokens)")
+    if p.head_split == "none":
+        if p.head_split_tokens is not None:
+            raise ConfigError(f"parallel.head_split_tokens={p.head_split_tokens} needs parallel.head_split=tokens; "
+                              "set it or leave head_split_tokens null")
+        return
+    from asyncpp.schedules.build import check_head_split
+
+    try:
+        check_head_split(cfg.schedule.name, p.pp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if p.tp > 1 or p.sequence_parallel:
+        raise ConfigError(f"parallel.head_split=tokens with parallel.tp={p.tp}: the TP head is vocabulary-parallel "
+                          "already (its shards are split over TP ranks); use parallel.head_split=none with tp > 1")
+    # Tested at dp=1 with Error Feedback only (tests/dist/test_head_split.py); the combinations below have no
+    # equivalence test yet, so they are refused rather than run untested.
+    untested = [f"parallel.dp={p.dp}"] if (p.dp or 1) > 1 else []
+    untested += ["parallel.distributed_optimizer=true"] if p.distributed_optimizer else []
+    s = cfg.staleness
+    untested += [f"staleness.{k}={getattr(s, k)}" for k in ("weight_prediction", "dc_lambda", "grad_ef_lambda")
+                 if getattr(s, k)]
+    if untested:
+        raise ConfigError(f"parallel.head_split=tokens with {', '.join(untested)} is not supported yet (no "
+                          "equivalence test covers it); use parallel.head_split=none with these")
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+    n = p.head_split_tokens
+    if n is not None and not 1 <= n < tokens:
+        raise ConfigError(f"parallel.head_split_tokens={n} must be in [1, {tokens - 1}] (the helper takes a share of "
+                          f"train.micro_batch_size x train.seq_len = {tokens} tokens, the last stage keeps the rest); "
+                          "or null for the cost model's share")
 
 
 def _check_tp_ep(cfg: RunConfig, model: ModelLimits) -> None:

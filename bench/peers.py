@@ -19,6 +19,10 @@ of the run's own processes, over its wall time ("other load", in cores), and /pr
     .venv/bin/python bench/peers.py --quick        # smoke run: M=4, 12 steps, 1 repetition
     .venv/bin/python bench/peers.py --memory       # resident memory at steps 20, 80, 160 (2BW vs torch 1F1B)
     .venv/bin/python bench/peers.py --only 2bw single --m 8 --splits [2,2] auto   # auto split vs the even one
+    .venv/bin/python bench/peers.py --only 2bw 1f1b single --splits [2,2] [2,2]+tokens auto+tokens   # head split
+
+A split ending in `+tokens` also sets parallel.head_split=tokens (stage 0 runs the LM head and loss of the
+cost model's share of each microbatch's tokens, asyncpp/core/head_split.py).
 
 Writes bench_results/peers.json and bench_results/peers.png (bars: median tokens/s, whiskers: min-max).
 """
@@ -64,8 +68,10 @@ def children_cpu_s() -> float:
 
 def run_one(impl: str, schedule: str, m: int, args, split: str = "") -> dict:
     """One job; returns its worker JSON with the load it ran under."""
-    extra = [f"parallel.stage_layers={split}", *args.overrides] if impl == "asyncpp" else []
-    out = Path(args.scratch) / f"{impl}-{schedule}-{m}.json"
+    layers, _, head = split.partition("+")
+    extra = ([f"parallel.stage_layers={layers}", *([f"parallel.head_split={head}"] if head else []), *args.overrides]
+             if impl == "asyncpp" else [])
+    out = Path(args.scratch) / f"{impl}-{schedule}-{m}-{split.replace('+', '_')}.json"
     steps = args.steps
     if impl == "single":  # its rate is steady after the warm-up: half the measured steps keep the bench short
         steps = args.warmup + max(2, (args.steps - args.warmup) // 2)
@@ -110,8 +116,9 @@ def label(impl: str, schedule: str, split: str = "") -> str:
     if impl == "single":
         return "ideal (2 x single process)"
     chunks = " (4 chunks)" if schedule in MULTI_STAGE else ""
+    split, _, head = split.partition("+")
     layers = f" layers={split}" if split and split != EVEN else ""
-    return f"{impl} {schedule}{chunks}{layers}"
+    return f"{impl} {schedule}{chunks}{layers}" + (f" head split={head}" if head else "")
 
 
 def table(rows: list[dict], reps: int) -> str:

@@ -199,7 +199,7 @@ def run_ours(args) -> dict:
                  f"out_dir={args.scratch}", *args.overrides]
     cfg, model_cfg = resolve(compose(overrides))
     dims = ParallelDims.for_world(dist.get_world_size(), pp=2, tp=1, ep=1, dp=None)
-    mesh = Mesh(dims, torch.device("cpu"))
+    mesh = Mesh(dims, torch.device("cpu"), head_link=cfg.parallel.head_split == "tokens")
     if mesh.rank != 0:
         dist.barrier()  # rank 0 fills the data cache first
     data = build_data(cfg, model_cfg)

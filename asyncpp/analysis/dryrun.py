@@ -68,7 +68,8 @@ def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, version
     act = activation_bytes(local_shapes_config(model_cfg, mesh.dims), spec.layers, dtype=dtype,
                            micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
                            first=spec.is_first, last=spec.is_last, recompute=recompute)
-    in_flight = in_flight_microbatches(cfg.schedule.name, spec.stage, mesh.num_stages, t.num_microbatches)
+    in_flight = in_flight_microbatches(cfg.schedule.name, spec.stage, mesh.num_stages, t.num_microbatches,
+                                       head_split=spec.head_split)
     # A lazy update (2BW): b_{t+1}'s backward accumulates while b_t's gradient waits for U(t).
     grad_buffers = 2 if kind_of(cfg.schedule.name).lazy_update else 1
     return versions_report(versions, optimizer, error_feedback=error_feedback, activation_bytes_per_mb=act,
@@ -129,7 +130,8 @@ def dry_run(cfg: RunConfig, model_cfg, world_size: int, build_stage: BuildStage,
         _fake_group(rank, world_size)
         try:
             mesh = Mesh(dims, torch.device("cpu"))
-            spec = StageSpec(s, dims.pp, model_cfg.num_layers, stage_split(cfg, model_cfg))
+            spec = StageSpec(s, dims.pp, model_cfg.num_layers, stage_split(cfg, model_cfg),
+                             head_split=p.head_split == "tokens")  # the helper's head replica is counted
             reports.append(stage_report(cfg, model_cfg, mesh, spec, build_stage, build_optimizer))
         finally:
             dist.destroy_process_group()

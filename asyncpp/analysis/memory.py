@@ -304,13 +304,16 @@ def measure_saved_activations(fn: Callable[[], Any], exclude: Iterable[Tensor] =
     return sum(saved.values()), result
 
 
-def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_microbatches: int, steps: int = 3) -> int:
+def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_microbatches: int, steps: int = 3,
+                           head_split: bool = False) -> int:
     """Most microbatches whose forward ran and backward did not, at once, on `stage` (from the
-    schedule's own action list, so it is right for every kind: m for GPipe, P - s for 1F1B/2BW)."""
+    schedule's own action list, so it is right for every kind: m for GPipe, P - s for 1F1B/2BW, one more
+    with parallel.head_split=tokens)."""
 
     delay = kind_of(schedule).stage_delay(stage, num_stages)  # pipedream: P-1-s, not 1
     live = peak = 0
-    for action in build_schedule(schedule, stage, num_stages, num_microbatches, [delay] * steps):
+    for action in build_schedule(schedule, stage, num_stages, num_microbatches, [delay] * steps,
+                                 head_split=head_split):
         live += {Op.FORWARD: 1, Op.BACKWARD: -1}.get(action.op, 0)
         peak = max(peak, live)
     return peak

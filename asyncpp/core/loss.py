@@ -19,3 +19,10 @@ def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
 def lm_loss(model: nn.Module, tokens: Tensor) -> Tensor:
     """Cross entropy of a whole model over a [B, T+1] token block."""
     return cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+
+
+def token_share_loss(logits: Tensor, labels: Tensor, total_tokens: int) -> Tensor:
+    """A share of a microbatch's tokens (parallel.head_split=tokens): their summed fp32 cross entropy / the
+    microbatch's token count, so the shares' sum is `cross_entropy` of the whole microbatch (up to the order of
+    the sum). logits [n, vocab], labels [n]."""
+    return nn.functional.cross_entropy(logits.float(), labels, reduction="sum") / total_tokens

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from asyncpp.core.head_split import HeadSplit, plan_head_split
 from asyncpp.core.layer_costs import LayerCosts, layer_costs
 
 
@@ -133,11 +134,26 @@ def stage_balance(sizes: Sequence[int], busy_s: Sequence[float], layer_weights: 
     return out
 
 
+def head_split_plan(cfg, model) -> HeadSplit | None:
+    """cfg.parallel.head_split=tokens resolved for `model` under `cfg`: the layer split (auto: chosen together
+    with the share, asyncpp.core.head_split.plan_head_split) and the helper's tokens; None without a split."""
+    p, t = cfg.parallel, cfg.train
+    if p.head_split != "tokens":
+        return None
+    device_type = str(t.device).split(":")[0]
+    costs = layer_costs(model, t.seq_len, t.micro_batch_size, device_type)
+    sizes = None if p.stage_layers == "auto" else stage_sizes(model.num_layers, p.pp, p.stage_layers)
+    return plan_head_split(costs, p.pp, t.micro_batch_size * t.seq_len, sizes, p.head_split_tokens)
+
+
 def stage_split(cfg, model) -> list[int]:
     """cfg.parallel.stage_layers resolved for `model` (a model_zoo.ModelConfig) under `cfg` (a RunConfig): the
     explicit list; `auto`, the cost model's balanced split at cfg.train's work shape on cfg.train.device
-    (asyncpp.core.layer_costs); None (a config built without one), the near-even `default_split`."""
+    (asyncpp.core.layer_costs), with a head split the one chosen together with its share; None (a config built
+    without one), the near-even `default_split`."""
     p, t = cfg.parallel, cfg.train
+    if p.stage_layers == "auto" and getattr(p, "head_split", "none") == "tokens":
+        return list(head_split_plan(cfg, model).sizes)
     if p.stage_layers == "auto":
         device_type = str(t.device).split(":")[0]
         return balanced_split(layer_costs(model, t.seq_len, t.micro_batch_size, device_type), p.pp)

@@ -86,6 +86,16 @@ class PipelineLinks:
     send_backward: dist.ProcessGroup | None  # input gradients to stage s-1
 
 
+@dataclass(frozen=True)
+class HeadLink:
+    """parallel.head_split=tokens: the two 2-rank groups between the last stage and its helper, stage 0, of
+    each pipeline (pipeline/head.py). One direction each, like PipelineLinks: hidden states last -> helper,
+    their gradients and losses helper -> last. None on the middle stages."""
+
+    hidden: dist.ProcessGroup | None
+    grad: dist.ProcessGroup | None
+
+
 def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -93,7 +103,8 @@ def default_backend(device: torch.device) -> str:
 class Mesh:
     """This rank's view of the job: coordinates and groups along pp / dp / tp."""
 
-    def __init__(self, dims: ParallelDims, device: torch.device):
+    def __init__(self, dims: ParallelDims, device: torch.device, *, head_link: bool = False):
+        """head_link: also build the head split's pair of groups (HeadLink); every rank must pass the same."""
         self.dims = dims
         self.device = device
         self.device_mesh: DeviceMesh = init_device_mesh(
@@ -126,6 +137,9 @@ class Mesh:
         # {first stage, last stage} of each pipeline, for the tied embedding's gradient.
         self.embedding_group = self._per_pipeline([0, dims.pp - 1]) if dims.pp > 1 else None
         self.links = self._build_links()
+        # After the links, so a run without a head split creates exactly the groups it did before.
+        self.head_link = (HeadLink(self._per_pipeline([dims.pp - 1, 0]), self._per_pipeline([0, dims.pp - 1]))
+                          if head_link and dims.pp > 1 else None)
         # The distributed optimizer's norm (pipeline/reduction.ShardedGradientReduction): each rank holds
         # a distinct piece of the reduced gradient, so the squared norm is summed over the whole job, on
         # a communicator of its own. Created for every DP run (new_group is collective: every rank makes

@@ -111,7 +111,8 @@ def build_rank_stage(cfg, model_cfg: ModelConfig, mesh, device: torch.device | s
     """The stage this rank of `mesh` owns under run config `cfg` (seed, stage split, sequence parallelism)."""
     p = cfg.parallel
     split = stage_split(cfg, model_cfg)
-    spec = StageSpec(mesh.pp_rank, mesh.num_stages, model_cfg.num_layers, split)
+    spec = StageSpec(mesh.pp_rank, mesh.num_stages, model_cfg.num_layers, split,
+                     head_split=p.head_split == "tokens")
     modes = modes_per_layer(cfg.train.recompute, model_cfg.num_layers, mesh.num_stages, split)
     return build_stage(model_cfg, spec, device, cfg.seed, tp_ep_plan(mesh, p.sequence_parallel),
                        ShardCoords.of(mesh), recompute=modes)

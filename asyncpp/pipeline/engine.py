@@ -33,6 +33,7 @@ from asyncpp.core.update import NO_CORRECTIONS, Corrections, UpdateRule
 from asyncpp.optim.clip import grad_sq_norm
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
+from asyncpp.pipeline.head import HeadComm, HeadHelper, unpack
 from asyncpp.pipeline.p2p import StageComm
 from asyncpp.pipeline.reduction import GradientReduction, ShardedGradientReduction
 from asyncpp.pipeline.sharded import StageShards
@@ -94,9 +95,14 @@ class StageEngine:
         balancing: RouterBiasVersions | None = None,
         load_stats: RouterLoadStats | None = None,
         distributed_optimizer: bool = False,
+        head_comm: HeadComm | None = None,
+        head_helper: HeadHelper | None = None,
     ):
         """`distributed_optimizer` (with DP > 1): this rank owns, steps and keeps the state of only its share of
-        the parameters (pipeline/sharded.py); the DP reduction goes to the owners and x_{t+1} is broadcast."""
+        the parameters (pipeline/sharded.py); the DP reduction goes to the owners and x_{t+1} is broadcast.
+        `head_comm` (parallel.head_split=tokens, on the last stage and the helper) and `head_helper` (on the
+        helper): pipeline/head.py. The last stage's forward_fn then returns (its loss share, the hidden states
+        of the helper's tokens)."""
         self.module = module
         self.mesh = mesh
         self.comm = comm
@@ -106,6 +112,7 @@ class StageEngine:
         self.masters = versions.masters  # the optimizer's: updated in place
         versions.retarget(optimizer)
         self.forward_fn = forward_fn
+        self.head_comm, self.head_helper = head_comm, head_helper
         self.grad_scale = grad_scale
         self.is_delayed = is_delayed
         # A tied weight's corrections follow its owner, the first stage (the simulator's view of the
@@ -175,7 +182,7 @@ class StageEngine:
         posts and reads the stop agreement there, and collects what is complete (control stays with the
         caller; nothing is called back). Given an ActionStream, the caller may cut it at an UPDATE's yield (a
         stop, stopping.py); `stream.fixed` tells it how much is executed or posted."""
-        handlers = {Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
+        handlers = {Op.FORWARD: self._forward, Op.BACKWARD: self._backward, Op.HEAD: self._head,
                     Op.UPDATE_START: self._update_start, Op.UPDATE: self._update}
         stream = actions if isinstance(actions, ActionStream) else ActionStream(actions)
         scan, posted = 0, -1  # the next action to consider for a receive; the last compute action posted
@@ -205,6 +212,15 @@ class StageEngine:
             self.comm.post_recv_forward()
         elif a.op is Op.BACKWARD and not self.mesh.is_last_stage:
             self.comm.post_recv_backward()
+        elif a.op is Op.HEAD:
+            self.head_comm.post_recv_forward()
+        if a.op is Op.BACKWARD and self._splits_head:
+            self.head_comm.post_recv_backward()
+
+    @property
+    def _splits_head(self) -> bool:
+        """The last stage of a head split: its forward sends the helper's share, its backward receives it."""
+        return self.head_comm is not None and self.mesh.is_last_stage
 
     def _forward(self, a: Action) -> None:
         x = None
@@ -222,7 +238,9 @@ class StageEngine:
             self.balancing.record(a.step)
         if self.load_stats is not None:
             self.load_stats.record(a.step)
-        if self.mesh.is_last_stage:
+        if self._splits_head:  # (own loss share, the helper's hidden states): the loss is complete at B
+            self.head_comm.send_hidden(out[1])
+        elif self.mesh.is_last_stage:
             self.losses.setdefault(a.step, []).append(out.detach())
         else:
             self.comm.send_forward(out)
@@ -232,15 +250,35 @@ class StageEngine:
     def _backward(self, a: Action) -> None:
         x, out = self.inflight.pop((a.step, a.microbatch))
         grad = None if self.mesh.is_last_stage else self.comm.recv_backward(f"the output gradient of {a}")
+        message = self.head_comm.recv_backward(f"the head's gradient of {a}") if self._splits_head else None
         start = self.timer.now()
         self._use(a)
-        backward_through(out, grad)
+        if message is not None:
+            self._backward_split_head(a, out, message)
+        else:
+            backward_through(out, grad)
         sent = x.grad if x is not None else None
         if x is not None:
             self.comm.send_backward(sent)
             self.comm.release(x)  # the graph that read it is gone; its .grad is in the send's hands
         if grad is not None and grad is not sent:  # a stage without layers may pass `grad` itself on
             self.comm.release(grad)
+        self.timer.add(a, start, self.timer.now())
+
+    def _backward_split_head(self, a: Action, out: tuple[Tensor, Tensor], message: Tensor) -> None:
+        """The last stage's loss of (t, j) is its own share plus the helper's; both shares back-propagate."""
+        own_loss, shared = out
+        grad, helper_loss = unpack(message, self.head_comm.split, shared.dtype)
+        self.losses.setdefault(a.step, []).append(own_loss.detach() + helper_loss)
+        torch.autograd.backward((own_loss, shared), (None, grad))
+        self.head_comm.release(message)
+
+    def _head(self, a: Action) -> None:
+        """The helper's HEAD(t, j): the head and loss of its token share on (t, j)'s version (pipeline/head.py)."""
+        hidden = self.head_comm.recv_forward(f"the head's hidden states of {a}")
+        start = self.timer.now()
+        self._use(a)
+        self.head_helper.run(a.step, a.microbatch, hidden)
         self.timer.add(a, start, self.timer.now())
 
     def _use(self, a: Action) -> None:
@@ -250,6 +288,8 @@ class StageEngine:
     def _update_start(self, a: Action) -> None:
         start = self.timer.now()
         grads = self.versions.take_grads()  # in the masters' dtype (fp32 sums under bf16 compute)
+        if self.head_helper is not None:  # the head weight's part of b_t that the HEADs kept apart
+            self.head_helper.add_into(a.step, grads, self.params)
         self.reduction.start(a.step, grads, self._router_loads(a.step))
         self.timer.add(a, start, self.timer.now())
 
@@ -331,6 +371,8 @@ class StageEngine:
     def finish(self) -> None:
         """Complete outstanding sends and reduce the last update's norm (all stages call this)."""
         self.comm.flush()
+        if self.head_comm is not None:
+            self.head_comm.flush()
         steps = sorted(self._update_sq)  # the same steps on every stage: each stage ran every UPDATE
         if not steps:
             return

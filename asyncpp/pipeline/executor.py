@@ -22,7 +22,8 @@ from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.layer_costs import layer_costs
-from asyncpp.core.partition import stage_balance, stage_split
+from asyncpp.core.loss import token_share_loss
+from asyncpp.core.partition import head_split_plan, stage_balance, stage_split
 from asyncpp.core.records import DataSource, PipelineBubble, StepResult
 from asyncpp.core.update import Corrections, lr_multiplier_for
 from asyncpp.parallel.mesh import Mesh
@@ -30,8 +31,9 @@ from asyncpp.parallel.sharding import global_view, layout_of
 from asyncpp.pipeline.bubble import BubbleGather
 from asyncpp.pipeline.build import BuiltStage
 from asyncpp.pipeline.engine import StageEngine, StepRecord
+from asyncpp.pipeline.head import HeadComm, HeadHelper
 from asyncpp.pipeline.p2p import StageComm, naming_the_peer
-from asyncpp.pipeline.stage import stage_forward, tied_parameters
+from asyncpp.pipeline.stage import head_weight, stage_forward, tied_parameters
 from asyncpp.pipeline.stopping import ActionStream, StopAgreement, stop_lookahead
 from asyncpp.pipeline.transfer import to_device
 from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
@@ -43,13 +45,14 @@ from asyncpp.train.metrics import line_due
 from asyncpp.train.preemption import CheckpointClock, StopFlag
 
 
-def segment_actions(kind: str, stage: int, P: int, m: int, delays: Sequence[int], t0: int, t1: int) -> list[Action]:
+def segment_actions(kind: str, stage: int, P: int, m: int, delays: Sequence[int], t0: int, t1: int,
+                    head_split: bool = False) -> list[Action]:
     """The schedule of steps [t0, t1) as a self-contained stream (drained at both ends), in absolute
     step and version numbers (versions older than t0 were produced by earlier segments)."""
     out = []
-    for a in build_schedule(kind, stage, P, m, delays[t0:t1]):
+    for a in build_schedule(kind, stage, P, m, delays[t0:t1], head_split=head_split):
         t = a.step + t0
-        if a.op in (Op.FORWARD, Op.BACKWARD):
+        if a.op in (Op.FORWARD, Op.BACKWARD, Op.HEAD):
             version = max(t - delays[t], 0)
         else:
             version = t + 1 if a.op == Op.UPDATE else a.version
@@ -100,6 +103,12 @@ class PipelineExecutor:
         seq = cfg.train.seq_len // mesh.dims.tp if cfg.parallel.sequence_parallel else cfg.train.seq_len
         comm = StageComm(mesh, (cfg.train.micro_batch_size, seq, hidden), dtype,
                          cfg.train.timeout_s)
+        self.head_split = head_split_plan(cfg, self.model.config)  # None without parallel.head_split=tokens
+        head_comm = head_helper = None
+        if self.head_split is not None and (self.spec.is_head_helper or self.spec.is_last):
+            head_comm = HeadComm(mesh, self.head_split, hidden, dtype, cfg.train.timeout_s)
+        if head_comm is not None and self.spec.is_head_helper:
+            head_helper = HeadHelper(head_comm, head_weight(self.model, self.spec), self._helper_labels)
         self.engine = StageEngine(
             module=self.model, mesh=mesh, comm=comm, optimizer=optimizer, versions=versions,
             forward_fn=self._forward, grad_scale=1.0 / self.m, grad_clip=cfg.train.grad_clip,
@@ -112,6 +121,7 @@ class PipelineExecutor:
             balancing=RouterBiasVersions(balanced_routers(self.model), versions.num_buffers),
             load_stats=RouterLoadStats.of(self.model, counted=mesh.tp_rank == 0 and mesh.ep_rank == 0),
             distributed_optimizer=cfg.parallel.distributed_optimizer,
+            head_comm=head_comm, head_helper=head_helper,
         )
 
     def _tokens(self, step: int, microbatch: int) -> Tensor:
@@ -119,12 +129,28 @@ class PipelineExecutor:
         index = self.batches.microbatch_index(step, self.mesh.dp_rank, microbatch)
         return to_device(self.data.train_microbatch(index), self.mesh.device)  # CUDA: pinned, no host sync
 
-    def _forward(self, step: int, microbatch: int, x: Tensor | None) -> Tensor:
+    def _forward(self, step: int, microbatch: int, x: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
         tokens = self._tokens(step, microbatch) if (self.spec.is_first or self.spec.is_last) else None
+        if self.head_split is not None and self.spec.is_last:
+            return self._forward_split_head(tokens, x)
         out = stage_forward(self.model, self.spec, tokens[:, :-1] if self.spec.is_first else x)
         if not self.spec.is_last:
             return out
         return self.loss_fn(out, tokens[:, 1:])
+
+    def _forward_split_head(self, tokens: Tensor, x: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The last stage under a head split: the final norm on every token, the head and loss of its own
+        (first) tokens; returns (its loss share, the normed hidden states of the helper's tokens)."""
+        split, model = self.head_split, self.model
+        h = stage_forward(model, self.spec, tokens[:, :-1] if self.spec.is_first else x, head=False)
+        normed = model.norm(h).reshape(split.tokens, -1)
+        labels = tokens[:, 1:].reshape(-1)
+        own = token_share_loss(model.lm_head(normed[:split.own_tokens]), labels[:split.own_tokens], split.tokens)
+        return own, normed[split.own_tokens:]
+
+    def _helper_labels(self, step: int, microbatch: int) -> Tensor:
+        """The labels of the helper's tokens of (step, microbatch): the last of its flattened tokens."""
+        return self._tokens(step, microbatch)[:, 1:].reshape(-1)[self.head_split.own_tokens:]
 
     @torch.no_grad()
     def evaluate(self, batches: list[Tensor]) -> float:
@@ -221,7 +247,7 @@ class PipelineExecutor:
 
     def _segment_actions(self, t0: int, t1: int) -> list[Action]:
         return segment_actions(self.cfg.schedule.name, self.spec.stage, self.mesh.num_stages, self.m,
-                               self.delays, t0, t1)
+                               self.delays, t0, t1, head_split=self.head_split is not None)
 
     def _ready(self, todo: list[int], drained: bool = False) -> Iterator[StepResult]:
         """The results of the steps at the head of `todo` that are complete, in order. Collective over the
@@ -325,7 +351,8 @@ class PipelineExecutor:
     # ---- checkpoints ------------------------------------------------------------------------
     def stage_state(self, extra: dict[str, Tensor] | None = None) -> ckpt.StageState:
         """This stage's share of a checkpoint, keyed by full-model names (a tied head as embed.weight)."""
-        tied = {id(p) for p in tied_parameters(self.model, self.spec)}
+        # A tied head is saved as embed.weight; a head split's untied replica under its own name (lm_head.weight).
+        tied = {id(p) for p in tied_parameters(self.model, self.spec)} if self.model.config.tie_embeddings else set()
         names = ["embed.weight" if id(p) in tied else n for n, p in self.model.named_parameters() if p.requires_grad]
         v = self.engine.versions
         versions = {v.newest - version: v.tensors(version) for version in v.held()}

@@ -120,6 +120,7 @@ class StageComm:
         self.dtype = dtype
         self.prev = mesh.global_rank(mesh.pp_rank - 1) if not mesh.is_first_stage else None
         self.next = mesh.global_rank(mesh.pp_rank + 1) if not mesh.is_last_stage else None
+        self.links = mesh.links  # the head link (pipeline/head.py) points these at its own pair of groups
         # One switch for the GPU path: stream-ordered waits watched from the host (see the docstring).
         self.stream_waits = mesh.device.type == "cuda"
         self.watchdog = Watchdog(mesh, timeout_s) if self.stream_waits else None
@@ -168,8 +169,8 @@ class StageComm:
         return buf
 
     def _post(self, direction: str) -> None:
-        src, group = ((self.prev, self.mesh.links.recv_forward) if direction == "forward"
-                      else (self.next, self.mesh.links.recv_backward))
+        src, group = ((self.prev, self.links.recv_forward) if direction == "forward"
+                      else (self.next, self.links.recv_backward))
         buf = self._buffer()
         with naming_the_peer(self.mesh, f"the next {direction} receive from rank {src} (posting it)", self.timeout_s):
             work = dist.irecv(buf, src=src, group=group)
@@ -224,10 +225,10 @@ class StageComm:
         Only the data is freed: the autograd graph hanging off `output` stays, and the engine's
         backward does not need the output's values (see engine.backward_through).
         """
-        self._send(output, self.next, self.mesh.links.send_forward, "an activation", free_after=True)
+        self._send(output, self.next, self.links.send_forward, "an activation", free_after=True)
 
     def send_backward(self, input_grad: Tensor) -> None:
-        self._send(input_grad, self.prev, self.mesh.links.send_backward, "an input gradient", free_after=False)
+        self._send(input_grad, self.prev, self.links.send_backward, "an input gradient", free_after=False)
 
     # ---- bookkeeping --------------------------------------------------------------------------
     def poll(self) -> None:

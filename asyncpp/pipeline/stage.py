@@ -16,10 +16,19 @@ from asyncpp.core.partition import stage_layer_ranges
 
 
 class StageSpec:
-    def __init__(self, stage: int, num_stages: int, num_layers: int, sizes: Sequence[int] | None = None):
+    def __init__(self, stage: int, num_stages: int, num_layers: int, sizes: Sequence[int] | None = None,
+                 *, head_split: bool = False):
+        """head_split: parallel.head_split=tokens; stage 0 then keeps a replica of the LM head weight
+        (asyncpp/core/head_split.py)."""
         self.stage = stage
         self.num_stages = num_stages
         self.layers = stage_layer_ranges(num_layers, num_stages, sizes)[stage]
+        self.head_split = head_split and num_stages > 1
+
+    @property
+    def is_head_helper(self) -> bool:
+        """Stage 0 of a head split: it runs the LM head and loss of a share of the tokens (Op.HEAD)."""
+        return self.head_split and self.stage == 0
 
     @property
     def is_first(self) -> bool:
@@ -39,20 +48,33 @@ def prune_to_stage(model: nn.Module, spec: StageSpec) -> nn.Module:
         del model.embed
     if not spec.is_last:
         del model.norm
-        del model.lm_head
+        if not (spec.is_head_helper and not model.config.tie_embeddings):  # a tied helper's head is its embed
+            del model.lm_head
     return model
 
 
-def stage_forward(model: nn.Module, spec: StageSpec, x: Tensor) -> Tensor:
-    """tokens (first stage) or activation -> activation, or logits on the last stage."""
+def stage_forward(model: nn.Module, spec: StageSpec, x: Tensor, head: bool = True) -> Tensor:
+    """tokens (first stage) or activation -> activation, or logits on the last stage (head=False: the last
+    block's output, before the final norm)."""
     h = model.embed_tokens(x) if spec.is_first else x
     for i in spec.layers:
         h = model.layers[i](h)
-    return model.head(h) if spec.is_last else h
+    return model.head(h) if spec.is_last and head else h
+
+
+def head_weight(model: nn.Module, spec: StageSpec) -> nn.Parameter:
+    """The LM head's weight on the last stage or a head split's helper (its embedding, if tied)."""
+    if spec.is_head_helper and getattr(model.config, "tie_embeddings", False):
+        return model.embed.weight
+    return model.lm_head.weight
 
 
 def tied_parameters(model: nn.Module, spec: StageSpec) -> list[nn.Parameter]:
-    """The embedding/head weight when it is tied *across* stages (first and last hold a copy)."""
+    """The embedding/head weight when it is tied *across* stages (first and last hold a copy), or the head
+    weight's replica of a head split (the helper, stage 0, and the last stage hold one): either way the pair
+    (first, last) sums its gradient and applies the same update (semantics.md)."""
+    if spec.head_split and (spec.is_first or spec.is_last):
+        return [head_weight(model, spec)]
     if spec.num_stages == 1 or not getattr(model.config, "tie_embeddings", False):
         return []
     if spec.is_first:

@@ -19,6 +19,11 @@ class Op(str, Enum):
     """The stage finished its part of b_t: start the global reductions (DP, tied embedding, norm)."""
     UPDATE = "U"
     """Wait for those reductions and write x_{t+1}; placed just before the first use of x_{t+1}."""
+    HEAD = "H"
+    """parallel.head_split=tokens, on the helper stage (stage 0) only: the LM head and the loss of the
+    helper's token share of microbatch (t, j), forward and backward in one action. Its input (the last
+    stage's normed hidden states of those tokens) comes from the last stage's FORWARD of (t, j); its output
+    (their input gradient and loss) feeds the last stage's BACKWARD of (t, j)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -27,11 +32,11 @@ class Action:
     step: int
     """t: the minibatch b_t this action belongs to (for updates: the step whose gradient is applied)."""
     microbatch: int = -1
-    """Index within b_t for FORWARD/BACKWARD; -1 for updates."""
+    """Index within b_t for FORWARD/BACKWARD/HEAD; -1 for updates."""
     version: int = -1
-    """FORWARD/BACKWARD: the weight version x_v they run on. UPDATE: the version it produces (t+1)."""
+    """FORWARD/BACKWARD/HEAD: the weight version x_v they run on. UPDATE: the version it produces (t+1)."""
 
     def __str__(self) -> str:
-        if self.op in (Op.FORWARD, Op.BACKWARD):
+        if self.op in (Op.FORWARD, Op.BACKWARD, Op.HEAD):
             return f"{self.op.value}{self.step}.{self.microbatch}@v{self.version}"
         return f"{self.op.value}{self.step}"

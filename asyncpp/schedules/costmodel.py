@@ -33,13 +33,15 @@ Cost = float | Sequence[float]
 @dataclass(frozen=True)
 class OpCosts:
     """Durations per action; each a scalar or one value per stage (comm: per sending stage; dp_comm:
-    the stage's gradient all-reduce over its DP replicas, see dp_allreduce_time)."""
+    the stage's gradient all-reduce over its DP replicas, see dp_allreduce_time; head: a head split's HEAD
+    action on the helper, the forward and backward of its token share's LM head and loss)."""
 
     forward: Cost
     backward: Cost
     comm: Cost = 0.0
     update: Cost = 0.0
     dp_comm: Cost = 0.0
+    head: Cost = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):  # lists -> tuples, so a frozen OpCosts really is immutable
@@ -54,7 +56,8 @@ class OpCosts:
     def duration(self, op: Op, stage: int) -> float:
         if op is Op.UPDATE_START:
             return 0.0
-        return self.at({Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.UPDATE: "update"}[op], stage)
+        return self.at({Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.UPDATE: "update", Op.HEAD: "head"}[op],
+                       stage)
 
 
 def dp_allreduce_time(num_params: float, dp: int, bandwidth: float, bytes_per_param: int = 4) -> float:
@@ -179,9 +182,11 @@ def predict(
     costs: OpCosts,
     *,
     collective_updates: bool = False,
+    head_split: bool = False,
 ) -> dict:
     """Build the schedules of a steady run and report its predicted step time, bubble and memory."""
-    schedules = build_pipeline(kind, num_stages, num_microbatches, steady_delays(kind, num_stages, num_steps))
+    schedules = build_pipeline(kind, num_stages, num_microbatches, steady_delays(kind, num_stages, num_steps),
+                               head_split=head_split)
     tl = simulate(schedules, costs, collective_updates=collective_updates)
     return {
         "kind": kind,

@@ -55,6 +55,7 @@ def check_schedules(
     for s, actions in enumerate(schedules):
         _check_complete(s, actions, num_steps, num_microbatches)
         _check_ready(s, actions, num_microbatches)
+    _check_heads(schedules, num_steps, num_microbatches)
     _check_versions(schedules, step_delays)
     if max_versions is not None:
         _check_version_bound(schedules, max_versions)
@@ -107,11 +108,41 @@ def _check_complete(stage: int, actions: Sequence[Action], num_steps: int, m: in
         _fail(stage, "UPDATE(t) must produce version t+1", bad)
 
 
+def has_head_split(schedules: Sequence[Sequence[Action]]) -> bool:
+    """Whether stage 0 is a head split's helper (its list holds HEAD actions; asyncpp/schedules/build.py)."""
+    return bool(schedules) and any(a.op is Op.HEAD for a in schedules[0])
+
+
+def _check_heads(schedules: Sequence[Sequence[Action]], num_steps: int, m: int) -> None:
+    """A head split: stage 0 runs exactly one H per (t, j), between its F and B of (t, j) on that microbatch's
+    version, before UPDATE_START(t) (its weight gradient belongs to b_t); no other stage runs H."""
+    for s, actions in enumerate(schedules[1:], start=1):
+        if any(a.op is Op.HEAD for a in actions):
+            _fail(s, "HEAD actions run on the helper, stage 0, only", [a for a in actions if a.op is Op.HEAD])
+    if not has_head_split(schedules):
+        return
+    actions = schedules[0]
+    where = {(a.op, a.step, a.microbatch): (i, a) for i, a in enumerate(actions)}
+    heads = Counter((a.step, a.microbatch) for a in actions if a.op is Op.HEAD)
+    expected = {(t, j) for t in range(num_steps) for j in range(m)}
+    wrong = sorted(f"H{t}.{j} x{heads[(t, j)]}" for t, j in expected | heads.keys()
+                   if heads[(t, j)] != 1 or (t, j) not in expected)
+    if wrong:
+        _fail(0, "HEAD must run once per microbatch", wrong)
+    for t, j in sorted(expected):
+        i, h = where[(Op.HEAD, t, j)]
+        f, fa = where[(Op.FORWARD, t, j)]
+        b, _ = where[(Op.BACKWARD, t, j)]
+        u, _ = where[(Op.UPDATE_START, t, -1)]
+        if not f < i < b < u or h.version != fa.version:
+            _fail(0, f"H{t}.{j} must run after F{t}.{j}, before B{t}.{j} and U0{t}, on F's version", [h])
+
+
 def _check_ready(stage: int, actions: Sequence[Action], m: int) -> None:
-    """F/B on v >= 1 after UPDATE(v-1); UPDATE_START(t) after all B of b_t; UPDATE(t) after it."""
+    """F/B/H on v >= 1 after UPDATE(v-1); UPDATE_START(t) after all B of b_t; UPDATE(t) after it."""
     newest, backwards, started = 0, Counter[int](), set[int]()
     for i, a in enumerate(actions):
-        if a.op in (Op.FORWARD, Op.BACKWARD) and a.version > newest:
+        if a.op in (Op.FORWARD, Op.BACKWARD, Op.HEAD) and a.version > newest:
             _fail(stage, f"action #{i} runs on a version not produced yet (newest is v{newest})", [a])
         if a.op is Op.BACKWARD:
             backwards[a.step] += 1
@@ -198,15 +229,22 @@ def dependencies(
 
     F(t,j) at s > 0 needs F(t,j) at s-1 (activation); B(t,j) at s < P-1 needs B(t,j) at s+1
     (gradient); with collective_updates, UPDATE(t) needs UPDATE_START(t) on every other stage.
+    A head split (stage 0 runs HEAD): H(t,j) needs F(t,j) at P-1 (the token share's hidden states) and
+    B(t,j) at P-1 needs H(t,j) (their gradient and loss).
     A producer that does not exist maps to (stage, -1): it never runs.
     """
     pos, last = _positions(schedules), len(schedules) - 1
+    split = has_head_split(schedules)
     deps: dict[Node, list[Node]] = {}
     for s, actions in enumerate(schedules):
         for i, a in enumerate(actions):
             key = (a.op, a.step, a.microbatch)
             if a.op is Op.FORWARD and s > 0:
                 deps[(s, i)] = [(s - 1, pos[s - 1].get(key, -1))]
+            elif a.op is Op.HEAD:
+                deps[(s, i)] = [(last, pos[last].get((Op.FORWARD, a.step, a.microbatch), -1))]
+            elif a.op is Op.BACKWARD and s == last and split:
+                deps[(s, i)] = [(0, pos[0].get((Op.HEAD, a.step, a.microbatch), -1))]
             elif a.op is Op.BACKWARD and s < last:
                 deps[(s, i)] = [(s + 1, pos[s + 1].get(key, -1))]
             elif a.op is Op.UPDATE and collective_updates:
@@ -254,15 +292,25 @@ def _describe_stuck(
     return f"stage {s} stuck at #{i} {schedules[s][i]} waiting for {', '.join(waits)}"
 
 
+def _channels(schedules: Sequence[Sequence[Action]]) -> list[tuple[int, Op, int, Op, str]]:
+    """Every p2p channel as (sender, the op that sends, receiver, the op that receives, what it carries)."""
+    out = []
+    for s in range(len(schedules) - 1):
+        out += [(s, Op.FORWARD, s + 1, Op.FORWARD, "activation"), (s + 1, Op.BACKWARD, s, Op.BACKWARD, "gradient")]
+    if has_head_split(schedules):  # the head link between the last stage and the helper, its own two channels
+        last = len(schedules) - 1
+        out += [(last, Op.FORWARD, 0, Op.HEAD, "head hidden-state"), (0, Op.HEAD, last, Op.BACKWARD, "head gradient")]
+    return out
+
+
 def check_fifo(schedules: Sequence[Sequence[Action]]) -> None:
     """Each p2p channel delivers in send order, so the receiver must consume in that order too."""
-    for s in range(len(schedules) - 1):
-        for op, src, dst, what in ((Op.FORWARD, s, s + 1, "activation"), (Op.BACKWARD, s + 1, s, "gradient")):
-            sent = [(a.step, a.microbatch) for a in schedules[src] if a.op is op]
-            used = [(a.step, a.microbatch) for a in schedules[dst] if a.op is op]
-            for k, (x, y) in enumerate(zip(sent, used)):
-                if x != y:
-                    raise ScheduleError(
-                        f"{what} channel stage {src} -> {dst} is FIFO: message #{k} sent is b{x[0]}.{x[1]} "
-                        f"but stage {dst} consumes b{y[0]}.{y[1]} there"
-                    )
+    for src, op, dst, use, what in _channels(schedules):
+        sent = [(a.step, a.microbatch) for a in schedules[src] if a.op is op]
+        used = [(a.step, a.microbatch) for a in schedules[dst] if a.op is use]
+        for k, (x, y) in enumerate(zip(sent, used)):
+            if x != y:
+                raise ScheduleError(
+                    f"{what} channel stage {src} -> {dst} is FIFO: message #{k} sent is b{x[0]}.{x[1]} "
+                    f"but stage {dst} consumes b{y[0]}.{y[1]} there"
+                )

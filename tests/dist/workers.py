@@ -84,7 +84,7 @@ def rank_layout(cfg_dict: dict) -> tuple[RunConfig, ModelConfig, Mesh]:
     cfg.validate(model_cfg)
     p = cfg.parallel
     dims = ParallelDims.for_world(torch.distributed.get_world_size(), pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
-    return cfg, model_cfg, Mesh(dims, torch.device("cpu"))
+    return cfg, model_cfg, Mesh(dims, torch.device("cpu"), head_link=p.head_split == "tokens")
 
 
 def pipeline_rank(rank: int, cfg_dict: dict) -> dict:

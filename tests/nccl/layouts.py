@@ -41,6 +41,9 @@ def _schedule(kind: str, P: int) -> Layout:
     return Layout(f"{kind}-P{P}", cfg)
 
 
+_UNTIED = {"name": "tiny_dense", "overrides": {"tie_embeddings": False}}
+
+
 def _layouts() -> dict[str, Layout]:
     out = {}
     for kind in ("1f1b", "gpipe", "2bw", "pipedream"):
@@ -75,6 +78,18 @@ def _layouts() -> dict[str, Layout]:
         # A batch rampup: m = 2, 2, 3, 3, 4 (segments cut at steps 2 and 4, each stream with its own m).
         Layout("2bw-P2-rampup", make_config(parallel={"pp": 2}, train={"steps": 5, "micro_batch_size": 2,
                                                                      "num_microbatches": 4, "batch_rampup": [4, 2, 16]})),
+        # parallel.head_split=tokens: the head link's own pair of groups between the last stage and stage 0
+        # (neighbours at P=2, not at P=3 and 4), with a sync start, an evaluation drain and a checkpoint.
+        Layout("2bw-P2-head-split", make_config(model=_UNTIED, parallel={"pp": 2, "head_split": "tokens"},
+                                                train={**short, "steps": 5, "eval_every": 2},
+                                                staleness={"sync_start_steps": 1},
+                                                checkpoint={"enabled": True, "every": 2})),
+        Layout("1f1b-P3-head-split", make_config(model=_UNTIED, parallel={"pp": 3, "head_split": "tokens",
+                                                                          "stage_layers": [2, 1, 1]},
+                                                 schedule={"name": "1f1b"}, train={**short, "num_microbatches": 3})),
+        Layout("2bw-P4-head-split", make_config(parallel={"pp": 4, "head_split": "tokens"},
+                                                train={**short, "num_microbatches": 4},
+                                                staleness={"sync_cooldown_steps": 1})),
         Layout("megatron-2bw-P2", make_config(parallel={"pp": 2}, schedule={"name": "2bw"},
                                               train={"steps": 4, "num_microbatches": 2}), megatron=True),
         Layout("megatron-1f1b-P3", make_config(model={"name": "tiny_dense", "overrides": {"num_layers": 3}},
@@ -86,10 +101,11 @@ def _layouts() -> dict[str, Layout]:
 
 
 LAYOUTS = _layouts()
-FAST = ("2bw-P2-DP2", "1f1b-P3", "megatron-2bw-P2", "2bw-P2-stop-midsegment", "2bw-P2-DP2-zero", "2bw-P2-rampup")
+FAST = ("2bw-P2-DP2", "1f1b-P3", "megatron-2bw-P2", "2bw-P2-stop-midsegment", "2bw-P2-DP2-zero", "2bw-P2-rampup",
+        "2bw-P2-head-split")
 """Recorded in the default suite (2BW with DP, tied embeddings, a sync start and an evaluation drain; a
 middle stage; the Megatron loop; a stream cut short by a stop; the distributed optimizer; a batch rampup's
-streams of different m); the rest is `slow`."""
+streams of different m; the head split); the rest is `slow`."""
 
 
 def recorded_pipeline(rank: int, cfg_dict: dict) -> list:

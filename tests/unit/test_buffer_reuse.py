@@ -14,7 +14,7 @@ from asyncpp.pipeline.weights import WeightVersions
 
 def _comm() -> StageComm:
     mesh = SimpleNamespace(is_first_stage=False, is_last_stage=False, pp_rank=1, rank=1, device=torch.device("cpu"),
-                           global_rank=lambda stage: stage)
+                           global_rank=lambda stage: stage, links=None)
     return StageComm(mesh, (2, 3, 4), torch.float32)
 
 

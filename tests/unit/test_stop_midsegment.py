@@ -29,8 +29,8 @@ def fixed_at_update(actions, step: int) -> int:
     raise AssertionError(f"no UPDATE({step})")
 
 
-def cases():
-    for kind in KINDS:
+def cases(kinds=KINDS):
+    for kind in kinds:
         for P in (1, 2, 3, 4):
             for m in (1, 2, 3, 4, 5):
                 if not kind_of(kind).serves(P, m):
@@ -44,31 +44,33 @@ def delays_of(kind: str, stage: int, P: int, sync: tuple[int, int]) -> list[int]
     return [0 if t < start or t >= T - cooldown else stage_delay(kind, stage, P) for t in range(T)]
 
 
-def stop_streams(kind, P, m, sync, t0, t, s):
+def stop_streams(kind, P, m, sync, t0, t, s, head_split=False):
     """Every stage's stream after learning of a stop at UPDATE(t) and cutting to [t0, s); raises RuntimeError
     if a stage's executed prefix cannot be cut there."""
     out = []
     for stage in range(P):
         delays = delays_of(kind, stage, P, sync)
-        stream = ActionStream(segment_actions(kind, stage, P, m, delays, t0, T))
+        stream = ActionStream(segment_actions(kind, stage, P, m, delays, t0, T, head_split=head_split))
         stream.fixed = fixed_at_update(stream.actions, t)
-        shorter = segment_actions(kind, stage, P, m, delays, t0, s)
+        shorter = segment_actions(kind, stage, P, m, delays, t0, s, head_split=head_split)
         stream.cut(shorter)
         assert sorted(stream.actions, key=repr) == sorted(shorter, key=repr)  # the same work, to the action
         out.append(stream.actions)
     return out
 
 
-def violations(lookahead_for) -> list:
+def violations(lookahead_for, kinds=KINDS, head_split=False) -> list:
     bad = []
-    for kind, P, m, sync in cases():
+    for kind, P, m, sync in cases(kinds):
+        if head_split and P < 2:
+            continue
         for t0 in (0, 2):
             for t in range(t0, T):
                 s = t + lookahead_for(kind, P)
                 if s >= T:
                     continue
                 try:
-                    streams = stop_streams(kind, P, m, sync, t0, t, s)
+                    streams = stop_streams(kind, P, m, sync, t0, t, s, head_split)
                     execution_order(streams)
                     check_fifo(streams)
                 except (RuntimeError, ScheduleError) as e:
