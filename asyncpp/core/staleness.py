@@ -40,12 +40,13 @@ class ErrorFeedback:
     @torch.no_grad()
     def apply(self, before: Sequence[Tensor], delayed: Sequence[bool]) -> None:
         """Call right after the base optimizer step; `before[i]` holds x_t of `params[i]`."""
-        updates = torch._foreach_sub(list(before), self.params)  # u_t = x_t - (x_t - u_t)
-        if self.lam != 0.0:
-            for p, u, u_prev, is_delayed in zip(self.params, updates, self.prev_update, delayed):
-                if is_delayed:
-                    p.sub_(u - u_prev, alpha=self.lam)
-        self.prev_update = updates
+        # One parameter at a time: a whole new set of u_t next to u_{t-1} would be a second EF buffer at the
+        # update's peak (the memory plan counts one). Per element the same subtractions as before.
+        for i, (p, x, is_delayed) in enumerate(zip(self.params, before, delayed, strict=True)):
+            u = x - p  # u_t = x_t - (x_t - u_t)
+            if self.lam != 0.0 and is_delayed:
+                p.sub_(u - self.prev_update[i], alpha=self.lam)
+            self.prev_update[i] = u
 
     def state_dict(self) -> dict:
         return {"lam": self.lam, "prev_update": [u.clone() for u in self.prev_update]}
