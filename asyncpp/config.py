@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from asyncpp.schedules.registry import SYNC_KINDS, ScheduleKindError, kind_of
+from asyncpp.train.host_allocator import MMAP_THRESHOLD_MAX
 from asyncpp.typed import ConfigError, from_dict, to_dict
 
 ScheduleName = Literal["sync", "gpipe", "1f1b", "2bw", "pipedream"]
@@ -126,6 +127,11 @@ class TrainConfig:
     peak_tflops: float | None = None
     """Per-device peak TFLOP/s for the log's MFU; None = the device table (asyncpp/train/throughput.py:
     H100/H200/A100), and no MFU on a CPU."""
+    host_mmap_threshold: int | None = 131072
+    """Host memory (glibc): every allocation of this many bytes or more gets an mmap of its own, returned to
+    the kernel when freed, and glibc no longer raises this threshold as it goes. Without it a pipeline's host
+    RSS grows with run length (heap fragmentation: asyncpp/train/host_allocator.py). The default is glibc's own
+    starting value; null keeps glibc's dynamic threshold. No effect on other C libraries."""
 
     def __post_init__(self) -> None:
         # Without a global batch size the microbatch count needs no dp: fill it in at once, so a config built
@@ -423,6 +429,10 @@ def _check_train(cfg: RunConfig, model: ModelLimits) -> None:
     if t.peak_tflops is not None and t.peak_tflops <= 0:
         raise ConfigError(f"train.peak_tflops={t.peak_tflops} must be > 0 (a device's peak TFLOP/s, e.g. "
                           "train.peak_tflops=989 for an H100 in bf16), or null to look the device up")
+    if t.host_mmap_threshold is not None and not 0 <= t.host_mmap_threshold <= MMAP_THRESHOLD_MAX:
+        raise ConfigError(f"train.host_mmap_threshold={t.host_mmap_threshold} is outside glibc's range [0, "
+                          f"{MMAP_THRESHOLD_MAX}] (bytes); use e.g. 131072 (glibc's initial value), or null to "
+                          "keep glibc's dynamic threshold")
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     if t.eval_every < 0:

@@ -17,7 +17,8 @@ of the run's own processes, over its wall time ("other load", in cores), and /pr
 
     .venv/bin/python bench/peers.py                # M=4 and 8, 2 repetitions (about 10 minutes, quiet machine)
     .venv/bin/python bench/peers.py --quick        # smoke run: M=4, 12 steps, 1 repetition
-    .venv/bin/python bench/peers.py --memory       # resident memory at steps 20, 80, 160 (2BW vs torch 1F1B)
+    .venv/bin/python bench/peers.py --memory       # RSS at steps 20, 80, 160 and tokens/s: 2BW before/after the
+                                                   # fixed mmap threshold, torch 1F1B (about 10 minutes, quiet)
     .venv/bin/python bench/peers.py --only 2bw single --m 8 --splits [2,2] auto   # auto split vs the even one
     .venv/bin/python bench/peers.py --only 2bw 1f1b single --splits [2,2] [2,2]+tokens auto+tokens   # head split
 
@@ -192,21 +193,56 @@ def chart(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+MEMORY_STEPS = (20, 80, 160)
+MEMORY_RUNS = (("asyncpp 2bw, glibc dynamic threshold", "asyncpp", "2bw", ["train.host_mmap_threshold=null"]),
+               ("asyncpp 2bw, threshold 128 KiB", "asyncpp", "2bw", []),  # the default, train.host_mmap_threshold
+               ("torch 1F1B", "torch", "1F1B", []))
+
+
 def memory_mode(args) -> dict:
-    """Resident memory of rank 0 and 1 after steps 20, 80 and 160: asyncpp 2BW and torch 1F1B at M=4."""
-    args.steps, args.warmup = 160, 5
-    out = {}
-    for impl, schedule in (("asyncpp", "2bw"), ("torch", "1F1B")):
-        run = run_one(impl, schedule, 4, args, EVEN if impl == "asyncpp" else "")
-        out[f"{impl} {schedule}"] = {
-            "other_load_cores": run["other_load_cores"],
-            "ranks": [{str(s): r["memory_mb"][s - 1] for s in (20, 80, 160)} for r in run["ranks"]]}
-    print(f"{'run':16} {'rank':>4} " + " ".join(f"{f'step {s} anon/RSS MB':>22}" for s in (20, 80, 160)))
-    for name, v in out.items():
-        for i, r in enumerate(v["ranks"]):
-            cells = " ".join(f"{r[str(s)]['anon']:>10.0f} /{r[str(s)]['rss']:>10.0f}" for s in (20, 80, 160))
-            print(f"{name:16} {i:>4} {cells}")
-    return out
+    """Resident memory of rank 0 and 1 after steps 20, 80 and 160 at M=4, and the throughput of the same runs:
+    asyncpp 2BW with glibc's dynamic mmap threshold (before) and with the fixed one (after,
+    asyncpp/train/host_allocator.py), and torch 1F1B; `--reps` interleaved repetitions in a rotated order."""
+    args.steps, args.warmup = MEMORY_STEPS[-1], 5
+    runs: dict[str, list[dict]] = {name: [] for name, *_ in MEMORY_RUNS}
+    for rep in range(args.reps):
+        k = rep % len(MEMORY_RUNS)
+        for name, impl, schedule, extra in MEMORY_RUNS[k:] + MEMORY_RUNS[:k]:
+            mine = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, *extra]})
+            run = run_one(impl, schedule, 4, mine, EVEN if impl == "asyncpp" else "")
+            runs[name].append({
+                "tokens_per_s": summarize(run)["tokens_per_s"], "other_load_cores": run["other_load_cores"],
+                "loadavg_before": run["loadavg_before"],
+                "ranks": [{str(s): r["memory_mb"][s - 1] for s in MEMORY_STEPS} for r in run["ranks"]]})
+            print(f"rep {rep} {name:38} {runs[name][-1]['tokens_per_s']:8.0f} tokens/s "
+                  f"(other load {run['other_load_cores']:.2f} cores)", flush=True)
+    print(memory_table(runs))
+    return {"steps": MEMORY_STEPS, "runs": runs}
+
+
+def _median_sample(reps: list[dict], rank: int, step: int, key: str) -> float:
+    return statistics.median(r["ranks"][rank][str(step)][key] for r in reps)
+
+
+def memory_table(runs: dict[str, list[dict]]) -> str:
+    """Per configuration and rank: anonymous and total resident MB and the high-water mark at each step, the
+    heap's free MB at the last step (glibc), medians over the repetitions; tokens/s median (min-max)."""
+    cols = " ".join(f"{f'step {s} anon/RSS/HWM':>22}" for s in MEMORY_STEPS)
+    head = f"{'run':38} {'rank':>4} {cols} {'heap free':>9} {'tokens/s (min-max)':>20}"
+    lines = [head, "-" * len(head)]
+    for name, reps in runs.items():
+        tps = [r["tokens_per_s"] for r in reps]
+        for rank in range(len(reps[0]["ranks"])):
+            cells = " ".join(f"{_median_sample(reps, rank, s, 'anon'):>8.0f}/{_median_sample(reps, rank, s, 'rss'):>6.0f}/"
+                             f"{_median_sample(reps, rank, s, 'hwm'):>6.0f}" for s in MEMORY_STEPS)
+            last = reps[0]["ranks"][rank][str(MEMORY_STEPS[-1])]
+            free = f"{_median_sample(reps, rank, MEMORY_STEPS[-1], 'heap_free'):>9.0f}" if "heap_free" in last else f"{'':>9}"
+            rate = f"{statistics.median(tps):.0f} ({min(tps):.0f}-{max(tps):.0f})" if rank == 0 else ""
+            lines.append(f"{name:38} {rank:>4} {cells} {free} {rate:>20}")
+    lines.append("\nMB; medians over the repetitions. anon = RssAnon (no file mappings: the data's memory map and the "
+                 "libraries excluded), RSS = VmRSS, HWM = VmHWM so far; heap free = glibc's free bytes inside its "
+                 "heaps at the last step (mallinfo2).")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -220,7 +256,9 @@ def main() -> None:
                         help=f"parallel.stage_layers of asyncpp's runs (default {EVEN}, the peers' split; "
                              "e.g. --splits [2,2] auto compares auto with it)")
     parser.add_argument("--quick", action="store_true", help="smoke run: M=4, 12 steps (3 warm-up), 1 repetition")
-    parser.add_argument("--memory", action="store_true", help="resident memory at steps 20/80/160 instead")
+    parser.add_argument("--memory", action="store_true",
+                        help="resident memory at steps 20/80/160 and tokens/s, 2BW before/after the fixed mmap "
+                             "threshold, and torch 1F1B (--reps interleaved repetitions)")
     parser.add_argument("--asyncpp-env", nargs="*", default=[], metavar="KEY=VALUE",
                         help="environment of asyncpp's runs only, e.g. MALLOC_MMAP_THRESHOLD_=65536 (glibc: large "
                              "blocks always mmapped, which keeps the heap from fragmenting; costs page faults)")

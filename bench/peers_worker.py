@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from asyncpp.core.loss import cross_entropy
+from asyncpp.train.host_allocator import heap_stats, set_mmap_threshold
 from model_zoo import build_model, get_model_config
 
 MODEL = "tiny_dense"
@@ -41,13 +42,19 @@ SPLIT_4 = ([0], [1], [2], [3])
 
 def memory_mb() -> dict[str, float]:
     """This process's resident memory: anonymous (heap and tensors, no file mappings such as the data's
-    memory map or the shared libraries), total, and the kernel's high-water mark of the total."""
+    memory map or the shared libraries), total, and the kernel's high-water mark of the total; with glibc
+    also the heap's live and free bytes and the bytes in mmapped blocks (asyncpp/train/host_allocator.py)."""
     fields = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         key, _, value = line.partition(":")
         if key in ("RssAnon", "VmRSS", "VmHWM"):
             fields[key] = int(value.split()[0]) / 1024
-    return {"anon": fields["RssAnon"], "rss": fields["VmRSS"], "hwm": fields["VmHWM"]}
+    out = {"anon": fields["RssAnon"], "rss": fields["VmRSS"], "hwm": fields["VmHWM"]}
+    heap = heap_stats()
+    if heap is not None:
+        out.update(heap_in_use=heap.heap_in_use_bytes / 2**20, heap_free=heap.heap_free_bytes / 2**20,
+                   mmapped=heap.mmapped_bytes / 2**20)
+    return out
 
 
 class Recorder:
@@ -198,6 +205,7 @@ def run_ours(args) -> dict:
                  f"train.steps={args.steps}", "train.eval_every=0", "train.grad_clip=0", "logging=disabled",
                  f"out_dir={args.scratch}", *args.overrides]
     cfg, model_cfg = resolve(compose(overrides))
+    set_mmap_threshold(cfg.train.host_mmap_threshold)  # as pretrain.py does at start
     dims = ParallelDims.for_world(dist.get_world_size(), pp=2, tp=1, ep=1, dp=None)
     mesh = Mesh(dims, torch.device("cpu"), head_link=cfg.parallel.head_split == "tokens")
     if mesh.rank != 0:

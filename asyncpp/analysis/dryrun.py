@@ -19,7 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from asyncpp.analysis.memory import activation_bytes, in_flight_microbatches, versions_report
+from asyncpp.analysis.memory import (
+    activation_bytes,
+    backward_scratch_bytes,
+    in_flight_microbatches,
+    versions_report,
+)
 from asyncpp.config import RunConfig
 from asyncpp.core.partition import stage_split
 from asyncpp.core.recompute import modes_per_layer
@@ -65,15 +70,19 @@ def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, version
     t = cfg.train
     dtype = compute_dtype_of(t.precision)
     recompute = modes_per_layer(t.recompute, model_cfg.num_layers, mesh.num_stages, stage_split(cfg, model_cfg))
-    act = activation_bytes(local_shapes_config(model_cfg, mesh.dims), spec.layers, dtype=dtype,
+    shapes = local_shapes_config(model_cfg, mesh.dims)
+    act = activation_bytes(shapes, spec.layers, dtype=dtype,
                            micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
                            first=spec.is_first, last=spec.is_last, recompute=recompute)
     in_flight = in_flight_microbatches(cfg.schedule.name, spec.stage, mesh.num_stages, t.num_microbatches,
                                        head_split=spec.head_split)
     # A lazy update (2BW): b_{t+1}'s backward accumulates while b_t's gradient waits for U(t).
     grad_buffers = 2 if kind_of(cfg.schedule.name).lazy_update else 1
+    scratch = backward_scratch_bytes(versions.params, grad_itemsize=dtype.itemsize,
+                                     tokens=t.micro_batch_size * t.seq_len, vocab_size=shapes.vocab_size,
+                                     last=spec.is_last)
     return versions_report(versions, optimizer, error_feedback=error_feedback, activation_bytes_per_mb=act,
-                           in_flight=in_flight, grad_buffers=grad_buffers,
+                           in_flight=in_flight, grad_buffers=grad_buffers, backward_scratch=scratch,
                            title=f"stage {spec.stage} (rank {mesh.rank}, layers {list(spec.layers)})")
 
 

@@ -287,6 +287,28 @@ def activation_bytes(cfg: LayerShapes, layers: Iterable[int], *, dtype: torch.dt
     return math.ceil(per_token * tokens)
 
 
+def backward_scratch_bytes(params: Sequence[Tensor], *, grad_itemsize: int, tokens: int, vocab_size: int,
+                           last: bool) -> int:
+    """Bytes the last stage's backward holds for a moment above its saved activations and gradient sums.
+
+    The fp32 cross entropy's backward holds two [tokens, vocab] fp32 tensors at once (the gradients of the
+    log-probabilities and of the logits: 8 T V); then, while the head's weight gradient G (the stage's largest
+    parameter) is formed in a fresh tensor before autograd adds it into the accumulated one, the logits'
+    gradient is still alive but the log-probabilities (counted with the activations) are gone. So
+
+        last stage: max(8 T V, G) (+ c T V below fp32: the logits' gradient cast back to the compute dtype)
+
+    On other stages the same happens with smaller tensors: the first stage's embedding gradient is formed
+    when its microbatch's activations are already freed, so it is not counted (a single op's temporaries are
+    not, see the module docstring). Checked against live allocations in fp32 in tests/unit/test_memory.py;
+    the bf16 term is the GPU's arithmetic (the CPU's bf16 matmul backward adds fp32 temporaries of its own)."""
+    if not last:
+        return 0
+    largest = max((p.numel() for p in params), default=0) * grad_itemsize
+    cast = grad_itemsize * tokens * vocab_size if grad_itemsize != 4 else 0
+    return max(8 * tokens * vocab_size, largest) + cast
+
+
 def measure_saved_activations(fn: Callable[[], Any], exclude: Iterable[Tensor] = ()) -> tuple[int, Any]:
     """(bytes of the distinct storages autograd saves while `fn()` runs, fn's result). Tensors sharing
     storage with `exclude` (pass the parameters) are not activations and are not counted."""
@@ -322,7 +344,7 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_micro
 # ---- reports -----------------------------------------------------------------------------------
 
 def versions_report(versions, optimizer, *, error_feedback: Sequence[Tensor], activation_bytes_per_mb: int,
-                    in_flight: int, grad_buffers: int, title: str) -> MemoryReport:
+                    in_flight: int, grad_buffers: int, title: str, backward_scratch: int = 0) -> MemoryReport:
     """One pipeline stage (asyncpp.pipeline.weights.WeightVersions): K versions in the compute dtype, the fp32
     masters if separate, the optimizer state, the EF buffer, the fp32 gradients (`grad_buffers` of them
     live at once: 2 in 2BW, whose lazy update overlaps the next step's backward) and activations."""
@@ -339,6 +361,8 @@ def versions_report(versions, optimizer, *, error_feedback: Sequence[Tensor], ac
     if versions.mixed:  # begin_update's fp32 copy of x_t (the masters held here), alive during the update
         items.append(MemoryItem("update scratch (fp32 x_t)", _numel_bytes(held), ESTIMATED))
     items.append(_activation_item(activation_bytes_per_mb, in_flight))
+    if backward_scratch:
+        items.append(MemoryItem("loss backward scratch (fp32 logits gradients)", backward_scratch, ESTIMATED))
     return MemoryReport(title, items)
 
 

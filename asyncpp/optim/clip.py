@@ -4,6 +4,11 @@ The squared norm is accumulated in fp64: torch's clip_grad_norm_ accumulates in 
 which on a 1M-element fp32 embedding gradient is off by ~1e-5 relative, enough to make a pipeline
 (which must sum squared norms across stages anyway) and a single process disagree. Clipping uses
 clip_grad_norm_'s formula, max_norm / (norm + 1e-6) capped at 1.
+
+Both norms run over a tensor in chunks of NORM_CHUNK elements: a whole-tensor fp64 copy and its square
+would be 4x the tensor's fp32 bytes at once (an embedding's gradient: 0.75 GB on smollm2_360m), a peak the
+memory plan does not hold (issue 19). The chunking depends only on the tensor's size, so every executor
+computes the same sums in the same order.
 """
 
 from __future__ import annotations
@@ -14,10 +19,32 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+NORM_CHUNK = 1 << 20
+"""Elements per fp64 chunk of the norms: 16 MiB of temporaries (the fp64 copy and its square)."""
+
+
+def _sq_sum(x: Tensor) -> Tensor:
+    """Sum of squares of one tensor's entries, in fp64, chunk by chunk (a 0-dim fp64 tensor)."""
+    flat = x.detach().reshape(-1)
+    if flat.numel() <= NORM_CHUNK:
+        return flat.double().pow(2).sum()
+    return sum(c.double().pow(2).sum() for c in flat.split(NORM_CHUNK))
+
 
 def grad_sq_norm(grads: Sequence[Tensor]) -> float:
     """Sum of squares of all entries, in fp64 (inf/nan propagate)."""
-    return float(sum(g.detach().double().pow(2).sum() for g in grads)) if grads else 0.0
+    return float(sum(_sq_sum(g) for g in grads)) if grads else 0.0
+
+
+@torch.no_grad()
+def diff_sq_norm(new: Sequence[Tensor], old: Sequence[Tensor]) -> float:
+    """||new - old||^2 over all entries, in fp64: the update norm. The fp32 difference is formed one chunk at a
+    time too (no copy of a whole tensor, let alone of the stage)."""
+    total = 0.0
+    for a, b in zip(new, old, strict=True):
+        pieces = zip(a.detach().reshape(-1).split(NORM_CHUNK), b.detach().reshape(-1).split(NORM_CHUNK))
+        total = total + sum(_sq_sum(x - y) for x, y in pieces)
+    return float(total)
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

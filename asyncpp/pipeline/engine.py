@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats
 from asyncpp.core.update import NO_CORRECTIONS, Corrections, UpdateRule
-from asyncpp.optim.clip import grad_sq_norm
+from asyncpp.optim.clip import diff_sq_norm
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
 from asyncpp.pipeline.head import HeadComm, HeadHelper, unpack
@@ -335,9 +335,9 @@ class StageEngine:
             counted = self.shards.select(counted)
         outcome = self.rule.apply(a.step, grads, record.grad_norm, x_t, delayed, pending.loads)
         record.lr, record.skipped, record.update_finite = outcome.lr, outcome.skipped, outcome.update_finite
-        with torch.no_grad():  # one difference at a time, not a second copy of the stage (same fp64 sum order)
-            self._update_sq[a.step] = 0.0 if outcome.skipped else sum(
-                grad_sq_norm([q - x]) for q, x, c in zip(self.rule.masters, x_t, counted) if c)
+        # Chunk by chunk (clip.diff_sq_norm), not a second copy of the stage; the simulator's fp64 sum order.
+        self._update_sq[a.step] = 0.0 if outcome.skipped else diff_sq_norm(
+            [q for q, c in zip(self.rule.masters, counted) if c], [x for x, c in zip(x_t, counted) if c])
         if self.shards:  # x_{t+1} of the other owners' parameters: waited for at its first read
             self.versions.fill_newest_later(self.shards.start_broadcast(a, self.versions.newest_buffer()))
         self.versions.recycle(pending.grads)  # the next step but one accumulates into them

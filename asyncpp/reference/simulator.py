@@ -36,7 +36,7 @@ from asyncpp.core.loss import LossFn, lm_loss
 from asyncpp.core.records import StepResult
 from asyncpp.core.staleness import predict_weights
 from asyncpp.core.update import Corrections, UpdateRule
-from asyncpp.optim.clip import clip_, grad_sq_norm
+from asyncpp.optim.clip import clip_, diff_sq_norm, grad_sq_norm
 from asyncpp.pipeline.weights import GradSums, is_mixed, make_masters, retarget
 
 
@@ -259,8 +259,7 @@ class DelayedUpdateSimulator:
         loads = self.balancing.pop_loads(step) if self.balancing else ()
         outcome = self.rule.apply(step, grads, grad_norm, current, delayed, loads)
         lr, finite = outcome.lr, not outcome.skipped
-        with torch.no_grad():
-            update_norm = math.sqrt(grad_sq_norm([q - x for q, x in zip(self.masters, current)]))
+        update_norm = math.sqrt(diff_sq_norm(self.masters, current))
         cosine, rel_error = self._compare(current, fresh) if fresh is not None and finite else (None, None)
         self.sync_params()
         if self.max_delay:
