@@ -127,11 +127,13 @@ class TrainConfig:
     peak_tflops: float | None = None
     """Per-device peak TFLOP/s for the log's MFU; None = the device table (asyncpp/train/throughput.py:
     H100/H200/A100), and no MFU on a CPU."""
-    host_mmap_threshold: int | None = 131072
+    host_mmap_threshold: int | None = None
     """Host memory (glibc): every allocation of this many bytes or more gets an mmap of its own, returned to
-    the kernel when freed, and glibc no longer raises this threshold as it goes. Without it a pipeline's host
-    RSS grows with run length (heap fragmentation: asyncpp/train/host_allocator.py). The default is glibc's own
-    starting value; null keeps glibc's dynamic threshold. No effect on other C libraries."""
+    the kernel when freed, and glibc no longer raises this threshold as it goes (131072, glibc's own starting
+    value, is the usual choice). Without it a CPU pipeline's host RSS grows with run length (heap
+    fragmentation: asyncpp/train/host_allocator.py); with it every activation-sized block costs page faults,
+    which halved tiny_dense's CPU throughput (bench/peers.py --memory: 7996 -> 4263 tokens/s), so it is off by
+    default: null keeps glibc's dynamic threshold. No effect on other C libraries or on device memory."""
 
     def __post_init__(self) -> None:
         # Without a global batch size the microbatch count needs no dp: fill it in at once, so a config built

@@ -23,7 +23,8 @@ of the run's own processes, over its wall time ("other load", in cores), and /pr
     .venv/bin/python bench/peers.py --only 2bw 1f1b single --splits [2,2] [2,2]+tokens auto+tokens   # head split
 
 A split ending in `+tokens` also sets parallel.head_split=tokens (stage 0 runs the LM head and loss of the
-cost model's share of each microbatch's tokens, asyncpp/core/head_split.py).
+cost model's share of each microbatch's tokens, asyncpp/core/head_split.py); `+tokens=N` sets the share to N
+tokens (parallel.head_split_tokens).
 
 Writes bench_results/peers.json and bench_results/peers.png (bars: median tokens/s, whiskers: min-max).
 """
@@ -70,8 +71,9 @@ def children_cpu_s() -> float:
 def run_one(impl: str, schedule: str, m: int, args, split: str = "") -> dict:
     """One job; returns its worker JSON with the load it ran under."""
     layers, _, head = split.partition("+")
-    extra = ([f"parallel.stage_layers={layers}", *([f"parallel.head_split={head}"] if head else []), *args.overrides]
-             if impl == "asyncpp" else [])
+    kind, _, share = head.partition("=")  # "tokens=330": the helper's share set by hand, not the cost model's
+    head_args = ([f"parallel.head_split={kind}"] if kind else []) + ([f"parallel.head_split_tokens={share}"] if share else [])
+    extra = [f"parallel.stage_layers={layers}", *head_args, *args.overrides] if impl == "asyncpp" else []
     out = Path(args.scratch) / f"{impl}-{schedule}-{m}-{split.replace('+', '_')}.json"
     steps = args.steps
     if impl == "single":  # its rate is steady after the warm-up: half the measured steps keep the bench short
@@ -194,8 +196,8 @@ def chart(rows: list[dict], path: Path) -> None:
 
 
 MEMORY_STEPS = (20, 80, 160)
-MEMORY_RUNS = (("asyncpp 2bw, glibc dynamic threshold", "asyncpp", "2bw", ["train.host_mmap_threshold=null"]),
-               ("asyncpp 2bw, threshold 128 KiB", "asyncpp", "2bw", []),  # the default, train.host_mmap_threshold
+MEMORY_RUNS = (("asyncpp 2bw, glibc dynamic threshold", "asyncpp", "2bw", []),  # the default
+               ("asyncpp 2bw, threshold 128 KiB", "asyncpp", "2bw", ["train.host_mmap_threshold=131072"]),
                ("torch 1F1B", "torch", "1F1B", []))
 
 

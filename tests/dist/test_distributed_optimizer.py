@@ -40,9 +40,9 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def config(optimizer: str, zero: bool, **extra):
     parallel = {"pp": 2, "dp": 2, "distributed_optimizer": zero, **extra.pop("parallel", {})}
-    return make_config(parallel=parallel, schedule={"name": "2bw"}, optimizer={"name": optimizer},
-                       train={"num_microbatches": 2, "steps": 5, **extra.pop("train", {})},
-                       staleness={"ef_lambda": 1.0}, **extra)
+    return make_config(parallel=parallel, schedule=extra.pop("schedule", {"name": "2bw"}),
+                       optimizer={"name": optimizer}, train={"num_microbatches": 2, "steps": 5, **extra.pop("train", {})},
+                       staleness=extra.pop("staleness", {"ef_lambda": 1.0}), **extra)
 
 
 # bf16 runs of different layouts: a reordered fp32 sum can move a master across a bf16 rounding boundary, so
@@ -108,6 +108,16 @@ def tied_master_bytes(cfg) -> dict[int, int]:
     if not m.tie_embeddings:
         return {}
     return {s: 4 * m.vocab_size * m.hidden_size for s in {0, cfg.parallel.pp - 1}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe", "pipedream"])
+def test_distributed_optimizer_equals_replicated_under_every_schedule(kind):
+    """The owners' reduction and broadcast follow UPDATE_START/UPDATE wherever a schedule places them."""
+    kw = {"schedule": {"name": kind}, "staleness": {"ef_lambda": 1.0 if kind == "pipedream" else 0.0}}
+    sharded, replicated = run(config("adamw", True, **kw)), run(config("adamw", False, **kw))
+    assert_close(sharded, replicated, range(5))
+    assert_replicas_identical(sharded[2])
 
 
 @pytest.mark.slow
