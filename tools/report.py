@@ -500,7 +500,9 @@ def _setup(study: Study) -> list[str]:
     lines = [
         f"- plan `{m['plan']}` ({m['label']}): {m['description']}",
         (f"- model `{cfg.get('model', {}).get('name')}`, {m['steps']} steps of {tokens} tokens "
-         f"({t.get('micro_batch_size')} × {t.get('num_microbatches')} microbatches × {t.get('seq_len')} tokens), "
+         f"({t.get('micro_batch_size')} × {t.get('num_microbatches')} microbatches × {t.get('seq_len')} tokens"
+         + (f"; after a batch rampup {t['batch_rampup']}, the per-step record's global_batch_size"
+            if t.get("batch_rampup") else "") + "), "
          f"seeds {m['seeds']}; validation every {t.get('eval_every')} steps on {t.get('eval_batches')} batches"),
         f"- runs: {len({r.name for r in runs})} planned, {len(done)} finished; mean step time "
         + (f"{statistics.fmean(step_times):.3f} s" if step_times else "—"),
