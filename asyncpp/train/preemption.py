@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from asyncpp.train.run_identity import EXIT_STOPPED
+from asyncpp.train.run_identity import EXIT_STOPPED, record_exit
 
 EXIT_CODE = EXIT_STOPPED  # 128 + SIGTERM, what a job killed by SIGTERM reports: the scheduler may requeue it
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -32,10 +32,17 @@ class StopFlag:
 
     A second signal while the first is being honoured exits at once with EXIT_CODE, without a checkpoint:
     the user insisted (a second Ctrl-C), or the scheduler is about to kill the job anyway.
+
+    Before the trainer's loop begins (`arm`) the signals keep their default action, which ends the process at
+    once: there is nothing to save yet, and a rank blocked in setup inside a C call (the rendezvous, waiting for
+    a peer that already failed a pre-flight check) would never get to run a Python handler, so it would sit out
+    torchrun's 30 s grace time and be SIGKILLed.
     """
 
     def __init__(self, at_step: int | None = None) -> None:
         self.requested = False
+        self.armed = False
+        self._signals: tuple[int, ...] = ()
         self.signal: int | None = None
         self.since: float | None = None  # time.monotonic() of the first request
         self.seen_at: int | None = None
@@ -47,10 +54,18 @@ class StopFlag:
 
     def set(self, signum: int = signal.SIGTERM, frame=None) -> None:
         if self.requested and frame is not None:  # a second real signal
-            os.write(2, f"signal {signum} again: exiting {EXIT_CODE} now, without a checkpoint\n".encode())
+            message = f"signal {signum} again: exiting {EXIT_CODE} now, without a checkpoint"
+            os.write(2, f"{message}\n".encode())
+            record_exit(EXIT_CODE, message)
             os._exit(EXIT_CODE)
         if not self.requested:
             self.requested, self.signal, self.since = True, signum, time.monotonic()
+
+    def arm(self) -> None:
+        """From now on a signal asks for a checkpoint at a step boundary (the trainer's loop has begun)."""
+        self.armed = True
+        for s in self._signals:
+            signal.signal(s, self.set)
 
     def reached(self, step: int) -> bool:
         """Whether a stop is requested, checked at the boundary after `step` (fires the test hook)."""
@@ -65,8 +80,10 @@ class StopFlag:
         return time.monotonic() - self.since if self.since is not None else float("nan")
 
     def install(self, *signals: int) -> StopFlag:
-        for s in signals or STOP_SIGNALS:
-            signal.signal(s, self.set)
+        """Handle `signals` (default: STOP_SIGNALS) from `arm` on; until then they end the process at once."""
+        self._signals = signals or STOP_SIGNALS
+        for s in self._signals:
+            signal.signal(s, self.set if self.armed else signal.SIG_DFL)
         return self
 
     def agreed(self, device: torch.device) -> bool:

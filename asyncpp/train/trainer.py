@@ -125,6 +125,7 @@ class Trainer:
 
     def run(self) -> dict:
         t, ck = self.cfg.train, self.cfg.checkpoint
+        self.stop.arm()  # a signal now checkpoints at a step boundary (before: exits at once, nothing to lose)
         val = self.executor.val_batches() if t.eval_every else []
         started = time.perf_counter()
         self.clock = CheckpointClock(ck.every_minutes if ck.enabled else 0.0,

@@ -157,3 +157,25 @@ def test_a_stop_flag_remembers_the_step_it_was_first_seen_in():
     assert not stop.reached(2) and stop.seen_at is None
     assert stop.reached(3) and stop.reached(4)
     assert stop.seen_at == 3
+
+
+@pytest.mark.parametrize("armed", [False, True])
+def test_a_signal_before_the_first_step_exits_at_once_and_after_it_asks_for_a_checkpoint(armed, tmp_path):
+    """Before the trainer's loop (a rank blocked in the rendezvous for a peer that already failed) SIGTERM keeps
+    its default action and ends the process at once; once armed it only sets the flag."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\n"
+            "from asyncpp.train.preemption import StopFlag\n"
+            f"flag = StopFlag().install()\n{'flag.arm()' if armed else ''}\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(0.2)\nprint('requested', flag.requested)\n")
+    exit_file = tmp_path / "exit"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False,
+                          env={**os.environ, "ASYNCPP_EXIT_FILE": str(exit_file)})
+    if armed:
+        assert proc.returncode == 0 and "requested True" in proc.stdout, proc.stderr
+        assert not exit_file.exists()
+    else:
+        assert proc.returncode == -15 and "requested" not in proc.stdout, (proc.returncode, proc.stderr)
