@@ -63,7 +63,9 @@ def test_async_save_is_committed_without_waiting_for_the_next_save(tmp_path):
     saver = ckpt.Saver(async_save=True)
     _save(saver, tmp_path, 10)
     deadline = time.monotonic() + 30
-    while ckpt.latest(tmp_path) is None and time.monotonic() < deadline:
+    # The commit renames the directory, then marks the save done: wait for both (under load the test saw the
+    # directory an instant before the flag).
+    while not (ckpt.latest(tmp_path) is not None and saver.committed) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _steps(tmp_path) == [10] and saver.committed
     assert not list(tmp_path.glob(".tmp-step_*"))
