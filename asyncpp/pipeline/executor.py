@@ -41,7 +41,7 @@ from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
 from asyncpp.schedules.registry import kind_of, step_delay
 from asyncpp.train import checkpoint as ckpt
-from asyncpp.train.metrics import line_due
+from asyncpp.train.metrics import evaluates_after, line_due
 from asyncpp.train.preemption import CheckpointClock, StopFlag
 
 
@@ -285,9 +285,8 @@ class PipelineExecutor:
         """Whether the trainer writes a log line at `step` (it reads the bubble then): every logging.log_every
         steps, the run's last, and an evaluation (at the end of the segment [t0, t1)). A pure function of the
         step and the segment, so every rank posts the same bubble all-reduces."""
-        every = self.cfg.train.eval_every
-        evaluated = step == t1 - 1 and every > 0 and (t1 % every == 0 or t1 == self.cfg.train.steps)
-        return line_due(step, self.cfg.train.steps, self.cfg.logging.log_every, evaluated)
+        t = self.cfg.train
+        return line_due(step, t.steps, self.cfg.logging.log_every, evaluates_after(step + 1, t1, t.eval_every, t.steps))
 
     def running_bubble(self, step: int) -> PipelineBubble | None:
         """The pipeline's idle share so far, as every rank's timer saw it at UPDATE(step) (bubble.py: gathered

@@ -73,6 +73,14 @@ def wandb_run_id(out_dir: str | os.PathLike) -> str:
     return path.read_text().strip()
 
 
+def evaluates_after(step_done: int, segment_end: int, eval_every: int, total_steps: int) -> bool:
+    """Whether the trainer evaluates once `step_done` steps are done: at the end of a segment that ends on an
+    eval_every multiple or the run's last step (never with eval_every=0). The trainer and the pipeline's bubble
+    gather (which must know the log steps in advance) both ask here."""
+    return eval_every > 0 and step_done == segment_end and (segment_end % eval_every == 0
+                                                             or segment_end == total_steps)
+
+
 def line_due(step: int, total_steps: int, log_every: int, evaluated: bool = False) -> bool:
     """Whether step `step` ends a log window: every log_every iterations, the last one, and evaluations."""
     return (step + 1) % log_every == 0 or step + 1 == total_steps or evaluated

@@ -20,7 +20,7 @@ from asyncpp.core.batches import BatchPlan
 from asyncpp.core.records import PipelineBubble, StepResult
 from asyncpp.schedules.registry import is_sync_step
 from asyncpp.train.checkpoint import due
-from asyncpp.train.metrics import line_due
+from asyncpp.train.metrics import evaluates_after, line_due
 from asyncpp.train.preemption import EXIT_CODE, CheckpointClock, StopFlag, announce
 
 
@@ -149,7 +149,7 @@ class Trainer:
         done = t0
         for result in self.executor.steps(t0, t1, self.stop, self.clock):
             done = result.step + 1
-            evaluated = bool(val) and done == t1 and (t1 % t.eval_every == 0 or t1 == t.steps)
+            evaluated = bool(val) and evaluates_after(done, t1, t.eval_every, t.steps)
             if evaluated:
                 self.val_loss = self.executor.evaluate(val)
             self._log(result, self.val_loss if evaluated else None)
