@@ -155,35 +155,30 @@ def _fake_bin(tmp_path: Path) -> Path:
     return bin_dir
 
 
+def _run_script(job, tmp_path: Path, bin_dir: Path, sigterm: bool, timeout: float = 10, **env: str) -> tuple[int, str]:
+    """Run the rendered script with the fake commands first on PATH (LOG and ARGS in tmp_path, `env` on top);
+    with `sigterm`, signal the batch shell once torchrun has started. Returns (exit code, stdout + stderr)."""
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(tmp_path / "log"),
+           "ARGS": str(tmp_path / "args"), **env}
+    proc = subprocess.Popen(["bash", "-c", slurm.render(job)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    if sigterm:
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "args").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
 def test_script_runs_forwards_sigterm_and_requeues(tmp_path):
     """Execute the rendered script with fake srun/scontrol/torchrun: words reach torchrun intact, SIGTERM
     to the batch shell reaches the ranks, then the job requeues itself."""
     bin_dir = _fake_bin(tmp_path)
     job = _job(torchrun=str(bin_dir / "torchrun"), workdir=str(tmp_path))
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "SLURM_JOB_NODELIST": "node-[a-b]",
-        "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NAME": "asyncpp",
-        "SLURM_CPUS_ON_NODE": "64",
-        "LOG": str(tmp_path / "log"),
-        "ARGS": str(tmp_path / "args"),
-    }
-    proc = subprocess.Popen(
-        ["bash", "-c", slurm.render(job)],
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    deadline = time.monotonic() + 10
-    while not (tmp_path / "args").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=10)
+    rc, out = _run_script(job, tmp_path, bin_dir, sigterm=True, SLURM_JOB_NODELIST="node-[a-b]",
+                          SLURM_JOB_ID="4242", SLURM_JOB_NAME="asyncpp", SLURM_CPUS_ON_NODE="64")
     args = (tmp_path / "args").read_text().splitlines()
     assert "--rdzv-endpoint=node-a:24242" in args and "--rdzv-id=4242" in args  # 20000 + 4242 % 20000
     assert args[args.index("pretrain.py") + 1 :] == [
@@ -193,7 +188,7 @@ def test_script_runs_forwards_sigterm_and_requeues(tmp_path):
         "checkpoint.every=500",
     ]
     assert (tmp_path / "log").read_text().splitlines() == ["TERM", "requeue 4242"], out
-    assert proc.returncode == 143, out
+    assert rc == 143, out
 
 
 def test_dry_run_prints_script_and_command_and_never_calls_sbatch(monkeypatch, capsys, tmp_path):
@@ -310,18 +305,10 @@ def test_environment_hook_and_bounded_requeues(tmp_path):
     # SLURM_RESTART_COUNT at the bound: the SIGTERM handler checkpoints the ranks but does not requeue.
     bin_dir = _fake_bin(tmp_path)
     job = _job(torchrun=str(bin_dir / "torchrun"), workdir=str(tmp_path), max_requeues=2)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-a",
-           "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "2", "LOG": str(tmp_path / "log"), "ARGS": str(tmp_path / "args")}
-    proc = subprocess.Popen(["bash", "-c", slurm.render(job)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 10
-    while not (tmp_path / "args").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=10)
+    rc, out = _run_script(job, tmp_path, bin_dir, sigterm=True, SLURM_JOB_NODELIST="node-a", SLURM_JOB_ID="7",
+                          SLURM_RESTART_COUNT="2")
     assert (tmp_path / "log").read_text().splitlines() == ["TERM"], out
-    assert "not requeueing: job 7 was requeued 2 times" in out and proc.returncode == 143
+    assert "not requeueing: job 7 was requeued 2 times" in out and rc == 143
 
 
 @pytest.mark.parametrize("signalled", [False, True])
@@ -334,18 +321,8 @@ def test_the_job_exits_with_the_code_the_ranks_meant_and_a_divergence_is_not_req
                                       'echo "3 training diverged: step 5" > "$ASYNCPP_EXIT_FILE"\n'
                                       f"trap 'exit 1' TERM\n{wait}\n")
     job = _job(torchrun=str(bin_dir / "torchrun"), workdir=str(tmp_path))
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-a",
-           "SLURM_JOB_ID": "9", "LOG": str(tmp_path / "log"), "ARGS": str(tmp_path / "args")}
-    proc = subprocess.Popen(["bash", "-c", slurm.render(job)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    if signalled:
-        deadline = time.monotonic() + 10
-        while not (tmp_path / "args").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=10)
-    assert proc.returncode == 3, out
+    rc, out = _run_script(job, tmp_path, bin_dir, sigterm=signalled, SLURM_JOB_NODELIST="node-a", SLURM_JOB_ID="9")
+    assert rc == 3, out
     assert "the run exited 3: training diverged: step 5" in out
     assert not (tmp_path / "log").exists() or "requeue" not in (tmp_path / "log").read_text()
 
@@ -364,14 +341,12 @@ def test_the_script_restarts_crashes_but_not_deliberate_exits(tmp_path, exits, m
         lines.append(f"if [ $n = {i} ]; then {write}exit {code}; fi")
     (bin_dir / "torchrun").write_text("#!/bin/bash\n" + "\n".join(lines) + "\nexit 99\n")
     job = _job(torchrun=str(bin_dir / "torchrun"), workdir=str(tmp_path))
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-a",
-           "SLURM_JOB_ID": "5", "COUNT": str(count), "LOG": str(tmp_path / "log")}
-    proc = subprocess.run(["bash", "-c", slurm.render(job)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=30, check=False)
-    assert int(count.read_text()) == runs, proc.stdout
-    assert proc.returncode == rc, proc.stdout
+    code, out = _run_script(job, tmp_path, bin_dir, sigterm=False, timeout=30, SLURM_JOB_NODELIST="node-a",
+                            SLURM_JOB_ID="5", COUNT=str(count))
+    assert int(count.read_text()) == runs, out
+    assert code == rc, out
     if rc == 2:
-        assert "the run exited 2: config error: bad field; not retried" in proc.stdout
+        assert "the run exited 2: config error: bad field; not retried" in out
 
 
 def test_a_missing_torchrun_on_the_node_is_a_clear_error(tmp_path):
