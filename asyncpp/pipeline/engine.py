@@ -239,11 +239,11 @@ class StageEngine:
         if self.load_stats is not None:
             self.load_stats.record(a.step)
         if self._splits_head:  # (own loss share, the helper's hidden states): the loss is complete at B
-            self.head_comm.send_hidden(out[1])
+            self.head_comm.send_hidden(out[1], a.step)
         elif self.mesh.is_last_stage:
             self.losses.setdefault(a.step, []).append(out.detach())
         else:
-            self.comm.send_forward(out)
+            self.comm.send_forward(out, a.step)
         self.inflight[(a.step, a.microbatch)] = (x, out)
         self.timer.add(a, start, self.timer.now())
 
@@ -259,7 +259,7 @@ class StageEngine:
             backward_through(out, grad)
         sent = x.grad if x is not None else None
         if x is not None:
-            self.comm.send_backward(sent)
+            self.comm.send_backward(sent, a.step)
             self.comm.release(x)  # the graph that read it is gone; its .grad is in the send's hands
         if grad is not None and grad is not sent:  # a stage without layers may pass `grad` itself on
             self.comm.release(grad)
@@ -320,6 +320,7 @@ class StageEngine:
     def _update(self, a: Action) -> None:
         wait_start = self.timer.now()
         pending = self.reduction.finish(a.step)
+        self._retire_sends(a.step)
         start = self.timer.now()
         grad_sq, update_sq, *loads = pending.reduction.tolist()
         if pending.norm_of_step is not None:
@@ -343,6 +344,13 @@ class StageEngine:
         self.versions.recycle(pending.grads)  # the next step but one accumulates into them
         self.timer.add(a, start, self.timer.now())
         self.timer.add(a, wait_start, start, kind="idle")  # dropped if shorter than timer.MIN_IDLE_S
+
+    def _retire_sends(self, step: int) -> None:
+        """Free the sends of steps <= step: the norm all-reduce that `reduction.finish(step)` completed spans
+        every stage, which proves they were received (StageComm.retire)."""
+        self.comm.retire(step)
+        if self.head_comm is not None:
+            self.head_comm.retire(step)
 
     def _correct(self, step: int, grads: list[Tensor], only: list[bool]) -> None:
         """DC-ASGD and gradient-level EF on the gradients marked in `only` (before their norm is taken).

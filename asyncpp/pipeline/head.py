@@ -51,11 +51,12 @@ class HeadComm(StageComm):
             self.links = PipelineLinks(recv_forward=None, send_forward=link.hidden, recv_backward=link.grad,
                                        send_backward=None)
 
-    def send_hidden(self, hidden: Tensor) -> None:
+    def send_hidden(self, hidden: Tensor, step: int) -> None:
         """The last stage's FORWARD: the normed hidden states of the helper's tokens. Not freed after the send
         (unlike an activation): they are a view of the stage's output, and its BACKWARD feeds their gradient
         back through them."""
-        self._send(hidden, self.next, self.links.send_forward, "the head's hidden states", free_after=False)
+        self._send(hidden, self.next, self.links.send_forward, "the head's hidden states", free_after=False,
+                   step=step)
 
     def _check(self, tensor: Tensor, what: str, dst: int) -> None:
         if tuple(tensor.shape) != tuple(self.send_shape) or tensor.dtype != self.send_dtype:
@@ -84,7 +85,7 @@ class HeadHelper:
         acc = self._grads.get(step)
         self._grads[step] = d_weight if acc is None else acc.add_(d_weight)
         message = torch.cat((d_hidden.float().reshape(-1), loss.detach().float().reshape(1)))
-        self.comm.send_backward(message)
+        self.comm.send_backward(message, step)
         self.comm.release(hidden)
 
     def add_into(self, step: int, grads: list[Tensor], params: list[nn.Parameter]) -> None:

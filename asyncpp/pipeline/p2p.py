@@ -7,8 +7,13 @@ schedule produces and consumes them (FIFO per direction, asyncpp/schedules/invar
 and the replay tier (tests/nccl/) that checks it against the ops real runs issue.
 
 - Sends are asynchronous (isend) and never waited for on the critical path: `poll` frees the sent
-  activation once the transfer has completed. Every send is checked against the agreed buffer
-  (shape, dtype) first: NCCL would corrupt data or hang on a mismatch where gloo only sometimes errors.
+  activation once the transfer reports completion, and `retire(t)` frees every send of steps <= t at
+  UPDATE(t), when the step's cross-stage norm all-reduce proves their receivers have consumed them.
+  The second is needed because gloo's send handle reports completion only inside `wait()`
+  (`is_completed()` stays False after the peer has received): relying on `poll` alone kept every sent
+  activation of a segment alive until its drain, and RSS grew with run length. Every send is checked
+  against the agreed buffer (shape, dtype) first: NCCL would corrupt data or hang on a mismatch where
+  gloo only sometimes errors.
 - Receives can be posted ahead of use (`post_recv_forward/backward`, the engine posts one action
   ahead); `recv_forward/backward` take the oldest posted one of that direction (or post it now) and
   wait for it. Shapes are fixed up front, so no shape handshake is needed.
@@ -124,9 +129,10 @@ class StageComm:
         # One switch for the GPU path: stream-ordered waits watched from the host (see the docstring).
         self.stream_waits = mesh.device.type == "cuda"
         self.watchdog = Watchdog(mesh, timeout_s) if self.stream_waits else None
-        # (work, payload, output-to-free or None) of sends in flight; the payload must stay alive
-        # until its send completes.
-        self._pending: deque[tuple[dist.Work, Tensor, Tensor | None]] = deque()
+        # (work, payload, output-to-free or None, step or None) of sends in flight, oldest first; the payload
+        # must stay alive until its send completes. The step is the training step the send belongs to
+        # (`retire`); None for an evaluation's sends, which `flush` waits for.
+        self._pending: deque[tuple[dist.Work, Tensor, Tensor | None, int | None]] = deque()
         # Receives posted ahead of use, per direction, oldest first: (work, buffer, src rank).
         self._posted: dict[str, deque[tuple[dist.Work, Tensor, int]]] = {"forward": deque(), "backward": deque()}
         # Receive buffers handed back by the engine once nothing reads them (`release`), reused by the next
@@ -212,23 +218,25 @@ class StageComm:
                 "seq_len (/ tp under sequence parallelism), hidden_size]"
             )
 
-    def _send(self, tensor: Tensor, dst: int, group, what: str, free_after: bool) -> None:
+    def _send(self, tensor: Tensor, dst: int, group, what: str, free_after: bool, step: int | None) -> None:
         self._check(tensor, what, dst)
         payload = self._payload(tensor)
         with naming_the_peer(self.mesh, f"{what} to rank {dst} (posting the send)", self.timeout_s):
             work = dist.isend(payload, dst=dst, group=group)
-        self._pending.append((work, payload, tensor if free_after else None))
+        self._pending.append((work, payload, tensor if free_after else None, step))
 
-    def send_forward(self, output: Tensor) -> None:
-        """Send the output activation; its storage is released once the send has completed.
+    def send_forward(self, output: Tensor, step: int | None = None) -> None:
+        """Send the output activation of training step `step` (None: an evaluation's); its storage is
+        released once the send has completed (`poll`, `retire`, `flush`).
 
         Only the data is freed: the autograd graph hanging off `output` stays, and the engine's
         backward does not need the output's values (see engine.backward_through).
         """
-        self._send(output, self.next, self.links.send_forward, "an activation", free_after=True)
+        self._send(output, self.next, self.links.send_forward, "an activation", free_after=True, step=step)
 
-    def send_backward(self, input_grad: Tensor) -> None:
-        self._send(input_grad, self.prev, self.links.send_backward, "an input gradient", free_after=False)
+    def send_backward(self, input_grad: Tensor, step: int | None = None) -> None:
+        self._send(input_grad, self.prev, self.links.send_backward, "an input gradient", free_after=False,
+                   step=step)
 
     # ---- bookkeeping --------------------------------------------------------------------------
     def poll(self) -> None:
@@ -236,7 +244,25 @@ class StageComm:
         if self.watchdog is not None:
             self.watchdog.check()
         while self._pending and self._pending[0][0].is_completed():
-            self._release(*self._pending.popleft())
+            self._release(*self._pending.popleft()[:3])
+
+    def retire(self, step: int) -> None:
+        """Release every send of steps <= `step`: the engine calls it at UPDATE(step), once the step's
+        cross-stage gradient-norm all-reduce has completed. By then every stage of the pipeline has run
+        UPDATE_START(step), so every FORWARD, BACKWARD and HEAD of steps <= step on every stage is done, and
+        each of them consumed its input: each of these sends has been received, and waiting for it returns
+        at once. (Waiting before that proof could deadlock: a gloo send completes only when the receiver has
+        posted its receive.) Sends are kept in issue order, but steps interleave (2BW's forwards of t+1 run
+        before UPDATE(t)): later sends stay pending."""
+        keep: deque = deque()
+        while self._pending:
+            work, payload, owner, sent_step = self._pending.popleft()
+            if sent_step is None or sent_step > step:
+                keep.append((work, payload, owner, sent_step))
+                continue
+            self.wait(work, f"a send of step {sent_step} to a neighbouring stage (received by now)")
+            self._release(work, payload, owner)
+        self._pending = keep
 
     def flush(self) -> None:
         """Wait for every send in flight (before exit or a drain). Every posted receive must have been
@@ -245,7 +271,7 @@ class StageComm:
         if posted:
             raise RuntimeError(f"stage {self.mesh.pp_rank}: receives posted but never used at a drain: {posted}")
         while self._pending:
-            work, payload, owner = self._pending.popleft()
+            work, payload, owner, _ = self._pending.popleft()
             self.wait(work, "a send to a neighbouring stage to complete")
             self._release(work, payload, owner)
 

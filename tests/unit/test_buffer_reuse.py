@@ -13,8 +13,9 @@ from asyncpp.pipeline.weights import WeightVersions
 
 
 def _comm() -> StageComm:
+    links = SimpleNamespace(send_forward=None, send_backward=None, recv_forward=None, recv_backward=None)
     mesh = SimpleNamespace(is_first_stage=False, is_last_stage=False, pp_rank=1, rank=1, device=torch.device("cpu"),
-                           global_rank=lambda stage: stage, links=None)
+                           global_rank=lambda stage: stage, links=links)
     return StageComm(mesh, (2, 3, 4), torch.float32)
 
 
@@ -93,3 +94,48 @@ def test_a_gradient_set_with_holes_is_not_recycled():
     _accumulate(model, 1)
     versions.take_grads()
     assert all(p.grad is None for p in model.parameters())  # no spare set was installed
+
+
+class _GlooSend:
+    """A gloo send handle as gloo reports it: never complete until waited for (is_completed() stays False
+    even after the peer received, measured with torch 2.13's ProcessGroupGloo)."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def is_completed(self) -> bool:
+        return self.waited
+
+    def wait(self, timeout=None) -> bool:
+        self.waited = True
+        return True
+
+
+def test_retire_releases_the_sends_of_finished_steps_that_poll_never_sees_complete(monkeypatch):
+    """Without `retire`, a gloo stage kept every sent activation of a segment alive until its drain (RSS grew
+    with run length). `retire(t)` frees exactly the sends of steps <= t, including an interleaved later step's
+    send issued before them, and leaves later steps' and evaluation sends (step None) pending."""
+    comm = _comm()
+    handles = []
+
+    def isend(payload, dst, group):
+        handles.append(_GlooSend())
+        return handles[-1]
+
+    monkeypatch.setattr("asyncpp.pipeline.p2p.dist.isend", isend)
+    outputs = {}
+    for step, mb in ((0, 0), (0, 1), (1, 0), (0, 2), (1, 1)):  # 2BW: forwards of step 1 before step 0's last
+        outputs[step, mb] = torch.ones(2, 3, 4)
+        comm.send_forward(outputs[step, mb], step)
+    comm.send_backward(torch.ones(2, 3, 4))  # no step: waited for only by flush
+    comm.poll()
+    assert len(comm._pending) == 6 and all(o.numel() == 24 for o in outputs.values())  # gloo: nothing completes
+    comm.retire(0)
+    assert [s for *_, s in comm._pending] == [1, 1, None]
+    assert all(outputs[0, mb].numel() == 1 for mb in range(3))  # the values were dropped, the graph node kept
+    assert outputs[1, 0].numel() == 24 and outputs[1, 1].numel() == 24
+    assert [h.waited for h in handles] == [True, True, False, True, False, False]
+    comm.retire(1)
+    assert [s for *_, s in comm._pending] == [None]
+    comm.flush()
+    assert not comm._pending and all(h.waited for h in handles)
