@@ -34,7 +34,7 @@ from asyncpp.core.update import NonFiniteUpdate
 from asyncpp.optim import build_from_config
 from asyncpp.reference.executor import ReferenceExecutor
 from asyncpp.train import preflight
-from asyncpp.train.host_allocator import set_mmap_threshold
+from asyncpp.train.host_allocator import set_mmap_threshold, set_trim_threshold
 from asyncpp.train.metrics import MetricsLogger
 from asyncpp.train.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from asyncpp.train.preemption import StopFlag
@@ -291,6 +291,7 @@ def main(dcfg: DictConfig) -> float:
                         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         # Before the data and the model: the heap policy is process-wide (asyncpp/train/host_allocator.py).
         set_mmap_threshold(cfg.train.host_mmap_threshold)
+        set_trim_threshold(cfg.train.host_trim_threshold)
         summary = run_distributed(cfg, model_cfg) if distributed else run(cfg, model_cfg)
     except ConfigError as e:  # raised before any model or process group exists
         leave(preflight.EXIT_CONFIG_ERROR, f"config error: {e}")  # distinct from a crash (1): never retried

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from asyncpp.schedules.registry import SYNC_KINDS, ScheduleKindError, kind_of
-from asyncpp.train.host_allocator import MMAP_THRESHOLD_MAX
+from asyncpp.train.host_allocator import MMAP_THRESHOLD_MAX, TRIM_THRESHOLD_MAX
 from asyncpp.typed import ConfigError, from_dict, to_dict
 
 ScheduleName = Literal["sync", "gpipe", "1f1b", "2bw", "pipedream"]
@@ -130,10 +130,15 @@ class TrainConfig:
     host_mmap_threshold: int | None = None
     """Host memory (glibc): every allocation of this many bytes or more gets an mmap of its own, returned to
     the kernel when freed, and glibc no longer raises this threshold as it goes (131072, glibc's own starting
-    value, is the usual choice). Without it a CPU pipeline's host RSS grows with run length (heap
-    fragmentation: asyncpp/train/host_allocator.py); with it every activation-sized block costs page faults,
-    which halved tiny_dense's CPU throughput (bench/peers.py --memory: 7996 -> 4263 tokens/s), so it is off by
-    default: null keeps glibc's dynamic threshold. No effect on other C libraries or on device memory."""
+    value, is the usual choice). RSS then tracks live bytes (what a memory plan counts; bench/memory_plan.py
+    sets it), but every activation-sized block costs page faults, which halved tiny_dense's CPU throughput
+    (bench/peers.py --memory), so it is off by default: null keeps glibc's dynamic threshold. No effect on
+    other C libraries or on device memory (asyncpp/train/host_allocator.py)."""
+    host_trim_threshold: int | None = None
+    """Host memory (glibc): free bytes the heap keeps at its top instead of returning them to the kernel; setting
+    it also stops glibc's dynamic thresholds. With host_mmap_threshold=33554432 and 2147483647 here, a CPU run
+    reuses its heap instead of faulting pages in every microbatch (about 10% of a CPU step's time at M=8) and
+    RSS stays at its high-water mark. null keeps glibc's default (asyncpp/train/host_allocator.py)."""
 
     def __post_init__(self) -> None:
         # Without a global batch size the microbatch count needs no dp: fill it in at once, so a config built
@@ -435,6 +440,10 @@ def _check_train(cfg: RunConfig, model: ModelLimits) -> None:
         raise ConfigError(f"train.host_mmap_threshold={t.host_mmap_threshold} is outside glibc's range [0, "
                           f"{MMAP_THRESHOLD_MAX}] (bytes); use e.g. 131072 (glibc's initial value), or null to "
                           "keep glibc's dynamic threshold")
+    if t.host_trim_threshold is not None and not 0 <= t.host_trim_threshold <= TRIM_THRESHOLD_MAX:
+        raise ConfigError(f"train.host_trim_threshold={t.host_trim_threshold} is outside mallopt's range [0, "
+                          f"{TRIM_THRESHOLD_MAX}] (bytes); use {TRIM_THRESHOLD_MAX} to never give the heap's top "
+                          "back, or null to keep glibc's default")
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     if t.eval_every < 0:

@@ -17,8 +17,9 @@ of the run's own processes, over its wall time ("other load", in cores), and /pr
 
     .venv/bin/python bench/peers.py                # M=4 and 8, 2 repetitions (about 10 minutes, quiet machine)
     .venv/bin/python bench/peers.py --quick        # smoke run: M=4, 12 steps, 1 repetition
-    .venv/bin/python bench/peers.py --memory       # RSS at steps 20, 80, 160 and tokens/s: 2BW before/after the
-                                                   # fixed mmap threshold, torch 1F1B (about 10 minutes, quiet)
+    .venv/bin/python bench/peers.py --memory       # RSS at steps 20, 80, 160 and tokens/s: 2BW under glibc's
+                                                   # defaults, the fixed 128 KiB mmap threshold and the retained
+                                                   # heap, torch 1F1B (about 10 minutes, quiet)
     .venv/bin/python bench/peers.py --only 2bw single --m 8 --splits [2,2] auto   # auto split vs the even one
     .venv/bin/python bench/peers.py --only 2bw 1f1b single --splits [2,2] [2,2]+tokens auto+tokens   # head split
 
@@ -112,6 +113,7 @@ def summarize(run: dict) -> dict:
         "peak_anon_mb_per_rank": [max(s["anon"] for s in r["memory_mb"]) for r in ranks],
         "peak_rss_mb_per_rank": [max(s["hwm"] for s in r["memory_mb"]) for r in ranks],
         "other_load_cores": run["other_load_cores"],
+        "ms_per_step_per_rank": [r.get("ms_per_step") for r in ranks],
     }
 
 
@@ -164,8 +166,43 @@ def aggregate(runs: list[dict], configs: list[tuple[str, str, str]]) -> list[dic
                 "peak_anon_mb_per_rank": [max(x["peak_anon_mb_per_rank"][i] for x in mine) for i in range(n)],
                 "peak_rss_mb_per_rank": [max(x["peak_rss_mb_per_rank"][i] for x in mine) for i in range(n)],
                 "other_load_cores": statistics.mean(x["other_load_cores"] for x in mine),
+                "ms_per_step_per_rank": [_median_kinds([x["ms_per_step_per_rank"][i] for x in mine]) for i in range(n)],
             })
     return rows
+
+
+def _median_kinds(per_run: list[dict | None]) -> dict[str, float] | None:
+    """The median over repetitions of each kind's ms per step (None where the run has no breakdown)."""
+    if any(d is None for d in per_run):
+        return None
+    kinds = sorted({k for d in per_run for k in d})
+    return {k: statistics.median(d.get(k, 0.0) for d in per_run) for k in kinds}
+
+
+BREAKDOWN_KINDS = ("F", "B", "H", "U", "idle", "untimed")
+
+
+def breakdown_table(rows: list[dict]) -> str:
+    """asyncpp's runs: where each rank's step goes (ms per step, medians), against the single process's whole
+    step; `compute / single` is the stages' F + B + H summed over ranks over the single process's step time."""
+    head = f"{'schedule':38} {'M':>2} {'rank':>4} " + " ".join(f"{k:>8}" for k in BREAKDOWN_KINDS) + \
+        f" {'wall':>8} {'compute / single':>16}"
+    lines = [head, "-" * len(head)]
+    single = {r["m"]: r["m"] * 4 * 128 / (r["tokens_per_s"] / 2) * 1e3 for r in rows if r["impl"] == "single"}
+    for r in rows:
+        if r["impl"] != "asyncpp" or not r["ms_per_step_per_rank"] or None in r["ms_per_step_per_rank"]:
+            continue
+        compute = sum(d.get(k, 0.0) for d in r["ms_per_step_per_rank"] for k in ("F", "B", "H"))
+        ratio = f"{compute / single[r['m']]:.2f}" if r["m"] in single else ""
+        for rank, d in enumerate(r["ms_per_step_per_rank"]):
+            cells = " ".join(f"{d.get(k, 0.0):>8.1f}" for k in BREAKDOWN_KINDS)
+            lines.append(f"{label(r['impl'], r['schedule'], r['split']):38} {r['m']:>2} {rank:>4} {cells} "
+                         f"{sum(d.values()):>8.1f} {ratio if rank == 0 else '':>16}")
+    lines.append("\nms per measured step, medians over the repetitions: F, B, H (the head split's helper), U (the "
+                 "update, U0 + U), idle (timed waits for a reduction), untimed (the rest of the wall time: waiting "
+                 "for or posting a transfer, the engine's bookkeeping). single process: "
+                 + ", ".join(f"M={m} {v:.1f} ms per step" for m, v in sorted(single.items())) + ".")
+    return "\n".join(lines)
 
 
 def chart(rows: list[dict], path: Path) -> None:
@@ -198,13 +235,15 @@ def chart(rows: list[dict], path: Path) -> None:
 MEMORY_STEPS = (20, 80, 160)
 MEMORY_RUNS = (("asyncpp 2bw, glibc dynamic threshold", "asyncpp", "2bw", []),  # the default
                ("asyncpp 2bw, threshold 128 KiB", "asyncpp", "2bw", ["train.host_mmap_threshold=131072"]),
+               ("asyncpp 2bw, heap retained", "asyncpp", "2bw",
+                ["train.host_mmap_threshold=33554432", "train.host_trim_threshold=2147483647"]),
                ("torch 1F1B", "torch", "1F1B", []))
 
 
 def memory_mode(args) -> dict:
     """Resident memory of rank 0 and 1 after steps 20, 80 and 160 at M=4, and the throughput of the same runs:
-    asyncpp 2BW with glibc's dynamic mmap threshold (before) and with the fixed one (after,
-    asyncpp/train/host_allocator.py), and torch 1F1B; `--reps` interleaved repetitions in a rotated order."""
+    asyncpp 2BW under glibc's defaults, with the fixed 128 KiB mmap threshold and with the heap retained
+    (asyncpp/train/host_allocator.py), and torch 1F1B; `--reps` interleaved repetitions in a rotated order."""
     args.steps, args.warmup = MEMORY_STEPS[-1], 5
     runs: dict[str, list[dict]] = {name: [] for name, *_ in MEMORY_RUNS}
     for rep in range(args.reps):
@@ -292,6 +331,7 @@ def main() -> None:
                           f"(other load {s['other_load_cores']:.2f} cores)", flush=True)
     rows = aggregate(runs, configs)
     print(table(rows, args.reps))
+    print("\n" + breakdown_table(rows))
     for r in runs:
         for rank in r["ranks"]:
             rank.pop("memory_mb", None)  # per-step samples: large, and the table has their peaks

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from asyncpp.core.loss import cross_entropy
-from asyncpp.train.host_allocator import heap_stats, set_mmap_threshold
+from asyncpp.train.host_allocator import heap_stats, set_mmap_threshold, set_trim_threshold
 from model_zoo import build_model, get_model_config
 
 MODEL = "tiny_dense"
@@ -206,6 +206,7 @@ def run_ours(args) -> dict:
                  f"out_dir={args.scratch}", *args.overrides]
     cfg, model_cfg = resolve(compose(overrides))
     set_mmap_threshold(cfg.train.host_mmap_threshold)  # as pretrain.py does at start
+    set_trim_threshold(cfg.train.host_trim_threshold)
     dims = ParallelDims.for_world(dist.get_world_size(), pp=2, tp=1, ep=1, dp=None)
     mesh = Mesh(dims, torch.device("cpu"), head_link=cfg.parallel.head_split == "tokens")
     if mesh.rank != 0:
@@ -231,8 +232,24 @@ def run_ours(args) -> dict:
     if mesh.is_last_stage:  # when each step's last backward ended (2BW yields a step two updates late)
         rec.step_ends = [timer.end_of(Op.BACKWARD, t) for t in range(args.warmup, args.steps)]
     result = rec.result(args.steps - args.warmup, args.m * args.micro_batch * args.seq)
+    result["ms_per_step"] = time_per_step(timer.events, args.warmup, args.steps, result["wall_s"])
     result["asyncpp_summary"] = executor.summary(0.0)
     return {"ranks": gather(result)}
+
+
+def time_per_step(events, first: int, last: int, wall_s: float) -> dict[str, float]:
+    """Where a rank's measured steps went, in ms per step: each kind of timed action (F, B, H for the head
+    split's helper, U0 + U the update), `idle` (waits for a reduction the timer records) and `untimed`, the
+    rest of the wall time: waiting for a transfer, posting one, the engine's own bookkeeping. Events count
+    in the step they belong to, so the sums are per step of work, not per wall-clock window."""
+    steps, sums = last - first, {}
+    for e in events:
+        if e.step is not None and first <= e.step < last:
+            kind = "U" if e.kind == "U0" else e.kind
+            sums[kind] = sums.get(kind, 0.0) + e.duration
+    out = {kind: total / steps * 1e3 for kind, total in sums.items()}
+    out["untimed"] = wall_s / steps * 1e3 - sum(out.values())
+    return out
 
 
 def gather(result: dict) -> list[dict]:

@@ -3,15 +3,28 @@
 Why a policy at all: torch's CPU tensors come from malloc. glibc serves a request of at least
 M_MMAP_THRESHOLD bytes with an mmap of its own (unmapped by free: back to the kernel at once) and smaller
 ones from the brk heap. The threshold starts at 128 KiB but, by default, rises to the size of every mmapped
-chunk that is freed (up to 32 MiB). A pipeline stage frees activation-sized blocks every microbatch, so after
-the first few the threshold sits above them and they move onto the heap, where 2BW's stashed activations (live
-across the step boundary) and the update's temporaries interleave with them. The heap's free holes below live
-chunks are not returned, and in that interleaving they are not refilled either: measured on tiny_dense
-(bench/peers.py --memory, 2BW, M=4), rank 0's heap held 175-290 MB of live blocks at every step boundary while
-its free bytes grew 117 -> 283 -> 737 MB at steps 20/80/160 (mallinfo2), in 270 free chunks of 0.5-14 MB, and
-RSS grew with them. A fixed threshold (mallopt(M_MMAP_THRESHOLD, n) also turns the dynamic adjustment off)
-keeps every block of n bytes or more in an mmap of its own, and RSS flat. The price is a page fault per 4 KiB
-of each such block on first touch (bench/peers.py --memory measures it side by side).
+chunk that is freed (up to 32 MiB), so after the first few microbatches activation-sized blocks live on the
+heap, where freed holes between live chunks stay resident.
+
+What this explains and what it does not. The growth of a gloo pipeline's RSS with run length (issue 21:
+rank 0 484 -> 752 -> 1057 MB at steps 20/80/160) was not the allocator: every sent activation stayed alive
+until the segment's drain, because gloo's send handle never reports completion before wait()
+(asyncpp/pipeline/p2p.py, StageComm.retire, fixes it at the source; rank 0 is now 410 / 411 / 415 MB). What
+is left to the allocator is a bounded retention: the heap's free bytes stay at tens of MB on stage 0 and a
+few hundred on the last stage (its [tokens, vocab] fp32 logits and their gradient are freed every
+microbatch), flat over the run. A fixed threshold (mallopt(M_MMAP_THRESHOLD, n) also turns the dynamic
+adjustment off) keeps every block of n bytes or more in an mmap of its own, so RSS tracks live bytes; the
+price is a page fault per 4 KiB of each such block on first touch, which on CPU halves tiny_dense's
+throughput (bench/peers.py --memory measures it side by side). Hence off by default; bench/memory_plan.py
+sets it, because a memory plan counts live bytes.
+
+The opposite policy trades memory for speed: every block below 32 MiB from the heap (the largest mmap
+threshold) and a trim threshold so high that the heap's top is never given back
+(`train.host_mmap_threshold=33554432 train.host_trim_threshold=2147483647`). By default glibc trims the top
+whenever more than twice the largest freed mmapped block is free there, and the last stage's per-microbatch
+logits keep crossing that line: the single process took 34,000 minor page faults and 50 ms of system time
+per step (10% of it) at M=8, the head split's last stage 10,000. Retained, the faults are gone (2-53 per
+step), and RSS stays flat at its high-water mark.
 
 glibc only: elsewhere (musl, macOS) every function here is a no-op that says so.
 """
@@ -22,10 +35,13 @@ import ctypes
 from dataclasses import dataclass
 from functools import cache
 
+M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-"""mallopt's parameter number (malloc.h)."""
+"""mallopt's parameter numbers (malloc.h)."""
 MMAP_THRESHOLD_MAX = 32 * 2**20
 """glibc's ceiling for M_MMAP_THRESHOLD on 64-bit (HEAP_MAX_SIZE / 2): mallopt refuses more."""
+TRIM_THRESHOLD_MAX = 2**31 - 1
+"""mallopt takes an int."""
 
 
 class _MallInfo2(ctypes.Structure):
@@ -63,6 +79,23 @@ def set_mmap_threshold(nbytes: int | None) -> bool:
         return False
     if libc.mallopt(M_MMAP_THRESHOLD, nbytes) != 1:
         raise RuntimeError(f"glibc refused mallopt(M_MMAP_THRESHOLD, {nbytes})")
+    return True
+
+
+def set_trim_threshold(nbytes: int | None) -> bool:
+    """Keep up to `nbytes` of free memory at the top of the heap instead of returning it to the kernel, and stop
+    glibc's dynamic adjustment of both thresholds (see the module docstring: with a 32 MiB mmap threshold and
+    the maximum here, a CPU stage reuses its heap and stops faulting pages in every microbatch). None leaves
+    glibc's default. Returns whether it was applied; process-wide, call it once at start (pretrain.py)."""
+    if nbytes is None:
+        return False
+    if not 0 <= nbytes <= TRIM_THRESHOLD_MAX:
+        raise ValueError(f"trim threshold {nbytes} is outside mallopt's range [0, {TRIM_THRESHOLD_MAX}]")
+    libc = _glibc()
+    if libc is None:
+        return False
+    if libc.mallopt(M_TRIM_THRESHOLD, nbytes) != 1:
+        raise RuntimeError(f"glibc refused mallopt(M_TRIM_THRESHOLD, {nbytes})")
     return True
 
 

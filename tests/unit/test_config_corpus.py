@@ -119,6 +119,8 @@ CORPUS: dict[str, Bad] = {
     "negative-mmap-threshold": Bad(["train.host_mmap_threshold=-1"], "train.host_mmap_threshold=-1", "131072"),
     "huge-mmap-threshold": Bad(["train.host_mmap_threshold=1000000000"], "train.host_mmap_threshold=1000000000",
                                "or null to keep glibc's dynamic threshold"),
+    "huge-trim-threshold": Bad(["train.host_trim_threshold=4294967296"], "train.host_trim_threshold=4294967296",
+                               "use 2147483647 to never give the heap's top back"),
     "negative-adamw-lr": Bad(["optimizer.adamw_lr=-1"], "optimizer.adamw_lr=-1.0", "or null to reuse"),
     "negative-weight-decay": Bad(["optimizer.weight_decay=-0.1"], "optimizer.weight_decay=-0.1", ">= 0"),
     "beta-above-one": Bad(["optimizer.betas=[0.9,1.5]"], "optimizer.betas[1]=1.5", "in [0, 1)"),

@@ -14,7 +14,13 @@ import torch
 
 from asyncpp.optim import clip
 from asyncpp.optim.clip import diff_sq_norm, grad_sq_norm
-from asyncpp.train.host_allocator import MMAP_THRESHOLD_MAX, heap_stats, set_mmap_threshold
+from asyncpp.train.host_allocator import (
+    MMAP_THRESHOLD_MAX,
+    TRIM_THRESHOLD_MAX,
+    heap_stats,
+    set_mmap_threshold,
+    set_trim_threshold,
+)
 
 glibc = pytest.mark.skipif(heap_stats() is None, reason="mallopt/mallinfo2 are glibc's (>= 2.33)")
 
@@ -54,6 +60,47 @@ def test_threshold_none_leaves_glibc_alone_and_out_of_range_is_refused():
         set_mmap_threshold(MMAP_THRESHOLD_MAX + 1)
     with pytest.raises(ValueError, match="outside glibc's range"):
         set_mmap_threshold(-1)
+
+
+# A fresh interpreter with every block below 32 MiB on the heap: frees an 8 MiB block at the heap's top (malloc
+# itself, so that nothing is allocated after it) and reports how many bytes the heap gave back to the kernel.
+_TRIM_PROBE = textwrap.dedent("""
+    import ctypes
+    import sys
+    from asyncpp.train.host_allocator import heap_stats, set_mmap_threshold, set_trim_threshold
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+    assert set_mmap_threshold(32 << 20)
+    if sys.argv[1] != "none":
+        assert set_trim_threshold(int(sys.argv[1]))
+    top = libc.malloc(8 << 20)
+    ctypes.memset(top, 1, 8 << 20)  # touched: resident
+    before = heap_stats().heap_bytes
+    libc.free(top)
+    print(before - heap_stats().heap_bytes)
+""")
+
+
+def _trimmed_bytes(threshold: str) -> int:
+    out = subprocess.run([sys.executable, "-c", _TRIM_PROBE, threshold], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    return int(out.stdout.split()[-1])
+
+
+@glibc
+def test_a_high_trim_threshold_keeps_the_heap_top_for_reuse():
+    # glibc's default gives a freed block at the heap's top back to the kernel, and the next one faults its
+    # pages in again (the per-microbatch page faults train.host_trim_threshold removes); retained, it stays.
+    assert _trimmed_bytes("none") >= 8 << 20
+    assert _trimmed_bytes(str(TRIM_THRESHOLD_MAX)) == 0
+
+
+def test_trim_threshold_none_leaves_glibc_alone_and_out_of_range_is_refused():
+    assert set_trim_threshold(None) is False
+    with pytest.raises(ValueError, match="outside mallopt's range"):
+        set_trim_threshold(TRIM_THRESHOLD_MAX + 1)
+    with pytest.raises(ValueError, match="outside mallopt's range"):
+        set_trim_threshold(-1)
 
 
 def _exact_sq(t: torch.Tensor) -> float:
