@@ -33,9 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint.api import CheckpointException
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-step_"
@@ -87,6 +85,16 @@ def _global(state: StageState, i: int, t: Tensor) -> Tensor:
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _dcp():
+    """torch.distributed.checkpoint, imported at the first save or load rather than with this module: it pulls
+    in DTensor and sympy, 46 MB of resident memory and half a second per process, which a process that never
+    checkpoints (bench/peers.py's, a run with checkpoint.enabled=false and synthetic data) should not pay.
+    (megatron-core's datasets import it anyway, with their whole package.)"""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
 def quiet_single_process_dcp() -> None:
@@ -268,12 +276,14 @@ class Saver:
         commit = _Commit(tmp, final, root, keep_last, manifest)
         quiet_single_process_dcp()
         if self.async_save:
-            future = dcp.async_save(_flat(state), checkpoint_id=str(tmp), process_group=self._group,
+            future = _dcp().async_save(_flat(state), checkpoint_id=str(tmp), process_group=self._group,
                                     no_dist=not _distributed())
             self._pending = _Pending(future, commit)
             return final
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
-            dcp.save(_flat(state), checkpoint_id=str(tmp), no_dist=not _distributed())
+            _dcp().save(_flat(state), checkpoint_id=str(tmp), no_dist=not _distributed())
         except (Exception, CheckpointException) as e:  # the same on every rank (a BaseException)
             if _os_error(e) is None and _distributed():  # not the disk: a peer died inside DCP's collectives
                 commit.abandon()
@@ -465,7 +475,7 @@ def read_manifest(path: str | os.PathLike) -> dict:
 def load(path: str | os.PathLike, state: StageState, ages: Sequence[int]) -> dict:
     """Collective. Fill `state` in place from `path`; returns the manifest."""
     manifest = read_manifest(path)
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = _dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata
     missing = [a for a in ages if f"weights/{a}/{state.names[0]}" not in saved] if state.names else []
     if missing:
         raise ValueError(
@@ -486,7 +496,7 @@ def load(path: str | os.PathLike, state: StageState, ages: Sequence[int]) -> dic
     optim, wrapped = _allocate_optimizer_state(state, saved)
     request.update(wrapped)
     quiet_single_process_dcp()
-    dcp.load(request, checkpoint_id=str(path), no_dist=not _distributed())
+    _dcp().load(request, checkpoint_id=str(path), no_dist=not _distributed())
     _install_optimizer_state(state, optim)
     _restore_rng(manifest)
     return manifest

@@ -114,14 +114,16 @@ def rank_dies_saving(rank: int, cfg_dict: dict, victim: int, where: str) -> dict
 
         ckpt.Saver.save = save
     else:
-        dcp_save = ckpt.dcp.save
+        import torch.distributed.checkpoint as dcp  # the module checkpoint.py imports at its first save
+
+        dcp_save = dcp.save
 
         def inside(*args, **kwargs):
             if rank == victim:
                 os._exit(17)
             return dcp_save(*args, **kwargs)
 
-        ckpt.dcp.save = inside
+        dcp.save = inside
     return pipeline_rank(rank, cfg_dict)
 
 
