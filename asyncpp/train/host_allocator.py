@@ -66,20 +66,41 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
+@dataclass(frozen=True)
+class _Option:
+    """One mallopt parameter with its valid range, set once at process start (it is process-wide)."""
+
+    number: int
+    name: str
+    what: str
+    limit: int
+    range_of: str
+    """Whose range the error names: glibc's ceiling or mallopt's int."""
+
+    def set(self, nbytes: int | None) -> bool:
+        """mallopt(number, nbytes); None leaves glibc's default. Whether it was applied (False: None, or not
+        glibc)."""
+        if nbytes is None:
+            return False
+        if not 0 <= nbytes <= self.limit:
+            raise ValueError(f"{self.what} {nbytes} is outside {self.range_of} range [0, {self.limit}]")
+        libc = _glibc()
+        if libc is None:
+            return False
+        if libc.mallopt(self.number, nbytes) != 1:
+            raise RuntimeError(f"glibc refused mallopt({self.name}, {nbytes})")
+        return True
+
+
+_MMAP = _Option(M_MMAP_THRESHOLD, "M_MMAP_THRESHOLD", "mmap threshold", MMAP_THRESHOLD_MAX, "glibc's")
+_TRIM = _Option(M_TRIM_THRESHOLD, "M_TRIM_THRESHOLD", "trim threshold", TRIM_THRESHOLD_MAX, "mallopt's")
+
+
 def set_mmap_threshold(nbytes: int | None) -> bool:
     """Serve every malloc of `nbytes` or more with its own mmap from now on, and stop glibc from raising the
     threshold (see the module docstring). None leaves glibc's dynamic default. Returns whether it was applied
     (False: None, or not glibc). Call it once, at process start (pretrain.py); it is process-wide."""
-    if nbytes is None:
-        return False
-    if not 0 <= nbytes <= MMAP_THRESHOLD_MAX:
-        raise ValueError(f"mmap threshold {nbytes} is outside glibc's range [0, {MMAP_THRESHOLD_MAX}]")
-    libc = _glibc()
-    if libc is None:
-        return False
-    if libc.mallopt(M_MMAP_THRESHOLD, nbytes) != 1:
-        raise RuntimeError(f"glibc refused mallopt(M_MMAP_THRESHOLD, {nbytes})")
-    return True
+    return _MMAP.set(nbytes)
 
 
 def set_trim_threshold(nbytes: int | None) -> bool:
@@ -87,16 +108,7 @@ def set_trim_threshold(nbytes: int | None) -> bool:
     glibc's dynamic adjustment of both thresholds (see the module docstring: with a 32 MiB mmap threshold and
     the maximum here, a CPU stage reuses its heap and stops faulting pages in every microbatch). None leaves
     glibc's default. Returns whether it was applied; process-wide, call it once at start (pretrain.py)."""
-    if nbytes is None:
-        return False
-    if not 0 <= nbytes <= TRIM_THRESHOLD_MAX:
-        raise ValueError(f"trim threshold {nbytes} is outside mallopt's range [0, {TRIM_THRESHOLD_MAX}]")
-    libc = _glibc()
-    if libc is None:
-        return False
-    if libc.mallopt(M_TRIM_THRESHOLD, nbytes) != 1:
-        raise RuntimeError(f"glibc refused mallopt(M_TRIM_THRESHOLD, {nbytes})")
-    return True
+    return _TRIM.set(nbytes)
 
 
 @dataclass(frozen=True)

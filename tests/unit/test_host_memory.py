@@ -40,10 +40,15 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-def _mmapped_new_blocks(threshold: str) -> int:
-    out = subprocess.run([sys.executable, "-c", _PROBE, threshold], capture_output=True, text=True, check=True,
+def _probe(script: str, threshold: str) -> int:
+    """Run `script` in a fresh interpreter (the heap policy is process-wide) and return the number it prints."""
+    out = subprocess.run([sys.executable, "-c", script, threshold], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2])
     return int(out.stdout.split()[-1])
+
+
+def _mmapped_new_blocks(threshold: str) -> int:
+    return _probe(_PROBE, threshold)
 
 
 @glibc
@@ -82,9 +87,7 @@ _TRIM_PROBE = textwrap.dedent("""
 
 
 def _trimmed_bytes(threshold: str) -> int:
-    out = subprocess.run([sys.executable, "-c", _TRIM_PROBE, threshold], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[2])
-    return int(out.stdout.split()[-1])
+    return _probe(_TRIM_PROBE, threshold)
 
 
 @glibc
