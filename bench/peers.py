@@ -50,6 +50,8 @@ from peers_worker import MULTI_STAGE, OURS, TORCH
 
 EVEN = "[2,2]"
 """The split every peer uses (embedding + layers 0-1 | layers 2-3, norm, head)."""
+MICROBATCH_TOKENS = 4 * 128
+"""Tokens per microbatch: the worker's micro batch x seq (peers_worker.py's defaults, which this script keeps)."""
 
 
 def configs_for(splits: list[str]) -> list[tuple[str, str, str]]:
@@ -106,7 +108,7 @@ def summarize(run: dict) -> dict:
     (CPU time / wall time) and peak anonymous and total resident memory."""
     ranks = run["ranks"]
     steps = ranks[0]["steps_measured"]
-    tokens = steps * run["m"] * 4 * 128
+    tokens = steps * run["m"] * MICROBATCH_TOKENS
     return {
         "tokens_per_s": tokens / max(r["wall_s"] for r in ranks),
         "bubble_per_rank": [1.0 - r["busy"] for r in ranks],
@@ -188,7 +190,7 @@ def breakdown_table(rows: list[dict]) -> str:
     head = f"{'schedule':38} {'M':>2} {'rank':>4} " + " ".join(f"{k:>8}" for k in BREAKDOWN_KINDS) + \
         f" {'wall':>8} {'compute / single':>16}"
     lines = [head, "-" * len(head)]
-    single = {r["m"]: r["m"] * 4 * 128 / (r["tokens_per_s"] / 2) * 1e3 for r in rows if r["impl"] == "single"}
+    single = {r["m"]: r["m"] * MICROBATCH_TOKENS / (r["tokens_per_s"] / 2) * 1e3 for r in rows if r["impl"] == "single"}
     for r in rows:
         if r["impl"] != "asyncpp" or not r["ms_per_step_per_rank"] or None in r["ms_per_step_per_rank"]:
             continue
