@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from asyncpp.config import RunConfig
 from asyncpp.core.batches import BatchPlan
-from asyncpp.core.loss import lm_loss
+from asyncpp.core.loss import LossFn, lm_loss
 from asyncpp.core.partition import param_stages, stage_split
 from asyncpp.core.records import DataSource, StepResult
 from asyncpp.core.update import lr_multiplier_for
@@ -46,14 +46,15 @@ def tied_head_use(model: nn.Module, schedule: str, num_stages: int) -> TiedUse |
     return TiedUse(head, "weight", embed.weight, stage_delay(schedule, num_stages - 1, num_stages))
 
 
-def build_simulator(cfg: RunConfig, model: nn.Module, optimizer) -> DelayedUpdateSimulator:
+def build_simulator(cfg: RunConfig, model: nn.Module, optimizer,
+                    loss_fn: LossFn = lm_loss) -> DelayedUpdateSimulator:
     s = cfg.staleness
     return DelayedUpdateSimulator(
         model,
         optimizer,
         parameter_delays(model, cfg.schedule.name, cfg.parallel.pp,
                          stage_split(cfg, model.config) if cfg.parallel.pp > 1 else None),
-        loss_fn=lm_loss,
+        loss_fn=loss_fn,
         grad_clip=cfg.train.grad_clip,
         ef_lambda=s.ef_lambda,
         lr_multiplier=lr_multiplier_for(cfg),

@@ -8,6 +8,7 @@ from torch import Tensor
 import pretrain
 from asyncpp.config import RunConfig
 from asyncpp.core.batches import BatchPlan
+from asyncpp.core.loss import LossFn, lm_loss
 from asyncpp.optim import build_from_config
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.pipeline.build import build_rank_stage
@@ -106,21 +107,22 @@ def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
             "master_bytes": master_bytes}
 
 
-def reference_run(cfg: RunConfig) -> dict:
-    """The single-process simulator on the same seed, data and config.
+def reference_run(cfg: RunConfig, loss_fn: LossFn = lm_loss) -> dict:
+    """The single-process simulator on the same seed, data and config (`loss_fn`: how it evaluates the model's
+    loss of a microbatch, asyncpp.core.loss.LossFn).
 
     Runs on one thread like the ranks do: CPU matmul kernels block differently with more threads,
     and the rounding differences would otherwise be amplified by Newton-Schulz and AdamW over steps.
     """
     with single_thread():
-        return _reference_run(cfg)
+        return _reference_run(cfg, loss_fn)
 
 
-def _reference_run(cfg: RunConfig) -> dict:
+def _reference_run(cfg: RunConfig, loss_fn: LossFn) -> dict:
     model_cfg = get_model_config(cfg.model.name, **(cfg.model.overrides or {}))
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg)
-    sim = build_simulator(cfg, model, optimizer_factory(cfg)(model))
+    sim = build_simulator(cfg, model, optimizer_factory(cfg)(model), loss_fn)
     data = data_for(cfg, model_cfg.vocab_size)
     plan = BatchPlan.of(cfg)  # m_t * dp microbatches from the step's first global index (a rampup grows m_t)
     stats, val = [], None
