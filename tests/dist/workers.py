@@ -82,7 +82,7 @@ def rank_layout(cfg_dict: dict) -> tuple[RunConfig, ModelConfig, Mesh]:
     """A worker's run config, model config (both validated) and CPU mesh at the process group's world size."""
     cfg = RunConfig.from_dict(cfg_dict)
     model_cfg = get_model_config(cfg.model.name, **(cfg.model.overrides or {}))
-    cfg.validate(model_cfg)
+    cfg = cfg.validate(model_cfg)  # the resolved config (derived microbatch count, warmup), as pretrain runs
     p = cfg.parallel
     dims = ParallelDims.for_world(torch.distributed.get_world_size(), pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
     return cfg, model_cfg, Mesh(dims, torch.device("cpu"), head_link=p.head_split == "tokens")
@@ -120,6 +120,7 @@ def reference_run(cfg: RunConfig, loss_fn: LossFn = lm_loss) -> dict:
 
 def _reference_run(cfg: RunConfig, loss_fn: LossFn) -> dict:
     model_cfg = get_model_config(cfg.model.name, **(cfg.model.overrides or {}))
+    cfg = cfg.validate(model_cfg)  # resolved like the ranks' (rank_layout)
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg)
     sim = build_simulator(cfg, model, optimizer_factory(cfg)(model), loss_fn)

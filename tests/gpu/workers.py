@@ -44,7 +44,7 @@ def gpu_pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     pipeline.StageComm = HostStagedComm
     cfg = RunConfig.from_dict(cfg_dict)
     model_cfg = get_model_config(cfg.model.name)
-    cfg.validate(model_cfg)
+    cfg = cfg.validate(model_cfg)
     device = torch.device("cuda", 0)
     mesh = Mesh(ParallelDims.for_world(torch.distributed.get_world_size(), pp=cfg.parallel.pp), device)
     torch.manual_seed(cfg.seed)

@@ -161,7 +161,7 @@ def batch(index: int, vocab: int = 64) -> torch.Tensor:
 def train(precision: str, steps: int, model_name: str = "tiny_hybrid", optimizer: str = "muon"):
     cfg = config(precision, steps, model_name, optimizer)
     model_cfg = get_model_config(model_name)
-    cfg.validate(model_cfg)
+    cfg = cfg.validate(model_cfg)
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg)
     sim = build_simulator(cfg, model, build_from_config(model, cfg.optimizer))
