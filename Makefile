@@ -38,9 +38,9 @@ lint: setup
 # one kernel choice only fails here, not first on someone else's machine. The whole tier would add more
 # than the ~4 minutes CI can spare; EQUIVALENCE_AGAIN keeps one test of each kind of comparison (simulator
 # vs hand-written rules, bitwise pipeline vs simulator in fp32 and bf16, DP, TP, EP, sharded Muon, the
-# Megatron loop, the non-finite skip, resume) and leaves out those that repeat a kind on more schedules
-# (test_pipeline_equivalence's other cases, test_checkpoint_resume, test_preemption, the other resume
-# cases). `make test-equivalence-again EQUIVALENCE_AGAIN=tests` runs all of it.
+# Megatron loop, the non-finite skip, resume, the head split's row blocks) and leaves out those that repeat
+# a kind on more schedules (test_pipeline_equivalence's other cases, test_checkpoint_resume,
+# test_preemption, the other resume cases). `make test-equivalence-again EQUIVALENCE_AGAIN=tests` runs all of it.
 OTHER_KERNELS ?= ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE
 EQUIVALENCE_AGAIN ?= tests/unit/test_simulator.py tests/unit/test_staleness_corrections.py \
 	tests/unit/test_router_balancing.py tests/unit/test_tp_plan.py \
@@ -50,7 +50,8 @@ EQUIVALENCE_AGAIN ?= tests/unit/test_simulator.py tests/unit/test_staleness_corr
 	tests/dist/test_tensor_parallel.py tests/dist/test_expert_parallel.py \
 	tests/dist/test_muon_distributed.py tests/dist/test_megatron_api.py tests/dist/test_faults.py \
 	tests/dist/test_pipeline_equivalence.py::test_four_stage_2bw_hybrid_moe_with_sync_start_and_eval \
-	tests/dist/test_pipeline_equivalence.py::test_data_parallel_two_replicas_equal_one_with_twice_the_microbatches
+	tests/dist/test_pipeline_equivalence.py::test_data_parallel_two_replicas_equal_one_with_twice_the_microbatches \
+	'tests/dist/test_head_split.py::test_head_split_equals_simulator[2bw-muon]'
 test: lint
 	$(PY) -m pytest -q
 	$(MAKE) --no-print-directory test-equivalence-again
