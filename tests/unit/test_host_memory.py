@@ -59,12 +59,14 @@ def test_dynamic_threshold_moves_blocks_to_the_heap_and_a_fixed_one_keeps_them_m
     assert _mmapped_new_blocks("131072") == 8
 
 
-def test_threshold_none_leaves_glibc_alone_and_out_of_range_is_refused():
-    assert set_mmap_threshold(None) is False
-    with pytest.raises(ValueError, match="outside glibc's range"):
-        set_mmap_threshold(MMAP_THRESHOLD_MAX + 1)
-    with pytest.raises(ValueError, match="outside glibc's range"):
-        set_mmap_threshold(-1)
+@pytest.mark.parametrize("set_threshold, limit, range_of", [(set_mmap_threshold, MMAP_THRESHOLD_MAX, "glibc's"),
+                                                          (set_trim_threshold, TRIM_THRESHOLD_MAX, "mallopt's")])
+def test_threshold_none_leaves_glibc_alone_and_out_of_range_is_refused(set_threshold, limit, range_of):
+    assert set_threshold(None) is False
+    with pytest.raises(ValueError, match=f"outside {range_of} range"):
+        set_threshold(limit + 1)
+    with pytest.raises(ValueError, match=f"outside {range_of} range"):
+        set_threshold(-1)
 
 
 # A fresh interpreter with every block below 32 MiB on the heap: frees an 8 MiB block at the heap's top (malloc
@@ -96,14 +98,6 @@ def test_a_high_trim_threshold_keeps_the_heap_top_for_reuse():
     # pages in again (the per-microbatch page faults train.host_trim_threshold removes); retained, it stays.
     assert _trimmed_bytes("none") >= 8 << 20
     assert _trimmed_bytes(str(TRIM_THRESHOLD_MAX)) == 0
-
-
-def test_trim_threshold_none_leaves_glibc_alone_and_out_of_range_is_refused():
-    assert set_trim_threshold(None) is False
-    with pytest.raises(ValueError, match="outside mallopt's range"):
-        set_trim_threshold(TRIM_THRESHOLD_MAX + 1)
-    with pytest.raises(ValueError, match="outside mallopt's range"):
-        set_trim_threshold(-1)
 
 
 def _exact_sq(t: torch.Tensor) -> float:
