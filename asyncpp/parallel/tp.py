@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from asyncpp.core.loss import cross_entropy
 from asyncpp.parallel.collectives import (
     Group,
+    bounded,
     copy_to,
     gather_for_region,
     gather_from,
@@ -118,7 +119,8 @@ def all_reduce_partial_grads_(model: nn.Module, plan: ShardingPlan, group: Group
         return
     for name, p in model.named_parameters():
         if layout_of(plan, name).tp_grad_reduce and p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+            with bounded(f"the tensor-parallel all-reduce of {name}'s partial gradient", group):
+                dist.all_reduce(p.grad, group=group)
 
 
 # ---------------------------------------------------------------- regions (hooks)
@@ -244,13 +246,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         v_local = x.shape[1]
         start = group_rank(group) * v_local
         gmax = x.max(dim=1).values
-        dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+        with bounded("the vocab-parallel cross entropy's all-reduce of the logits' max", group):
+            dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
         x = x - gmax.unsqueeze(1)
         mine = (t >= start) & (t < start + v_local)
         local_t = (t - start).masked_fill(~mine, 0)
         exp = x.exp()
         stats = torch.stack([x.gather(1, local_t.unsqueeze(1)).squeeze(1) * mine, exp.sum(dim=1)])
-        dist.all_reduce(stats, group=group)
+        with bounded("the vocab-parallel cross entropy's all-reduce of the target logit and the sum of "
+                     "exponentials", group):
+            dist.all_reduce(stats, group=group)
         target_logit, sum_exp = stats
         valid = t != ignore_index
         count = valid.sum()
