@@ -333,7 +333,7 @@ class RunConfig:
         """Cross-field checks, on the config with its derived values filled in (the microbatch count of
         train.global_batch_size, the warmup of warmup_fraction). Returns that resolved config; raises
         ConfigError naming the field, the value and the fix. Under torchrun, set parallel.dp from the
-        world size first (pretrain.resolve does), so the microbatch count is derived from the real dp."""
+        world size first (asyncpp.job.resolve does), so the microbatch count is derived from the real dp."""
         _check_finite(self, model)
         cfg = _resolve_derived(self)
         for check in (_check_run, _check_train, _check_batch_rampup, _check_parallel, _check_tp_ep, _check_optimizer,

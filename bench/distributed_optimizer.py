@@ -33,7 +33,7 @@ _MIB = 1024 * 1024
 
 
 def _rank(rank: int, cfg_dict: dict) -> dict:
-    import pretrain
+    from asyncpp import job
     from asyncpp.analysis.dryrun import stage_memory
     from asyncpp.pipeline.build import build_rank_stage
     from asyncpp.pipeline.executor import PipelineExecutor
@@ -43,7 +43,7 @@ def _rank(rank: int, cfg_dict: dict) -> dict:
     cfg, model_cfg, mesh = rank_layout(cfg_dict)
     torch.manual_seed(cfg.seed)
     run = PipelineExecutor(cfg, build_rank_stage(cfg, model_cfg, mesh, "cpu"), mesh,
-                           data_for(cfg, model_cfg.vocab_size), pretrain.optimizer_for(cfg, mesh))
+                           data_for(cfg, model_cfg.vocab_size), job.optimizer_for(cfg, mesh))
     e = run.engine
     plan = stage_memory(cfg, model_cfg, mesh, run.spec, e.versions, e.optimizer, e.error_feedback.prev_update)
     Trainer(cfg, run, Collect()).run()

@@ -207,11 +207,11 @@ def run_torch(args) -> dict:
 # ---- asyncpp ---------------------------------------------------------------------------------------------
 def run_ours(args) -> dict:
     """asyncpp's PipelineExecutor driven directly (no trainer: no logging, evaluation or checkpoints)."""
+    from asyncpp.job import compose, optimizer_for, resolve
     from asyncpp.parallel.mesh import Mesh, ParallelDims
     from asyncpp.pipeline.build import build_rank_stage
     from asyncpp.pipeline.executor import PipelineExecutor
     from asyncpp.schedules.actions import Op
-    from pretrain import compose, optimizer_for, resolve
 
     overrides = [f"model={MODEL}", "optimizer=adamw", f"optimizer.lr={LR}", "optimizer.weight_decay=0.0",
                  "optimizer.schedule.kind=constant", "optimizer.schedule.warmup_steps=0",
