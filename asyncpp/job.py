@@ -25,12 +25,12 @@ from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
 from asyncpp.analysis.dryrun import dry_run
-from asyncpp.analysis.measured import host_rss_bytes
-from asyncpp.analysis.memory import simulator_run_report
 from asyncpp.config import ConfigError, RunConfig, check_pipeline_options, parse_blend
 from asyncpp.core.batches import BatchPlan
+from asyncpp.core.memory import simulator_run_report
 from asyncpp.core.partition import stage_split
 from asyncpp.core.recompute import apply_recompute, modes_per_layer
+from asyncpp.host.measured import host_rss_bytes
 from asyncpp.optim import build_from_config
 from asyncpp.parallel.mesh import Mesh, ParallelDims, init_distributed
 from asyncpp.pipeline.build import build_rank_stage
