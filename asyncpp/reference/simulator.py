@@ -314,20 +314,3 @@ class DelayedUpdateSimulator:
         cosine = dot / math.sqrt(applied_sq * fresh_sq) if applied_sq > 0 and fresh_sq > 0 else math.nan
         rel_error = math.sqrt(diff_sq) / math.sqrt(fresh_sq) if fresh_sq > 0 else math.nan
         return cosine, rel_error
-
-    def state_dict(self) -> dict:
-        """Everything besides model/optimizer that a resumed run needs: past versions (num_past_versions
-        of them), u_{t-1} and, for gradient-level EF, g_{t-1}."""
-        return {
-            "history": [[x.clone() for x in version] for version in self.history],
-            "error_feedback": self.error_feedback.state_dict(),
-            "grad_error_feedback": self.grad_error_feedback.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.history.clear()
-        for version in state["history"]:
-            self.history.append([x.clone() for x in version])
-        self.error_feedback.load_state_dict(state["error_feedback"])
-        if "grad_error_feedback" in state:
-            self.grad_error_feedback.load_state_dict(state["grad_error_feedback"])
