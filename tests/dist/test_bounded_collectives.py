@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from asyncpp.parallel import collectives, experts
+from asyncpp.parallel.collectives import CollectiveTimeout
 from tests.dist.harness import run_ranks
 from tests.dist.workers import make_config, pipeline_rank
 
@@ -21,9 +23,6 @@ TIMEOUT_S = 10.0
 def silent_before(rank: int, cfg_dict: dict, victim: int, target: str, after_calls: int) -> dict:
     """`victim` stops answering at its call number `after_calls` of `target` (sleeps past the others' timeout,
     then exits); every other rank reports the error it raised and how long it had waited in that call."""
-    from asyncpp.parallel import collectives, experts
-    from asyncpp.parallel.collectives import CollectiveTimeout
-
     owner, name = (experts.ExpertDispatcher, "dispatch") if target == "dispatch" else (collectives, "_all_reduce")
     original, calls, entered = getattr(owner, name), [], []
 
