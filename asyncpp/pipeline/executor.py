@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from asyncpp.analysis.measured import device_peak_bytes, host_peak_bytes
 from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
 from asyncpp.core.batches import BatchPlan
@@ -26,12 +25,14 @@ from asyncpp.core.loss import token_share_loss
 from asyncpp.core.partition import head_split_plan, stage_balance, stage_split
 from asyncpp.core.records import DataSource, PipelineBubble, StepResult
 from asyncpp.core.update import Corrections, lr_multiplier_for
+from asyncpp.host.measured import device_peak_bytes, host_peak_bytes
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import global_view, layout_of
 from asyncpp.pipeline.bubble import BubbleGather
 from asyncpp.pipeline.build import BuiltStage
 from asyncpp.pipeline.engine import StageEngine, StepRecord
 from asyncpp.pipeline.head import HeadComm, HeadHelper
+from asyncpp.pipeline.memory import stage_memory
 from asyncpp.pipeline.p2p import StageComm, naming_the_peer
 from asyncpp.pipeline.stage import head_weight, stage_forward, tied_parameters
 from asyncpp.pipeline.stopping import ActionStream, StopAgreement, stop_lookahead
@@ -315,9 +316,7 @@ class PipelineExecutor:
         }
 
     def memory_plan(self):
-        """This rank's planned memory (asyncpp/analysis/memory.py), from its real tensors and schedule."""
-        from asyncpp.analysis.dryrun import stage_memory
-
+        """This rank's planned memory (asyncpp/core/memory.py), from its real tensors and schedule."""
         e = self.engine
         return stage_memory(self.cfg, self.model.config, self.mesh, self.spec, e.versions, e.optimizer,
                             e.error_feedback.prev_update)

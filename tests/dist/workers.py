@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-import pretrain
+from asyncpp import job
 from asyncpp.config import RunConfig
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.loss import LossFn, lm_loss
@@ -93,7 +93,7 @@ def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     cfg, model_cfg, mesh = rank_layout(cfg_dict)
     torch.manual_seed(cfg.seed)
     stage = build_rank_stage(cfg, model_cfg, mesh, "cpu")
-    run = PipelineExecutor(cfg, stage, mesh, data_for(cfg, model_cfg.vocab_size), pretrain.optimizer_for(cfg, mesh))
+    run = PipelineExecutor(cfg, stage, mesh, data_for(cfg, model_cfg.vocab_size), job.optimizer_for(cfg, mesh))
     sink = Collect()
     trainer = Trainer(cfg, run, sink)
     trainer.resume()
