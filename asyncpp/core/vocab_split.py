@@ -115,6 +115,8 @@ class VocabSplit:
     """Vocabulary rows per stage, in stage order (stage s holds rows [sum shards[:s], sum shards[:s+1]))."""
     compute: tuple[float, ...]
     """Each stage's compute, FLOP-equivalents per token: layers, embedding, final norm, its shard of the head."""
+    head: tuple[float, ...]
+    """The part of `compute` that is the stage's shard of the head (its S and T actions)."""
     comm: float
     """The head's communication per stage, FLOP-equivalents per token (see vocab_comm_time)."""
     overlap: str
@@ -187,5 +189,6 @@ def plan_vocab_split(costs: LayerCosts, num_stages: int, vocab: int, *, comm: fl
         shards = [base + (s < extra) for s in range(num_stages)]
     else:
         shards = shard_rows(body, costs.head_vocab, vocab, granule)
-    compute = tuple(b + r / vocab * costs.head_vocab for b, r in zip(body, shards))
-    return VocabSplit(tuple(sizes), tuple(shards), compute, comm, overlap)
+    head = tuple(r / vocab * costs.head_vocab for r in shards)
+    compute = tuple(b + h for b, h in zip(body, head))
+    return VocabSplit(tuple(sizes), tuple(shards), compute, head, comm, overlap)
