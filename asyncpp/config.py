@@ -244,6 +244,10 @@ def check_pipeline_options(cfg: RunConfig, model: ModelLimits) -> None:
             "on the fresh weights, which only the single-process simulator runs; run `python pretrain.py ...` "
             "without torchrun, or set staleness.diagnostics_every=0"
         )
+    p = cfg.parallel
+    if cfg.train.backend != "local" and (p.tp > 1 or p.ep > 1):
+        raise ConfigError(f"train.backend={cfg.train.backend} is not combined with tensor/expert parallelism yet "
+                          f"(parallel.tp={p.tp}, parallel.ep={p.ep}); use train.backend=local")
     tied = getattr(model, "tie_embeddings", True)
     if cfg.staleness.dc_lambda and cfg.schedule.name == "pipedream" and cfg.parallel.pp > 1 and tied:
         # The tied embedding's copies are read at different delays under PipeDream; DC-ASGD corrects their

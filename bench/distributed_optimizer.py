@@ -44,7 +44,7 @@ def _rank(rank: int, cfg_dict: dict) -> dict:
     torch.manual_seed(cfg.seed)
     run = PipelineExecutor(cfg, build_rank_stage(cfg, model_cfg, mesh, "cpu"), mesh,
                            data_for(cfg, model_cfg.vocab_size), job.optimizer_for(cfg, mesh))
-    e = run.engine
+    e = run.engine.update
     plan = stage_memory(cfg, model_cfg, mesh, run.spec, e.versions, e.optimizer, e.error_feedback.prev_update)
     Trainer(cfg, run, Collect()).run()
     masters = [q for q in e.versions.masters if q is not None] if e.versions.mixed else []

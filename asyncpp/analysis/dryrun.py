@@ -21,14 +21,11 @@ from torch import nn
 
 from asyncpp.config import RunConfig
 from asyncpp.core.partition import stage_split
-from asyncpp.core.staleness import ErrorFeedback
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.parallel.sharding import ShardingPlan, layout_of
 from asyncpp.pipeline.memory import stage_memory
-from asyncpp.pipeline.sharded import StageShards
+from asyncpp.pipeline.plan import StagePlan, build_stage_runtime
 from asyncpp.pipeline.stage import StageSpec, tied_parameters
-from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
-from asyncpp.schedules.registry import kind_of
 
 BuildStage = Callable[[Mesh, StageSpec], tuple[nn.Module, ShardingPlan]]
 BuildOptimizer = Callable[[nn.Module, ShardingPlan, Mesh], object]
@@ -44,36 +41,26 @@ def _fake_group(rank: int, world_size: int) -> None:
 
 def stage_report(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, build_stage: BuildStage,
                  build_optimizer: BuildOptimizer) -> dict:
-
-    stage, plan = build_stage(mesh, spec)
+    """One rank's report: its stage built on meta tensors, and the engine the run builds for it (the same
+    StagePlan and builder as the trainer's executor, pipeline/plan.py), so the weight versions, the
+    distributed optimizer's share and the Error-Feedback buffer are the ones the run allocates."""
+    stage, sharding = build_stage(mesh, spec)
     named = [(n, p) for n, p in stage.named_parameters() if p.requires_grad]
-    params = [p for _, p in named]
-    optimizer = build_optimizer(stage, plan, mesh)
-    dtype = compute_dtype_of(cfg.train.precision)
-    versions = WeightVersions(params, kind_of(cfg.schedule.name).num_buffers(spec.stage, mesh.num_stages),
-                              compute_dtype=dtype)
-    versions.retarget(optimizer)
-    owned = versions.masters
-    if cfg.parallel.distributed_optimizer and mesh.dims.dp > 1:  # this rank's (DP rank 0's) share
-        owned = _owned_share(stage, spec, plan, mesh, optimizer, versions, named)
-    ef = ErrorFeedback(owned, cfg.staleness.ef_lambda).prev_update
-    report = stage_memory(cfg, model_cfg, mesh, spec, versions, optimizer, ef)
-    shards = {n: {"shape": list(p.shape), "tp_dim": layout_of(plan, n).tp_dim, "expert": layout_of(plan, n).expert}
-              for n, p in named}
-    return {"stage": spec.stage, "rank": mesh.rank, "params": sum(p.numel() for p in params),
-            "memory": report.to_dict(), "table": report.table(), "shards": shards}
+    engine = build_stage_runtime(
+        StagePlan.of(cfg, model_cfg, spec, mesh.dims), spec, stage, mesh, build_optimizer(stage, sharding, mesh),
+        _never_run, grad_scale=1.0, layouts=[layout_of(sharding, n) for n, _ in named],
+        tied=tied_parameters(stage, spec))
+    report = stage_memory(cfg, model_cfg, mesh, spec, engine.versions, engine.update.optimizer,
+                          engine.update.error_feedback.prev_update)
+    shards = {n: {"shape": list(p.shape), "tp_dim": layout_of(sharding, n).tp_dim,
+                  "expert": layout_of(sharding, n).expert} for n, p in named}
+    return {"stage": spec.stage, "rank": mesh.rank, "params": sum(p.numel() for _, p in named),
+            "num_buffers": engine.versions.num_buffers, "memory": report.to_dict(), "table": report.table(),
+            "shards": shards}
 
 
-def _owned_share(stage: nn.Module, spec: StageSpec, plan: ShardingPlan, mesh: Mesh, optimizer, versions: WeightVersions,
-                 named) -> list:
-    """The distributed optimizer: restrict `optimizer` to this rank's parameters and (bf16) drop the other
-    owners' fp32 masters, as the engine does; returns this rank's masters."""
-    tied = {id(p) for p in tied_parameters(stage, spec)}
-    shards = StageShards(mesh, optimizer, versions.masters, expert=[layout_of(plan, n).expert for n, _ in named],
-                         tied=[id(p) in tied for _, p in named])
-    owned = shards.select(versions.masters)
-    shards.shard_masters(versions)
-    return owned
+def _never_run(step: int, microbatch: int, x):
+    raise RuntimeError("a dry run builds the stage's engine but runs no action")
 
 
 def dry_run(cfg: RunConfig, model_cfg, world_size: int, build_stage: BuildStage, build_optimizer: BuildOptimizer,
@@ -91,7 +78,7 @@ def dry_run(cfg: RunConfig, model_cfg, world_size: int, build_stage: BuildStage,
         rank = (s * dims.dp) * dims.tp  # dp rank 0, tp rank 0 of stage s
         _fake_group(rank, world_size)
         try:
-            mesh = Mesh(dims, torch.device("cpu"))
+            mesh = Mesh(dims, torch.device("cpu"), head_link=p.head_split == "tokens")
             spec = StageSpec(s, dims.pp, model_cfg.num_layers, stage_split(cfg, model_cfg),
                              head_split=p.head_split == "tokens")  # the helper's head replica is counted
             reports.append(stage_report(cfg, model_cfg, mesh, spec, build_stage, build_optimizer))

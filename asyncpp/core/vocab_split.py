@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from asyncpp.core.layer_costs import FLOP_RATE, LayerCosts
-from asyncpp.core.partition import balanced_split
+from asyncpp.core.layer_split import balanced_split
 
 
 @dataclass(frozen=True)

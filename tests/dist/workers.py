@@ -104,7 +104,8 @@ def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     master_bytes = sum(q.numel() * q.element_size() for q in v.masters if q is not None) if v.mixed else 0
     return {"stage": mesh.pp_rank, "dp": mesh.dp_rank, "tp": mesh.tp_rank, "ep": mesh.ep_rank, "records": sink.records,
             "params": params, "summary": summary, "layouts": {n: (l.tp_dim, l.expert) for n, l in run.sharding.items()},
-            "master_bytes": master_bytes}
+            "master_bytes": master_bytes, "num_buffers": v.num_buffers,
+            "version_bytes": sum(x.numel() * x.element_size() for buffer in v.buffers for x in buffer)}
 
 
 def reference_run(cfg: RunConfig, loss_fn: LossFn = lm_loss) -> dict:
