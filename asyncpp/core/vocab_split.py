@@ -32,7 +32,7 @@ How the communication meets the compute (`overlap`):
 The joint choice of the layer split and the shards (`plan_vocab_split`): for a given split with per-stage
 costs A_s without the vocabulary, the best shards fill the stages like water, v_s = max(0, T - A_s) / head_vocab
 with sum v_s = 1, and the slowest stage is max(T, max A_s). Since sum A_s is the same for every split, T is
-the ideal (total / P) whenever no A_s exceeds it; so the split that minimizes max A_s (partition.balanced_split
+the ideal (total / P) whenever no A_s exceeds it; so the split that minimizes max A_s (layer_split.balanced_split
 with the head reduced to its final norm) is optimal for the pair. Exact up to the shards' rounding to `granule`
 rows. Deterministic: every rank and the simulator agree without communicating.
 """
