@@ -27,6 +27,10 @@ CASES = {
     # group the 4 ranks in (stage, tp rank) order.
     "pp2_tp2": {"ranks": [0, 1, 2, 3], "shards": [110, 190], "tp": 2, "vocab": 300, "hidden": 32, "seed": 3,
                 "hot_rows": slice(200, 260), "last": 3},
+    # bf16 weights and hidden states (the mixed-precision compute dtype): logits and gradients in bf16, the cross
+    # entropy in fp32, the partial input gradients reduced in bf16.
+    "pp4_bf16": {"ranks": [0, 1, 2, 3], "shards": [70, 30, 120, 80], "vocab": 300, "hidden": 16, "seed": 4,
+                 "hot_rows": slice(100, 130), "last": 3, "dtype": torch.bfloat16},
 }
 
 
@@ -86,3 +90,4 @@ def test_the_vocabulary_really_is_split_into_unequal_shards(results, name):
         starts += w
     if name == "pp2_tp2":
         assert widths == [55, 55, 95, 95]
+    assert {r["dtype"] for r in ranks} == {str(CASES[name].get("dtype", torch.float32))}

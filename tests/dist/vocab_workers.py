@@ -20,6 +20,8 @@ from asyncpp.parallel.vocab_parallel import (
 
 U = 2.0 ** -24
 """fp32 unit roundoff."""
+ROUNDOFF = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -9}
+"""The extra rounding of a result stored in the compute dtype (fp32's is in gamma already; bf16's unit roundoff)."""
 
 
 def gamma(n: int) -> float:
@@ -36,7 +38,7 @@ def reference(full_weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Te
     return {"loss": loss.detach(), "dW": w.grad, "dH": h.grad, "logits": logits.detach()}
 
 
-def bounds(full_weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor) -> dict:
+def bounds(full_weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor, ranks: int = 1) -> dict:
     """Bounds on |vocabulary-parallel - unsplit| for the loss, the weight gradient and the input gradient, first
     order in u, in float64 from the data. Each of the two computations differs from exact arithmetic by at most
     the one-sided bound below, so their difference by twice it. One-sided, per token i and vocabulary id j:
@@ -46,7 +48,11 @@ def bounds(full_weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tenso
     the token's loss log S_i + M_i - x_it: s_i + 2u |log S_i| + u |lse_i| + gamma_h A_it + u |loss_i|;
     the mean over the n counted tokens: their mean + gamma_n mean |loss_i|;
     the softmax p_ij: eps_ij = e_ij + s_i + u; G = p - onehot: eps_ij p_ij + u |G_ij|;
-    dW = G^T H / n: (|dG|^T |H| + gamma_n |G|^T |H|) / n + u |dW|; dH = G W / n likewise with gamma_V."""
+    dW = G^T H / n: (|dG|^T |H| + gamma_n |G|^T |H|) / n + u |dW|; dH = G W / n likewise with gamma_V.
+    In bf16 (b = 2^-9, ROUNDOFF) the logits, the logits' gradient, dW and each rank's partial dH are rounded to bf16
+    once more (b |x|, b |G|, b |dW|, b |partial|), and the partials are summed over the `ranks` in bf16 (the reduce):
+    gamma_ranks in b of the sum of |partials| <= |G| |W| / n."""
+    b = ROUNDOFF[hidden.dtype]
     w, h = full_weight.double(), hidden.double().reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
     valid = (t != -100).double()
@@ -61,28 +67,32 @@ def bounds(full_weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tenso
     rows = torch.arange(x.shape[0])
     onehot[rows[t >= 0], t[t >= 0]] = 1.0
     G = (p - onehot) * valid.unsqueeze(1)
-    e = 2 * U * (1 + (x - M).abs()) + gamma(hid) * A
+    e = 2 * U * (1 + (x - M).abs()) + gamma(hid) * A + b * x.abs()
     s = e.max(dim=1, keepdim=True).values + gamma(V)
     loss_i = (lse.squeeze(1) - x[rows, t.clamp(min=0)]) * valid
-    target_err = gamma(hid) * A[rows, t.clamp(min=0)]
+    target_err = gamma(hid) * A[rows, t.clamp(min=0)] + b * x[rows, t.clamp(min=0)].abs()
     per_token = (s.squeeze(1) + 2 * U * S.log().abs().squeeze(1) + U * lse.abs().squeeze(1) + target_err
                  + U * loss_i.abs()) * valid
     loss_bound = per_token.sum() / n + gamma(n) * loss_i.abs().sum() / n
     eps = e + s + U
-    dG = (eps * p + U * G.abs()) * valid.unsqueeze(1)
+    dG = (eps * p + (U + b) * G.abs()) * valid.unsqueeze(1)
     dW = G.T @ h / n
-    dW_bound = (dG.T @ h.abs() + gamma(n) * G.abs().T @ h.abs()) / n + U * dW.abs()
+    dW_bound = (dG.T @ h.abs() + gamma(n) * G.abs().T @ h.abs()) / n + (U + b) * dW.abs()
     dH = G @ w / n
-    dH_bound = (dG @ w.abs() + gamma(V) * G.abs() @ w.abs()) / n + U * dH.abs()
+    bf16_sum = ranks * b / (1 - ranks * b)  # gamma_ranks in bf16's unit roundoff: the partials' rounding and sum
+    dH_bound = ((dG @ w.abs() + gamma(V) * G.abs() @ w.abs()) / n + (U + b) * dH.abs()
+                + bf16_sum * G.abs() @ w.abs() / n)
     return {"loss": 2 * loss_bound.item(), "dW": 2 * dW_bound.float(), "dH": 2 * dH_bound.float().reshape(hidden.shape)}
 
 
 def inputs(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(case["seed"])
     V, hid, B, T = case["vocab"], case["hidden"], 2, 6
+    dtype = case.get("dtype", torch.float32)
     weight = torch.randn(V, hid, generator=g) / hid ** 0.5
     weight[case["hot_rows"]] *= 8  # one shard's logits dominate: a shard-local max would overflow exp
-    hidden = torch.randn(B, T, hid, generator=g)
+    weight = weight.to(dtype)
+    hidden = torch.randn(B, T, hid, generator=g).to(dtype)
     targets = torch.randint(0, V, (B, T), generator=g)
     targets[0, :2] = -100  # ignored tokens
     targets[1, 0] = V - 1  # the last shard's last row
@@ -114,7 +124,8 @@ def run_case(case: dict) -> dict | None:
         "loss": loss.item(), "ref_loss": ref["loss"].item(),
         "dW": w.grad, "ref_dW": ref["dW"][shard.start:shard.end],
         "dH": dH, "ref_dH": ref["dH"] if dH is not None else None,
-        "partial_dH": h.grad, "bounds": bounds(weight, hidden, targets),
+        "partial_dH": h.grad, "bounds": bounds(weight, hidden, targets, len(members)),
+        "dtype": str(w.grad.dtype),
     }
 
 
