@@ -93,6 +93,22 @@ def vocab_parallel_loss(hidden: Tensor, weight: Tensor, targets: Tensor, shard: 
     return vocab_parallel_cross_entropy(logits, targets, group, ignore_index=ignore_index, vocab_start=shard.start)
 
 
+def embedding_partial(ids: Tensor, weight: Tensor, shard: VocabShard) -> Tensor:
+    """This shard's part of the input embedding: the rows of the tokens in [shard.start, shard.end), zeros for the
+    others ([B, T, h]). Each token's row lives on exactly one shard, so the sum of the partials over the shards (a
+    reduce onto the first stage) is the unsplit lookup exactly, and the backward of a partial (the embedding's output
+    gradient broadcast back from the first stage) gives the shard its rows of the unsplit weight gradient. With the
+    head sharded by the same rows, a tied embedding's two shards sit on one stage (no first-last tied all-reduce)."""
+    if weight.shape[0] != shard.rows:
+        raise ValueError(f"the embedding shard has {weight.shape[0]} rows, but its VocabShard says {shard.rows}")
+    outside = (ids < shard.start) | (ids >= shard.end)
+    local = (ids - shard.start).masked_fill(outside, 0)
+    if shard.rows == 0:
+        return weight.new_zeros((*ids.shape, weight.shape[1]))
+    # masked_fill also zeroes the gradient the masked tokens would send to row 0 of the shard (as tp.py's lookup).
+    return F.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+
+
 def broadcast_hidden(hidden: Tensor | None, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str,
                      src: int, group: Group) -> Tensor:
     """The normed hidden states of `src` (a global rank) on every rank of `group`: `hidden` on src, a received

@@ -1,5 +1,6 @@
 """The vocabulary-parallel head's pieces that need no process group: the shard table, the TP split of a shard, a
-shard's rows of the unsplit weight, and the one-rank head (the plain head and loss, bit for bit)."""
+shard's rows of the unsplit weight, the one-rank head (the plain head and loss, bit for bit), and the input
+embedding sharded by the same rows."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from asyncpp.parallel.vocab_parallel import (
     VocabParallelHead,
     VocabShard,
+    embedding_partial,
     shard_rows_of,
     split_for_tp,
     vocab_parallel_loss,
@@ -50,3 +52,29 @@ def test_one_rank_head_is_the_plain_head_bit_for_bit():
         vocab_parallel_loss(h, w[:10], targets, VocabShard(5, 10), None)
     with pytest.raises(ValueError, match="VocabShard says 20"):
         vocab_parallel_loss(h, w[:10], targets, VocabShard(0, 20), None)
+
+
+def test_embedding_partials_sum_to_the_unsplit_lookup_and_its_gradient_rows():
+    """The input embedding sharded by the same rows: summing the shards' partial lookups is the unsplit lookup bit for
+    bit (one nonzero per token), and each shard's weight gradient is its rows of the unsplit gradient bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    V, h = 40, 6
+    w = torch.randn(V, h, generator=g)
+    ids = torch.randint(0, V, (3, 7), generator=g)
+    ids[0, 0], ids[0, 1] = 0, V - 1
+    upstream = torch.randn(3, 7, h, generator=g)
+    full = w.clone().requires_grad_()
+    want = F.embedding(ids, full)
+    want.backward(upstream)
+    shards = vocab_shards([9, 0, 25, 6], V)
+    parts = []
+    for shard in shards:
+        piece = shard_rows_of(w, shard).requires_grad_()
+        out = embedding_partial(ids, piece, shard)
+        if shard.rows == 0:  # no rows: zeros, nothing to differentiate
+            assert not out.requires_grad and not out.any()
+        else:
+            out.backward(upstream)
+            assert torch.equal(piece.grad, full.grad[shard.start:shard.end])
+        parts.append(out.detach())
+    assert torch.equal(sum(parts), want.detach())
