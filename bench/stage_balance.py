@@ -88,12 +88,9 @@ def vocab_parallel_costed(costs: LayerCosts, model, P: int, tokens: int, device:
     plan = plan_vocab_split(costs, P, model.vocab_size, comm=comm_per_token(comm, tokens, device), overlap=overlap,
                             equal_shards=equal_shards)
     total = sum(costs.layers) + costs.embedding + costs.head
-    # "hidden" needs the last stage's backward delayed past the head's chain: the collectives plus the widest
-    # shard's logits forward and backward (the memory price: that many more microbatches in flight there).
-    chain = plan.comm + max(plan.shards) / model.vocab_size * costs.head_vocab
     return {"share": share_of_ideal(plan.stage_costs, P, total), "split": list(plan.sizes),
             "shards": list(plan.shards), "comm_s_per_microbatch": comm.total,
-            "comm_over_stage_compute": plan.comm / max(plan.compute), "lag_slots": plan.lag(chain)}
+            "comm_over_stage_compute": plan.comm / max(plan.compute)}
 
 
 def vocab_parallel_simulated(costs: LayerCosts, model, P: int, tokens: int, device: str, link: str,

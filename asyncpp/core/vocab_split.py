@@ -21,13 +21,11 @@ How the communication meets the compute (`overlap`):
 - "hidden": each stage's time is max(compute, comm). The collectives run on a stream and link of their own
   and the head's passes of a microbatch are placed late enough that their chain (broadcast, logits, the
   statistics' all-reduce, the backward, the reduce) is finished by the time the last stage's backward needs
-  the input gradient: Yeung et al.'s schedules do this by delaying the last stage's backward of a microbatch by
-  `lag` slots of work, which under 2BW costs `lag` more microbatches of activations on the last stage and no
-  bubble in the steady state (2BW never flushes, so the lag is paid once, at warm-up). The steady-state
-  throughput is then bounded only by each stage's compute and its link's occupancy. Not modelled: the
-  collectives slowing the compute they overlap (shared SMs and memory bandwidth), and PP traffic sharing a
-  NIC with DP's all-reduce. The schedule with these passes as actions, and the invariant checker's proof
-  that they add no bubble, are the engine's part (not built here).
+  the input gradient. asyncpp.schedules.costmodel.place_vocab_passes builds such a schedule (S and T actions,
+  one or two more forwards of warm-up on every stage) and the event simulation confirms it: under 2BW the
+  steady state has no bubble, and the throughput is bounded by each stage's compute and its link's occupancy.
+  Not modelled: the collectives slowing the compute they overlap (shared SMs and memory bandwidth), and PP
+  traffic sharing a NIC with DP's all-reduce.
 
 The joint choice of the layer split and the shards (`plan_vocab_split`): for a given split with per-stage
 costs A_s without the vocabulary, the best shards fill the stages like water, v_s = max(0, T - A_s) / head_vocab
@@ -127,12 +125,6 @@ class VocabSplit:
         if self.overlap == "hidden":
             return [max(c, self.comm) for c in self.compute]
         return [c + self.comm for c in self.compute]
-
-    def lag(self, chain: float) -> int:
-        """Slots of the last stage's work (its F+B of one microbatch) that cover a latency chain of `chain`
-        (same unit): how many microbatches later the last stage runs a backward under "hidden"."""
-        slot = self.compute[-1]
-        return 0 if chain <= 0 else int(-(-chain // slot))
 
 
 def shard_rows(body: Sequence[float], head_vocab: float, vocab: int, granule: int = 128) -> list[int]:
