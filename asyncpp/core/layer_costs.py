@@ -27,6 +27,12 @@ ELEMENTWISE_FLOPS = {"cpu": 40.0, "cuda": 300.0}
 """FLOP-equivalents of one fp32 element pass: a core's ~50 GFLOP/s FMA rate over ~10 GB/s of bandwidth
 (x 8 bytes); an H100's ~990 TFLOP/s bf16 over 3.35 TB/s. Rough on purpose: only ratios matter."""
 
+FLOP_RATE = {"cpu": 50e9, "cuda": 0.4 * 989e12}
+"""FLOP/s a stage's forward and backward reach: what turns the FLOP-equivalents above into seconds, needed
+only where compute is set against communication (asyncpp.core.vocab_split). A core's ~50 GFLOP/s; an H100
+SXM's 989 TFLOP/s dense bf16 at 40% MFU (bench/schedules.py's defaults). A faster device makes the same
+bytes relatively dearer, so this is the number to revisit when a measured MFU is known."""
+
 
 @dataclass(frozen=True)
 class LayerCosts:
@@ -37,6 +43,14 @@ class LayerCosts:
     embedding: float
     head: float
     """Final norm, LM head and the cross entropy."""
+    head_fixed: float = 0.0
+    """The part of `head` that does not shrink with a vocabulary shard: the final norm, applied once per token
+    on the last stage (a vocabulary-parallel head, asyncpp.core.vocab_split, spreads only `head_vocab`)."""
+
+    @property
+    def head_vocab(self) -> float:
+        """The part of `head` proportional to the vocabulary: the logits matmul and the fp32 cross entropy."""
+        return self.head - self.head_fixed
 
     def stage_costs(self, sizes: list[int]) -> list[float]:
         """The cost of each stage of a split (embedding on the first, head on the last)."""
@@ -58,8 +72,9 @@ def layer_costs(model, seq_len: int, micro_batch_size: int, device_type: str = "
     # microbatch zeroes and accumulates (shared by the microbatch's tokens).
     embedding = e * (2 * h + 2 * model.vocab_size * h / tokens)
     # Norm; logits matmul; fp32 cross entropy: max, exp-sum and log-softmax forward, softmax - one-hot backward.
-    head = e * 4 * h + 6 * h * model.vocab_size + e * 6 * model.vocab_size
-    return LayerCosts(layers, embedding, head)
+    norm = e * 4 * h
+    head = norm + 6 * h * model.vocab_size + e * 6 * model.vocab_size
+    return LayerCosts(layers, embedding, head, norm)
 
 
 def _block(model, kind: str, seq_len: int, device_type: str, e: float) -> float:
