@@ -203,7 +203,7 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | Non
         prepare_model(stage.model, backend=cfg.train.backend, compile=cfg.train.compile, device=device,
                       log=metrics.message if metrics is not None else (lambda text: None))
         executor = PipelineExecutor(cfg, stage, mesh, data, optimizer_for(cfg, mesh))
-        executor.process_baseline_bytes = baseline
+        executor.report.process_baseline_bytes = baseline
         _print_stage_memory(mesh, executor, metrics)
         trainer = Trainer(cfg, executor, metrics, stop=stop)
         trainer.resume()

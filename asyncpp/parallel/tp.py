@@ -234,23 +234,27 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean cross entropy of logits sharded over the vocabulary, in fp32, without gathering them.
 
     Two all-reduces: the max (for stability; not differentiated: it cancels in the loss), then the
-    target logit and the sum of exponentials together. Backward is local: softmax - onehot.
+    target logit and the sum of exponentials together. Backward is local: softmax - onehot. The shards may
+    have any widths (a vocabulary-parallel head over pipeline stages, asyncpp.parallel.vocab_parallel): each
+    rank names the first vocabulary id of its own, `start`.
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, group: Group, ignore_index: int) -> Tensor:  # type: ignore[override]
-        x = logits.float().reshape(-1, logits.shape[-1])  # [N, V/tp]
+    def forward(ctx, logits: Tensor, targets: Tensor, group: Group, ignore_index: int,  # type: ignore[override]
+                start: int) -> Tensor:
         t = targets.reshape(-1)
+        x = logits.float().reshape(t.shape[0], logits.shape[-1])  # [N, this rank's shard] (the shard may be empty)
         v_local = x.shape[1]
-        start = group_rank(group) * v_local
-        gmax = x.max(dim=1).values
+        # A rank may hold no rows (a stage whose layers already fill its time): it still joins the collectives.
+        gmax = x.max(dim=1).values if v_local else x.new_full((x.shape[0],), float("-inf"))
         with bounded("the vocab-parallel cross entropy's all-reduce of the logits' max", group):
             dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
         x = x - gmax.unsqueeze(1)
         mine = (t >= start) & (t < start + v_local)
         local_t = (t - start).masked_fill(~mine, 0)
         exp = x.exp()
-        stats = torch.stack([x.gather(1, local_t.unsqueeze(1)).squeeze(1) * mine, exp.sum(dim=1)])
+        target = x.gather(1, local_t.unsqueeze(1)).squeeze(1) * mine if v_local else x.new_zeros(x.shape[0])
+        stats = torch.stack([target, exp.sum(dim=1)])
         with bounded("the vocab-parallel cross entropy's all-reduce of the target logit and the sum of "
                      "exponentials", group):
             dist.all_reduce(stats, group=group)
@@ -267,17 +271,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, local_t, mine, valid, count = ctx.saved_tensors
         rows = torch.arange(softmax.shape[0], device=softmax.device)
         g = softmax  # reused in place to save [N, V/tp] floats; a second backward fails loudly (version check)
-        g[rows, local_t] -= mine.to(g.dtype)
+        if g.shape[1]:  # a rank without rows has an empty gradient
+            g[rows, local_t] -= mine.to(g.dtype)
         g.mul_((valid.to(g.dtype) * (grad / count)).unsqueeze(1))
-        return g.reshape(ctx.logits_shape).to(ctx.logits_dtype), None, None, None
+        return g.reshape(ctx.logits_shape).to(ctx.logits_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, group: Group | None, *,
-                                 ignore_index: int = -100) -> Tensor:
+                                 ignore_index: int = -100, vocab_start: int | None = None) -> Tensor:
     """logits [B, T, V/tp] (this rank's vocabulary chunk, rank order), targets [B, T] full-vocabulary
     ids -> scalar mean loss, equal to F.cross_entropy(full logits.float(), targets) up to reduction
-    order, with the matching gradient for this rank's chunk. Plain fp32 cross entropy with one rank."""
+    order, with the matching gradient for this rank's chunk. Plain fp32 cross entropy with one rank.
+    vocab_start: the first vocabulary id of this rank's chunk when the chunks are not equal (default:
+    rank x width, TP's equal chunks)."""
     if group_size(group) == 1:
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                ignore_index=ignore_index)
-    return _VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index)
+    start = group_rank(group) * logits.shape[-1] if vocab_start is None else vocab_start
+    return _VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index, start)

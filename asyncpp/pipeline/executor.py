@@ -19,25 +19,22 @@ from torch import Tensor
 
 from asyncpp.config import RunConfig
 from asyncpp.core.batches import BatchPlan
-from asyncpp.core.layer_costs import layer_costs
 from asyncpp.core.loss import token_share_loss
-from asyncpp.core.partition import stage_balance, stage_split
 from asyncpp.core.records import DataSource, PipelineBubble, StepResult
-from asyncpp.host.measured import device_peak_bytes, host_peak_bytes
 from asyncpp.parallel.mesh import Mesh
-from asyncpp.parallel.sharding import global_view, layout_of
+from asyncpp.parallel.sharding import layout_of
 from asyncpp.pipeline.bubble import BubbleGather
 from asyncpp.pipeline.build import BuiltStage
-from asyncpp.pipeline.memory import stage_memory
 from asyncpp.pipeline.p2p import StageComm, naming_the_peer
 from asyncpp.pipeline.plan import StagePlan, build_stage_runtime
+from asyncpp.pipeline.report import StageReport
 from asyncpp.pipeline.stage import stage_forward, tied_parameters
+from asyncpp.pipeline.state import StageCheckpoint
 from asyncpp.pipeline.stopping import ActionStream, StopAgreement, stop_lookahead
 from asyncpp.pipeline.transfer import to_device
 from asyncpp.pipeline.update import StepRecord
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
-from asyncpp.train import checkpoint as ckpt
 from asyncpp.train.metrics import evaluates_after, line_due
 from asyncpp.train.preemption import CheckpointClock, StopFlag
 
@@ -71,12 +68,10 @@ class PipelineExecutor:
         self.cfg, self.mesh, self.data = cfg, mesh, data
         self.is_writer = mesh.is_writer
         self.decides_time = mesh.rank == 0  # rank 0's clock decides timed checkpoints (CheckpointClock)
-        self.saver = ckpt.Saver(cfg.checkpoint.async_save)
         self._started: float | None = None  # set when the first segment starts (the timeline's origin)
         self._last_end = math.nan  # when the last stage finished the previous logged step's backward
         self._last_loss = math.nan  # the last logged step's loss (last stage; nan elsewhere)
         self.spec, self.model, self.sharding, self.loss_fn = stage.spec, stage.model, stage.sharding, stage.loss_fn
-        self.process_baseline_bytes: int | None = None  # the RSS before the build, if the entry point measured it
         self.batches = BatchPlan.of(cfg, mesh.dims.dp)
         self.m = self.batches.microbatches(0)  # of the running segment: steps() sets it (a batch rampup changes it)
         self.stop_lookahead = stop_lookahead(cfg.schedule.name, mesh.num_stages)
@@ -90,6 +85,9 @@ class PipelineExecutor:
             self.plan, self.spec, self.model, mesh, build_optimizer(self.model, self.sharding), self._forward,
             grad_scale=1.0 / self.m, layouts=[layout_of(self.sharding, n) for n, _ in named],
             tied=tied_parameters(self.model, self.spec), head_labels=self._helper_labels, comm_cls=comm_cls)
+        self.report = StageReport(cfg, self.model.config, mesh, self.spec, self.engine, self._naming)
+        self.checkpoint = StageCheckpoint(cfg, mesh, self.spec, self.model, self.engine, data, self.batches,
+                                          self._naming)
 
     def _tokens(self, step: int, microbatch: int) -> Tensor:
         """The global microbatch index of the plan: DP=2 with m equals DP=1 with 2m (asyncpp/core/batches.py)."""
@@ -244,10 +242,6 @@ class PipelineExecutor:
         """A blocking collective over every rank whose raw backend error (a dead peer) names this stage."""
         return naming_the_peer(self.mesh, what, self.cfg.train.timeout_s)
 
-    def wait_saves(self) -> None:
-        with self._naming("every rank's part of the background checkpoint"):
-            self.saver.wait()
-
     def _logs_line(self, step: int, t1: int) -> bool:
         """Whether the trainer writes a log line at `step` (it reads the bubble then): every logging.log_every
         steps, the run's last, and an evaluation (at the end of the segment [t0, t1)). A pure function of the
@@ -261,115 +255,24 @@ class PipelineExecutor:
         return self._bubbles.pop(step) if self._bubbles is not None else None
 
     def summary(self, wall_s: float) -> dict:
-        """Per-stage busy time and bubble (collective), both on the device's clock (the timer's)."""
-        wall, busy = self.engine.timer.elapsed(), self.engine.timer.busy()
-        per_stage = [None] * dist.get_world_size()
-        with self._naming("every rank's summary (all_gather)"):
-            dist.all_gather_object(per_stage, {"stage": self.spec.stage, "busy_s": busy, "wall_s": wall,
-                                               "loss": self._last_loss, "memory": self.memory_measured(),
-                                               **self.engine.timer.mean_durations()})
-        bubbles = [1.0 - s["busy_s"] / s["wall_s"] for s in per_stage]
-        last = self.mesh.num_stages - 1
-        return {
-            # Every rank's summary has the last stage's final loss: each decides its exit code on it.
-            "final_loss": next(s["loss"] for s in per_stage if s["stage"] == last),
-            "memory_per_rank": [s["memory"] for s in per_stage],
-            "bubble_fraction": sum(bubbles) / len(bubbles), "bubble_fraction_per_rank": bubbles,
-            **self._balance(per_stage),
-            "mean_forward_s_per_rank": [s.get("F", math.nan) for s in per_stage],
-            "mean_backward_s_per_rank": [s.get("B", math.nan) for s in per_stage],
-            "mean_update_s_per_rank": [s.get("U", 0.0) + s.get("U0", 0.0) for s in per_stage],
-        }
+        return self.report.summary(self._last_loss)
 
     def memory_plan(self):
-        """This rank's planned memory (asyncpp/core/memory.py), from its real tensors and schedule."""
-        e = self.engine.update
-        return stage_memory(self.cfg, self.model.config, self.mesh, self.spec, e.versions, e.optimizer,
-                            e.error_feedback.prev_update)
-
-    def _balance(self, per_rank: list[dict]) -> dict:
-        """Per-stage busy time (mean over a stage's ranks) and, if the stages are imbalanced, a better
-        parallel.stage_layers from it (asyncpp.core.partition.stage_balance): the usual cause of a bubble
-        that a bubble-free schedule shows is the last stage's LM head and loss."""
-        P = self.mesh.num_stages
-        busy = [[r["busy_s"] for r in per_rank if r["stage"] == s] for s in range(P)]
-        cfg = self.model.config
-        weights = layer_costs(cfg, self.cfg.train.seq_len, self.cfg.train.micro_batch_size,
-                              self.mesh.device.type).layers
-        return stage_balance(stage_split(self.cfg, cfg), [sum(b) / len(b) for b in busy], weights)
-
-    def memory_measured(self) -> dict:
-        """The plan's total next to this process's measured peak: the device allocator's peak on CUDA, the
-        resident-set high-water mark (since start: the build included) on the CPU. The host figure also
-        holds what the plan does not count (the interpreter, torch and its libraries: `process_baseline`,
-        the RSS before the stage was built, when the entry point recorded it)."""
-        plan = self.memory_plan()
-        device = self.mesh.device
-        cuda = device_peak_bytes(device)
-        return {"rank": self.mesh.rank, "stage": self.spec.stage, "plan_total_bytes": plan.total,
-                "plan": {i.name: i.nbytes for i in plan.items},
-                "measured_peak_bytes": cuda if cuda is not None else host_peak_bytes(),
-                "measured": "cuda_max_memory_allocated" if cuda is not None else "host_rss_high_water_mark",
-                "process_baseline_bytes": self.process_baseline_bytes}
-
-    # ---- checkpoints ------------------------------------------------------------------------
-    def stage_state(self, extra: dict[str, Tensor] | None = None) -> ckpt.StageState:
-        """This stage's share of a checkpoint, keyed by full-model names (a tied head as embed.weight)."""
-        # A tied head is saved as embed.weight; a head split's untied replica under its own name (lm_head.weight).
-        tied = {id(p) for p in tied_parameters(self.model, self.spec)} if self.model.config.tie_embeddings else set()
-        names = ["embed.weight" if id(p) in tied else n for n, p in self.model.named_parameters() if p.requires_grad]
-        v = self.engine.versions
-        versions = {v.newest - version: v.tensors(version) for version in v.held()}
-        copies = {v.newest - version: v.copies(version) for version in v.held()}  # saved by their masters' owners
-        d = self.mesh.dims
-        shards = [global_view(layout, self.mesh.device_mesh, d.tp, d.ep) for layout in self.engine.update.layouts]
-        balancing = self.engine.update.balancing
-        if extra is None:
-            extra = balancing.tensors() if balancing is not None else {}
-        rule = self.engine.update.rule
-        buffers = {"ef": self.engine.update.per_parameter(rule.error_feedback.prev_update)}
-        if rule.corrections.grad_ef_lambda:
-            buffers["gef"] = self.engine.update.per_parameter(rule.grad_error_feedback.prev_grad)
-        return ckpt.StageState(names, versions, buffers,
-                               self.engine.update.optimizer, v.masters, shards, extra=extra, copies=copies)
-
-    def save(self, step_done: int) -> None:
-        """Collective; called at a drain point, where every stage holds x_{step_done} as its newest."""
-        c = self.cfg
-        d = self.mesh.dims
-        layout = {"pp": d.pp, "dp": d.dp, "tp": d.tp, "ep": d.ep, "stage_layers": c.parallel.stage_layers}
-        with self._naming(f"every rank's part of the checkpoint of step {step_done} (its collectives)"):
-            self.saver.save(ckpt.checkpoint_root(c), step_done, self.stage_state(), config=c.to_dict(),
-                            layout=layout, keep_last=c.checkpoint.keep_last,
-                            data=ckpt.data_position(self.data, step_done, self.batches))
-
-    def resume(self, warn: Callable[[str], None] | None = None) -> int | None:
-        """Collective. Load checkpoint.resume's checkpoint, if any; returns its step (None: nothing to resume)."""
-        point = ckpt.resume_point(self.cfg, self.data, **({"warn": warn} if warn is not None else {}))
-        if point is None:
-            return None
-        path, step = point
-        v = self.engine.versions
-        v.set_newest(step)  # buffers now stand for x_step, x_step-1, ...: DCP fills them in place
-        ages = [step - version for version in v.held()]
-        balancing = self.engine.update.balancing
-        extra = balancing.reset(step, ages) if balancing is not None else {}
-        with self._naming(f"every rank's part of loading {path} (its collectives)"):
-            ckpt.load(path, self.stage_state(extra), ages=ages)
-        v.set_newest(step)
-        if balancing is not None:
-            balancing.use(step)
-        return step
+        return self.report.memory_plan()
 
     def timeline_events(self) -> list | None:
-        """Every stage's measured events (DP and TP rank 0 of each), on the metrics rank; None elsewhere.
-        Collective."""
-        gathered = [None] * dist.get_world_size()
-        with self._naming("every rank's timeline events (all_gather)"):
-            dist.all_gather_object(gathered, (self.mesh.dp_rank, self.mesh.tp_rank, self.engine.timer.events))
-        if not self.mesh.is_writer:
-            return None
-        return [e for dp, tp, evs in gathered if dp == 0 and tp == 0 for e in evs]
+        return self.report.timeline_events()
+
+    # ---- checkpoints (state.py) ----------------------------------------------------------------
+    def save(self, step_done: int) -> None:
+        self.checkpoint.save(step_done)
+
+    def resume(self, warn: Callable[[str], None] | None = None) -> int | None:
+        return self.checkpoint.resume(warn)
+
+    def wait_saves(self) -> None:
+        with self._naming("every rank's part of the background checkpoint"):
+            self.checkpoint.saver.wait()
 
 
 _NAN_RECORD = StepRecord(-1)
