@@ -38,10 +38,8 @@ class StageCheckpoint:
         balancing = self.engine.update.balancing
         if extra is None:
             extra = balancing.tensors() if balancing is not None else {}
-        rule = self.engine.update.rule
-        buffers = {"ef": self.engine.update.per_parameter(rule.error_feedback.prev_update)}
-        if rule.corrections.grad_ef_lambda:
-            buffers["gef"] = self.engine.update.per_parameter(rule.grad_error_feedback.prev_grad)
+        update = self.engine.update
+        buffers = {k: update.per_parameter(v) for k, v in update.rule.checkpoint_buffers().items()}
         return ckpt.StageState(names, versions, buffers,
                                self.engine.update.optimizer, v.masters, shards, extra=extra, copies=copies)
 
