@@ -1,4 +1,4 @@
-"""asyncpp's entry point: compose the hydra config, validate it, wire the pieces, train.
+"""asyncpp's entry point: hydra's app, the signals and the exit codes. The job itself is asyncpp/job.py.
 
     python pretrain.py                                  # the embedded default (tiny_hybrid, Muon, 2BW)
     python pretrain.py model=tiny_dense optimizer=adamw schedule=sync train.steps=100
@@ -6,293 +6,47 @@
     torchrun --standalone --nproc_per_node=2 pretrain.py parallel.pp=2 schedule=2bw   # a real pipeline
 
 Run as one process, every schedule is simulated (asyncpp.reference.simulator); under torchrun each rank runs
-one pipeline stage (asyncpp.pipeline.executor) and computes the same numbers.
-
-This is the only place that reads the environment, starts wandb and touches hydra; everything below
-it receives typed, validated objects.
+one pipeline stage (asyncpp.pipeline.executor) and computes the same numbers. Nothing imports this file: tests,
+tools, bench and the launchers use asyncpp.job.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import os
 import sys
-from pathlib import Path
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from asyncpp.analysis.memory import simulator_run_report
-from asyncpp.config import ConfigError, RunConfig, check_pipeline_options
-from asyncpp.core.batches import BatchPlan
-from asyncpp.core.partition import stage_split
-from asyncpp.core.recompute import apply_recompute, modes_per_layer
+from asyncpp import job
+from asyncpp.config import ConfigError
 from asyncpp.core.update import NonFiniteUpdate
-from asyncpp.optim import build_from_config
-from asyncpp.reference.executor import ReferenceExecutor
+from asyncpp.host.allocator import set_mmap_threshold, set_trim_threshold
 from asyncpp.train import preflight
-from asyncpp.train.host_allocator import set_mmap_threshold, set_trim_threshold
-from asyncpp.train.metrics import MetricsLogger
 from asyncpp.train.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from asyncpp.train.preemption import StopFlag
-from asyncpp.train.run_identity import EXIT_DIVERGED, record_exit, register_resolvers
-from asyncpp.train.throughput import Throughput, device_peak_tflops
-from asyncpp.train.timeline import write_run_timeline
-from asyncpp.train.trainer import Trainer, TrainingAborted
-from model_zoo import ModelConfig, build_model, count_parameters, flops_per_token, get_model_config
-from model_zoo.backends import prepare_model
+from asyncpp.train.run_identity import EXIT_DIVERGED, record_exit
+from asyncpp.train.trainer import TrainingAborted
 
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-register_resolvers()  # the run directory's name (configs/pretrain.yaml), before hydra composes anything
 STOP = StopFlag()  # set by SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C); the loops checkpoint and stop at a step boundary
 
 
-def resolve(container: dict, world_size: int = 1) -> tuple[RunConfig, ModelConfig]:
-    """Plain dict -> validated (RunConfig, ModelConfig). Raises ConfigError before anything is built.
-
-    world_size > 1 (torchrun, a launcher checking a job it is about to submit, dry_run=N): parallel.dp is derived
-    from it first, so what depends on dp (train.global_batch_size's microbatch count) is checked at the
-    real layout, still before any process group exists."""
-    from asyncpp.parallel.mesh import ParallelDims
-
-    cfg = RunConfig.from_dict(container)
-    try:
-        model_cfg = get_model_config(cfg.model.name, **(cfg.model.overrides or {}))
-    except ValueError as e:
-        raise ConfigError(f"model.overrides: {e}" if cfg.model.overrides else f"model.name: {e}") from None
-    ranks = cfg.dry_run or world_size  # dry_run=N lays the job out at N ranks
-    if ranks > 1:
-        p = cfg.parallel
-        dims = ParallelDims.for_world(ranks, pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
-        cfg = cfg.replace(parallel=dataclasses.replace(p, dp=dims.dp))
-    return cfg.validate(model_cfg), model_cfg
-
-
-def compose(overrides: list[str] | None = None) -> dict:
-    """The composed config as a plain dict, without running the hydra app (used by tests and tools)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    overrides = list(overrides or [])
-    if not any(o.startswith("out_dir=") for o in overrides):
-        overrides.append("out_dir=outputs/compose")
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        dcfg = hydra_compose(config_name="pretrain", overrides=overrides)
-    return OmegaConf.to_container(dcfg, resolve=True)
-
-
-def build_data(cfg: RunConfig, model_cfg: ModelConfig):
-    """The DataSource of data.name: the embedded corpus (built into .bin/.idx on first use) or indexed
-    prefixes, both read through megatron-core's GPTDataset. Datasets are built lazily, on first read."""
-    from asyncpp.config import parse_blend
-    from data.default import default_cache_dir, default_prefix
-    from data.indexed import IndexedDataError
-    from data.source import IndexedDataSource
-
-    d, t = cfg.data, cfg.train
-    cache_dir = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
-    try:
-        if d.name == "default":
-            prefixes, weights = [str(default_prefix(cache_dir))], None
-        else:
-            prefixes, weights = parse_blend(d.blend)
-        source = IndexedDataSource(
-            prefixes, weights, tokenizer=d.tokenizer, split=d.split, seq_len=t.seq_len,
-            micro_batch_size=t.micro_batch_size, seed=cfg.seed,
-            train_samples=BatchPlan.of(cfg).samples_before(t.steps),
-            eval_samples=t.eval_batches * t.micro_batch_size if t.eval_every else 0, cache_dir=cache_dir)
-    except (IndexedDataError, FileNotFoundError, ValueError) as e:  # bad files, tokenizer or blend: say which
-        raise ConfigError(f"data.name={d.name}: {e}") from None
-    if source.vocab_size > model_cfg.vocab_size:
-        raise ConfigError(
-            f"the tokenizer of data.name={cfg.data.name} has {source.vocab_size} tokens but model "
-            f"'{model_cfg.name}' has vocab_size={model_cfg.vocab_size}; pick a model with a vocabulary at "
-            "least as large as the tokenizer's"
-        )
-    return source
-
-
-def run(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
-    """Build everything from a validated config and train. Returns the run summary."""
-    torch.manual_seed(cfg.seed)
-    device = torch.device(cfg.train.device)
-    data = build_data(cfg, model_cfg)
-    model = build_model(model_cfg, device=device, seed=cfg.seed)
-    p = cfg.parallel
-    split = stage_split(cfg, model_cfg) if p.pp > 1 else None
-    apply_recompute(model, modes_per_layer(cfg.train.recompute, model_cfg.num_layers, p.pp, split))
-    metrics = make_metrics(cfg, model_cfg)
-    # Layers swapped (train.backend) and compiled before the optimizer sees their Parameters.
-    prepare_model(model, backend=cfg.train.backend, compile=cfg.train.compile, device=device, log=metrics.message)
-    optimizer = build_from_config(model, cfg.optimizer)
-    (Path(cfg.out_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    summary = {}
-    try:
-        executor = ReferenceExecutor(cfg, model, optimizer, data)
-        metrics.message(simulator_run_report(executor.sim, model_cfg, cfg).table())
-        trainer = Trainer(cfg, executor, metrics, stop=STOP)
-        trainer.resume()
-        summary = trainer.run()
-    finally:
-        metrics.close(summary)  # logs the summary line
-    return summary
-
-
-def make_metrics(cfg: RunConfig, model_cfg: ModelConfig, devices: int = 1, device=None) -> MetricsLogger:
-    """The writer's metrics; `devices` share each step's FLOPs (the world size; 1 in one process)."""
-    t, p = cfg.train, cfg.parallel
-    device = torch.device(cfg.train.device if device is None else device)
-    throughput = Throughput(flops_per_token(model_cfg, t.seq_len), devices,
-                            device_peak_tflops(device, t.precision, t.peak_tflops))
-    metrics = MetricsLogger(
-        cfg.out_dir,
-        total_steps=cfg.train.steps,
-        config=cfg.to_dict(),
-        wandb_mode=cfg.logging.wandb_mode,
-        wandb_project=cfg.logging.wandb_project,
-        run_name=cfg.logging.run_name,
-        progress=cfg.logging.progress,
-        log_every=cfg.logging.log_every,
-        throughput=throughput,
-        device=str(device),
-    )
-    counts = count_parameters(model_cfg)
-    metrics.message(
-        f"asyncpp: model={model_cfg.name} ({counts.total / 1e6:.2f}M params, {counts.active / 1e6:.2f}M active) "
-        f"optimizer={cfg.optimizer.name} schedule={cfg.schedule.name} pp={p.pp} dp={p.dp} tp={p.tp} ep={p.ep} "
-        f"ef_lambda={cfg.staleness.ef_lambda} {BatchPlan.of(cfg).describe()} global_batch={t.global_batch_size}"
-        f"{f' rampup={list(t.batch_rampup)}' if t.batch_rampup else ''} "
-        f"tokens/step={t.global_batch_size * t.seq_len} out_dir={cfg.out_dir}"
-    )
-    return metrics
-
-
-def optimizer_for(cfg: RunConfig, mesh):
-    """stage, sharding plan -> the stage's optimizer: Muon orthogonalizes TP-sharded matrices whole
-    (optimizer.tp_mode) and shares its work over the DP replicas."""
-    def build(stage, sharding):
-        return build_from_config(stage, cfg.optimizer, sharding=sharding,
-                                 tp_group=mesh.tp_group if mesh.dims.tp > 1 else None,
-                                 dp_group=mesh.dp_group if mesh.dims.dp > 1 else None,
-                                 expert_dp_group=mesh.edp_group if mesh.dims.edp > 1 else None)
-    return build
-
-
-def run_distributed(cfg: RunConfig, model_cfg: ModelConfig) -> dict:
-    """One pipeline stage per rank (torchrun). Validated before the process group exists."""
-    import torch.distributed as dist
-
-    from asyncpp.analysis.measured import host_rss_bytes
-    from asyncpp.parallel.mesh import Mesh, ParallelDims, init_distributed
-    from asyncpp.pipeline.build import build_rank_stage
-    from asyncpp.pipeline.executor import PipelineExecutor
-    from asyncpp.pipeline.p2p import naming_the_peer
-
-    p = cfg.parallel
-    check_pipeline_options(cfg, model_cfg)
-    dims = ParallelDims.for_world(int(os.environ["WORLD_SIZE"]), pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
-    cfg = cfg.replace(parallel=dataclasses.replace(p, dp=dims.dp))  # the resolved layout is what gets saved
-    # N ranks share the machine's cores; oversubscribed OpenMP threads spin instead of working.
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if torch.device(cfg.train.device).type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    device = init_distributed(torch.device(cfg.train.device).type, cfg.train.timeout_s)
-    try:
-        mesh = Mesh(dims, device, head_link=p.head_split == "tokens")
-        timeout = cfg.train.timeout_s
-        shared = [cfg.out_dir]
-        with naming_the_peer(mesh, "rank 0's run directory (broadcast)", timeout):
-            dist.broadcast_object_list(shared, src=0)  # one run directory, rank 0's (hydra's ${now} differs)
-        cfg = cfg.replace(out_dir=shared[0])
-        if mesh.rank != 0:
-            with naming_the_peer(mesh, "rank 0 to fill the data cache (start-up barrier)", timeout):
-                dist.barrier()  # rank 0 tokenizes and fills the cache first; the others then hit it
-        data = build_data(cfg, model_cfg)
-        if mesh.rank == 0:
-            with naming_the_peer(mesh, "the other ranks after the data cache (start-up barrier)", timeout):
-                dist.barrier()
-        torch.manual_seed(cfg.seed)
-        metrics = make_metrics(cfg, model_cfg, dims.world_size, device) if mesh.is_writer else None
-        if cfg.train.backend != "local" and (p.tp > 1 or p.ep > 1):
-            raise ConfigError(f"train.backend={cfg.train.backend} is not combined with tensor/expert parallelism yet "
-                              f"(parallel.tp={p.tp}, parallel.ep={p.ep}); use train.backend=local")
-        baseline = host_rss_bytes()  # the process before the model: what the memory plan does not count
-        stage = build_rank_stage(cfg, model_cfg, mesh, device)  # only this rank's layers and shards
-        # Layers swapped and compiled before the optimizer is built on the stage's Parameters.
-        prepare_model(stage.model, backend=cfg.train.backend, compile=cfg.train.compile, device=device,
-                      log=metrics.message if metrics is not None else (lambda text: None))
-        executor = PipelineExecutor(cfg, stage, mesh, data, optimizer_for(cfg, mesh))
-        executor.process_baseline_bytes = baseline
-        _print_stage_memory(mesh, executor, metrics)
-        trainer = Trainer(cfg, executor, metrics, stop=STOP)
-        trainer.resume()
-        summary = {}
-        try:
-            summary = trainer.run()
-            events = executor.timeline_events()
-            if events is not None:
-                write_run_timeline(events, cfg.out_dir, f"{cfg.schedule.name}: P={mesh.num_stages}, "
-                                   f"{executor.batches.describe()}", cfg.train.steps)
-        finally:
-            if metrics is not None:
-                (Path(cfg.out_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-                metrics.close(summary)  # logs the summary line
-        # No rank tears its process group down while a peer may still talk to it (gloo aborts the
-        # process with "terminate called without an active exception" otherwise).
-        with naming_the_peer(mesh, "every rank at the end (the final barrier)", timeout):
-            dist.barrier()
-        return summary
-    finally:
-        dist.destroy_process_group()
-
-
-def _print_stage_memory(mesh, run, metrics) -> None:
-    """Every stage's memory table (tp/dp rank 0 of each), printed once by the metrics rank. Collective."""
-    import torch.distributed as dist
-
-    from asyncpp.pipeline.p2p import naming_the_peer
-
-    mine = run.memory_plan()
-    tables = [None] * dist.get_world_size()
-    with naming_the_peer(mesh, "every stage's memory table (all_gather)", run.cfg.train.timeout_s):
-        dist.all_gather_object(tables, mine.table() if mesh.dp_rank == 0 and mesh.tp_rank == 0 else None)
-    if metrics is not None:
-        metrics.message("\n".join(t for t in tables if t is not None))
-
-
-def run_dry(cfg: RunConfig, model_cfg: ModelConfig, echo=print) -> list[dict]:
-    """dry_run=N: the layout at N ranks on a fake process group (asyncpp/analysis/dryrun.py); trains nothing.
-    Writes <out_dir>/dry_run.json and returns the per-stage reports."""
-    from asyncpp.analysis.dryrun import dry_run
-    from asyncpp.pipeline.build import build_rank_stage
-
-    def build_stage(mesh, spec):
-        stage = build_rank_stage(cfg, model_cfg, mesh, "meta")  # the real run's build, stopped before allocating
-        return stage.model, stage.sharding
-
-    return dry_run(cfg, model_cfg, cfg.dry_run, build_stage,
-                   lambda stage, plan, mesh: optimizer_for(cfg, mesh)(stage, plan),
-                   out=Path(cfg.out_dir) / "dry_run.json", echo=echo)
-
-
-@hydra.main(config_path=str(CONFIG_DIR), config_name="pretrain", version_base="1.3")
+@hydra.main(config_path=str(job.CONFIG_DIR), config_name="pretrain", version_base="1.3")
 def main(dcfg: DictConfig) -> float:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
-        cfg, model_cfg = resolve(OmegaConf.to_container(dcfg, resolve=True),
+        cfg, model_cfg = job.resolve(OmegaConf.to_container(dcfg, resolve=True),
                                  world_size=int(os.environ.get("WORLD_SIZE", "1")))
         if cfg.dry_run:
-            run_dry(cfg, model_cfg)
+            job.run_dry(cfg, model_cfg)
             return float("nan")
         preflight.check(cfg, model_cfg, rank=int(os.environ.get("RANK", "0")),
                         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        # Before the data and the model: the heap policy is process-wide (asyncpp/train/host_allocator.py).
+        # Before the data and the model: the heap policy is process-wide (asyncpp/host/allocator.py).
         set_mmap_threshold(cfg.train.host_mmap_threshold)
         set_trim_threshold(cfg.train.host_trim_threshold)
-        summary = run_distributed(cfg, model_cfg) if distributed else run(cfg, model_cfg)
+        summary = (job.run_distributed if distributed else job.run)(cfg, model_cfg, STOP)
     except ConfigError as e:  # raised before any model or process group exists
         leave(preflight.EXIT_CONFIG_ERROR, f"config error: {e}")  # distinct from a crash (1): never retried
     except (TrainingAborted, NonFiniteUpdate) as e:  # every rank raises it at the same step: no hang, no traceback

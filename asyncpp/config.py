@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
+from asyncpp.host.allocator import MMAP_THRESHOLD_MAX, TRIM_THRESHOLD_MAX
+from asyncpp.schedules.build import check_head_split
 from asyncpp.schedules.registry import SYNC_KINDS, ScheduleKindError, kind_of
-from asyncpp.train.host_allocator import MMAP_THRESHOLD_MAX, TRIM_THRESHOLD_MAX
 from asyncpp.typed import ConfigError, from_dict, to_dict
 
 ScheduleName = Literal["sync", "gpipe", "1f1b", "2bw", "pipedream"]
@@ -133,12 +134,12 @@ class TrainConfig:
     value, is the usual choice). RSS then tracks live bytes (what a memory plan counts; bench/memory_plan.py
     sets it), but every activation-sized block costs page faults, which halved tiny_dense's CPU throughput
     (bench/peers.py --memory), so it is off by default: null keeps glibc's dynamic threshold. No effect on
-    other C libraries or on device memory (asyncpp/train/host_allocator.py)."""
+    other C libraries or on device memory (asyncpp/host/allocator.py)."""
     host_trim_threshold: int | None = None
     """Host memory (glibc): free bytes the heap keeps at its top instead of returning them to the kernel; setting
     it also stops glibc's dynamic thresholds. With host_mmap_threshold=33554432 and 2147483647 here, a CPU run
     reuses its heap instead of faulting pages in every microbatch (about 10% of a CPU step's time at M=8) and
-    RSS stays at its high-water mark. null keeps glibc's default (asyncpp/train/host_allocator.py)."""
+    RSS stays at its high-water mark. null keeps glibc's default (asyncpp/host/allocator.py)."""
 
     def __post_init__(self) -> None:
         # Without a global batch size the microbatch count needs no dp: fill it in at once, so a config built
@@ -333,7 +334,7 @@ class RunConfig:
         """Cross-field checks, on the config with its derived values filled in (the microbatch count of
         train.global_batch_size, the warmup of warmup_fraction). Returns that resolved config; raises
         ConfigError naming the field, the value and the fix. Under torchrun, set parallel.dp from the
-        world size first (pretrain.resolve does), so the microbatch count is derived from the real dp."""
+        world size first (asyncpp.job.resolve does), so the microbatch count is derived from the real dp."""
         _check_finite(self, model)
         cfg = _resolve_derived(self)
         for check in (_check_run, _check_train, _check_batch_rampup, _check_parallel, _check_tp_ep, _check_optimizer,
@@ -566,8 +567,6 @@ def _check_head_split(cfg: RunConfig) -> None:
             raise ConfigError(f"parallel.head_split_tokens={p.head_split_tokens} needs parallel.head_split=tokens; "
                               "set it or leave head_split_tokens null")
         return
-    from asyncpp.schedules.build import check_head_split
-
     try:
         check_head_split(cfg.schedule.name, p.pp)
     except ValueError as e:

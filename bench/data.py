@@ -44,13 +44,13 @@ def tokenization(workers: list[int]) -> list[dict]:
 def loader_vs_step(steps: int, overrides: list[str]) -> dict:
     import torch
 
-    import pretrain
+    from asyncpp import job
     from asyncpp.optim import build_from_config
     from asyncpp.reference.executor import build_simulator
     from model_zoo import build_model
 
-    cfg, model_cfg = pretrain.resolve(pretrain.compose(["logging=disabled", *overrides]))
-    source = pretrain.build_data(cfg, model_cfg)
+    cfg, model_cfg = job.resolve(job.compose(["logging=disabled", *overrides]))
+    source = job.build_data(cfg, model_cfg)
     m = cfg.train.num_microbatches * (cfg.parallel.dp or 1)
     source.train_microbatch(0)  # builds (or loads) the index caches: a one-off, not per step
     torch.manual_seed(cfg.seed)

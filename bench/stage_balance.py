@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from asyncpp.core.head_split import plan_head_split
 from asyncpp.core.layer_costs import LayerCosts, layer_costs
-from asyncpp.core.partition import balanced_split, default_split
+from asyncpp.core.layer_split import balanced_split, default_split
 from asyncpp.schedules.costmodel import OpCosts, predict
 from model_zoo import get_model_config
 

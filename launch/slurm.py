@@ -6,7 +6,7 @@ meet through a c10d rendezvous on the first node, and pretrain.py gets the hydra
     python -m launch.slurm --nodes 2 --gpus-per-node 8 --dry-run -- parallel.pp=4 schedule=2bw
 
 Before anything is rendered, the overrides are composed and validated exactly as pretrain.py will
-(launch/validate.py, a subprocess: pretrain.compose + resolve at the job's world size, nodes x ranks per
+(launch/validate.py, a subprocess: asyncpp.job.compose + resolve at the job's world size, nodes x ranks per
 node), so a typo or an impossible layout fails here and not after the job has queued (`--no-validate`
 skips it).
 

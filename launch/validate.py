@@ -41,9 +41,9 @@ def _unknown_key_hint(message: str, composed_keys: list[str]) -> str:
 
 def check(overrides: list[str], world_size: int) -> str:
     """The resolved layout as one line; raises asyncpp.config.ConfigError (or hydra's errors) when refused."""
-    import pretrain
+    from asyncpp import job
 
-    cfg, _ = pretrain.resolve(pretrain.compose(overrides), world_size=world_size)
+    cfg, _ = job.resolve(job.compose(overrides), world_size=world_size)
     p, t = cfg.parallel, cfg.train
     return (f"{world_size} ranks: pp={p.pp} dp={p.dp or 1} tp={p.tp} ep={p.ep}, model={cfg.model.name}, "
             f"schedule={cfg.schedule.name}, micro_batch={t.micro_batch_size} x m={t.num_microbatches} x dp "
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(options)
     from hydra.errors import HydraException
 
-    import pretrain
+    from asyncpp import job
     from asyncpp.config import ConfigError
 
     try:
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except HydraException as e:
-        print(f"config error: {_unknown_key_hint(str(e), _keys(pretrain.compose([])))}", file=sys.stderr)
+        print(f"config error: {_unknown_key_hint(str(e), _keys(job.compose([])))}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     return 0
 

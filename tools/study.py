@@ -203,14 +203,14 @@ def _composer(experiment: str) -> Iterator[Callable[[list[str]], dict]]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    import pretrain
+    from asyncpp import job
     from asyncpp.config import ConfigError
 
     def resolve(overrides: list[str]) -> dict:
         full = [f"+experiment={experiment}", *overrides, "out_dir=outputs/study-plan"]
         try:
             container = OmegaConf.to_container(compose(config_name="pretrain", overrides=full), resolve=True)
-            cfg, _ = pretrain.resolve(container)
+            cfg, _ = job.resolve(container)
         except ConfigError as e:
             raise PlanError(f"overrides {overrides}: {e}") from None
         except Exception as e:  # noqa: BLE001 -- hydra's own errors (unknown group, bad syntax) name the override
@@ -219,7 +219,7 @@ def _composer(experiment: str) -> Iterator[Callable[[list[str]], dict]]:
         d.pop("out_dir")
         return d
 
-    with initialize_config_dir(config_dir=str(pretrain.CONFIG_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(job.CONFIG_DIR), version_base="1.3"):
         yield resolve
 
 
@@ -340,13 +340,13 @@ def execute_inprocess(experiment: str, run: dict, out: Path, threads: int) -> in
     """The same run inside this process (tests, smoke plans): no interpreter start-up, no isolation."""
     import traceback
 
-    import pretrain
+    from asyncpp import job
 
     run_dir = out / run["name"]
     run_dir.mkdir(parents=True, exist_ok=True)
     started, rc = time.time(), 0
     try:
-        pretrain.run(*pretrain.resolve({**run["config"], "out_dir": str(run_dir)}))
+        job.run(*job.resolve({**run["config"], "out_dir": str(run_dir)}))
     except Exception:  # noqa: BLE001 -- a failed run is recorded and reported, like a failed process
         (run_dir / "train.log").write_text(traceback.format_exc())
         rc = 1

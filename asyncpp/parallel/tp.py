@@ -15,7 +15,6 @@ Collectives are those of asyncpp.parallel.collectives; all run on the group give
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -23,7 +22,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from asyncpp.core.loss import cross_entropy
 from asyncpp.parallel.collectives import (
     Group,
     copy_to,
@@ -278,14 +276,3 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, group: Group |
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                ignore_index=ignore_index)
     return _VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index)
-
-
-def logits_loss_for(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
-    """The loss (logits, labels) -> scalar the last stage must use for `model`'s logits: the
-    vocab-parallel cross entropy over the head's TP group when a plan left them sharded, otherwise
-    the project's plain cross entropy (asyncpp.core.loss.cross_entropy)."""
-    marker = getattr(getattr(model, "lm_head", None), VOCAB_GROUP_ATTR, None)
-    group = None if marker is None else marker.bound["group"]
-    if group_size(group) > 1:
-        return functools.partial(vocab_parallel_cross_entropy, group=group)
-    return cross_entropy

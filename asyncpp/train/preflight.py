@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from asyncpp.analysis.memory import optimizer_state_bytes
 from asyncpp.config import ConfigError, RunConfig, parse_blend
+from asyncpp.core.memory import optimizer_state_bytes
 from asyncpp.optim import build_from_config
 from asyncpp.schedules.registry import stage_delay
 from asyncpp.train import checkpoint as ckpt

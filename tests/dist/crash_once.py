@@ -1,13 +1,13 @@
-"""Run pretrain.py, but on torchrun's first attempt rank CRASH_RANK dies at step CRASH_STEP (a lost node)."""
+"""Run pretrain.py as torchrun would (runpy: the entry script is not a module anyone imports), but on torchrun's first attempt rank CRASH_RANK dies at step CRASH_STEP (a lost node)."""
 
 import os
+import runpy
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import asyncpp.pipeline.engine as engine  # noqa: E402
-import pretrain  # noqa: E402
 
 _forward = engine.StageEngine._forward
 
@@ -22,6 +22,4 @@ def forward(self, action):
 engine.StageEngine._forward = forward
 
 if __name__ == "__main__":
-    pretrain._quiet_hydra_on_other_ranks()
-    pretrain.install_stop()
-    pretrain.main()
+    runpy.run_path(str(Path(__file__).resolve().parents[2] / "pretrain.py"), run_name="__main__")

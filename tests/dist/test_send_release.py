@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-import pretrain
+from asyncpp import job
 from asyncpp.pipeline.build import build_rank_stage
 from asyncpp.pipeline.executor import PipelineExecutor
 from asyncpp.train.trainer import Trainer
@@ -29,7 +29,7 @@ def pending_after_retire(rank: int, cfg_dict: dict) -> dict:
     cfg, model_cfg, mesh = rank_layout(cfg_dict)
     torch.manual_seed(cfg.seed)
     stage = build_rank_stage(cfg, model_cfg, mesh, "cpu")
-    run = PipelineExecutor(cfg, stage, mesh, data_for(cfg, model_cfg.vocab_size), pretrain.optimizer_for(cfg, mesh))
+    run = PipelineExecutor(cfg, stage, mesh, data_for(cfg, model_cfg.vocab_size), job.optimizer_for(cfg, mesh))
     engine, seen = run.engine, []
     retire = engine._retire_sends
 

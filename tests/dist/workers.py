@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-import pretrain
+from asyncpp import job
 from asyncpp.config import RunConfig
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.loss import LossFn, lm_loss
@@ -93,7 +93,7 @@ def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     cfg, model_cfg, mesh = rank_layout(cfg_dict)
     torch.manual_seed(cfg.seed)
     stage = build_rank_stage(cfg, model_cfg, mesh, "cpu")
-    run = PipelineExecutor(cfg, stage, mesh, data_for(cfg, model_cfg.vocab_size), pretrain.optimizer_for(cfg, mesh))
+    run = PipelineExecutor(cfg, stage, mesh, data_for(cfg, model_cfg.vocab_size), job.optimizer_for(cfg, mesh))
     sink = Collect()
     trainer = Trainer(cfg, run, sink)
     trainer.resume()
@@ -104,7 +104,8 @@ def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     master_bytes = sum(q.numel() * q.element_size() for q in v.masters if q is not None) if v.mixed else 0
     return {"stage": mesh.pp_rank, "dp": mesh.dp_rank, "tp": mesh.tp_rank, "ep": mesh.ep_rank, "records": sink.records,
             "params": params, "summary": summary, "layouts": {n: (l.tp_dim, l.expert) for n, l in run.sharding.items()},
-            "master_bytes": master_bytes}
+            "master_bytes": master_bytes, "num_buffers": v.num_buffers,
+            "version_bytes": sum(x.numel() * x.element_size() for buffer in v.buffers for x in buffer)}
 
 
 def reference_run(cfg: RunConfig, loss_fn: LossFn = lm_loss) -> dict:

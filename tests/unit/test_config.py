@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from asyncpp.config import ConfigError, RunConfig
-from pretrain import compose, resolve
+from asyncpp.job import compose, resolve
 
 
 def check(overrides: list[str]):

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import pytest
 import torch.distributed as dist
 
-import pretrain
+from asyncpp import job
 from asyncpp.config import ConfigError
 from asyncpp.parallel.mesh import ParallelDims
 
@@ -211,7 +211,7 @@ def test_the_corpus_is_large():
 @pytest.mark.parametrize("case", list(CORPUS.values()), ids=list(CORPUS))
 def test_bad_config_names_field_value_and_fix(case: Bad):
     with pytest.raises(ConfigError) as err:
-        pretrain.resolve(pretrain.compose(case.overrides))
+        job.resolve(job.compose(case.overrides))
     message = str(err.value)
     assert case.field_value in message, f"field/value {case.field_value!r} not in: {message}"
     assert case.fix in message, f"fix {case.fix!r} not in: {message}"
@@ -238,5 +238,5 @@ def test_every_good_neighbour_of_the_corpus_passes():
         ["optimizer.lr=1e-3"],
         ["model=smollm2_135m", "parallel.pp=5", "train.num_microbatches=5"],
     ):
-        pretrain.resolve(pretrain.compose(overrides))
+        job.resolve(job.compose(overrides))
     assert ParallelDims.for_world(8, pp=2).dp == 4

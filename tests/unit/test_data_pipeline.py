@@ -370,11 +370,11 @@ def _contains(seq: list[int], part: list[int]) -> bool:
     return any(seq[i: i + len(part)] == part for i in range(len(seq) - len(part) + 1))
 
 
-# ---- configuration and pretrain.build_data --------------------------------------------------------------
+# ---- configuration and job.build_data --------------------------------------------------------------
 def resolve(*overrides: str):
-    import pretrain
+    from asyncpp import job
 
-    return pretrain.resolve(pretrain.compose(["logging=disabled", "logging.progress=false", *overrides]))
+    return job.resolve(job.compose(["logging=disabled", "logging.progress=false", *overrides]))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -401,7 +401,7 @@ def test_bad_data_config_names_field_value_and_fix(overrides, message):
 
 
 def test_build_data_refuses_a_larger_vocabulary_and_corrupt_files(one_worker, tmp_path):
-    import pretrain
+    from asyncpp import job
     from asyncpp.config import ConfigError
 
     dst = _corrupt(one_worker, tmp_path / "big", None, None)
@@ -410,22 +410,22 @@ def test_build_data_refuses_a_larger_vocabulary_and_corrupt_files(one_worker, tm
     cfg, model_cfg = resolve("data.name=indexed", f"data.blend=[{dst}]", "model=tiny_dense",
                              f"data.cache_dir={tmp_path / 'cache'}")
     with pytest.raises(ConfigError, match="has 49152 tokens but model 'tiny_dense' has vocab_size=8192"):
-        pretrain.build_data(cfg, model_cfg)
+        job.build_data(cfg, model_cfg)
     idx_path(dst).write_bytes(b"garbage!!" + idx_path(one_worker).read_bytes()[9:])
     with pytest.raises(ConfigError, match=r"data.name=indexed: .*big.idx is not a Megatron .*wrong magic"):
-        pretrain.build_data(cfg, model_cfg)
+        job.build_data(cfg, model_cfg)
     assert not (tmp_path / "cache").exists()
 
 
 def test_pretrain_trains_on_an_indexed_prefix(one_worker, tmp_path):
-    import pretrain
+    from asyncpp import job
 
     cfg, model_cfg = resolve("data.name=indexed", f"data.blend=['1 {one_worker}']", "model=tiny_dense",
                              f"out_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=3",
                              "train.eval_every=3", "train.eval_batches=1", "train.micro_batch_size=2",
                              "train.num_microbatches=2", "train.seq_len=16", "optimizer.schedule.warmup_steps=1",
                              "data.split='80,20,0'", "checkpoint.enabled=false")
-    summary = pretrain.run(cfg, model_cfg)
+    summary = job.run(cfg, model_cfg)
     assert summary["steps"] == 3 and np.isfinite(summary["final_val_loss"])
 
 

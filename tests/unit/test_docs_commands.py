@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import pretrain
+from asyncpp import job
 from launch import local, slurm
 from tests.docs_commands import ROOT, DocCommand, doc_commands
 
@@ -40,10 +40,10 @@ def test_pretrain_command_composes_and_validates(command: DocCommand):
     overrides = _validated_overrides(command)
     need = next((k for k in NEEDS if k in overrides), None)
     if need is not None:
-        with pytest.raises(pretrain.ConfigError, match=NEEDS[need]):
-            pretrain.resolve(pretrain.compose(overrides), world_size=command.world_size)
+        with pytest.raises(job.ConfigError, match=NEEDS[need]):
+            job.resolve(job.compose(overrides), world_size=command.world_size)
         return
-    cfg, _ = pretrain.resolve(pretrain.compose(overrides), world_size=command.world_size)
+    cfg, _ = job.resolve(job.compose(overrides), world_size=command.world_size)
     assert cfg.train.num_microbatches >= 1
 
 

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch.distributed as dist
 
-import pretrain
+from asyncpp import job
 from model_zoo import build_model, get_model_config
 
 
 def dry(overrides: list[str], tmp_path) -> list[dict]:
-    cfg, model_cfg = pretrain.resolve(pretrain.compose(overrides + ["logging=disabled", f"out_dir={tmp_path}"]))
-    reports = pretrain.run_dry(cfg, model_cfg, echo=lambda text: None)
+    cfg, model_cfg = job.resolve(job.compose(overrides + ["logging=disabled", f"out_dir={tmp_path}"]))
+    reports = job.run_dry(cfg, model_cfg, echo=lambda text: None)
     assert (tmp_path / "dry_run.json").is_file()
     assert not dist.is_initialized(), "the fake process group must be torn down"
     return reports

@@ -81,16 +81,16 @@ def test_task_lists_expand():
 def test_cli_on_a_trained_checkpoint(tmp_path, monkeypatch):
     """Train 2 steps, then `python -m tools.evaluate --checkpoint <run>` on the offline cloze task; its
     accuracy must be what the adapter's own log-likelihoods imply."""
-    import pretrain
+    from asyncpp import job
     from tools.evaluate import load_lm
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     run = tmp_path / "run"
-    cfg, model_cfg = pretrain.resolve(pretrain.compose([
+    cfg, model_cfg = job.resolve(job.compose([
         f"out_dir={run}", "model=tiny_dense", "logging=disabled", "logging.progress=false", "train.steps=2",
         "train.eval_every=0", "train.micro_batch_size=2", "train.num_microbatches=2", "train.seq_len=32",
         "optimizer.schedule.warmup_steps=1"]))
-    pretrain.run(cfg, model_cfg)
+    job.run(cfg, model_cfg)
     out = tmp_path / "results.json"
     assert main(["--checkpoint", str(run), "--tasks", "asyncpp_pydoc_cloze", "--limit", "8", "--out", str(out)]) == 0
     results = json.loads(out.read_text())

@@ -87,16 +87,16 @@ def test_other_failures_are_not_translated(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_real_paper_task_offline_on_a_trained_checkpoint(tmp_path, monkeypatch, capsys):
     """The real thing: lm-eval's own task index and datasets' offline failure, through the CLI (exit 2)."""
-    import pretrain
+    from asyncpp import job
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     run = tmp_path / "run"
-    cfg, model_cfg = pretrain.resolve(pretrain.compose([
+    cfg, model_cfg = job.resolve(job.compose([
         f"out_dir={run}", "model=tiny_dense", "logging=disabled", "logging.progress=false", "train.steps=1",
         "train.eval_every=0", "train.micro_batch_size=1", "train.num_microbatches=1", "train.seq_len=16",
         "optimizer.schedule.warmup_steps=1"]))
-    pretrain.run(cfg, model_cfg)
+    job.run(cfg, model_cfg)
     assert evaluate.main(["--checkpoint", str(run), "--tasks", "piqa,arc_easy", "--limit", "1"]) == 2
     err = capsys.readouterr().err
     assert "evaluate error: tasks piqa, arc_easy read their data from the Hugging Face hub" in err

@@ -299,14 +299,14 @@ def test_paper_sized_models_take_the_qwen_options():
 def test_cli_export_of_a_checkpoint_trained_with_overrides(tmp_path, capsys):
     """A run's model.overrides (here qk_norm) come from its checkpoint's manifest: the export is that model,
     Qwen3, with the run's tokenizer."""
-    import pretrain
+    from asyncpp import job
 
     run = tmp_path / "run"
-    cfg, model_cfg = pretrain.resolve(pretrain.compose([
+    cfg, model_cfg = job.resolve(job.compose([
         f"out_dir={run}", "model=tiny_dense", "+model.overrides.qk_norm=true", "logging=disabled",
         "logging.progress=false", "train.steps=1", "train.eval_every=0", "train.micro_batch_size=1",
         "train.num_microbatches=1", "train.seq_len=16", "optimizer.schedule.warmup_steps=1"]))
-    pretrain.run(cfg, model_cfg)
+    job.run(cfg, model_cfg)
     step = next((run / "checkpoints").glob("step_*"))
     assert hf.main(["export", "--checkpoint", str(step), "--out", str(tmp_path / "hf"), "--verify"]) == 0
     out = capsys.readouterr().out

@@ -430,10 +430,10 @@ def test_slurm_sweep_config_composes_for_every_arm():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    import pretrain
+    from asyncpp import job
 
     base = ["+experiment=sync_vs_async", "hydra/launcher=slurm"]
-    with initialize_config_dir(config_dir=str(pretrain.CONFIG_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(job.CONFIG_DIR), version_base="1.3"):
         cfg = compose("pretrain", overrides=base, return_hydra_config=True)
     launcher = cfg.hydra.launcher
     assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
@@ -448,7 +448,7 @@ def test_slurm_sweep_config_composes_for_every_arm():
 
     seen = {}
     for arm in arms:
-        run_cfg, model_cfg = pretrain.resolve(pretrain.compose([*base, f"+experiment/arm={arm}"]))
+        run_cfg, model_cfg = job.resolve(job.compose([*base, f"+experiment/arm={arm}"]))
         seen[arm] = (run_cfg.schedule.name, run_cfg.staleness.ef_lambda)
         assert model_cfg.name == "smollm2_135m" and run_cfg.train.device == "cuda"
     assert seen == {"sync": ("sync", 0.0), "2bw": ("2bw", 0.0), "2bw_ef": ("2bw", 1.0)}

@@ -276,7 +276,7 @@ def test_layout_stays_aligned_through_retarget_and_load_state_dict() -> None:
 
 def test_config_refuses_gather_mode_for_shard_only_optimizers() -> None:
     from asyncpp.config import ConfigError
-    from pretrain import compose, resolve
+    from asyncpp.job import compose, resolve
 
     with pytest.raises(ConfigError, match=r"optimizer.name=normuon with parallel.tp=2 .*tp_mode=block"):
         resolve(compose(["optimizer=normuon", "parallel.tp=2"]))

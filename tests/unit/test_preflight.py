@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import pretrain
+from asyncpp import job
 from asyncpp.config import ConfigError
 from asyncpp.train import checkpoint as ckpt
 from asyncpp.train import preflight
@@ -28,7 +28,7 @@ BASE = ["logging=disabled", "logging.progress=false", "model=tiny_dense", "train
 
 
 def config(tmp_path, *overrides):
-    return pretrain.resolve(pretrain.compose([f"out_dir={tmp_path / 'run'}", *BASE, *overrides]))
+    return job.resolve(job.compose([f"out_dir={tmp_path / 'run'}", *BASE, *overrides]))
 
 
 def fake_checkpoint(root: Path, step: int, cfg) -> Path:
@@ -96,7 +96,7 @@ def test_too_little_disk_for_two_checkpoints_is_refused(tmp_path):
     cfg, model_cfg = config(tmp_path)
     preflight.check_directories(cfg)
     size = preflight.checkpoint_bytes(cfg, model_cfg)
-    n = sum(p.numel() for p in pretrain.build_model(model_cfg, device="meta").parameters())
+    n = sum(p.numel() for p in job.build_model(model_cfg, device="meta").parameters())
     assert size > 4 * (2 + 2) * n  # 2BW: two weight versions + EF buffers, plus Muon's/AdamW's state
 
     def disk(free):
@@ -114,13 +114,13 @@ def test_the_estimate_matches_a_real_checkpoint(tmp_path):
 
     cfg, model_cfg = config(tmp_path, "optimizer=adamw")
     torch.manual_seed(0)
-    model = pretrain.build_model(model_cfg)
+    model = job.build_model(model_cfg)
     from asyncpp.reference.executor import ReferenceExecutor
     from asyncpp.train.trainer import Trainer
 
-    metrics = pretrain.make_metrics(cfg, model_cfg)
-    executor = ReferenceExecutor(cfg, model, pretrain.build_from_config(model, cfg.optimizer),
-                                 pretrain.build_data(cfg, model_cfg))
+    metrics = job.make_metrics(cfg, model_cfg)
+    executor = ReferenceExecutor(cfg, model, job.build_from_config(model, cfg.optimizer),
+                                 job.build_data(cfg, model_cfg))
     Trainer(cfg, executor, metrics).run()
     metrics.close({})
     written = preflight.checkpoint_bytes(cfg, model_cfg, (ckpt.latest(ckpt.checkpoint_root(cfg)), 6))

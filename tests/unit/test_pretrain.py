@@ -1,4 +1,4 @@
-"""End to end through pretrain.run on the embedded corpus: what `make train` does, at test size."""
+"""End to end through job.run on the embedded corpus: what `make train` does, at test size."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pretrain import compose, resolve, run
+from asyncpp.job import compose, resolve, run
 
 REQUIRED = {"step", "loss", "lr", "grad_norm", "update_norm", "tokens_per_s"}
 

@@ -27,9 +27,9 @@ EVAL_STEPS = (10, 20, 30)
 
 @pytest.fixture(scope="module")
 def base_config() -> dict:
-    import pretrain
+    from asyncpp import job
 
-    cfg, _ = pretrain.resolve(pretrain.compose(["+experiment=study", "train.steps=30", "optimizer.schedule.warmup_steps=3"]))
+    cfg, _ = job.resolve(job.compose(["+experiment=study", "train.steps=30", "optimizer.schedule.warmup_steps=3"]))
     d = json.loads(json.dumps(cfg.to_dict()))
     d.pop("out_dir")
     return d

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-import pretrain
+from asyncpp import job
 from asyncpp.reference.executor import ReferenceExecutor
 from asyncpp.train import checkpoint as ckpt
 from asyncpp.train.trainer import Trainer
@@ -24,12 +24,12 @@ class Stop(Exception):
 
 
 def run(out_dir, *overrides, stop_at: int | None = None):
-    cfg, model_cfg = pretrain.resolve(pretrain.compose([f"out_dir={out_dir}", *BASE, *overrides]))
+    cfg, model_cfg = job.resolve(job.compose([f"out_dir={out_dir}", *BASE, *overrides]))
     torch.manual_seed(cfg.seed)
-    model = pretrain.build_model(model_cfg)
-    executor = ReferenceExecutor(cfg, model, pretrain.build_from_config(model, cfg.optimizer),
-                                 pretrain.build_data(cfg, model_cfg))
-    trainer = Trainer(cfg, executor, pretrain.make_metrics(cfg, model_cfg))
+    model = job.build_model(model_cfg)
+    executor = ReferenceExecutor(cfg, model, job.build_from_config(model, cfg.optimizer),
+                                 job.build_data(cfg, model_cfg))
+    trainer = Trainer(cfg, executor, job.make_metrics(cfg, model_cfg))
     trainer.resume()
     if stop_at is not None:
         step = executor.sim.step
@@ -139,7 +139,7 @@ class _Stream:
 
 def test_resume_point_finds_the_latest_checkpoint_and_warns_when_the_data_stream_changed(tmp_path):
     def cfg(resume):
-        return pretrain.resolve(pretrain.compose([f"out_dir={tmp_path}", *BASE, f"checkpoint.resume={resume}"]))[0]
+        return job.resolve(job.compose([f"out_dir={tmp_path}", *BASE, f"checkpoint.resume={resume}"]))[0]
 
     root = tmp_path / "checkpoints"
     for step in (3, 6):

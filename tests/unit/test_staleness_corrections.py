@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from asyncpp.config import RunConfig, StalenessConfig
+from asyncpp.job import compose, resolve
 from asyncpp.optim import build_optimizer
 from asyncpp.reference.executor import build_simulator, parameter_delays
 from asyncpp.reference.simulator import DelayedUpdateSimulator
 from asyncpp.schedules.registry import is_sync_step, step_delay
-from pretrain import compose, resolve
 
 A, LR = 2.0, 0.1
 
