@@ -81,6 +81,11 @@ class Cluster:
     def jobcomp_log(self) -> Path:
         return self.state / "jobcomp.log"
 
+    @property
+    def last_logs(self) -> Path:
+        """Where `down` leaves the daemons' logs (the state directory itself is removed)."""
+        return self.state.with_name(self.state.name + "-last-logs")
+
     def log(self, daemon: str) -> Path:
         return self.state / "log" / f"{daemon}.log"
 
@@ -262,6 +267,9 @@ JobRequeue=1
             shutil.rmtree(Path("/etc/netns") / namespace(node), ignore_errors=True)
         sh("ip", "link", "del", BRIDGE, check=False)
         if self.state.exists():
+            if (self.state / "log").exists():  # the daemons' logs outlive the cluster, for a post-mortem
+                shutil.rmtree(self.last_logs, ignore_errors=True)
+                shutil.copytree(self.state / "log", self.last_logs)
             shutil.rmtree(self.state)
         deadline = time.monotonic() + 5  # deleting a namespace takes its veth with it, a moment later
         while time.monotonic() < deadline and sh("ip", "link", "show", "asyncpp-v1", check=False).returncode == 0:

@@ -16,6 +16,7 @@ from tests.slurm.harness import (
     logs,
     losses,
     metrics,
+    scontrol,
     steps_logged,
     submit,
     torchrun_standalone,
@@ -69,12 +70,16 @@ def test_preemption_checkpoints_requeues_under_the_same_id_and_resumes_exactly(c
     signalled = time.monotonic()
     # The stop is prompt: signal -> checkpoint -> every process of the job gone, well inside torchrun's grace
     # (TORCH_ELASTIC_SHUTDOWN_TIMEOUT = 60 - 20 = 40 s here): the job is requeued when its batch script exits.
-    wait_for("the job is requeued", lambda: job(cluster, job_id)["Restarts"] == "1", 120, 0.1)
+    wait_for("the job is requeued", lambda: (r := job(cluster, job_id))["Restarts"] == "1"
+             and r["JobState"] == "PENDING", 120, 0.1)
     requeued_s = time.monotonic() - signalled
+    # slurmctld holds a requeued job for two minutes (Reason=BeginTime); let it start now. Only once it is
+    # PENDING: an update while the requeue is under way lost the requeue (the job ended FAILED, exit 143).
+    scontrol(cluster, "update", f"JobId={job_id}", "StartTime=now")
     record = wait_ended(cluster, job_id)
     out, err = logs(tmp_path, "pre", job_id)
     print(f"preempted job {job_id}: requeued {requeued_s:.1f} s after the signal; {record['JobState']}")
-    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (record, err[-3000:])
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (str(record), err[-3000:])
     assert "[launch] SIGTERM: asking the ranks to checkpoint and exit" in out
     assert f"[launch] requeueing job {job_id} (requeue 1 of 10)" in out
     assert f"[launch] job {job_id} (restart 1)" in out  # the same job id, SLURM_RESTART_COUNT bumped
@@ -101,7 +106,7 @@ def test_deliberate_exits_are_neither_retried_nor_requeued(cluster, tmp_path, na
     job_id, _ = submit(cluster, tmp_path, name, [*OVERRIDES, *extra], *options)
     record = wait_ended(cluster, job_id)
     out, err = logs(tmp_path, name, job_id)
-    assert record["JobState"] == "FAILED" and record["ExitCode"] == f"{code}:0", (record, out[-2000:], err[-3000:])
+    assert record["JobState"] == "FAILED" and record["ExitCode"] == f"{code}:0", (str(record), out[-2000:], err[-3000:])
     assert record["Restarts"] == "0" and out.count(f"[launch] job {job_id} ") == 1  # started once, never requeued
     assert f"[launch] the run exited {code}: " in out and "not retried" in out and "restart 1 of" not in out
     assert message in err
