@@ -18,6 +18,7 @@ import os
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from asyncpp import job
@@ -94,7 +95,20 @@ def install_stop(stop: StopFlag = STOP) -> StopFlag:
     return stop.install()
 
 
+def run_main() -> None:
+    """main(), with hydra's own refusals counted as config errors: an override hydra cannot apply (`trian.steps=3`:
+    "Could not override", a missing config group) ends in hydra's sys.exit(1) before main runs, which torchrun and
+    the launchers would take for a crash and retry (the real slurm cluster did, 3 times; tests/slurm)."""
+    try:
+        main()
+    except SystemExit as e:
+        if e.code == 1 and not HydraConfig.initialized():  # no job config: hydra failed to compose it and said why
+            leave(preflight.EXIT_CONFIG_ERROR, "config error: hydra could not compose the config from the overrides "
+                  "(its message is above); fix that override")
+        raise
+
+
 if __name__ == "__main__":
     _quiet_hydra_on_other_ranks()
     install_stop()
-    main()
+    run_main()

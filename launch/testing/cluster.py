@@ -1,11 +1,11 @@
 """A real two-node Slurm cluster on this machine, for tests (tests/slurm, `make test-slurm`).
 
-    python -m launch.testing.cluster up       # install slurm-wlm + munge if missing, start, wait for idle nodes
+    python -m launch.testing.cluster up       # install the packages if missing, start, wait for idle nodes
     python -m launch.testing.cluster status   # sinfo
     python -m launch.testing.cluster env      # `eval "$(python -m launch.testing.cluster env)"`: PATH, SLURM_CONF
     python -m launch.testing.cluster down     # stop everything, remove the namespaces and the state
 
-What it builds (root only; Debian's slurm-wlm 22.05):
+What it builds (root only; Debian's slurm-wlm 22.05, munge, slurmdbd, mariadb-server):
 - two network namespaces, asyncpp-node1 and asyncpp-node2, each with one veth (`slurm0`) on a bridge
   (`asyncpp-br`) that has no address: 10.77.31.11 and .12 exist only inside the namespaces, and nothing is
   routed out of them. Each namespace sees its own /etc/hosts (/etc/netns/<ns>/hosts: node1, node2).
@@ -16,9 +16,9 @@ What it builds (root only; Debian's slurm-wlm 22.05):
   namespace they run the command inside asyncpp-node1 (the "login node" is the head node), inside a node they
   run it directly. Put <state>/bin first on PATH and set SLURM_CONF (`env()`), and `launch.slurm` submits here.
 
-No cgroups (proctrack/linuxproc, task/none: a container's cgroup tree is not slurm's), no accounting
-database: the job record comes from `scontrol show job` and the job completion log (jobcomp/filetxt, every
-end of a job, requeues included: `completions()`).
+No cgroups (proctrack/linuxproc, task/none: a container's cgroup tree is not slurm's). Accounting is real:
+slurmdbd on node1 over a MariaDB that listens on a unix socket only, so `sacct -D` shows every start of a job
+(a requeued one has a REQUEUED row and then its final one); the job completion log (jobcomp/filetxt) too.
 
 `up()` first tears down whatever an earlier run left, so it is idempotent; `down()` kills every process in
 the two namespaces (jobs included), the daemons by their pid files, and removes all it made.
@@ -41,8 +41,9 @@ STATE = Path(os.environ.get("ASYNCPP_SLURM_STATE", "/run/asyncpp-slurm"))
 BRIDGE = "asyncpp-br"
 SUBNET = "10.77.31"  # private; the addresses live only inside the namespaces this module creates
 NODES = ("node1", "node2")
-CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo", "sacct", "salloc")
-PACKAGES = ("slurm-wlm", "munge")
+CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo", "sacct", "sacctmgr", "salloc")
+PACKAGES = ("slurm-wlm", "munge", "slurmdbd", "mariadb-server")
+DAEMONS = ("slurmctld", "slurmd", "munged", "slurmdbd", "mariadbd", "mariadb-install-db")
 
 
 def namespace(node: str) -> str:
@@ -107,6 +108,7 @@ class Cluster:
         self._munge()
         self.conf.write_text(self.slurm_conf())
         self._wrappers()
+        self._accounting()
         self._daemon("slurmctld", "node1", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         for node in NODES:
             self._daemon(f"slurmd-{node}", node, ["slurmd", "-D", "-N", node, "-f", str(self.conf)])
@@ -141,6 +143,52 @@ class Cluster:
         sh("munged", "--force", f"--socket={self.munge_socket}", f"--key-file={key}",
            f"--pid-file={d / 'munged.pid'}", f"--log-file={self.log('munged')}", f"--seed-file={d / 'seed'}")
 
+    @property
+    def mysql_socket(self) -> Path:
+        return self.state / "mysql" / "mysqld.sock"
+
+    def _accounting(self) -> None:
+        """MariaDB (a unix socket only: --skip-networking) and slurmdbd on node1, so that sacct has the jobs'
+        records, requeues included. slurmdbd reaches the database through $MYSQL_UNIX_PORT."""
+        data = self.state / "mysql" / "data"
+        data.mkdir(parents=True)
+        sh("mariadb-install-db", f"--datadir={data}", "--user=root", "--auth-root-authentication-method=socket",
+           "--skip-test-db")
+        with open(self.log("mariadbd"), "ab") as out:
+            proc = subprocess.Popen(["mariadbd", f"--datadir={data}", f"--socket={self.mysql_socket}", "--user=root",
+                                     "--skip-networking", f"--pid-file={self.state / 'mysql' / 'mariadbd.pid'}",
+                                     "--innodb-buffer-pool-size=16M", "--performance-schema=OFF"],
+                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        (self.state / "mariadbd.daemon-pid").write_text(str(proc.pid))
+        _wait(lambda: self.mysql_socket.exists(), 60, f"mariadbd's socket {self.mysql_socket}", self)
+        dbd = self.state / "slurmdbd.conf"
+        dbd.write_text(f"""# written by launch/testing/cluster.py
+DbdHost=node1
+DbdAddr={address('node1')}
+DbdPort=6819
+SlurmUser=root
+AuthType=auth/munge
+AuthInfo=socket={self.munge_socket}
+StorageType=accounting_storage/mysql
+StorageHost=localhost
+StorageUser=root
+StorageLoc=slurm_acct_db
+PidFile={self.state / 'slurmdbd.pid'}
+LogFile={self.log('slurmdbd')}
+""")
+        dbd.chmod(0o600)  # slurmdbd refuses a config others can read
+        # slurmdbd has no -f: it reads slurmdbd.conf beside $SLURM_CONF
+        self._daemon("slurmdbd", "node1", ["env", f"MYSQL_UNIX_PORT={self.mysql_socket}", f"SLURM_CONF={self.conf}",
+                                           "slurmdbd", "-D"])
+        sacctmgr = str(self.bin_dir / "sacctmgr")
+
+        def registered() -> bool:  # the cluster is known to slurmdbd (and so slurmdbd answers)
+            sh(sacctmgr, "-i", "add", "cluster", "asyncpp", check=False)
+            return "asyncpp" in sh(sacctmgr, "-n", "-P", "list", "cluster", "format=cluster", check=False).stdout
+
+        _wait(registered, 60, "slurmdbd to register the cluster", self)
+
     def slurm_conf(self) -> str:
         s = self.state
         nodes = "".join(
@@ -168,7 +216,11 @@ SlurmdLogFile={s}/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=node1
+AccountingStoragePort=6819
+# with slurmdbd this names the munge socket for its connections (AuthInfo does not reach them)
+AccountingStoragePass={self.munge_socket}
 JobCompType=jobcomp/filetxt
 JobCompLoc={self.jobcomp_log}
 SchedulerType=sched/backfill
@@ -258,7 +310,8 @@ JobRequeue=1
         for node in NODES:
             for pid in self.node_pids(node):
                 _kill(pid, signal.SIGKILL)
-        for pidfile in (*self.state.glob("*.daemon-pid"), *self.state.glob("*.pid"), self.state / "munge/munged.pid"):
+        for pidfile in (*self.state.glob("*.daemon-pid"), *self.state.glob("*.pid"), self.state / "munge/munged.pid",
+                        self.state / "mysql/mariadbd.pid"):
             pid = _read_pid(pidfile)
             if pid is not None and _is_ours(pid):
                 _kill(pid, signal.SIGKILL)
@@ -285,6 +338,15 @@ JobRequeue=1
                 for line in self.jobcomp_log.read_text().splitlines() if line.strip()]
 
 
+def _wait(predicate, timeout: float, what: str, cluster: Cluster) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.3)
+    raise RuntimeError(f"no {what} after {timeout:.0f} s; logs in {cluster.state / 'log'}:\n{cluster.tail_logs()}")
+
+
 def _read_pid(path: Path) -> int | None:
     try:
         return int(path.read_text().split()[0])
@@ -298,7 +360,7 @@ def _is_ours(pid: int) -> bool:
         comm = Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return False
-    return comm in ("munged", "slurmctld", "slurmd", "nsenter", "unshare", "sh", "on-node")
+    return comm in (*DAEMONS, "nsenter", "unshare", "sh", "on-node", "env")
 
 
 def _kill(pid: int, sig: int) -> None:
@@ -309,11 +371,11 @@ def _kill(pid: int, sig: int) -> None:
 
 
 def install_packages() -> None:
-    """apt-get install slurm-wlm and munge when their daemons are missing (Debian/Ubuntu, root)."""
-    if all(shutil.which(d) for d in ("slurmctld", "slurmd", "munged")):
+    """apt-get install slurm-wlm, munge, slurmdbd and mariadb-server when a daemon is missing (Debian, root)."""
+    if all(shutil.which(d) for d in DAEMONS):
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise RuntimeError("slurm-wlm and munge are not installed, and installing them needs root and apt-get")
+        raise RuntimeError(f"{', '.join(PACKAGES)} are not all installed, and installing them needs root and apt-get")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     sh("apt-get", "update", "-q", env=env)
     sh("apt-get", "install", "-y", "-q", *PACKAGES, env=env)

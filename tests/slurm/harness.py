@@ -102,3 +102,25 @@ def checkpoint_tensors(step_dir: Path) -> dict:
     walk("", torch.load(out, weights_only=False))
     out.unlink()
     return flat
+
+
+def ranks_on(cluster: Cluster, node: str) -> list[int]:
+    """The pretrain.py worker processes on `node` (torchrun's children, not torchrun itself)."""
+    pids = []
+    for pid in cluster.node_pids(node):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"pretrain.py" in argv and not any(a.endswith(b"torchrun") for a in argv):
+            pids.append(pid)
+    return pids
+
+
+def sacct(cluster: Cluster, job_id: str) -> list[dict[str, str]]:
+    """slurmdbd's records of the job, one per run of it (--duplicates: a requeued job has one per start)."""
+    fields = ["JobID", "JobName", "State", "ExitCode", "Start", "End", "NodeList"]
+    out = subprocess.run([str(cluster.bin_dir / "sacct"), "-D", "-X", "-n", "-P", "-j", job_id,
+                          "-o", ",".join(fields)], env=cluster.env(), capture_output=True, text=True, check=True,
+                         timeout=30).stdout
+    return [dict(zip(fields, line.split("|"), strict=True)) for line in out.splitlines() if line]
