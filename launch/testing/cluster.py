@@ -65,6 +65,8 @@ class Cluster:
     """What each node offers (config_overrides): the 2 cores of this machine, one per node."""
     slurmd_timeout: int = 10
     """Seconds before a silent node is DOWN (300 by default): the node-death test waits for it."""
+    cred_expire: int = 10
+    """Seconds a requeued job waits before it may start again (120 by default; see slurm_conf)."""
 
     @property
     def conf(self) -> Path:
@@ -205,7 +207,10 @@ SlurmctldPort=6817
 SlurmdPort=6818
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={self.munge_socket}
+# cred_expire: how long a job's credential lives, and so how long slurmctld holds a requeued job before it may
+# start again (Reason=BeginTime; 120 s by default): a node refuses to relaunch a job whose old credential it
+# revoked ("Job credential revoked") until then.
+AuthInfo=socket={self.munge_socket},cred_expire={self.cred_expire}
 StateSaveLocation={s}/ctld
 SlurmdSpoolDir={s}/spool-%n
 SlurmctldPidFile={s}/slurmctld.pid

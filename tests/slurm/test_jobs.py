@@ -23,7 +23,6 @@ from tests.slurm.harness import (
     metrics,
     ranks_on,
     sacct,
-    scontrol,
     steps_logged,
     submit,
     torchrun_standalone,
@@ -80,9 +79,8 @@ def test_preemption_checkpoints_requeues_under_the_same_id_and_resumes_exactly(c
     wait_for("the job is requeued", lambda: (r := job(cluster, job_id))["Restarts"] == "1"
              and r["JobState"] == "PENDING", 120, 0.1)
     requeued_s = time.monotonic() - signalled
-    # slurmctld holds a requeued job for two minutes (Reason=BeginTime); let it start now. Only once it is
-    # PENDING: an update while the requeue is under way lost the requeue (the job ended FAILED, exit 143).
-    scontrol(cluster, "update", f"JobId={job_id}", "StartTime=now")
+    # slurmctld now holds it for cred_expire (10 s here, 120 s by default: Reason=BeginTime). Releasing it
+    # earlier (scontrol update StartTime=now) fails it: node1 still refuses the job's revoked credential.
     record = wait_ended(cluster, job_id)
     out, err = logs(tmp_path, "pre", job_id)
     print(f"preempted job {job_id}: requeued {requeued_s:.1f} s after the signal; {record['JobState']}")
@@ -135,7 +133,6 @@ def test_a_dead_node_fails_the_job_which_slurm_requeues_and_resumes(cluster, uni
     wait_for("the job is requeued after the node failure", lambda: (r := job(cluster, job_id))["Restarts"] == "1"
              and r["JobState"] == "PENDING", 180, 0.5)
     cluster.start_node("node2")  # the node comes back (ReturnToService=2)
-    scontrol(cluster, "update", f"JobId={job_id}", "StartTime=now")
     record = wait_ended(cluster, job_id)
     out, err = logs(tmp_path, "node", job_id)
     print(f"job {job_id} after a dead node: {record['JobState']}, restarts {record['Restarts']}")
