@@ -124,3 +124,9 @@ def sacct(cluster: Cluster, job_id: str) -> list[dict[str, str]]:
                           "-o", ",".join(fields)], env=cluster.env(), capture_output=True, text=True, check=True,
                          timeout=30).stdout
     return [dict(zip(fields, line.split("|"), strict=True)) for line in out.splitlines() if line]
+
+
+def sacct_final(cluster: Cluster, job_id: str, timeout: float = 60) -> list[dict[str, str]]:
+    """sacct's records once slurmdbd has the job's end (it learns it after scontrol does)."""
+    return wait_for(f"sacct has job {job_id}'s end", lambda: (r := sacct(cluster, job_id))
+                    and r[-1]["State"] not in ("RUNNING", "PENDING", "COMPLETING") and r, timeout, 0.5)

@@ -22,7 +22,7 @@ from tests.slurm.harness import (
     losses,
     metrics,
     ranks_on,
-    sacct,
+    sacct_final,
     steps_logged,
     submit,
     torchrun_standalone,
@@ -93,7 +93,7 @@ def test_preemption_checkpoints_requeues_under_the_same_id_and_resumes_exactly(c
     stopped = int(stops[0].split("checkpoint at step ")[1].split(";")[0])
     assert 3 <= stopped < STEPS and f"resumed at step {stopped}" in out + err
 
-    runs = sacct(cluster, job_id)  # slurmdbd's record: one row per start of the job
+    runs = sacct_final(cluster, job_id)  # slurmdbd's record: one row per start of the job
     for run in runs:
         print("sacct: " + " ".join(run.values()))
     assert [(r["JobID"], r["State"]) for r in runs] == [(job_id, "REQUEUED"), (job_id, "COMPLETED")], runs
@@ -117,7 +117,7 @@ def test_deliberate_exits_are_neither_retried_nor_requeued(cluster, tmp_path, na
     out, err = logs(tmp_path, name, job_id)
     assert record["JobState"] == "FAILED" and record["ExitCode"] == f"{code}:0", (str(record), out[-2000:], err[-3000:])
     assert record["Restarts"] == "0" and out.count(f"[launch] job {job_id} ") == 1  # started once, never requeued
-    assert [(r["State"], r["ExitCode"]) for r in sacct(cluster, job_id)] == [("FAILED", f"{code}:0")]
+    assert [(r["State"], r["ExitCode"]) for r in sacct_final(cluster, job_id)] == [("FAILED", f"{code}:0")]
     assert f"[launch] the run exited {code}: " in out and "not retried" in out and "restart 1 of" not in out
     assert message in err and "config error: " in err if code == 2 else message in err
 
