@@ -18,7 +18,6 @@ import os
 import sys
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from asyncpp import job
@@ -31,11 +30,14 @@ from asyncpp.train.preemption import StopFlag
 from asyncpp.train.run_identity import EXIT_DIVERGED, record_exit
 from asyncpp.train.trainer import TrainingAborted
 
+STARTED = False  # main was entered (hydra resets its own HydraConfig after a failed job, so it cannot tell)
 STOP = StopFlag()  # set by SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C); the loops checkpoint and stop at a step boundary
 
 
 @hydra.main(config_path=str(job.CONFIG_DIR), config_name="pretrain", version_base="1.3")
 def main(dcfg: DictConfig) -> float:
+    global STARTED
+    STARTED = True  # hydra composed the config; an error from here on is the run's (run_main)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
         cfg, model_cfg = job.resolve(OmegaConf.to_container(dcfg, resolve=True),
@@ -102,7 +104,7 @@ def run_main() -> None:
     try:
         main()
     except SystemExit as e:
-        if e.code == 1 and not HydraConfig.initialized():  # no job config: hydra failed to compose it and said why
+        if e.code == 1 and not STARTED:  # main never ran: hydra failed to compose the config (and said why)
             leave(preflight.EXIT_CONFIG_ERROR, "config error: hydra could not compose the config from the overrides "
                   "(its message is above); fix that override")
         raise

@@ -188,10 +188,13 @@ def test_a_hydra_sweep_runs_each_point_as_a_slurm_job_in_its_own_directory(clust
     proc = subprocess.run(cmd, cwd=ROOT, env=cluster.env(), capture_output=True, text=True, timeout=600, check=False)
     print(f"hydra sweep on slurm: exit {proc.returncode} in {time.monotonic() - start:.1f} s")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # each point in the directory named after its own overrides (docs/launch.md), with its own record
     runs = sorted(p.parent for p in sweep.glob("*/summary.json"))
-    assert [p.name for p in runs] == ["seed=1", "seed=2"], sorted(str(p) for p in sweep.rglob("*"))[:50]
+    assert len(runs) == 2 and ",seed=1," in runs[0].name and ",seed=2," in runs[1].name, runs
     for run in runs:
         assert [r["step"] for r in metrics(run)] == list(range(6))
     assert losses(runs[0]) != losses(runs[1])  # two seeds, two runs: not one directory written twice
-    jobs = sorted((sweep / ".submitit").glob("*_*_log.out"))
-    assert len(jobs) == 2, jobs
+    tasks = sorted(p.name for p in (sweep / ".submitit").glob("*_*") if p.is_dir())  # one array task per point
+    assert len(tasks) == 2 and {t.split("_")[1] for t in tasks} == {"0", "1"}, tasks
+    runs_of = {t: sacct_final(cluster, t) for t in tasks}
+    assert all([r["State"] for r in rows] == ["COMPLETED"] for rows in runs_of.values()), runs_of
