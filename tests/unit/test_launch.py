@@ -345,6 +345,8 @@ def test_the_job_exits_with_the_code_the_ranks_meant_and_a_divergence_is_not_req
     ([1, 0], [None, None], 2, 0),            # a crash: restarted, and the restart finishes
     ([1, 1, 1, 1, 1], [None] * 5, 4, 1),     # crashes: 1 + --max-restarts=3 attempts
     ([1], ["2 config error: bad field"], 1, 2),  # a config error: never retried, the job fails with 2
+    # a rank stopped by slurm's teardown of the step after another rank failed (not by this script's trap)
+    ([1, 0], ["143 signal 15 again: exiting 143 now, without a checkpoint", None], 2, 0),
 ])
 def test_the_script_restarts_crashes_but_not_deliberate_exits(tmp_path, exits, meant, runs, rc):
     bin_dir = _fake_bin(tmp_path)
