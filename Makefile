@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_CPU ?= torch==2.13.0
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup train lint test test-equivalence-again test-all test-matrix bench clean
+.PHONY: setup train lint test test-equivalence-again test-matrix test-slurm test-all bench clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,12 @@ test: lint
 
 test-equivalence-again: setup
 	$(OTHER_KERNELS) $(PY) -m pytest -q -m "equivalence and not slow and not gpu" $(EQUIVALENCE_AGAIN)
+
+# The real-slurm tier (tests/slurm, docs/launch.md): launch.slurm jobs on a two-node slurm cluster that the tests
+# start on this machine (root and network namespaces; launch/testing/cluster.py installs slurm-wlm and munge when
+# they are missing) and stop again; the cluster is taken down after pytest whatever happened to it.
+test-slurm: setup
+	$(PY) -m pytest -q -m slurm tests/slurm; rc=$$?; $(PY) -m launch.testing.cluster down; exit $$rc
 
 test-all: setup
 	$(PY) -m pytest -q -m "not gpu"

@@ -164,7 +164,9 @@ def render(job: SlurmJob, command_line: str = "python -m launch.slurm") -> str:
     overrides = job.job_overrides()
     quoted = [shlex.quote(o) for o in overrides]
     if not any(o.startswith("hydra.run.dir=") for o in overrides):
-        quoted.insert(0, '"hydra.run.dir=$RUN_DIR"')  # expanded by the shell, not by hydra
+        # Expanded by the shell, then quoted for hydra: a run name has '=' and ',' (model=x,schedule=y), which
+        # hydra's override grammar reads as a sweep or refuses ("mismatched input '='") unless quoted.
+        quoted.insert(0, '"hydra.run.dir=\'$RUN_DIR\'"')
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
         undefined=jinja2.StrictUndefined,

@@ -27,11 +27,18 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 """SIGTERM: slurm's preemption and torchrun's shutdown; SIGINT: Ctrl-C; SIGUSR1: `sbatch --signal=USR1@N`."""
 
 
+REPEAT_S = 3.0
+"""A second signal this soon after the first is the same request delivered twice, not a user insisting: under
+slurm `scancel --signal=TERM` reaches every process of the step, the ranks and torchrun, and torchrun then forwards
+it to the ranks again (the real cluster: the second copy came up to a second later, under load, and ended the rank
+without its checkpoint); a Ctrl-C in a terminal reaches the ranks and torchrun alike."""
+
+
 class StopFlag:
     """Set by a signal (or, in tests, by reaching `at_step`); read by the loops at step boundaries.
 
-    A second signal while the first is being honoured exits at once with EXIT_CODE, without a checkpoint:
-    the user insisted (a second Ctrl-C), or the scheduler is about to kill the job anyway.
+    A second signal while the first is being honoured (REPEAT_S or more after it) exits at once with EXIT_CODE,
+    without a checkpoint: the user insisted (a second Ctrl-C), or the scheduler is about to kill the job anyway.
 
     Before the trainer's loop begins (`arm`) the signals keep their default action, which ends the process at
     once: there is nothing to save yet, and a rank blocked in setup inside a C call (the rendezvous, waiting for
@@ -53,6 +60,8 @@ class StopFlag:
         if SIGTERM had arrived then, so a stop mid-segment is deterministic in CI."""
 
     def set(self, signum: int = signal.SIGTERM, frame=None) -> None:
+        if self.requested and frame is not None and time.monotonic() - self.since < REPEAT_S:
+            return  # the same request again: torchrun forwarding the SIGTERM slurm already gave every process
         if self.requested and frame is not None:  # a second real signal
             message = f"signal {signum} again: exiting {EXIT_CODE} now, without a checkpoint"
             os.write(2, f"{message}\n".encode())

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from launch import local, slurm
 
@@ -102,11 +103,18 @@ def test_overrides_pass_through_quoted_with_a_stable_run_dir_and_cuda():
     for o in OVERRIDES[:-1]:
         assert f"    {o} \\\n" in block
     assert "'logging.run_name=\"sync vs 2bw\"'" in block  # one shell word, quotes kept for hydra
-    assert '"hydra.run.dir=$RUN_DIR"' in block  # expanded by bash
+    assert '"hydra.run.dir=\'$RUN_DIR\'"' in block  # expanded by bash, quoted for hydra
     # named after the run (logging.run_name, made one safe word), not the job: a requeue and a resubmission resume
     assert "RUN_DIR=outputs/slurm/sync_vs_2bw\n" in script
     unnamed = slurm.render(_job(overrides=["schedule=2bw", "model=smollm2_135m"]))
     assert "RUN_DIR=outputs/slurm/model=smollm2_135m,schedule=2bw\n" in unnamed
+    # What hydra gets on the node: one run directory, not a sweep over "model=..." and "schedule=..." (unquoted,
+    # hydra refused it: "mismatched input '='", which the real cluster showed; tests/slurm)
+    word = subprocess.run(["bash", "-c", 'RUN_DIR=outputs/slurm/model=smollm2_135m,schedule=2bw; printf %s '
+                           + unnamed[unnamed.index('"hydra.run.dir='):].split()[0]], capture_output=True, text=True,
+                          check=True).stdout
+    parsed = OverridesParser.create().parse_override(word)
+    assert parsed.value() == "outputs/slurm/model=smollm2_135m,schedule=2bw" and not parsed.is_sweep_override()
     assert "SLURM_JOB_ID" not in unnamed[unnamed.index("RUN_DIR="):unnamed.index("\n", unnamed.index("RUN_DIR="))]
     assert "train.device=cuda" in block
     assert "train.device=cuda" not in slurm.render(_job(overrides=["train.device=cpu"]))
@@ -124,7 +132,7 @@ def test_environment_and_preemption_handling():
         "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=100",
         "#SBATCH --constraint=h100",
         "trap on_term TERM",
-        'kill -TERM "$SRUN_PID"',
+        'scancel --signal=TERM "$SLURM_JOB_ID"',
         'scontrol requeue "$SLURM_JOB_ID"',
     ):
         assert line in script, line
@@ -139,13 +147,18 @@ def test_rendered_script_is_valid_bash():
 
 
 def _fake_bin(tmp_path: Path) -> Path:
-    """srun runs its command, scontrol answers and records, torchrun records its args and its SIGTERM."""
+    """srun runs its command and, as the real one does (tests/slurm), answers SIGTERM by killing it; scancel
+    --signal=TERM signals the step's processes (here: torchrun); scontrol answers and records; torchrun records
+    its args and its SIGTERM."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     scripts = {
-        "srun": 'while [[ "$1" == --* ]]; do shift; done\nexec "$@"\n',
+        "srun": 'while [[ "$1" == --* ]]; do shift; done\n"$@" &\nchild=$!\n'
+        'trap \'echo "srun: forcing job termination" >> "$LOG"; kill -KILL $child\' TERM\n'
+        'while kill -0 $child 2>/dev/null; do wait $child; rc=$?; done\nexit $rc\n',
+        "scancel": 'echo scancel "$@" >> "$LOG"\nkill -TERM "$(cat "$ARGS.pid")"\n',
         "scontrol": 'if [[ "$1" == show ]]; then echo node-a; echo node-b; else echo "$@" >> "$LOG"; fi\n',
-        "torchrun": 'printf "%s\\n" "$@" > "$ARGS"\ntrap \'echo TERM >> "$LOG"; exit 0\' TERM\n'
+        "torchrun": 'printf "%s\\n" "$@" > "$ARGS"\necho $$ > "$ARGS.pid"\ntrap \'echo TERM >> "$LOG"; exit 0\' TERM\n'
         "while true; do sleep 0.05; done\n",
     }
     for name, body in scripts.items():
@@ -182,12 +195,13 @@ def test_script_runs_forwards_sigterm_and_requeues(tmp_path):
     args = (tmp_path / "args").read_text().splitlines()
     assert "--rdzv-endpoint=node-a:24242" in args and "--rdzv-id=4242" in args  # 20000 + 4242 % 20000
     assert args[args.index("pretrain.py") + 1 :] == [
-        "hydra.run.dir=outputs/slurm/sync_vs_2bw",
+        "hydra.run.dir='outputs/slurm/sync_vs_2bw'",
         *OVERRIDES,
         "train.device=cuda",
         "checkpoint.every=500",
     ]
-    assert (tmp_path / "log").read_text().splitlines() == ["TERM", "requeue 4242"], out
+    # SIGTERM goes to the step's processes through scancel, not to srun (which would kill them unsaved)
+    assert (tmp_path / "log").read_text().splitlines() == ["scancel --signal=TERM 4242", "TERM", "requeue 4242"], out
     assert rc == 143, out
 
 
@@ -307,7 +321,7 @@ def test_environment_hook_and_bounded_requeues(tmp_path):
     job = _job(torchrun=str(bin_dir / "torchrun"), workdir=str(tmp_path), max_requeues=2)
     rc, out = _run_script(job, tmp_path, bin_dir, sigterm=True, SLURM_JOB_NODELIST="node-a", SLURM_JOB_ID="7",
                           SLURM_RESTART_COUNT="2")
-    assert (tmp_path / "log").read_text().splitlines() == ["TERM"], out
+    assert (tmp_path / "log").read_text().splitlines() == ["scancel --signal=TERM 7", "TERM"], out
     assert "not requeueing: job 7 was requeued 2 times" in out and rc == 143
 
 
@@ -331,6 +345,8 @@ def test_the_job_exits_with_the_code_the_ranks_meant_and_a_divergence_is_not_req
     ([1, 0], [None, None], 2, 0),            # a crash: restarted, and the restart finishes
     ([1, 1, 1, 1, 1], [None] * 5, 4, 1),     # crashes: 1 + --max-restarts=3 attempts
     ([1], ["2 config error: bad field"], 1, 2),  # a config error: never retried, the job fails with 2
+    # a rank stopped by slurm's teardown of the step after another rank failed (not by this script's trap)
+    ([1, 0], ["143 signal 15 again: exiting 143 now, without a checkpoint", None], 2, 0),
 ])
 def test_the_script_restarts_crashes_but_not_deliberate_exits(tmp_path, exits, meant, runs, rc):
     bin_dir = _fake_bin(tmp_path)

@@ -72,6 +72,29 @@ def test_a_config_error_exits_2_before_any_model_and_tells_the_launcher(tmp_path
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no model, no metrics: nothing started
 
 
+def test_an_override_hydra_refuses_is_a_config_error_and_a_crash_is_not(tmp_path):
+    """hydra refuses `trian.steps=3` before main runs (its own sys.exit(1)); pretrain.py makes that exit 2 with the
+    launcher's note, as for any config error (torchrun and the slurm script retried it as a crash). A crash inside
+    the run stays 1, with no note: it is what the launchers retry."""
+    marker = tmp_path / "exit"
+    env = {"PATH": "/usr/bin:/bin", "ASYNCPP_EXIT_FILE": str(marker), "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "pretrain.py", f"hydra.run.dir={tmp_path / 'run'}", *BASE, "trian.steps=3"],
+                         check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Could not override 'trian.steps'" in out.stderr
+    assert marker.read_text().startswith("2 config error: hydra could not compose the config")
+    marker.unlink()
+    crash = ("import runpy, sys\nimport asyncpp.job as job\n"
+             "def boom(*args, **kwargs):\n    raise RuntimeError('a crash inside the run')\n"
+             "job.run = boom\n"
+             f"sys.argv = ['pretrain.py', 'hydra.run.dir={tmp_path / 'run'}', *{BASE!r}]\n"
+             "runpy.run_path('pretrain.py', run_name='__main__')\n")
+    out = subprocess.run([sys.executable, "-c", crash], check=False, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "a crash inside the run" in out.stderr, out.stderr[-2000:]
+    assert not marker.exists()
+
+
 # ---- storage -------------------------------------------------------------------------------------
 def test_an_unwritable_checkpoint_dir_is_refused_then_a_writable_one_passes(tmp_path, monkeypatch):
     blocker = tmp_path / "a_file"

@@ -179,3 +179,27 @@ def test_a_signal_before_the_first_step_exits_at_once_and_after_it_asks_for_a_ch
         assert not exit_file.exists()
     else:
         assert proc.returncode == -15 and "requested" not in proc.stdout, (proc.returncode, proc.stderr)
+
+
+@pytest.mark.parametrize("gap, exits", [(0.5, False), (3.5, True)])
+def test_a_repeated_signal_is_the_same_request_and_a_later_one_insists(gap, exits, tmp_path):
+    """slurm's scancel --signal=TERM reaches every rank and torchrun, which forwards it again: a second SIGTERM
+    within REPEAT_S is the same request (the rank still checkpoints); one after it exits at once, unsaved."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\n"
+            "from asyncpp.train.preemption import StopFlag\n"
+            "flag = StopFlag().install()\nflag.arm()\n"
+            f"os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep({gap})\nos.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(0.2)\nprint('still here', flag.requested)\n")
+    exit_file = tmp_path / "exit"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False,
+                          env={**os.environ, "ASYNCPP_EXIT_FILE": str(exit_file)})
+    if exits:
+        assert proc.returncode == 143 and "signal 15 again" in proc.stderr, (proc.returncode, proc.stderr)
+        assert exit_file.read_text().startswith("143 signal 15 again")
+    else:
+        assert proc.returncode == 0 and "still here True" in proc.stdout, proc.stderr
+        assert not exit_file.exists()
