@@ -65,8 +65,9 @@ test-equivalence-again: setup
 test-slurm: setup
 	$(PY) -m pytest -q -m slurm tests/slurm; rc=$$?; $(PY) -m launch.testing.cluster down; exit $$rc
 
+# Everything but the GPU tests and the slurm tier (which starts a cluster of its own: make test-slurm).
 test-all: setup
-	$(PY) -m pytest -q -m "not gpu"
+	$(PY) -m pytest -q -m "not gpu and not slurm"
 
 # The covering matrix (issue 30): every accepted case of the pairwise cover as a real pipeline against the
 # simulator, every pair no accepted case holds checked for its refusal (tests/matrix/).
