@@ -163,11 +163,12 @@ def resume(*overrides: str, expect: str, damage: Callable[[Path], None] | None =
             refused = str(e)
         except Exception as e:  # noqa: BLE001
             raw = f"{type(e).__name__}: {e}"
+        wrong_point = None
         if refused is None and raw is None and expect_step is not None:
             point = preflight.check_resume(cfg, warn=lambda text: None)
             runtime = ckpt.resume_point(cfg, None, warn=lambda text: None)
             if point is None or point[1] != expect_step or runtime != point:
-                return Outcome(SILENT, f"resumes {point} (the run itself: {runtime}), not step {expect_step}")
+                wrong_point = f"resumes {point} (the run itself: {runtime}), not step {expect_step}"
         if refused is None and raw is None and train and full:
             try:
                 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -175,6 +176,8 @@ def resume(*overrides: str, expect: str, damage: Callable[[Path], None] | None =
             except Exception as e:  # noqa: BLE001 - it got past the checks and failed with the model built
                 clear = isinstance(e, ConfigError | ValueError | FileNotFoundError)
                 return Outcome(LATE if clear else RAW, f"after the build: {type(e).__name__}: {e}")
+        if wrong_point is not None:  # after the training: a run that fails on the model built is what it is
+            return Outcome(SILENT, wrong_point)
         lost = _lost(before, copy, appended)
         if continues:
             lost = [n for n in lost if n not in ("summary.json", "config.json")]
@@ -512,17 +515,19 @@ def _cases() -> list[Case]:
                        ("optimizer", "lion"), ("schedule", "1f1b")]:
         add("checkpoint", f"identity-{key}", resume(f"{key}={value}", "train.steps=6", into="base", expect=key.split("=")[0]
                                                    if key not in ("model", "optimizer", "schedule") else f"{key}.name",
-                                                   train=False))
+                                                   continues=True))
     add("checkpoint", "data-position-micro_batch_size", resume("train.steps=6", "train.micro_batch_size=4",
-                                                               into="base", expect="train.micro_batch_size"))
+                                                               into="base", expect="train.micro_batch_size",
+                                                               continues=True))
     add("checkpoint", "data-position-num_microbatches", resume("train.steps=6", "train.num_microbatches=2",
-                                                               into="base", expect="train.micro_batch_size"))
+                                                               into="base", expect="train.micro_batch_size",
+                                                               continues=True))
     add("checkpoint", "data-position-same-batch-other-shape", resume(
         "train.steps=6", "train.micro_batch_size=1", "train.num_microbatches=8", into="base", expect="ok",
         continues=True))
     add("checkpoint", "data-position-rampup", resume("train.steps=6", "train.batch_rampup=[2,2,16]",
                                                      "train.global_batch_size=8", into="base",
-                                                     expect="train.micro_batch_size"))
+                                                     expect="train.micro_batch_size", continues=True))
     for id_, damage in [("manifest-torn", truncate("manifest.json")),
                         ("manifest-without-step", rewrite_manifest(_drop("step"))),
                         ("manifest-step-a-string", rewrite_manifest(_set("step", "4"))),
@@ -662,14 +667,14 @@ def _train(overrides: list[str]) -> dict:
 
 
 def test_keep_last_prunes_only_the_history_being_written_and_never_the_resumed_checkpoint(tmp_path, base_run):
-    """Resume the newest checkpoint (step 4) in place with keep_last=1 and two more saves: step 6 goes when step 8
+    """Resume the newest checkpoint (step 4) in place with keep_last=1 and two more saves: step 5 goes when step 6
     is written, the checkpoint the run resumed from stays (a failed attempt restarts there), step 2 of the same
     history goes."""
     run = tmp_path / "run"
     shutil.copytree(base_run, run)
     resumed = _snapshot(run / "checkpoints" / "step_00000004")
-    _train([*BASE, f"out_dir={run}", "train.steps=8", "checkpoint.keep_last=1"])
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004", "step_00000008"]
+    _train([*BASE, f"out_dir={run}", "train.steps=6", "checkpoint.every=1", "checkpoint.keep_last=1"])
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004", "step_00000006"]
     assert _snapshot(run / "checkpoints" / "step_00000004") == resumed
 
 
