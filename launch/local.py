@@ -2,7 +2,7 @@
 
     python -m launch.local --nproc-per-node 2 -- parallel.pp=2 schedule=2bw
     python -m launch.local --nproc-per-node 8 --gpus -- parallel.pp=4 schedule=2bw   # adds train.device=cuda
-    python -m launch.local --nproc-per-node 4 --dry-run -- parallel.pp=4             # print the command only
+    python -m launch.local --nproc-per-node 4 --dry-run -- parallel.pp=4             # validate, print the command
 
 No torch import here; torchrun does the work.
 

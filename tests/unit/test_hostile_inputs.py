@@ -28,6 +28,7 @@ from typing import NamedTuple
 from unittest import mock
 
 import pytest
+from torch.distributed.checkpoint.api import CheckpointException
 
 from asyncpp import job
 from asyncpp.config import ConfigError
@@ -173,7 +174,8 @@ def resume(*overrides: str, expect: str, damage: Callable[[Path], None] | None =
             try:
                 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                     job.run(cfg, model_cfg)
-            except Exception as e:  # noqa: BLE001 - it got past the checks and failed with the model built
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - it got past the checks and failed with
+                # the model built (DCP's CheckpointException is a BaseException)
                 clear = isinstance(e, ConfigError | ValueError | FileNotFoundError)
                 return Outcome(LATE if clear else RAW, f"after the build: {type(e).__name__}: {e}")
         if wrong_point is not None:  # after the training: a run that fails on the model built is what it is
