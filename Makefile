@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_CPU ?= torch==2.13.0
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup train lint test test-equivalence-again test-all bench clean
+.PHONY: setup train lint test test-equivalence-again test-all test-matrix bench clean
 
 setup: $(STAMP)
 
@@ -61,6 +61,11 @@ test-equivalence-again: setup
 
 test-all: setup
 	$(PY) -m pytest -q -m "not gpu"
+
+# The covering matrix (issue 30): every accepted case of the pairwise cover as a real pipeline against the
+# simulator, every pair no accepted case holds checked for its refusal (tests/matrix/).
+test-matrix: setup
+	$(PY) -m pytest -q -m "not gpu" tests/matrix
 
 bench: setup
 	$(PY) bench/step.py

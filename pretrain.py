@@ -22,8 +22,8 @@ from omegaconf import DictConfig
 from asyncpp import job
 from asyncpp.config import ConfigError
 from asyncpp.core.update import NonFiniteUpdate
+from asyncpp.host.allocator import set_mmap_threshold, set_trim_threshold
 from asyncpp.train import preflight
-from asyncpp.train.host_allocator import set_mmap_threshold, set_trim_threshold
 from asyncpp.train.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from asyncpp.train.preemption import StopFlag
 from asyncpp.train.run_identity import EXIT_DIVERGED, record_exit
@@ -42,7 +42,7 @@ def main(dcfg: DictConfig) -> float:
             return float("nan")
         preflight.check(cfg, model_cfg, rank=int(os.environ.get("RANK", "0")),
                         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        # Before the data and the model: the heap policy is process-wide (asyncpp/train/host_allocator.py).
+        # Before the data and the model: the heap policy is process-wide (asyncpp/host/allocator.py).
         set_mmap_threshold(cfg.train.host_mmap_threshold)
         set_trim_threshold(cfg.train.host_trim_threshold)
         summary = (job.run_distributed if distributed else job.run)(cfg, model_cfg, STOP)

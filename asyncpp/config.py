@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
+from asyncpp.host.allocator import MMAP_THRESHOLD_MAX, TRIM_THRESHOLD_MAX
+from asyncpp.schedules.build import check_head_split
 from asyncpp.schedules.registry import SYNC_KINDS, ScheduleKindError, kind_of
-from asyncpp.train.host_allocator import MMAP_THRESHOLD_MAX, TRIM_THRESHOLD_MAX
 from asyncpp.typed import ConfigError, from_dict, to_dict
 
 ScheduleName = Literal["sync", "gpipe", "1f1b", "2bw", "pipedream"]
@@ -133,7 +134,7 @@ class TrainConfig:
     value, is the usual choice). RSS then tracks live bytes (what a memory plan counts; bench/memory_plan.py
     sets it), but every activation-sized block costs page faults, which halved tiny_dense's CPU throughput
     (bench/peers.py --memory), so it is off by default: null keeps glibc's dynamic threshold. No effect on
-    other C libraries or on device memory (asyncpp/train/host_allocator.py)."""
+    other C libraries or on device memory (asyncpp/host/allocator.py)."""
     allow_oversubscribe: bool = False
     """Start a run whose memory plan exceeds the device's (or, on a CPU, the node's) memory; off: such a run is
     refused before anything is built (asyncpp/train/preflight.py check_memory)."""
@@ -141,7 +142,7 @@ class TrainConfig:
     """Host memory (glibc): free bytes the heap keeps at its top instead of returning them to the kernel; setting
     it also stops glibc's dynamic thresholds. With host_mmap_threshold=33554432 and 2147483647 here, a CPU run
     reuses its heap instead of faulting pages in every microbatch (about 10% of a CPU step's time at M=8) and
-    RSS stays at its high-water mark. null keeps glibc's default (asyncpp/train/host_allocator.py)."""
+    RSS stays at its high-water mark. null keeps glibc's default (asyncpp/host/allocator.py)."""
 
     def __post_init__(self) -> None:
         # Without a global batch size the microbatch count needs no dp: fill it in at once, so a config built
@@ -246,6 +247,10 @@ def check_pipeline_options(cfg: RunConfig, model: ModelLimits) -> None:
             "on the fresh weights, which only the single-process simulator runs; run `python pretrain.py ...` "
             "without torchrun, or set staleness.diagnostics_every=0"
         )
+    p = cfg.parallel
+    if cfg.train.backend != "local" and (p.tp > 1 or p.ep > 1):
+        raise ConfigError(f"train.backend={cfg.train.backend} is not combined with tensor/expert parallelism yet "
+                          f"(parallel.tp={p.tp}, parallel.ep={p.ep}); use train.backend=local")
     tied = getattr(model, "tie_embeddings", True)
     if cfg.staleness.dc_lambda and cfg.schedule.name == "pipedream" and cfg.parallel.pp > 1 and tied:
         # The tied embedding's copies are read at different delays under PipeDream; DC-ASGD corrects their
@@ -574,8 +579,6 @@ def _check_head_split(cfg: RunConfig) -> None:
             raise ConfigError(f"parallel.head_split_tokens={p.head_split_tokens} needs parallel.head_split=tokens; "
                               "set it or leave head_split_tokens null")
         return
-    from asyncpp.schedules.build import check_head_split
-
     try:
         check_head_split(cfg.schedule.name, p.pp)
     except ValueError as e:

@@ -29,18 +29,19 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from asyncpp.analysis.dryrun import dry_run
-from asyncpp.analysis.measured import host_rss_bytes
-from asyncpp.analysis.memory import simulator_run_report
 from asyncpp.config import ConfigError, RunConfig, check_pipeline_options, parse_blend
 from asyncpp.core.batches import BatchPlan
+from asyncpp.core.memory import simulator_run_report
 from asyncpp.core.partition import stage_split
 from asyncpp.core.recompute import apply_recompute, modes_per_layer
+from asyncpp.host.measured import host_rss_bytes
 from asyncpp.optim import build_from_config
 from asyncpp.parallel.mesh import Mesh, ParallelDims, init_distributed
 from asyncpp.pipeline.build import build_rank_stage
 from asyncpp.pipeline.executor import PipelineExecutor
 from asyncpp.pipeline.p2p import naming_the_peer
 from asyncpp.reference.executor import ReferenceExecutor
+from asyncpp.train import preflight
 from asyncpp.train.metrics import MetricsLogger
 from asyncpp.train.preemption import StopFlag
 from asyncpp.train.run_identity import register_resolvers
@@ -161,12 +162,7 @@ def build_data(cfg: RunConfig, model_cfg: ModelConfig):
             eval_samples=t.eval_batches * t.micro_batch_size if t.eval_every else 0, cache_dir=cache_dir)
     except (IndexedDataError, FileNotFoundError, ValueError) as e:  # bad files, tokenizer or blend: say which
         raise ConfigError(f"data.name={d.name}: {e}") from None
-    if source.vocab_size > model_cfg.vocab_size:
-        raise ConfigError(
-            f"the tokenizer of data.name={cfg.data.name} has {source.vocab_size} tokens but model "
-            f"'{model_cfg.name}' has vocab_size={model_cfg.vocab_size}; pick a model with a vocabulary at "
-            "least as large as the tokenizer's"
-        )
+    preflight.check_tokenizer_fits(source.vocab_size, cfg, model_cfg)
     return source
 
 
@@ -263,16 +259,13 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | Non
                 dist.barrier()
         torch.manual_seed(cfg.seed)
         metrics = make_metrics(cfg, model_cfg, dims.world_size, device) if mesh.is_writer else None
-        if cfg.train.backend != "local" and (p.tp > 1 or p.ep > 1):
-            raise ConfigError(f"train.backend={cfg.train.backend} is not combined with tensor/expert parallelism yet "
-                              f"(parallel.tp={p.tp}, parallel.ep={p.ep}); use train.backend=local")
         baseline = host_rss_bytes()  # the process before the model: what the memory plan does not count
         stage = build_rank_stage(cfg, model_cfg, mesh, device)  # only this rank's layers and shards
         # Layers swapped and compiled before the optimizer is built on the stage's Parameters.
         prepare_model(stage.model, backend=cfg.train.backend, compile=cfg.train.compile, device=device,
                       log=metrics.message if metrics is not None else (lambda text: None))
         executor = PipelineExecutor(cfg, stage, mesh, data, optimizer_for(cfg, mesh))
-        executor.process_baseline_bytes = baseline
+        executor.report.process_baseline_bytes = baseline
         _print_stage_memory(mesh, executor, metrics)
         trainer = Trainer(cfg, executor, metrics, stop=stop)
         trainer.resume()

@@ -3,7 +3,7 @@
     python bench/build_memory.py [--model moe_2b --pp 2 --stage 0] [--out bench_results/build_memory.json]
 
 Each way of building runs in a fresh process (so one's peak cannot hide the other's) and reports the
-resident-set high-water mark (VmHWM; asyncpp/analysis/measured.py) over the build, next to the stage's own
+resident-set high-water mark (VmHWM; asyncpp/host/measured.py) over the build, next to the stage's own
 parameter bytes (fp32):
 
     whole_then_prune  the old path: build_model(whole model, cpu) and initialize it, then prune to the stage
@@ -30,7 +30,7 @@ def child(mode: str, model: str, pp: int, stage: int) -> dict:
     """One build in this (fresh) process; returns its measurements."""
     import torch
 
-    from asyncpp.analysis.measured import host_peak_bytes, host_rss_bytes, reset_host_peak
+    from asyncpp.host.measured import host_peak_bytes, host_rss_bytes, reset_host_peak
     from asyncpp.pipeline.build import build_stage
     from asyncpp.pipeline.stage import StageSpec, prune_to_stage
     from model_zoo import build_model, get_model_config

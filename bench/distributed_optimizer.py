@@ -2,7 +2,7 @@
 
 Runs a PP=2 x DP=2 2BW pipeline with Error Feedback for a few steps, twice (parallel.distributed_optimizer
 false / true), four gloo processes each, and reports per rank:
-- plan: the fp32-master, optimizer-state and EF rows of asyncpp.analysis.memory's per-rank report (what
+- plan: the fp32-master, optimizer-state and EF rows of asyncpp.core.memory's per-rank report (what
   pretrain.py prints at start), built from the engine's own versions, optimizer and EF buffer;
 - measured: the bytes of the fp32 masters kept apart from the weight versions (bf16 only; in fp32 they are the
   newest version), of the optimizer-state and of the EF tensors that exist after training (the storages torch
@@ -27,16 +27,16 @@ sys.path.insert(0, str(ROOT))  # the repository's asyncpp and tests, not an inst
 
 import torch
 
-from asyncpp.analysis.memory import optimizer_state_tensors, storage_bytes
+from asyncpp.core.memory import optimizer_state_tensors, storage_bytes
 
 _MIB = 1024 * 1024
 
 
 def _rank(rank: int, cfg_dict: dict) -> dict:
     from asyncpp import job
-    from asyncpp.analysis.dryrun import stage_memory
     from asyncpp.pipeline.build import build_rank_stage
     from asyncpp.pipeline.executor import PipelineExecutor
+    from asyncpp.pipeline.memory import stage_memory
     from asyncpp.train.trainer import Trainer
     from tests.dist.workers import Collect, data_for, rank_layout
 
@@ -44,7 +44,7 @@ def _rank(rank: int, cfg_dict: dict) -> dict:
     torch.manual_seed(cfg.seed)
     run = PipelineExecutor(cfg, build_rank_stage(cfg, model_cfg, mesh, "cpu"), mesh,
                            data_for(cfg, model_cfg.vocab_size), job.optimizer_for(cfg, mesh))
-    e = run.engine
+    e = run.engine.update
     plan = stage_memory(cfg, model_cfg, mesh, run.spec, e.versions, e.optimizer, e.error_feedback.prev_update)
     Trainer(cfg, run, Collect()).run()
     masters = [q for q in e.versions.masters if q is not None] if e.versions.mixed else []

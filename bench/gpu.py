@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import torch
 from torch import nn
 
-from asyncpp.analysis.memory import activation_bytes
+from asyncpp.core.memory import activation_bytes
 from asyncpp.reference.simulator import lm_loss
 from model_zoo import ModelConfig, build_model, flops_per_token, get_model_config
 from model_zoo.backends import BACKENDS, BackendError, apply_backend, compile_blocks, probe_backend

@@ -2,7 +2,7 @@
 activation memory activation recomputation saves (issue 20).
 
 Each configuration is a real `torchrun` job of pretrain.py; the figures come from its summary.json
-(`memory_per_rank`: the plan's total from asyncpp/analysis/memory.py, the measured peak: the resident-set
+(`memory_per_rank`: the plan's total from asyncpp/core/memory.py, the measured peak: the resident-set
 high-water mark on the CPU, torch.cuda.max_memory_allocated on CUDA, and the process baseline, the RSS
 before the stage was built, which the plan does not count).
 

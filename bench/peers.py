@@ -245,7 +245,7 @@ MEMORY_RUNS = (("asyncpp 2bw, glibc dynamic threshold", "asyncpp", "2bw", []),  
 def memory_mode(args) -> dict:
     """Resident memory of rank 0 and 1 after steps 20, 80 and 160 at M=4, and the throughput of the same runs:
     asyncpp 2BW under glibc's defaults, with the fixed 128 KiB mmap threshold and with the heap retained
-    (asyncpp/train/host_allocator.py), and torch 1F1B; `--reps` interleaved repetitions in a rotated order."""
+    (asyncpp/host/allocator.py), and torch 1F1B; `--reps` interleaved repetitions in a rotated order."""
     args.steps, args.warmup = MEMORY_STEPS[-1], 5
     runs: dict[str, list[dict]] = {name: [] for name, *_ in MEMORY_RUNS}
     for rep in range(args.reps):

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from asyncpp.core.loss import cross_entropy
-from asyncpp.train.host_allocator import heap_stats, set_mmap_threshold, set_trim_threshold
+from asyncpp.host.allocator import heap_stats, set_mmap_threshold, set_trim_threshold
 from model_zoo import build_model, get_model_config
 
 MODEL = "tiny_dense"
@@ -43,7 +43,7 @@ SPLIT_4 = ([0], [1], [2], [3])
 def memory_mb() -> dict[str, float]:
     """This process's resident memory: anonymous (heap and tensors, no file mappings such as the data's
     memory map or the shared libraries), total, and the kernel's high-water mark of the total; with glibc
-    also the heap's live and free bytes and the bytes in mmapped blocks (asyncpp/train/host_allocator.py)."""
+    also the heap's live and free bytes and the bytes in mmapped blocks (asyncpp/host/allocator.py)."""
     fields = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         key, _, value = line.partition(":")

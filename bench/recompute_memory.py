@@ -7,7 +7,7 @@ Each mode (train.recompute = none, selective, full) runs in a fresh process: bui
 in-flight microbatch until its backward. "activations" is the resident set after the forward minus before
 it (the children run with MALLOC_MMAP_THRESHOLD_=65536: every tensor of 64 KiB or more is mmap'ed and
 unmapped when freed, so RSS follows live tensor bytes); the plan's
-estimate for recompute=none (asyncpp/analysis/memory.activation_bytes) is printed next to it. Then the
+estimate for recompute=none (asyncpp/core/memory.activation_bytes) is printed next to it. Then the
 backward runs and the gradients are checked against mode none's, bit for bit.
 """
 
@@ -31,9 +31,9 @@ def child(args: argparse.Namespace, mode: str) -> dict:
 
     import torch
 
-    from asyncpp.analysis.measured import host_rss_bytes
-    from asyncpp.analysis.memory import activation_bytes
+    from asyncpp.core.memory import activation_bytes
     from asyncpp.core.recompute import modes_per_layer
+    from asyncpp.host.measured import host_rss_bytes
     from asyncpp.pipeline.build import build_stage
     from asyncpp.pipeline.stage import StageSpec, stage_forward
     from model_zoo import get_model_config

@@ -31,7 +31,8 @@ def count_parameters(cfg: ModelConfig) -> ParamCount:
     return ParamCount(total=total, active=total - idle)
 
 
-# ---- FLOPs: the one count (the training log's TFLOP/s and MFU, bench/gpu.py) ---------------------------
+# ---- FLOPs: the one count (the training log's TFLOP/s and MFU, bench/gpu.py, and the matmul part of the
+#      pipeline's cost model, asyncpp/core/layer_costs.py) ----------------------------------------------------
 #
 # FLOPs per token of a training step (forward + backward = 3 x forward):
 #   6 N              N = parameters a token multiplies in matmuls (q/k/v/o, GDN projections and convolutions,
@@ -62,15 +63,19 @@ def matmul_params_per_token(cfg: ModelConfig, layers: range, head: bool) -> floa
     return n + (h * cfg.vocab_size if head else 0)
 
 
+def layer_flops_per_token(cfg: ModelConfig, i: int, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token of layer `i`: 6 x its matmul parameters, plus attention's
+    scores (T/2 keys on average) or Gated DeltaNet's chunked recurrence."""
+    total = 6 * matmul_params_per_token(cfg, range(i, i + 1), head=False)
+    if cfg.layer_types[i] == "attn":
+        return total + 6 * seq_len * cfg.num_heads * cfg.head_dim
+    g = cfg.gdn
+    c = min(g.chunk_size, seq_len)
+    return total + 3 * g.num_heads * (6 * g.head_k_dim * g.head_v_dim + c * (5 * g.head_k_dim + 3 * g.head_v_dim))
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int, layers: range | None = None, head: bool = True) -> float:
     """Training FLOPs (forward + backward) per token of `layers` (default: all) and, with `head`, the LM head."""
     layers = range(cfg.num_layers) if layers is None else layers
-    total = 6 * matmul_params_per_token(cfg, layers, head)
-    for i in layers:
-        if cfg.layer_types[i] == "attn":
-            total += 6 * seq_len * cfg.num_heads * cfg.head_dim
-        else:
-            g = cfg.gdn
-            c = min(g.chunk_size, seq_len)
-            total += 3 * g.num_heads * (6 * g.head_k_dim * g.head_v_dim + c * (5 * g.head_k_dim + 3 * g.head_v_dim))
-    return total
+    head_flops = 6 * cfg.hidden_size * cfg.vocab_size if head else 0.0
+    return sum(layer_flops_per_token(cfg, i, seq_len) for i in layers) + head_flops

@@ -7,7 +7,7 @@ dim 1 is row parallel (its input features, which are the column-parallel outputs
 region); the region's input is copied in (copy_to) and its partial output summed (reduce_from).
 
     plan = apply_tensor_parallel(model, mesh.tp_group, sequence_parallel=..., ep_group=mesh.ep_group)
-    loss = asyncpp.parallel.tp.logits_loss_for(model)(logits, labels)   # vocab-parallel CE when sharded
+    loss = asyncpp.core.loss.logits_loss_for(model)(logits, labels)   # vocab-parallel CE when sharded
     asyncpp.parallel.tp.all_reduce_partial_grads_(model, plan, mesh.tp_group)   # after backward
 
 MoE layers are delegated to asyncpp.parallel.experts.parallelize_moe (experts' ffn over TP, experts

@@ -3,7 +3,7 @@
 For every pipeline stage, one of its ranks builds the mesh (real DeviceMesh code, groups on the fake
 backend), the stage (model on meta, pruned, TP/EP plan applied: every shard gets its real shape), the
 optimizer, the weight versions and the Error-Feedback buffer, and reports the per-rank memory with
-asyncpp.analysis.memory. Nothing is allocated and nothing is communicated, so a 10B model on 64 ranks lays out
+asyncpp.core.memory. Nothing is allocated and nothing is communicated, so a 10B model on 64 ranks lays out
 on a laptop in seconds. All ranks of a stage hold the same shapes (TP/EP shards are equal), so one
 rank per stage is representative.
 """
@@ -19,21 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from asyncpp.analysis.memory import (
-    activation_bytes,
-    backward_scratch_bytes,
-    in_flight_microbatches,
-    versions_report,
-)
 from asyncpp.config import RunConfig
 from asyncpp.core.partition import stage_split
-from asyncpp.core.recompute import modes_per_layer
-from asyncpp.core.staleness import ErrorFeedback
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.parallel.sharding import ShardingPlan, layout_of
-from asyncpp.pipeline.stage import StageSpec
-from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
-from asyncpp.schedules.registry import kind_of
+from asyncpp.pipeline.memory import stage_memory
+from asyncpp.pipeline.plan import StagePlan, build_stage_runtime
+from asyncpp.pipeline.stage import StageSpec, tied_parameters
 
 BuildStage = Callable[[Mesh, StageSpec], tuple[nn.Module, ShardingPlan]]
 BuildOptimizer = Callable[[nn.Module, ShardingPlan, Mesh], object]
@@ -47,80 +39,28 @@ def _fake_group(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-def local_shapes_config(model_cfg, dims: ParallelDims):
-    """The model config as one TP rank sees it (heads, ffn, vocab divided by tp), for the activation
-    estimate: the residual stream stays full width (it is replicated unless sequence parallel)."""
-    tp = dims.tp
-    if tp == 1:
-        return model_cfg
-    changes = {"num_heads": model_cfg.num_heads // tp, "num_kv_heads": model_cfg.num_kv_heads // tp,
-               "ffn_hidden_size": model_cfg.ffn_hidden_size // tp, "vocab_size": model_cfg.vocab_size // tp}
-    if model_cfg.gdn is not None:
-        changes["gdn"] = dataclasses.replace(model_cfg.gdn, num_heads=model_cfg.gdn.num_heads // tp)
-    if model_cfg.moe is not None:
-        m = model_cfg.moe
-        changes["moe"] = dataclasses.replace(m, expert_ffn_hidden_size=m.expert_ffn_hidden_size // tp,
-                                             shared_expert_ffn_hidden_size=m.shared_expert_ffn_hidden_size // tp)
-    return dataclasses.replace(model_cfg, **changes)
-
-
-def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, versions, optimizer, error_feedback):
-    """One pipeline rank's memory (asyncpp.analysis.memory.versions_report) for its stage, shards and schedule:
-    the same function sizes a dry run (meta tensors) and a real run (printed at start)."""
-    t = cfg.train
-    dtype = compute_dtype_of(t.precision)
-    recompute = modes_per_layer(t.recompute, model_cfg.num_layers, mesh.num_stages, stage_split(cfg, model_cfg))
-    shapes = local_shapes_config(model_cfg, mesh.dims)
-    act = activation_bytes(shapes, spec.layers, dtype=dtype,
-                           micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
-                           first=spec.is_first, last=spec.is_last, recompute=recompute)
-    in_flight = in_flight_microbatches(cfg.schedule.name, spec.stage, mesh.num_stages, t.num_microbatches,
-                                       head_split=spec.head_split)
-    # A lazy update (2BW): b_{t+1}'s backward accumulates while b_t's gradient waits for U(t).
-    grad_buffers = 2 if kind_of(cfg.schedule.name).lazy_update else 1
-    scratch = backward_scratch_bytes(versions.params, grad_itemsize=dtype.itemsize,
-                                     tokens=t.micro_batch_size * t.seq_len, vocab_size=shapes.vocab_size,
-                                     last=spec.is_last)
-    return versions_report(versions, optimizer, error_feedback=error_feedback, activation_bytes_per_mb=act,
-                           in_flight=in_flight, grad_buffers=grad_buffers, backward_scratch=scratch,
-                           title=f"stage {spec.stage} (rank {mesh.rank}, layers {list(spec.layers)})")
-
-
 def stage_report(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, build_stage: BuildStage,
                  build_optimizer: BuildOptimizer) -> dict:
-
-    stage, plan = build_stage(mesh, spec)
+    """One rank's report: its stage built on meta tensors, and the engine the run builds for it (the same
+    StagePlan and builder as the trainer's executor, pipeline/plan.py), so the weight versions, the
+    distributed optimizer's share and the Error-Feedback buffer are the ones the run allocates."""
+    stage, sharding = build_stage(mesh, spec)
     named = [(n, p) for n, p in stage.named_parameters() if p.requires_grad]
-    params = [p for _, p in named]
-    optimizer = build_optimizer(stage, plan, mesh)
-    dtype = compute_dtype_of(cfg.train.precision)
-    versions = WeightVersions(params, kind_of(cfg.schedule.name).num_buffers(spec.stage, mesh.num_stages),
-                              compute_dtype=dtype)
-    versions.retarget(optimizer)
-    owned = versions.masters
-    if cfg.parallel.distributed_optimizer and mesh.dims.dp > 1:  # this rank's (DP rank 0's) share
-        owned = _owned_share(stage, spec, plan, mesh, optimizer, versions, named)
-    ef = ErrorFeedback(owned, cfg.staleness.ef_lambda).prev_update
-    report = stage_memory(cfg, model_cfg, mesh, spec, versions, optimizer, ef)
-    shards = {n: {"shape": list(p.shape), "tp_dim": layout_of(plan, n).tp_dim, "expert": layout_of(plan, n).expert}
-              for n, p in named}
-    return {"stage": spec.stage, "rank": mesh.rank, "params": sum(p.numel() for p in params),
-            "memory": report.to_dict(), "table": report.table(), "shards": shards}
+    engine = build_stage_runtime(
+        StagePlan.of(cfg, model_cfg, spec, mesh.dims), spec, stage, mesh, build_optimizer(stage, sharding, mesh),
+        _never_run, grad_scale=1.0, layouts=[layout_of(sharding, n) for n, _ in named],
+        tied=tied_parameters(stage, spec))
+    report = stage_memory(cfg, model_cfg, mesh, spec, engine.versions, engine.update.optimizer,
+                          engine.update.error_feedback.prev_update)
+    shards = {n: {"shape": list(p.shape), "tp_dim": layout_of(sharding, n).tp_dim,
+                  "expert": layout_of(sharding, n).expert} for n, p in named}
+    return {"stage": spec.stage, "rank": mesh.rank, "params": sum(p.numel() for _, p in named),
+            "num_buffers": engine.versions.num_buffers, "memory": report.to_dict(), "table": report.table(),
+            "shards": shards}
 
 
-def _owned_share(stage: nn.Module, spec: StageSpec, plan: ShardingPlan, mesh: Mesh, optimizer, versions: WeightVersions,
-                 named) -> list:
-    """The distributed optimizer: restrict `optimizer` to this rank's parameters and (bf16) drop the other
-    owners' fp32 masters, as the engine does; returns this rank's masters."""
-    from asyncpp.pipeline.sharded import StageShards
-    from asyncpp.pipeline.stage import tied_parameters
-
-    tied = {id(p) for p in tied_parameters(stage, spec)}
-    shards = StageShards(mesh, optimizer, versions.masters, expert=[layout_of(plan, n).expert for n, _ in named],
-                         tied=[id(p) in tied for _, p in named])
-    owned = shards.select(versions.masters)
-    shards.shard_masters(versions)
-    return owned
+def _never_run(step: int, microbatch: int, x):
+    raise RuntimeError("a dry run builds the stage's engine but runs no action")
 
 
 def dry_run(cfg: RunConfig, model_cfg, world_size: int, build_stage: BuildStage, build_optimizer: BuildOptimizer,
@@ -138,7 +78,7 @@ def dry_run(cfg: RunConfig, model_cfg, world_size: int, build_stage: BuildStage,
         rank = (s * dims.dp) * dims.tp  # dp rank 0, tp rank 0 of stage s
         _fake_group(rank, world_size)
         try:
-            mesh = Mesh(dims, torch.device("cpu"))
+            mesh = Mesh(dims, torch.device("cpu"), head_link=p.head_split == "tokens")
             spec = StageSpec(s, dims.pp, model_cfg.num_layers, stage_split(cfg, model_cfg),
                              head_split=p.head_split == "tokens")  # the helper's head replica is counted
             reports.append(stage_report(cfg, model_cfg, mesh, spec, build_stage, build_optimizer))

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from asyncpp.core.layer_costs import LayerCosts
+from asyncpp.core.layer_split import balanced_split
 
 GRID = 64
 """Shares tried when the layer split is chosen together with the share: x = i / GRID of the head's tokens."""
@@ -66,11 +67,9 @@ def plan_head_split(costs: LayerCosts, num_stages: int, tokens: int, sizes: Sequ
     """The layer split (given, or chosen jointly with the share) and the helper's token count.
 
     Joint choice: for each share on a grid of 1/GRID, the cost model's balanced split with that share of the
-    head counted on stage 0 (core.partition.balanced_split); the split whose slowest stage is cheapest wins,
+    head counted on stage 0 (core.layer_split.balanced_split); the split whose slowest stage is cheapest wins,
     then its share is refined to the exact balance of stage 0 and the last stage. Deterministic, so every rank
     and the simulator agree without communicating. The share is at least one token and leaves at least one."""
-    from asyncpp.core.partition import balanced_split
-
     if num_stages < 2:
         raise ValueError(f"a head split needs at least 2 stages, got {num_stages}")
     if tokens < 2:

@@ -3,9 +3,13 @@ their losses are the same floats."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from torch import Tensor, nn
+
+from asyncpp.parallel.collectives import group_size
+from asyncpp.parallel.tp import VOCAB_GROUP_ATTR, vocab_parallel_cross_entropy
 
 LossFn = Callable[[nn.Module, Tensor], Tensor]
 """loss_fn(model, tokens [B, T+1]) -> scalar loss of the whole model."""
@@ -26,3 +30,14 @@ def token_share_loss(logits: Tensor, labels: Tensor, total_tokens: int) -> Tenso
     microbatch's token count, so the shares' sum is `cross_entropy` of the whole microbatch (up to the order of
     the sum). logits [n, vocab], labels [n]."""
     return nn.functional.cross_entropy(logits.float(), labels, reduction="sum") / total_tokens
+
+
+def logits_loss_for(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
+    """The loss (logits, labels) -> scalar the last stage must use for `model`'s logits: the
+    vocab-parallel cross entropy over the head's TP group when a plan left them sharded, otherwise
+    the project's plain cross entropy (`cross_entropy` above)."""
+    marker = getattr(getattr(model, "lm_head", None), VOCAB_GROUP_ATTR, None)
+    group = None if marker is None else marker.bound["group"]
+    if group_size(group) > 1:
+        return functools.partial(vocab_parallel_cross_entropy, group=group)
+    return cross_entropy

@@ -50,3 +50,47 @@ class PipelineBubble:
 
     def as_metrics(self) -> dict:
         return {"bubble_fraction": self.mean, "bubble_fraction_per_stage": list(self.per_stage)}
+
+
+@dataclass
+class StepMetrics:
+    """One line of metrics.jsonl (and one wandb log call): the schema of what a run reports per step. The trainer
+    fills it from a StepResult (asyncpp/train/trainer.py); `to_json` is the line, in this field order, with the
+    optional groups present only when they were measured."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    update_norm: float
+    tokens_per_s: float
+    step_time_s: float
+    skipped: bool
+    sync_step: bool
+    """A synchronous step of a delayed schedule (staleness.sync_start_steps / sync_cooldown_steps), or any step
+    of a synchronous one."""
+    global_batch_size: int
+    """Sequences in the step (Megatron's global batch size: it changes under a batch rampup)."""
+    consumed_tokens: int
+    """Tokens of every step up to and including this one."""
+    update_cosine: float | None = None
+    """staleness.diagnostics_every steps (simulator): cosine between the applied and the fresh update."""
+    update_rel_error: float | None = None
+    moe: dict[str, float] = field(default_factory=dict)
+    """RouterLoadStats.as_metrics: moe/layer{i}/load_max_over_mean, moe/load_max, moe/load_mean, moe/aux_loss."""
+    val_loss: float | None = None
+    bubble: PipelineBubble | None = None
+    """The pipeline's idle share so far, on the steps a log line reports (pipeline runs only)."""
+
+    def to_json(self) -> dict:
+        out = {k: getattr(self, k) for k in ("step", "loss", "lr", "grad_norm", "update_norm", "tokens_per_s",
+                                             "step_time_s", "skipped", "sync_step", "global_batch_size",
+                                             "consumed_tokens")}
+        if self.update_cosine is not None:
+            out.update(update_cosine=self.update_cosine, update_rel_error=self.update_rel_error)
+        out.update(self.moe)
+        if self.val_loss is not None:
+            out["val_loss"] = self.val_loss
+        if self.bubble is not None:
+            out.update(self.bubble.as_metrics())
+        return out

@@ -80,7 +80,7 @@ class GradientErrorFeedback:
         self.lam = lam
         self.params = list(params)
         # Only when on: at lam == 0 g_{t-1} is never read, and a zero copy of the stage would be memory the plan
-        # does not count (asyncpp.analysis.memory; it was 0.86 GB of smollm2_360m's stage 0).
+        # does not count (asyncpp.core.memory; it was 0.86 GB of smollm2_360m's stage 0).
         self.prev_grad = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params] if lam else []
         self._pending: dict[int, Tensor] = {}  # index -> g_t (uncorrected) of the step being taken
 

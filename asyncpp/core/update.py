@@ -103,6 +103,15 @@ class UpdateRule:
         self.grad_error_feedback = GradientErrorFeedback(self.masters, corrections.grad_ef_lambda)
         self.balancing = balancing if balancing else None
 
+    def checkpoint_buffers(self) -> dict[str, list[Tensor]]:
+        """The per-parameter state a checkpoint must hold besides weights and optimizer, by its key prefix
+        (asyncpp/train/checkpoint.py StageState.buffers): u_{t-1} always, g_{t-1} when gradient-level EF is on.
+        Both executors save and load exactly these."""
+        out = {"ef": self.error_feedback.prev_update}
+        if self.corrections.grad_ef_lambda:
+            out["gef"] = self.grad_error_feedback.prev_grad
+        return out
+
     @property
     def corrects_gradients(self) -> bool:
         """Whether correct() changes anything (the caller may skip gathering x_t and x_read otherwise)."""

@@ -9,6 +9,7 @@ NorMuon and SOAP use the same split (the asyncpp study compares them on equal te
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +24,7 @@ except ImportError:  # pragma: no cover - older/newer torch without it
         return ["cuda", "cpu"]
 
 
+from asyncpp.config import OptimizerConfig
 from asyncpp.optim.adan import Adan
 from asyncpp.optim.ademamix import AdEMAMix
 from asyncpp.optim.lion import Lion
@@ -267,29 +269,28 @@ def _build_matrix(name: str, named: NamedParams, hp: dict[str, Any], parallel: d
 def build_optimizer(
     model: nn.Module,
     *,
-    name: str,
-    lr: float,
-    weight_decay: float,
-    betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
-    momentum: float = 0.95,
-    nesterov: bool = True,
-    ns_steps: int = 5,
-    adjust_lr: str = "match_rms_adamw",
-    adamw_lr: float | None = None,
-    muon_compute_dtype: torch.dtype | str | None = None,
-    precondition_frequency: int = 10,
-    beta3: float = 0.9999,
-    alpha: float = 5.0,
-    ademamix_warmup_steps: int = 0,
-    gamma: float = 0.025,
     sharding: ShardingPlan | None = None,
     tp_group: torch.distributed.ProcessGroup | None = None,
     dp_group: torch.distributed.ProcessGroup | None = None,
     expert_dp_group: torch.distributed.ProcessGroup | None = None,
-    tp_mode: str = "gather",
+    **hyperparameters,
 ) -> OptimizerSet:
-    """Elementwise optimizers (adamw, lion, signum, ademamix, mars, adan) take every parameter; adamw_lr is
+    """build_from_config with the hyperparameters by keyword (`name`, `lr`, `weight_decay`, ...): their names and
+    defaults have one home, asyncpp.config.OptimizerConfig, so an unknown one is a TypeError here too."""
+    return build_from_config(model, OptimizerConfig(**hyperparameters), sharding=sharding, tp_group=tp_group,
+                             dp_group=dp_group, expert_dp_group=expert_dp_group)
+
+
+def build_from_config(
+    model: nn.Module,
+    cfg: OptimizerConfig,
+    *,
+    sharding: ShardingPlan | None = None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+    dp_group: torch.distributed.ProcessGroup | None = None,
+    expert_dp_group: torch.distributed.ProcessGroup | None = None,
+) -> OptimizerSet:
+    """The optimizer of `cfg` (asyncpp.config.OptimizerConfig) for `model`. Elementwise optimizers (adamw, lion, signum, ademamix, mars, adan) take every parameter; adamw_lr is
     ignored. Matrix optimizers (muon, normuon, soap) take split_params' hidden matrices and AdamW takes
     the rest (lr = adamw_lr or lr). Hyperparameters each one reads:
     - adamw: lr, betas, eps, weight_decay
@@ -309,16 +310,12 @@ def build_optimizer(
     ("block"), and shares its Newton-Schulz work over `dp_group` (dense matrices) and
     `expert_dp_group` (expert stacks; None: each rank its own). See docs/muon.md. NorMuon and SOAP
     refuse TP-sharded matrices unless tp_mode="block" (they only ever see the local shard)."""
+    name, tp_mode = cfg.name, cfg.tp_mode
     if name not in OPTIMIZER_NAMES:
         raise ValueError(f"optimizer.name={name!r} is not one of {OPTIMIZER_NAMES}")
     if tp_mode not in TP_MODES:
         raise ValueError(f"optimizer.tp_mode={tp_mode!r} is not one of {TP_MODES}")
-    hp = {
-        "lr": lr, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps, "momentum": momentum,
-        "nesterov": nesterov, "ns_steps": ns_steps, "adjust_lr": adjust_lr, "muon_compute_dtype": muon_compute_dtype,
-        "precondition_frequency": precondition_frequency, "beta3": beta3, "alpha": alpha,
-        "ademamix_warmup_steps": ademamix_warmup_steps, "gamma": gamma,
-    }
+    hp = {**dataclasses.asdict(cfg), "betas": tuple(cfg.betas)}
     matrix_named, other_named = split_params(model)
     optimizers: dict[str, torch.optim.Optimizer | None] = {}
     if name not in MATRIX_OPTIMIZERS:
@@ -329,27 +326,7 @@ def build_optimizer(
                         "expert_dp_group": expert_dp_group, "tp_mode": tp_mode}
             optimizers[name] = _build_matrix(name, matrix_named, hp, parallel)
         optimizers["adamw"] = _build_adamw(
-            other_named, lr=adamw_lr if adamw_lr is not None else lr, weight_decay=weight_decay, betas=betas, eps=eps
-        )
+            other_named, lr=cfg.adamw_lr if cfg.adamw_lr is not None else cfg.lr, weight_decay=cfg.weight_decay,
+            betas=hp["betas"], eps=cfg.eps)
     return OptimizerSet({k: v for k, v in optimizers.items() if v is not None})
 
-
-def build_from_config(
-    model: nn.Module,
-    cfg,
-    *,
-    sharding: ShardingPlan | None = None,
-    tp_group: torch.distributed.ProcessGroup | None = None,
-    dp_group: torch.distributed.ProcessGroup | None = None,
-    expert_dp_group: torch.distributed.ProcessGroup | None = None,
-) -> OptimizerSet:
-    """build_optimizer from an asyncpp.config.OptimizerConfig (duck-typed to keep optim config-free);
-    the layout and groups come from the caller (the mesh and the TP/EP plan), not the config."""
-    return build_optimizer(
-        model, name=cfg.name, lr=cfg.lr, adamw_lr=cfg.adamw_lr, weight_decay=cfg.weight_decay,
-        betas=cfg.betas, eps=cfg.eps, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
-        adjust_lr=cfg.adjust_lr, precondition_frequency=cfg.precondition_frequency, beta3=cfg.beta3,
-        alpha=cfg.alpha, ademamix_warmup_steps=cfg.ademamix_warmup_steps, gamma=cfg.gamma,
-        muon_compute_dtype=cfg.muon_compute_dtype, sharding=sharding, tp_group=tp_group, dp_group=dp_group,
-        expert_dp_group=expert_dp_group, tp_mode=cfg.tp_mode,
-    )

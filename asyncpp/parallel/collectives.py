@@ -7,11 +7,22 @@ through" operator a row-parallel linear needs; the pairs below state their backw
 
 Every function is the identity when the group has a single rank, so a plan applied with TP=1
 changes nothing, bit for bit.
+
+Every collective here (and the expert dispatcher's, and tp.py's) runs inside `bounded(op, group)`: the
+group's own timeout bounds it (Mesh sets every group it builds to the job's, train.timeout_s:
+`bound_group`), and a failure (the timeout, a dead peer's broken connection) becomes a CollectiveTimeout
+naming this rank's stage, the group and the operation. Why the group's timeout and not async_op=True and a
+timed Work.wait: on NCCL a timed wait blocks the CPU until the GPU has run the collective, for every TP
+all-reduce of every layer; the group's timeout is what torch's NCCL watchdog enforces on stream-ordered
+work, and on gloo it bounds each op by itself. The autograd Functions are unchanged: only the raised error is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -20,13 +31,69 @@ from torch import Tensor
 Group = dist.ProcessGroup
 
 
+class CollectiveTimeout(RuntimeError):
+    """A rank waited longer than train.timeout_s for a collective or a neighbour (or a peer's connection
+    broke); the message names this rank's stage, the group and the operation."""
+
+
+@dataclass(frozen=True)
+class GroupBound:
+    """What a collective's error says about its group: this rank (`where`: "stage 0 (rank 1)"), the roles the
+    group plays in the job, its ranks, and the timeout it was given."""
+
+    where: str
+    name: str
+    timeout_s: float
+
+
+_BOUNDS: dict[str, GroupBound] = {}
+"""group_name -> its bound, for the groups of this process's Mesh (process groups are process-wide objects
+in torch's own registry; this only adds their description)."""
+
+
+def bound_group(group: Group, *, where: str, name: str, timeout_s: float) -> None:
+    """Give `group` a timeout of `timeout_s` (its every op: gloo raises, NCCL's watchdog aborts) and the
+    description a CollectiveTimeout on it prints."""
+    group.set_timeout(timedelta(seconds=timeout_s))
+    _BOUNDS[group.group_name] = GroupBound(where, name, timeout_s)
+
+
+def describe(group: Group) -> GroupBound:
+    """The group's bound; one a Mesh did not build is named by its ranks (its timeout is torch's default)."""
+    known = _BOUNDS.get(group.group_name)
+    if known is not None:
+        return known
+    return GroupBound(f"rank {dist.get_rank()}", f"the group of ranks {dist.get_process_group_ranks(group)}",
+                      float("nan"))
+
+
+def timeout_message(where: str, what: str, timeout_s: float, cause: str) -> str:
+    """The one wording of every "gave up waiting" error (collectives here, pipeline/p2p.py's waits)."""
+    return (f"{where} gave up waiting for {what} (train.timeout_s={timeout_s}): {cause}. The rank it waits for "
+            "probably died or hangs; check that rank's log.")
+
+
+@contextlib.contextmanager
+def bounded(op: str, group: Group) -> Iterator[None]:
+    """Run a collective `op` ("the expert all-to-all of the token counts") on `group`; a backend error (its
+    timeout, a dead peer) is re-raised as a CollectiveTimeout naming the stage, the group and `op`."""
+    try:
+        yield
+    except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
+        if isinstance(e, CollectiveTimeout):
+            raise
+        b = describe(group)
+        raise CollectiveTimeout(timeout_message(b.where, f"{op} on {b.name}", b.timeout_s, str(e))) from e
+
+
 def group_size(group: Group | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _all_reduce(x: Tensor, group: Group) -> Tensor:
+def _all_reduce(x: Tensor, group: Group, op: str) -> Tensor:
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
+    with bounded(op, group):
+        dist.all_reduce(x, group=group)
     return x
 
 
@@ -35,7 +102,8 @@ def _all_gather(x: Tensor, dim: int, group: Group) -> Tensor:
     n = dist.get_world_size(group)
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    with bounded(f"a tensor-parallel all-gather along dim {dim}", group):
+        dist.all_gather_into_tensor(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -46,7 +114,8 @@ def _reduce_scatter(x: Tensor, dim: int, group: Group) -> Tensor:
     if x.shape[0] % n:
         raise ValueError(f"reduce-scatter along dim {dim}: size {x.shape[0]} is not divisible by the group size {n}")
     out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
+    with bounded(f"a tensor-parallel reduce-scatter along dim {dim}", group):
+        dist.reduce_scatter_tensor(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -66,7 +135,8 @@ class _CopyTo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
-        return _all_reduce(grad.clone(), ctx.group), None
+        return _all_reduce(grad.clone(), ctx.group, "the tensor-parallel all-reduce of a region input's gradient "
+                                                    "(copy_to's backward)"), None
 
 
 class _ReduceFrom(torch.autograd.Function):
@@ -74,7 +144,8 @@ class _ReduceFrom(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, group: Group) -> Tensor:  # type: ignore[override]
-        return _all_reduce(x.clone(), group)
+        return _all_reduce(x.clone(), group, "the tensor-parallel all-reduce of a region's partial outputs "
+                                             "(reduce_from)")
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
@@ -139,19 +210,22 @@ class _AllToAll(torch.autograd.Function):
     """Variable-size all-to-all along dim 0; the backward sends the gradients back the same way."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> Tensor:  # type: ignore[override]
-        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
-        return _all_to_all(x, out_splits, in_splits, group)
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group: Group, what: str) -> Tensor:  # type: ignore[override]
+        ctx.out_splits, ctx.in_splits, ctx.group, ctx.what = out_splits, in_splits, group, what
+        return _all_to_all(x, out_splits, in_splits, group, what)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
-        return _all_to_all(grad, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+        back = _all_to_all(grad, ctx.in_splits, ctx.out_splits, ctx.group, f"the backward of {ctx.what}")
+        return back, None, None, None, None
 
 
-def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> Tensor:
+def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: Group, what: str) -> Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits), group=group)
+    with bounded(what, group):
+        dist.all_to_all_single(out, x, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits),
+                               group=group)
     return out
 
 
@@ -185,8 +259,10 @@ def gather_for_region(x: Tensor, dim: int, group: Group | None) -> Tensor:
     return x if group_size(group) == 1 else _GatherForRegion.apply(x, dim, group)
 
 
-def all_to_all(x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: Group | None) -> Tensor:
-    """Rows in_splits[r] of x go to rank r; rows out_splits[r] of the result came from rank r."""
+def all_to_all(x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: Group | None,
+               what: str = "an all-to-all") -> Tensor:
+    """Rows in_splits[r] of x go to rank r; rows out_splits[r] of the result came from rank r. `what` names
+    it in a CollectiveTimeout (its backward as "the backward of <what>")."""
     if group_size(group) == 1:
         return x
-    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group, what)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from asyncpp.config import divisors
-from asyncpp.parallel.collectives import Group, all_to_all, copy_to, group_size, reduce_from
+from asyncpp.parallel.collectives import Group, all_to_all, bounded, copy_to, group_size, reduce_from
 from asyncpp.parallel.sharding import ParamSharding, ShardingPlan
 
 ExpertFn = Callable[[Tensor, Tensor], Tensor]
@@ -66,14 +66,17 @@ class ExpertDispatcher:
             return experts(rows, counts)
         send = counts.view(self.ep, self.num_local_experts)  # [destination rank, its local expert]
         recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts.contiguous(), group=self.ep_group)  # E/ep counts to each rank
+        with bounded("the expert dispatcher's all-to-all of the token counts", self.ep_group):
+            dist.all_to_all_single(recv, counts.contiguous(), group=self.ep_group)  # E/ep counts to each rank
         recv = recv.view(self.ep, self.num_local_experts)  # [source rank, my local expert]
         send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        got = all_to_all(rows, recv_splits, send_splits, self.ep_group)  # source-major, expert-minor
+        got = all_to_all(rows, recv_splits, send_splits, self.ep_group,  # source-major, expert-minor
+                         "the expert dispatcher's all-to-all of the tokens to their experts")
         perm = _source_to_expert_major(recv)
         y = experts(got.index_select(0, perm), recv.sum(0))
         back = y.index_select(0, torch.argsort(perm))  # back to source-major, as the sources sent them
-        return all_to_all(back, send_splits, recv_splits, self.ep_group)
+        return all_to_all(back, send_splits, recv_splits, self.ep_group,
+                          "the expert dispatcher's all-to-all of the expert outputs back to their tokens")
 
 
 def _source_to_expert_major(recv: Tensor) -> Tensor:

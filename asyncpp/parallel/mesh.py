@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from asyncpp.config import ConfigError, divisors
+from asyncpp.parallel.collectives import bound_group
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,11 @@ def default_backend(device: torch.device) -> str:
 class Mesh:
     """This rank's view of the job: coordinates and groups along pp / dp / tp."""
 
-    def __init__(self, dims: ParallelDims, device: torch.device, *, head_link: bool = False):
-        """head_link: also build the head split's pair of groups (HeadLink); every rank must pass the same."""
+    def __init__(self, dims: ParallelDims, device: torch.device, *, head_link: bool = False,
+                 timeout_s: float | None = None):
+        """head_link: also build the head split's pair of groups (HeadLink); every rank must pass the same.
+        timeout_s: every group's timeout (train.timeout_s); None: the default group's, which init_distributed
+        set to train.timeout_s (a process group made by other means keeps torch's default)."""
         self.dims = dims
         self.device = device
         self.device_mesh: DeviceMesh = init_device_mesh(
@@ -134,10 +138,7 @@ class Mesh:
         # Every cross-stage group below carries one kind of traffic only, so on NCCL each communicator
         # sees its ops in the same order on every member (docs/nccl.md): the norm all-reduce never
         # shares one with the pipeline's p2p or with the tied-embedding all-reduce, also at P=2.
-        if dims.tp * dims.ep > 1:
-            self.norm_group = m["pp", "ep", "tp"]._flatten("norm").get_group()
-        else:
-            self.norm_group = self._per_pipeline(list(range(dims.pp))) if dims.pp > 1 else self.pp_group
+        self.norm_group = self._norm_groups()
         # {first stage, last stage} of each pipeline, for the tied embedding's gradient.
         self.embedding_group = self._per_pipeline([0, dims.pp - 1]) if dims.pp > 1 else None
         self.links = self._build_links()
@@ -149,6 +150,50 @@ class Mesh:
         # a communicator of its own. Created for every DP run (new_group is collective: every rank makes
         # it at the same point); an NCCL communicator exists only once used.
         self.replica_norm_group = dist.new_group(list(range(dims.world_size))) if dims.dp > 1 else self.norm_group
+        self._bound_groups(timeout_s if timeout_s is not None else _job_timeout_s(device))
+
+    def _bound_groups(self, timeout_s: float) -> None:
+        """Every group of this rank gets the job's timeout (init_distributed's train.timeout_s, which only the
+        default group had: DeviceMesh and new_group give gloo 30 min, NCCL 10) and a description naming its
+        roles, so a collective on it fails within train.timeout_s naming the stage, the group and the op
+        (collectives.bounded). One group can play several roles (at pp=1 with ep=dp=2, the default group is
+        the data- and the expert-parallel group)."""
+        if dist.get_backend() == "fake":  # a dry run's groups never communicate
+            return
+        roles: dict[str, tuple[dist.ProcessGroup, list[str]]] = {}
+        named = [("pipeline", self.pp_group), ("data-parallel", self.dp_group), ("tensor-parallel", self.tp_group),
+                 ("expert-parallel", self.ep_group), ("expert-data-parallel", self.edp_group),
+                 ("gradient-norm", self.norm_group), ("tied-embedding", self.embedding_group),
+                 ("distributed-optimizer norm", self.replica_norm_group),
+                 *((f"pipeline link ({field})", g) for field, g in vars(self.links).items()),
+                 *((f"head-split link ({field})", g) for field, g in
+                   (vars(self.head_link).items() if self.head_link is not None else ()))]
+        for role, group in named:
+            if group is not None and dist.get_world_size(group) > 1:
+                roles.setdefault(group.group_name, (group, []))[1].append(role)
+        where = f"stage {self.pp_rank} (rank {self.rank})"
+        for group, names in roles.values():
+            ranks = dist.get_process_group_ranks(group)
+            bound_group(group, where=where, name=f"the {' and '.join(names)} group (ranks {ranks})",
+                        timeout_s=timeout_s)
+
+    def _norm_groups(self):
+        """A new group per expert-data-parallel coordinate: its stages x EP x TP ranks (one replica of the
+        model); returns this rank's. Always a communicator of its own, never one DeviceMesh hands out:
+        reduction.progress() posts the norm all-reduce at the first action boundary where the DP sum has
+        arrived, which is not the same action on every rank. At pp=1 the flattened ("pp", "ep", "tp")
+        group was the EP or TP group itself (the default group when it spans the job), so with ep=2 one
+        rank issued the norm all-reduce where the other issued the next forward's expert all-to-all, and
+        both hung (issue 30). Collective: every rank creates every group in the same order."""
+        if self.norm_group_size == 1:
+            return self.pp_group  # this rank alone: nothing is ever posted on it (norm_group_size gates it)
+        mine = None
+        per_replica = self.device_mesh.mesh.transpose(0, 1).reshape(self.dims.edp, -1)  # [edp, pp*ep*tp]
+        for ranks in per_replica.tolist():
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
 
     def _per_pipeline(self, stages: list[int]):
         """A new group of `stages` in every pipeline (dp, tp coordinate); returns this rank's or None.
@@ -210,6 +255,14 @@ class Mesh:
     def describe(self) -> str:
         d = self.dims
         return f"pp={d.pp} dp={d.dp} (ep={d.ep} x edp={d.edp}) tp={d.tp}"
+
+
+def _job_timeout_s(device: torch.device) -> float:
+    """The default group's timeout: train.timeout_s, as init_distributed set it."""
+    if dist.get_backend() == "fake":
+        return 0.0  # unused: a dry run's groups are not bounded
+    backend = dist.group.WORLD._get_backend(device)
+    return backend.options._timeout.total_seconds()
 
 
 def _elastic_store(timeout: timedelta) -> dict:

@@ -15,7 +15,6 @@ Collectives are those of asyncpp.parallel.collectives; all run on the group give
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -23,9 +22,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from asyncpp.core.loss import cross_entropy
 from asyncpp.parallel.collectives import (
     Group,
+    bounded,
     copy_to,
     gather_for_region,
     gather_from,
@@ -118,7 +117,8 @@ def all_reduce_partial_grads_(model: nn.Module, plan: ShardingPlan, group: Group
         return
     for name, p in model.named_parameters():
         if layout_of(plan, name).tp_grad_reduce and p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+            with bounded(f"the tensor-parallel all-reduce of {name}'s partial gradient", group):
+                dist.all_reduce(p.grad, group=group)
 
 
 # ---------------------------------------------------------------- regions (hooks)
@@ -234,23 +234,30 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean cross entropy of logits sharded over the vocabulary, in fp32, without gathering them.
 
     Two all-reduces: the max (for stability; not differentiated: it cancels in the loss), then the
-    target logit and the sum of exponentials together. Backward is local: softmax - onehot.
+    target logit and the sum of exponentials together. Backward is local: softmax - onehot. The shards may
+    have any widths (a vocabulary-parallel head over pipeline stages, asyncpp.parallel.vocab_parallel): each
+    rank names the first vocabulary id of its own, `start`.
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, group: Group, ignore_index: int) -> Tensor:  # type: ignore[override]
-        x = logits.float().reshape(-1, logits.shape[-1])  # [N, V/tp]
+    def forward(ctx, logits: Tensor, targets: Tensor, group: Group, ignore_index: int,  # type: ignore[override]
+                start: int) -> Tensor:
         t = targets.reshape(-1)
+        x = logits.float().reshape(t.shape[0], logits.shape[-1])  # [N, this rank's shard] (the shard may be empty)
         v_local = x.shape[1]
-        start = group_rank(group) * v_local
-        gmax = x.max(dim=1).values
-        dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+        # A rank may hold no rows (a stage whose layers already fill its time): it still joins the collectives.
+        gmax = x.max(dim=1).values if v_local else x.new_full((x.shape[0],), float("-inf"))
+        with bounded("the vocab-parallel cross entropy's all-reduce of the logits' max", group):
+            dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
         x = x - gmax.unsqueeze(1)
         mine = (t >= start) & (t < start + v_local)
         local_t = (t - start).masked_fill(~mine, 0)
         exp = x.exp()
-        stats = torch.stack([x.gather(1, local_t.unsqueeze(1)).squeeze(1) * mine, exp.sum(dim=1)])
-        dist.all_reduce(stats, group=group)
+        target = x.gather(1, local_t.unsqueeze(1)).squeeze(1) * mine if v_local else x.new_zeros(x.shape[0])
+        stats = torch.stack([target, exp.sum(dim=1)])
+        with bounded("the vocab-parallel cross entropy's all-reduce of the target logit and the sum of "
+                     "exponentials", group):
+            dist.all_reduce(stats, group=group)
         target_logit, sum_exp = stats
         valid = t != ignore_index
         count = valid.sum()
@@ -264,28 +271,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, local_t, mine, valid, count = ctx.saved_tensors
         rows = torch.arange(softmax.shape[0], device=softmax.device)
         g = softmax  # reused in place to save [N, V/tp] floats; a second backward fails loudly (version check)
-        g[rows, local_t] -= mine.to(g.dtype)
+        if g.shape[1]:  # a rank without rows has an empty gradient
+            g[rows, local_t] -= mine.to(g.dtype)
         g.mul_((valid.to(g.dtype) * (grad / count)).unsqueeze(1))
-        return g.reshape(ctx.logits_shape).to(ctx.logits_dtype), None, None, None
+        return g.reshape(ctx.logits_shape).to(ctx.logits_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, group: Group | None, *,
-                                 ignore_index: int = -100) -> Tensor:
+                                 ignore_index: int = -100, vocab_start: int | None = None) -> Tensor:
     """logits [B, T, V/tp] (this rank's vocabulary chunk, rank order), targets [B, T] full-vocabulary
     ids -> scalar mean loss, equal to F.cross_entropy(full logits.float(), targets) up to reduction
-    order, with the matching gradient for this rank's chunk. Plain fp32 cross entropy with one rank."""
+    order, with the matching gradient for this rank's chunk. Plain fp32 cross entropy with one rank.
+    vocab_start: the first vocabulary id of this rank's chunk when the chunks are not equal (default:
+    rank x width, TP's equal chunks)."""
     if group_size(group) == 1:
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                ignore_index=ignore_index)
-    return _VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index)
-
-
-def logits_loss_for(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
-    """The loss (logits, labels) -> scalar the last stage must use for `model`'s logits: the
-    vocab-parallel cross entropy over the head's TP group when a plan left them sharded, otherwise
-    the project's plain cross entropy (asyncpp.core.loss.cross_entropy)."""
-    marker = getattr(getattr(model, "lm_head", None), VOCAB_GROUP_ATTR, None)
-    group = None if marker is None else marker.bound["group"]
-    if group_size(group) > 1:
-        return functools.partial(vocab_parallel_cross_entropy, group=group)
-    return cross_entropy
+    start = group_rank(group) * logits.shape[-1] if vocab_start is None else vocab_start
+    return _VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index, start)

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from asyncpp.core.loss import cross_entropy
+from asyncpp.core.loss import cross_entropy, logits_loss_for
 from asyncpp.core.partition import stage_split
 from asyncpp.core.recompute import apply_recompute, modes_per_layer
 from asyncpp.parallel.sharding import ParamSharding, ShardingPlan, layout_of
 from asyncpp.pipeline.stage import StageSpec, prune_to_stage
 from model_zoo import ModelConfig, build_model
 from model_zoo.init import ParamSlice
+from model_zoo.parallelize import apply_tensor_parallel
 from model_zoo.transformer import materialize
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -91,9 +92,6 @@ def build_stage(model_cfg: ModelConfig, spec: StageSpec, device: torch.device | 
 def tp_ep_plan(mesh, sequence_parallel: bool = False) -> Parallelize | None:
     """The TP/EP plan of a stage on `mesh`: stage -> (its ShardingPlan, the loss for its logits), or None
     when the layout has neither (the stage then stays the plain pruned model)."""
-    from asyncpp.parallel.tp import logits_loss_for
-    from model_zoo.parallelize import apply_tensor_parallel
-
     dims = mesh.dims
     if dims.tp == 1 and dims.ep == 1:
         return None

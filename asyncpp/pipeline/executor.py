@@ -17,30 +17,24 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from asyncpp.analysis.measured import device_peak_bytes, host_peak_bytes
 from asyncpp.config import RunConfig
-from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
 from asyncpp.core.batches import BatchPlan
-from asyncpp.core.layer_costs import layer_costs
 from asyncpp.core.loss import token_share_loss
-from asyncpp.core.partition import head_split_plan, stage_balance, stage_split
 from asyncpp.core.records import DataSource, PipelineBubble, StepResult
-from asyncpp.core.update import Corrections, lr_multiplier_for
 from asyncpp.parallel.mesh import Mesh
-from asyncpp.parallel.sharding import global_view, layout_of
+from asyncpp.parallel.sharding import layout_of
 from asyncpp.pipeline.bubble import BubbleGather
 from asyncpp.pipeline.build import BuiltStage
-from asyncpp.pipeline.engine import StageEngine, StepRecord
-from asyncpp.pipeline.head import HeadComm, HeadHelper
 from asyncpp.pipeline.p2p import StageComm, naming_the_peer
-from asyncpp.pipeline.stage import head_weight, stage_forward, tied_parameters
+from asyncpp.pipeline.plan import StagePlan, build_stage_runtime
+from asyncpp.pipeline.report import StageReport
+from asyncpp.pipeline.stage import stage_forward, tied_parameters
+from asyncpp.pipeline.state import StageCheckpoint
 from asyncpp.pipeline.stopping import ActionStream, StopAgreement, stop_lookahead
 from asyncpp.pipeline.transfer import to_device
-from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
+from asyncpp.pipeline.update import StepRecord
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
-from asyncpp.schedules.registry import kind_of, step_delay
-from asyncpp.train import checkpoint as ckpt
 from asyncpp.train.metrics import evaluates_after, line_due
 from asyncpp.train.preemption import CheckpointClock, StopFlag
 
@@ -66,63 +60,34 @@ class PipelineExecutor:
     stops_at_any_step = False
     """A stop ends a segment at the step every rank agrees on (steps(), stopping.py), not after any step."""
 
-    def __init__(self, cfg: RunConfig, stage: BuiltStage, mesh: Mesh, data: DataSource, build_optimizer):
+    def __init__(self, cfg: RunConfig, stage: BuiltStage, mesh: Mesh, data: DataSource, build_optimizer,
+                 comm_cls: type[StageComm] = StageComm):
         """`stage` is this rank's built part of the model (asyncpp/pipeline/build.py: pruned, sharded,
-        initialized); `build_optimizer(stage_model, sharding_plan)` builds the stage's optimizer."""
+        initialized); `build_optimizer(stage_model, sharding_plan)` builds the stage's optimizer; `comm_cls` the
+        stage links (a test stages them through host memory: tests/gpu/workers.py)."""
         self.cfg, self.mesh, self.data = cfg, mesh, data
         self.is_writer = mesh.is_writer
         self.decides_time = mesh.rank == 0  # rank 0's clock decides timed checkpoints (CheckpointClock)
-        self.saver = ckpt.Saver(cfg.checkpoint.async_save)
         self._started: float | None = None  # set when the first segment starts (the timeline's origin)
         self._last_end = math.nan  # when the last stage finished the previous logged step's backward
         self._last_loss = math.nan  # the last logged step's loss (last stage; nan elsewhere)
-        if stage.spec.stage != mesh.pp_rank or stage.spec.num_stages != mesh.num_stages:
-            raise ValueError(f"the stage was built for stage {stage.spec.stage} of {stage.spec.num_stages}, "
-                             f"but this rank is stage {mesh.pp_rank} of {mesh.num_stages}")
         self.spec, self.model, self.sharding, self.loss_fn = stage.spec, stage.model, stage.sharding, stage.loss_fn
-        self.process_baseline_bytes: int | None = None  # the RSS before the build, if the entry point measured it
         self.batches = BatchPlan.of(cfg, mesh.dims.dp)
         self.m = self.batches.microbatches(0)  # of the running segment: steps() sets it (a batch rampup changes it)
         self.stop_lookahead = stop_lookahead(cfg.schedule.name, mesh.num_stages)
         self._agreement: StopAgreement | None = None  # created by the first segment, on every rank
         self._bubbles: BubbleGather | None = None  # on the agreement's group, created with it
-        self.delays = [
-            step_delay(cfg.schedule.name, self.spec.stage, mesh.num_stages, t, cfg.train.steps, cfg.staleness)
-            for t in range(cfg.train.steps)
-        ]
+        self.plan = StagePlan.of(cfg, self.model.config, self.spec, mesh.dims)
+        self.delays = self.plan.delays
+        self.head_split = self.plan.head_split  # None without parallel.head_split=tokens
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        params = [p for _, p in named]
-        optimizer = build_optimizer(self.model, self.sharding)
-        dtype = compute_dtype_of(cfg.train.precision)  # bf16: params cast here, fp32 masters kept apart
-        kind, predict = kind_of(cfg.schedule.name), cfg.staleness.weight_prediction
-        versions = WeightVersions(
-            params, kind.num_buffers(self.spec.stage, mesh.num_stages, weight_prediction=predict), compute_dtype=dtype,
-            predict_delay=kind.stage_delay(self.spec.stage, mesh.num_stages) if predict else 0)
-        hidden = self.model.config.hidden_size
-        # Under sequence parallelism a stage boundary carries this TP rank's sequence shard only.
-        seq = cfg.train.seq_len // mesh.dims.tp if cfg.parallel.sequence_parallel else cfg.train.seq_len
-        comm = StageComm(mesh, (cfg.train.micro_batch_size, seq, hidden), dtype,
-                         cfg.train.timeout_s)
-        self.head_split = head_split_plan(cfg, self.model.config)  # None without parallel.head_split=tokens
-        head_comm = head_helper = None
-        if self.head_split is not None and (self.spec.is_head_helper or self.spec.is_last):
-            head_comm = HeadComm(mesh, self.head_split, hidden, dtype, cfg.train.timeout_s)
-        if head_comm is not None and self.spec.is_head_helper:
-            head_helper = HeadHelper(head_comm, head_weight(self.model, self.spec), self._helper_labels)
-        self.engine = StageEngine(
-            module=self.model, mesh=mesh, comm=comm, optimizer=optimizer, versions=versions,
-            forward_fn=self._forward, grad_scale=1.0 / self.m, grad_clip=cfg.train.grad_clip,
-            corrections=Corrections.of(cfg.staleness), lr_multiplier=lr_multiplier_for(cfg),
-            is_delayed=lambda t: self.delays[t] > 0,
-            tied=tied_parameters(self.model, self.spec),
-            tied_is_delayed=lambda t: step_delay(cfg.schedule.name, 0, mesh.num_stages, t, cfg.train.steps,
-                                                 cfg.staleness) > 0,
-            layouts=[layout_of(self.sharding, n) for n, _ in named],
-            balancing=RouterBiasVersions(balanced_routers(self.model), versions.num_buffers),
-            load_stats=RouterLoadStats.of(self.model, counted=mesh.tp_rank == 0 and mesh.ep_rank == 0),
-            distributed_optimizer=cfg.parallel.distributed_optimizer,
-            head_comm=head_comm, head_helper=head_helper,
-        )
+        self.engine = build_stage_runtime(
+            self.plan, self.spec, self.model, mesh, build_optimizer(self.model, self.sharding), self._forward,
+            grad_scale=1.0 / self.m, layouts=[layout_of(self.sharding, n) for n, _ in named],
+            tied=tied_parameters(self.model, self.spec), head_labels=self._helper_labels, comm_cls=comm_cls)
+        self.report = StageReport(cfg, self.model.config, mesh, self.spec, self.engine, self._naming)
+        self.checkpoint = StageCheckpoint(cfg, mesh, self.spec, self.model, self.engine, data, self.batches,
+                                          self._naming)
 
     def _tokens(self, step: int, microbatch: int) -> Tensor:
         """The global microbatch index of the plan: DP=2 with m equals DP=1 with 2m (asyncpp/core/batches.py)."""
@@ -243,7 +208,7 @@ class PipelineExecutor:
         m = self.batches.constant(t0, t1)
         if m != self.m:
             self.m = m
-            self.engine.rescale(1.0 / m)
+            self.engine.update.rescale(1.0 / m)
 
     def _segment_actions(self, t0: int, t1: int) -> list[Action]:
         return segment_actions(self.cfg.schedule.name, self.spec.stage, self.mesh.num_stages, self.m,
@@ -277,10 +242,6 @@ class PipelineExecutor:
         """A blocking collective over every rank whose raw backend error (a dead peer) names this stage."""
         return naming_the_peer(self.mesh, what, self.cfg.train.timeout_s)
 
-    def wait_saves(self) -> None:
-        with self._naming("every rank's part of the background checkpoint"):
-            self.saver.wait()
-
     def _logs_line(self, step: int, t1: int) -> bool:
         """Whether the trainer writes a log line at `step` (it reads the bubble then): every logging.log_every
         steps, the run's last, and an evaluation (at the end of the segment [t0, t1)). A pure function of the
@@ -294,118 +255,24 @@ class PipelineExecutor:
         return self._bubbles.pop(step) if self._bubbles is not None else None
 
     def summary(self, wall_s: float) -> dict:
-        """Per-stage busy time and bubble (collective), both on the device's clock (the timer's)."""
-        wall, busy = self.engine.timer.elapsed(), self.engine.timer.busy()
-        per_stage = [None] * dist.get_world_size()
-        with self._naming("every rank's summary (all_gather)"):
-            dist.all_gather_object(per_stage, {"stage": self.spec.stage, "busy_s": busy, "wall_s": wall,
-                                               "loss": self._last_loss, "memory": self.memory_measured(),
-                                               **self.engine.timer.mean_durations()})
-        bubbles = [1.0 - s["busy_s"] / s["wall_s"] for s in per_stage]
-        last = self.mesh.num_stages - 1
-        return {
-            # Every rank's summary has the last stage's final loss: each decides its exit code on it.
-            "final_loss": next(s["loss"] for s in per_stage if s["stage"] == last),
-            "memory_per_rank": [s["memory"] for s in per_stage],
-            "bubble_fraction": sum(bubbles) / len(bubbles), "bubble_fraction_per_rank": bubbles,
-            **self._balance(per_stage),
-            "mean_forward_s_per_rank": [s.get("F", math.nan) for s in per_stage],
-            "mean_backward_s_per_rank": [s.get("B", math.nan) for s in per_stage],
-            "mean_update_s_per_rank": [s.get("U", 0.0) + s.get("U0", 0.0) for s in per_stage],
-        }
+        return self.report.summary(self._last_loss)
 
     def memory_plan(self):
-        """This rank's planned memory (asyncpp/analysis/memory.py), from its real tensors and schedule."""
-        from asyncpp.analysis.dryrun import stage_memory
-
-        e = self.engine
-        return stage_memory(self.cfg, self.model.config, self.mesh, self.spec, e.versions, e.optimizer,
-                            e.error_feedback.prev_update)
-
-    def _balance(self, per_rank: list[dict]) -> dict:
-        """Per-stage busy time (mean over a stage's ranks) and, if the stages are imbalanced, a better
-        parallel.stage_layers from it (asyncpp.core.partition.stage_balance): the usual cause of a bubble
-        that a bubble-free schedule shows is the last stage's LM head and loss."""
-        P = self.mesh.num_stages
-        busy = [[r["busy_s"] for r in per_rank if r["stage"] == s] for s in range(P)]
-        cfg = self.model.config
-        weights = layer_costs(cfg, self.cfg.train.seq_len, self.cfg.train.micro_batch_size,
-                              self.mesh.device.type).layers
-        return stage_balance(stage_split(self.cfg, cfg), [sum(b) / len(b) for b in busy], weights)
-
-    def memory_measured(self) -> dict:
-        """The plan's total next to this process's measured peak: the device allocator's peak on CUDA, the
-        resident-set high-water mark (since start: the build included) on the CPU. The host figure also
-        holds what the plan does not count (the interpreter, torch and its libraries: `process_baseline`,
-        the RSS before the stage was built, when the entry point recorded it)."""
-        plan = self.memory_plan()
-        device = self.mesh.device
-        cuda = device_peak_bytes(device)
-        return {"rank": self.mesh.rank, "stage": self.spec.stage, "plan_total_bytes": plan.total,
-                "plan": {i.name: i.nbytes for i in plan.items},
-                "measured_peak_bytes": cuda if cuda is not None else host_peak_bytes(),
-                "measured": "cuda_max_memory_allocated" if cuda is not None else "host_rss_high_water_mark",
-                "process_baseline_bytes": self.process_baseline_bytes}
-
-    # ---- checkpoints ------------------------------------------------------------------------
-    def stage_state(self, extra: dict[str, Tensor] | None = None) -> ckpt.StageState:
-        """This stage's share of a checkpoint, keyed by full-model names (a tied head as embed.weight)."""
-        # A tied head is saved as embed.weight; a head split's untied replica under its own name (lm_head.weight).
-        tied = {id(p) for p in tied_parameters(self.model, self.spec)} if self.model.config.tie_embeddings else set()
-        names = ["embed.weight" if id(p) in tied else n for n, p in self.model.named_parameters() if p.requires_grad]
-        v = self.engine.versions
-        versions = {v.newest - version: v.tensors(version) for version in v.held()}
-        copies = {v.newest - version: v.copies(version) for version in v.held()}  # saved by their masters' owners
-        d = self.mesh.dims
-        shards = [global_view(layout, self.mesh.device_mesh, d.tp, d.ep) for layout in self.engine.layouts]
-        balancing = self.engine.balancing
-        if extra is None:
-            extra = balancing.tensors() if balancing is not None else {}
-        rule = self.engine.rule
-        buffers = {"ef": self.engine.per_parameter(rule.error_feedback.prev_update)}
-        if rule.corrections.grad_ef_lambda:
-            buffers["gef"] = self.engine.per_parameter(rule.grad_error_feedback.prev_grad)
-        return ckpt.StageState(names, versions, buffers,
-                               self.engine.optimizer, v.masters, shards, extra=extra, copies=copies)
-
-    def save(self, step_done: int) -> None:
-        """Collective; called at a drain point, where every stage holds x_{step_done} as its newest."""
-        c = self.cfg
-        d = self.mesh.dims
-        layout = {"pp": d.pp, "dp": d.dp, "tp": d.tp, "ep": d.ep, "stage_layers": c.parallel.stage_layers}
-        with self._naming(f"every rank's part of the checkpoint of step {step_done} (its collectives)"):
-            self.saver.save(ckpt.checkpoint_root(c), step_done, self.stage_state(), config=c.to_dict(),
-                            layout=layout, keep_last=c.checkpoint.keep_last,
-                            data=ckpt.data_position(self.data, step_done, self.batches))
-
-    def resume(self, warn: Callable[[str], None] | None = None) -> int | None:
-        """Collective. Load checkpoint.resume's checkpoint, if any; returns its step (None: nothing to resume)."""
-        point = ckpt.resume_point(self.cfg, self.data, **({"warn": warn} if warn is not None else {}))
-        if point is None:
-            return None
-        path, step = point
-        self.saver.resumed_from = path  # never pruned by this run
-        v = self.engine.versions
-        v.set_newest(step)  # buffers now stand for x_step, x_step-1, ...: DCP fills them in place
-        ages = [step - version for version in v.held()]
-        balancing = self.engine.balancing
-        extra = balancing.reset(step, ages) if balancing is not None else {}
-        with self._naming(f"every rank's part of loading {path} (its collectives)"):
-            ckpt.load(path, self.stage_state(extra), ages=ages)
-        v.set_newest(step)
-        if balancing is not None:
-            balancing.use(step)
-        return step
+        return self.report.memory_plan()
 
     def timeline_events(self) -> list | None:
-        """Every stage's measured events (DP and TP rank 0 of each), on the metrics rank; None elsewhere.
-        Collective."""
-        gathered = [None] * dist.get_world_size()
-        with self._naming("every rank's timeline events (all_gather)"):
-            dist.all_gather_object(gathered, (self.mesh.dp_rank, self.mesh.tp_rank, self.engine.timer.events))
-        if not self.mesh.is_writer:
-            return None
-        return [e for dp, tp, evs in gathered if dp == 0 and tp == 0 for e in evs]
+        return self.report.timeline_events()
+
+    # ---- checkpoints (state.py) ----------------------------------------------------------------
+    def save(self, step_done: int) -> None:
+        self.checkpoint.save(step_done)
+
+    def resume(self, warn: Callable[[str], None] | None = None) -> int | None:
+        return self.checkpoint.resume(warn)
+
+    def wait_saves(self) -> None:
+        with self._naming("every rank's part of the background checkpoint"):
+            self.checkpoint.saver.wait()
 
 
 _NAN_RECORD = StepRecord(-1)

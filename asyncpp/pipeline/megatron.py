@@ -44,9 +44,7 @@ from torch import Tensor, nn
 
 from asyncpp.core.update import Corrections
 from asyncpp.parallel.mesh import Mesh
-from asyncpp.pipeline.engine import StageEngine
-from asyncpp.pipeline.p2p import StageComm
-from asyncpp.pipeline.weights import WeightVersions
+from asyncpp.pipeline.plan import StagePlan, UpdateSpec, build_stage_runtime
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
 from asyncpp.schedules.registry import kind_of
@@ -176,16 +174,12 @@ class Pipeline2BW:
             raise ValueError(f"ef_lambda={ef_lambda} corrects delayed updates; schedule='1f1b' has none, use 0")
         self.schedule, self.mesh, self.model = schedule, mesh, model
         self.hidden_size, self.sequence_first = hidden_size, sequence_first
-        params = [p for p in model.parameters() if p.requires_grad]
-        kind = kind_of(schedule)
-        versions = WeightVersions(params, kind.num_buffers(mesh.pp_rank, mesh.num_stages))
-        comm = StageComm(mesh, (0,), pipeline_dtype)  # shape set per call from seq_length/micro_batch_size
-        self.engine = StageEngine(
-            module=model, mesh=mesh, comm=comm, optimizer=optimizer, versions=versions,
-            forward_fn=self._forward, grad_scale=1.0,  # the loss is already divided by m (module docstring)
-            grad_clip=grad_clip, corrections=Corrections(ef_lambda=ef_lambda), lr_multiplier=lr_multiplier,
-            is_delayed=lambda t: kind.delayed, tied=tied,
-        )
+        # The activation shape is set per call from seq_length/micro_batch_size (_set_activation_shape).
+        plan = StagePlan(stage=mesh.pp_rank, num_stages=mesh.num_stages, schedule=schedule, link_dtype=pipeline_dtype,
+                         update=UpdateSpec(grad_clip=grad_clip, corrections=Corrections(ef_lambda=ef_lambda),
+                                           lr_multiplier=lr_multiplier))
+        self.engine = build_stage_runtime(plan, None, model, mesh, optimizer, self._forward,
+                                          grad_scale=1.0, tied=tied)  # the loss is already / m (module docstring)
         self.next_step = 0
         """k of the next call: the minibatch b_k it consumes."""
         self.applied_step: int | None = None
@@ -378,5 +372,5 @@ class Pipeline2BW:
 
     @property
     def records(self) -> dict:
-        """engine.StepRecord per step (grad/update norm, lr, skipped); pop what has been logged."""
+        """update.StepRecord per step (grad/update norm, lr, skipped); pop what has been logged."""
         return self.engine.records

@@ -37,10 +37,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from asyncpp.parallel.collectives import CollectiveTimeout, timeout_message
 from asyncpp.parallel.mesh import Mesh
 
 
-class PipelineTimeout(RuntimeError):
+class PipelineTimeout(CollectiveTimeout):
     """A rank waited too long for a neighbour or a collective (or the peer's connection broke)."""
 
 
@@ -49,8 +50,7 @@ class P2PMismatch(ValueError):
 
 
 def _timeout_message(mesh: Mesh, what: str, timeout_s: float, cause: str) -> str:
-    return (f"stage {mesh.pp_rank} (rank {mesh.rank}) gave up waiting for {what} (train.timeout_s={timeout_s}): "
-            f"{cause}. The rank it waits for probably died or hangs; check that rank's log.")
+    return timeout_message(f"stage {mesh.pp_rank} (rank {mesh.rank})", what, timeout_s, cause)
 
 
 @contextlib.contextmanager
@@ -60,7 +60,7 @@ def naming_the_peer(mesh: Mesh, what: str, timeout_s: float) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
-        if isinstance(e, PipelineTimeout):
+        if isinstance(e, CollectiveTimeout):  # already names its stage and what it waited for
             raise
         raise PipelineTimeout(_timeout_message(mesh, what, timeout_s, str(e))) from e
 

@@ -270,7 +270,7 @@ class WeightVersions:
         a fresh one per step (whose allocation pattern kept the host heap growing). fp32 only: under mixed
         precision the sums live in GradSums. Only where the schedule holds two sets anyway (two or more weight
         versions: step t's gradient waits for UPDATE(t) while step t+1 accumulates); a synchronous stage
-        keeps one, as the memory plan (asyncpp.analysis.memory) counts. Not a set with holes: the distributed
+        keeps one, as the memory plan (asyncpp.core.memory) counts. Not a set with holes: the distributed
         optimizer drops the gradients a rank does not own (None), which is the memory it saves."""
         whole = all(g is not None and g.shape == p.shape and g.dtype == p.dtype for g, p in zip(grads, self.params))
         if self.num_buffers >= 2 and self.grad_sums is None and whole:

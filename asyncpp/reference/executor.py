@@ -90,7 +90,7 @@ def simulator_state(sim: DelayedUpdateSimulator, model: nn.Module, num_past: int
             sim.history.append([torch.empty_like(p) for p in sim.params])
     versions = {0: [q.detach() for q in sim.masters]}
     versions.update({age + 1: v for age, v in enumerate(sim.history)})
-    buffers = {"ef": sim.error_feedback.prev_update, "gef": sim.grad_error_feedback.prev_grad}
+    buffers = sim.rule.checkpoint_buffers()
     balancing = sim.balancing
     extra = balancing.reset(step, range(num_past + 1)) if num_past is not None and balancing else balancing.tensors()
     return ckpt.StageState(names, versions, buffers, sim.optimizer, sim.masters, extra=extra)

@@ -38,6 +38,7 @@ from asyncpp.core.staleness import predict_weights
 from asyncpp.core.update import Corrections, UpdateRule
 from asyncpp.optim.clip import clip_, diff_sq_norm, grad_sq_norm
 from asyncpp.pipeline.weights import GradSums, is_mixed, make_masters, retarget
+from asyncpp.schedules.registry import buffers_for_delay
 
 
 @dataclass
@@ -121,9 +122,9 @@ class DelayedUpdateSimulator:
         self.weight_prediction = weight_prediction
         self.diagnostics_every = diagnostics_every
         self.max_delay = max(self.delays, default=0)
-        # history[k] holds x_{t-1-k}; as many versions as the largest delay, plus x_{t-d-1} for weight prediction.
-        extra = 1 if weight_prediction and self.max_delay else 0
-        self.history: deque[list[Tensor]] = deque(maxlen=(self.max_delay + extra) or None)
+        # history[k] holds x_{t-1-k}: the past versions of the registry's rule (x_t itself is the model).
+        past = buffers_for_delay(self.max_delay, weight_prediction=weight_prediction) - 1
+        self.history: deque[list[Tensor]] = deque(maxlen=past or None)
 
     @property
     def num_past_versions(self) -> int:
@@ -313,20 +314,3 @@ class DelayedUpdateSimulator:
         cosine = dot / math.sqrt(applied_sq * fresh_sq) if applied_sq > 0 and fresh_sq > 0 else math.nan
         rel_error = math.sqrt(diff_sq) / math.sqrt(fresh_sq) if fresh_sq > 0 else math.nan
         return cosine, rel_error
-
-    def state_dict(self) -> dict:
-        """Everything besides model/optimizer that a resumed run needs: past versions (num_past_versions
-        of them), u_{t-1} and, for gradient-level EF, g_{t-1}."""
-        return {
-            "history": [[x.clone() for x in version] for version in self.history],
-            "error_feedback": self.error_feedback.state_dict(),
-            "grad_error_feedback": self.grad_error_feedback.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.history.clear()
-        for version in state["history"]:
-            self.history.append([x.clone() for x in version])
-        self.error_feedback.load_state_dict(state["error_feedback"])
-        if "grad_error_feedback" in state:
-            self.grad_error_feedback.load_state_dict(state["grad_error_feedback"])

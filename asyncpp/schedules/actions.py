@@ -24,6 +24,14 @@ class Op(str, Enum):
     helper's token share of microbatch (t, j), forward and backward in one action. Its input (the last
     stage's normed hidden states of those tokens) comes from the last stage's FORWARD of (t, j); its output
     (their input gradient and loss) feeds the last stage's BACKWARD of (t, j)."""
+    VOCAB_FORWARD = "S"
+    """A vocabulary-parallel head (asyncpp/parallel/vocab_parallel.py), on every stage: the logits of the stage's
+    vocabulary shard for microbatch (t, j) and their softmax statistics. Its input (the last stage's normed hidden
+    states) is broadcast from the last stage's FORWARD of (t, j); the statistics are all-reduced over the stages."""
+    VOCAB_BACKWARD = "T"
+    """The shard's loss gradient, weight gradient and partial input gradient of (t, j), on every stage: it needs
+    every stage's VOCAB_FORWARD of (t, j) (the all-reduced statistics); the partial input gradients are reduced
+    onto the last stage, whose BACKWARD of (t, j) needs every stage's VOCAB_BACKWARD."""
 
 
 @dataclass(frozen=True, order=True)
@@ -32,11 +40,11 @@ class Action:
     step: int
     """t: the minibatch b_t this action belongs to (for updates: the step whose gradient is applied)."""
     microbatch: int = -1
-    """Index within b_t for FORWARD/BACKWARD/HEAD; -1 for updates."""
+    """Index within b_t for FORWARD/BACKWARD/HEAD/VOCAB_*; -1 for updates."""
     version: int = -1
-    """FORWARD/BACKWARD/HEAD: the weight version x_v they run on. UPDATE: the version it produces (t+1)."""
+    """FORWARD/BACKWARD/HEAD/VOCAB_*: the weight version x_v they run on. UPDATE: the version it produces (t+1)."""
 
     def __str__(self) -> str:
-        if self.op in (Op.FORWARD, Op.BACKWARD, Op.HEAD):
+        if self.op in (Op.FORWARD, Op.BACKWARD, Op.HEAD, Op.VOCAB_FORWARD, Op.VOCAB_BACKWARD):
             return f"{self.op.value}{self.step}.{self.microbatch}@v{self.version}"
         return f"{self.op.value}{self.step}"

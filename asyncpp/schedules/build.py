@@ -47,18 +47,24 @@ def build_schedule(
     *,
     first_step: int = 0,
     head_split: bool = False,
+    vocab_warmup: int = 0,
 ) -> list[Action]:
     """The actions of `stage` for len(step_delays) steps; step_delays[i] is its d_t, t = first_step + i.
 
     first_step > 0 builds a later segment of a run (e.g. after a drain for evaluation) in absolute step
     and version numbers; the segment starts drained, and versions <= first_step count as already produced.
     head_split: stage 0 also runs the LM head on a token share of every microbatch (module docstring).
+    vocab_warmup: with a vocabulary-parallel head, the F/B skeleton its passes are placed into: every stage warms
+    up with this many more forwards, the room the head's chain (broadcast, S on every stage, all-reduce, T, reduce)
+    needs between the last stage's F and B of a microbatch. The S and T actions themselves are placed by the cost
+    model (asyncpp.schedules.costmodel.place_vocab_passes).
     """
-    _validate(kind, stage, num_stages, num_microbatches, step_delays, head_split)
+    _validate(kind, stage, num_stages, num_microbatches, step_delays, head_split, vocab_warmup > 0)
     delays = {first_step + i: d for i, d in enumerate(step_delays)}
     body: list[Action] = []
     for steps in _streams(kind, delays):
-        body.extend(_stream_actions(kind, stage, num_stages, num_microbatches, steps, delays, head_split))
+        body.extend(_stream_actions(kind, stage, num_stages, num_microbatches, steps, delays, head_split,
+                                    vocab_warmup))
     return _place_updates(kind, body, delays)
 
 
@@ -89,11 +95,30 @@ def check_head_split(kind: str, num_stages: int) -> None:
                          f"parallel.pp={num_stages}; set parallel.head_split=none")
 
 
-def _validate(kind: str, stage: int, num_stages: int, m: int, step_delays: Sequence[int], head_split: bool) -> None:
+VOCAB_PARALLEL_KINDS = ("sync", "1f1b", "2bw")
+"""The kinds a vocabulary-parallel head serves: one weight version per microbatch on every stage (semantics.md:
+the shards of one microbatch's logits must be one version; pipedream's per-stage delays break that) and 1F1B
+order (GPipe would hold every microbatch's shard logits at once)."""
+
+
+def check_vocab_parallel(kind: str) -> None:
+    """Raise ValueError unless `kind` can run a vocabulary-parallel head (VOCAB_PARALLEL_KINDS)."""
+    if kind not in VOCAB_PARALLEL_KINDS:
+        raise ValueError(f"a vocabulary-parallel head with schedule={kind}: only {VOCAB_PARALLEL_KINDS} are supported "
+                         "(one weight version per microbatch on every stage, 1F1B order); use one of them or keep "
+                         "the head on the last stage")
+
+
+def _validate(kind: str, stage: int, num_stages: int, m: int, step_delays: Sequence[int], head_split: bool,
+              vocab_parallel: bool = False) -> None:
     k = kind_of(kind)
     k.check(num_stages, m)
     if head_split:
         check_head_split(kind, num_stages)
+    if vocab_parallel:
+        check_vocab_parallel(kind)
+        if head_split:
+            raise ValueError("parallel.head_split=tokens and a vocabulary-parallel head both move the head; choose one")
     allowed = k.allowed_delays(stage, num_stages)
     bad = [(t, d) for t, d in enumerate(step_delays) if d not in allowed]
     if bad:
@@ -141,12 +166,12 @@ def all_f_then_all_b(num_items: int) -> Iterator[tuple[Op, int]]:
 
 def _stream_actions(
     kind: str, stage: int, num_stages: int, m: int, steps: list[int], delays: dict[int, int],
-    head_split: bool = False,
+    head_split: bool = False, vocab_warmup: int = 0,
 ) -> list[Action]:
     """F/B (and, on a head split's helper, H) of one stream plus UPDATE_START(t) after each step's last backward."""
     n = len(steps) * m
     # A head split appends a virtual stage (the helper's H) to the chain: one more forward of warm-up.
-    warmup = num_stages - stage if head_split else num_stages - 1 - stage
+    warmup = (num_stages - stage if head_split else num_stages - 1 - stage) + vocab_warmup
     order = all_f_then_all_b(n) if kind_of(kind).all_forwards_first else one_f_one_b(n, warmup)
     helper = head_split and stage == 0
 
@@ -206,10 +231,11 @@ def _place_updates(kind: str, body: list[Action], delays: dict[int, int]) -> lis
 
 def build_pipeline(
     kind: str, num_stages: int, num_microbatches: int, step_delays: Sequence[Sequence[int]],
-    *, head_split: bool = False,
+    *, head_split: bool = False, vocab_warmup: int = 0,
 ) -> list[list[Action]]:
     """All stages' schedules; step_delays[s][t] is stage s's delay at step t."""
     if len(step_delays) != num_stages:
         raise ValueError(f"step_delays has {len(step_delays)} rows, expected one per stage ({num_stages})")
-    return [build_schedule(kind, s, num_stages, num_microbatches, step_delays[s], head_split=head_split)
+    return [build_schedule(kind, s, num_stages, num_microbatches, step_delays[s], head_split=head_split,
+                           vocab_warmup=vocab_warmup)
             for s in range(num_stages)]

@@ -24,7 +24,13 @@ from dataclasses import dataclass, fields
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_pipeline
 from asyncpp.schedules.events import TimelineEvent
-from asyncpp.schedules.invariants import dependencies, execution_order, peak_in_flight, peak_versions
+from asyncpp.schedules.invariants import (
+    DeadlockError,
+    dependencies,
+    execution_order,
+    peak_in_flight,
+    peak_versions,
+)
 from asyncpp.schedules.registry import stage_delay
 
 Cost = float | Sequence[float]
@@ -34,7 +40,11 @@ Cost = float | Sequence[float]
 class OpCosts:
     """Durations per action; each a scalar or one value per stage (comm: per sending stage; dp_comm:
     the stage's gradient all-reduce over its DP replicas, see dp_allreduce_time; head: a head split's HEAD
-    action on the helper, the forward and backward of its token share's LM head and loss)."""
+    action on the helper, the forward and backward of its token share's LM head and loss; vocab_forward and
+    vocab_backward: a vocabulary-parallel head's S and T on each stage, its shard's logits with their statistics,
+    and their gradients). The head's collectives are latencies on the edges they carry, beside the compute (their
+    own stream and link): vocab_broadcast from the last stage's F to every S, vocab_allreduce from every S to
+    every T, vocab_reduce from every T to the last stage's B (asyncpp.core.vocab_split.vocab_comm_time)."""
 
     forward: Cost
     backward: Cost
@@ -42,6 +52,11 @@ class OpCosts:
     update: Cost = 0.0
     dp_comm: Cost = 0.0
     head: Cost = 0.0
+    vocab_forward: Cost = 0.0
+    vocab_backward: Cost = 0.0
+    vocab_broadcast: float = 0.0
+    vocab_allreduce: float = 0.0
+    vocab_reduce: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):  # lists -> tuples, so a frozen OpCosts really is immutable
@@ -56,8 +71,18 @@ class OpCosts:
     def duration(self, op: Op, stage: int) -> float:
         if op is Op.UPDATE_START:
             return 0.0
-        return self.at({Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.UPDATE: "update", Op.HEAD: "head"}[op],
-                       stage)
+        return self.at({Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.UPDATE: "update", Op.HEAD: "head",
+                        Op.VOCAB_FORWARD: "vocab_forward", Op.VOCAB_BACKWARD: "vocab_backward"}[op], stage)
+
+    def latency(self, consumer: Op, producer: Op, sender: int) -> float:
+        """How long what `producer` (on stage `sender`) makes takes to reach `consumer`."""
+        if consumer is Op.VOCAB_FORWARD:
+            return self.vocab_broadcast
+        if consumer is Op.VOCAB_BACKWARD:
+            return self.vocab_allreduce
+        if producer is Op.VOCAB_BACKWARD:
+            return self.vocab_reduce
+        return self.at("comm", sender)
 
 
 def dp_allreduce_time(num_params: float, dp: int, bandwidth: float, bytes_per_param: int = 4) -> float:
@@ -147,7 +172,8 @@ def simulate(
     for s, i in order:
         a = schedules[s][i]
         # Producers on other stages: the message leaves when the producer is done and travels `comm`.
-        ready = max((done[(r, j)] + costs.at("comm", r) for r, j in deps.get((s, i), ())), default=0.0)
+        ready = max((done[(r, j)] + costs.latency(a.op, schedules[r][j].op, r) for r, j in deps.get((s, i), ())),
+                    default=0.0)
         if a.op is Op.UPDATE:
             ready = max(ready, reduced[(s, a.step)])
         start = max(free[s], ready)
@@ -159,6 +185,84 @@ def simulate(
             if link[s] > begin:
                 comm.append(TimelineEvent(s, f"DP({a.step})", begin, link[s], "comm", a.step))
     return Timeline(tuple(tuple(s) for s in schedules), tuple(events), tuple(comm))
+
+
+VOCAB_WARMUPS = (1, 2)
+"""Extra forwards of warm-up tried for a vocabulary-parallel head (the fewest that gives the best step time wins):
+one leaves a slot between the last stage's F and B of a microbatch for the head's chain; two when the chain's
+collectives or a small head leave it too short."""
+
+
+def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts) -> list[list[Action]]:
+    """A vocabulary-parallel head's S and T actions placed into F/B lists (built with vocab_warmup > 0) by the cost
+    model: an event-driven list scheduler in which every stage, whenever it is free, starts the earliest-ready of
+    its next T, its next S and its next F/B/update action (in that priority on ties), S and T in microbatch order.
+    Work-conserving, so the head's passes fill the time a stage would wait; deterministic, so every rank derives
+    the same lists from the same costs. Each stage keeps its skeleton's order of F, B and updates, and S(i) and T(i)
+    go in ascending i on every stage (one order per communicator). The result is checked like any schedule
+    (invariants.check_schedules) by the callers that build it."""
+    P = len(skeleton)
+    items = [(a.step, a.microbatch, a.version) for a in skeleton[-1] if a.op is Op.FORWARD]
+    nxt, heads, tails = [0] * P, [0] * P, [0] * P
+    free = [0.0] * P
+    done: dict[tuple[Op, int, int, int], float] = {}  # (op, stage, step, microbatch) -> end
+    out: list[list[Action]] = [[] for _ in range(P)]
+    inf = float("inf")
+
+    def end(op: Op, stage: int, step: int, j: int) -> float:
+        return done.get((op, stage, step, j), inf)
+
+    def ready_skeleton(s: int) -> float:
+        if nxt[s] >= len(skeleton[s]):
+            return inf
+        a = skeleton[s][nxt[s]]
+        if a.op is Op.FORWARD and s > 0:
+            return end(Op.FORWARD, s - 1, a.step, a.microbatch) + costs.at("comm", s - 1)
+        if a.op is Op.BACKWARD and s == P - 1:
+            return max(end(Op.VOCAB_BACKWARD, r, a.step, a.microbatch) for r in range(P)) + costs.vocab_reduce
+        if a.op is Op.BACKWARD:
+            return end(Op.BACKWARD, s + 1, a.step, a.microbatch) + costs.at("comm", s + 1)
+        if a.op is Op.UPDATE:  # the strictest engine: every stage's UPDATE_START(t) first
+            return max(end(Op.UPDATE_START, r, a.step, -1) for r in range(P)) + max(costs.at("comm", r)
+                                                                                     for r in range(P))
+        return 0.0
+
+    def ready_head(s: int) -> float:
+        if heads[s] >= len(items):
+            return inf
+        t, j, _ = items[heads[s]]
+        own = end(Op.FORWARD, s, t, j)  # after the stage's own F of the item, in list order too
+        return max(own, end(Op.FORWARD, P - 1, t, j) + (costs.vocab_broadcast if s < P - 1 else 0.0))
+
+    def ready_tail(s: int) -> float:
+        if tails[s] >= heads[s]:
+            return inf
+        t, j, _ = items[tails[s]]
+        return max(end(Op.VOCAB_FORWARD, r, t, j) for r in range(P)) + costs.vocab_allreduce
+
+    remaining = sum(len(x) for x in skeleton) + 2 * len(items) * P
+    while remaining:
+        best = None
+        for s in range(P):
+            for rank, ready in enumerate((ready_tail(s), ready_head(s), ready_skeleton(s))):
+                if ready < inf:
+                    best = min(best or (inf,), (max(free[s], ready), rank, s))
+        if best is None:
+            raise DeadlockError("vocabulary-parallel placement is stuck: " + ", ".join(
+                f"stage {s} at #{nxt[s]}" for s in range(P)))
+        start, rank, s = best
+        if rank == 2:
+            a = skeleton[s][nxt[s]]
+            nxt[s] += 1
+        else:
+            counter = tails if rank == 0 else heads
+            t, j, v = items[counter[s]]
+            counter[s] += 1
+            a = Action(Op.VOCAB_BACKWARD if rank == 0 else Op.VOCAB_FORWARD, t, j, v)
+        free[s] = done[(a.op, s, a.step, a.microbatch)] = start + costs.duration(a.op, s)
+        out[s].append(a)
+        remaining -= 1
+    return out
 
 
 def _label(a: Action) -> str:
@@ -183,11 +287,25 @@ def predict(
     *,
     collective_updates: bool = False,
     head_split: bool = False,
+    vocab_parallel: bool = False,
 ) -> dict:
-    """Build the schedules of a steady run and report its predicted step time, bubble and memory."""
-    schedules = build_pipeline(kind, num_stages, num_microbatches, steady_delays(kind, num_stages, num_steps),
-                               head_split=head_split)
-    tl = simulate(schedules, costs, collective_updates=collective_updates)
+    """Build the schedules of a steady run and report its predicted step time, bubble and memory. With
+    vocab_parallel, the head's S and T placed by place_vocab_passes into each of VOCAB_WARMUPS' skeletons; the
+    fastest (then the one with less warm-up) is reported, its warm-up as "vocab_warmup"."""
+    delays = steady_delays(kind, num_stages, num_steps)
+    if not vocab_parallel:
+        schedules = build_pipeline(kind, num_stages, num_microbatches, delays, head_split=head_split)
+        tl, warmup = simulate(schedules, costs, collective_updates=collective_updates), 0
+    else:
+        options = []
+        for warmup in VOCAB_WARMUPS:
+            skeleton = build_pipeline(kind, num_stages, num_microbatches, delays, vocab_warmup=warmup)
+            schedules = place_vocab_passes(skeleton, costs)
+            tl = simulate(schedules, costs, collective_updates=collective_updates)
+            options.append((tl.step_time(), warmup, tl))
+        # The least warm-up unless more is really faster (not by rounding).
+        best = min(o[0] for o in options)
+        _, warmup, tl = next(o for o in options if o[0] <= best * (1 + 1e-9))
     return {
         "kind": kind,
         "num_stages": num_stages,
@@ -201,4 +319,5 @@ def predict(
         "dp_comm": max(costs.at("dp_comm", s) for s in range(num_stages)),
         "peak_activations": tl.peak_activations(),
         "weight_versions": tl.weight_versions(),
+        "vocab_warmup": warmup,
     }

@@ -56,6 +56,7 @@ def check_schedules(
         _check_complete(s, actions, num_steps, num_microbatches)
         _check_ready(s, actions, num_microbatches)
     _check_heads(schedules, num_steps, num_microbatches)
+    _check_vocab(schedules, num_steps, num_microbatches)
     _check_versions(schedules, step_delays)
     if max_versions is not None:
         _check_version_bound(schedules, max_versions)
@@ -138,11 +139,65 @@ def _check_heads(schedules: Sequence[Sequence[Action]], num_steps: int, m: int) 
             _fail(0, f"H{t}.{j} must run after F{t}.{j}, before B{t}.{j} and U0{t}, on F's version", [h])
 
 
+VOCAB_OPS = (Op.VOCAB_FORWARD, Op.VOCAB_BACKWARD)
+
+
+def has_vocab_parallel(schedules: Sequence[Sequence[Action]]) -> bool:
+    """Whether the head is vocabulary-parallel (the last stage's list holds VOCAB_FORWARD actions)."""
+    return bool(schedules) and any(a.op is Op.VOCAB_FORWARD for a in schedules[-1])
+
+
+def _check_vocab(schedules: Sequence[Sequence[Action]], num_steps: int, m: int) -> None:
+    """A vocabulary-parallel head: every stage runs exactly one S and one T per (t, j), in the order F, S, T, B of
+    that microbatch and before UPDATE_START(t) (its shard's weight gradient belongs to b_t), on F's version (one
+    version per microbatch across all shards, semantics.md); the collectives they join are issued in the same
+    order on every stage (check_collective_order). Without one, no stage runs S or T."""
+    if not has_vocab_parallel(schedules):
+        for s, actions in enumerate(schedules):
+            if any(a.op in VOCAB_OPS for a in actions):
+                _fail(s, "vocabulary-parallel actions while the last stage runs none", [a for a in actions
+                                                                                        if a.op in VOCAB_OPS])
+        return
+    expected = {(t, j) for t in range(num_steps) for j in range(m)}
+    for s, actions in enumerate(schedules):
+        where = {(a.op, a.step, a.microbatch): (i, a) for i, a in enumerate(actions)}
+        for op in VOCAB_OPS:
+            counts = Counter((a.step, a.microbatch) for a in actions if a.op is op)
+            wrong = sorted(f"{op.value}{t}.{j} x{counts[(t, j)]}" for t, j in expected | counts.keys()
+                           if counts[(t, j)] != 1 or (t, j) not in expected)
+            if wrong:
+                _fail(s, f"{op.name} must run once per microbatch", wrong)
+        for t, j in sorted(expected):
+            f, fa = where[(Op.FORWARD, t, j)]
+            i, sa = where[(Op.VOCAB_FORWARD, t, j)]
+            k, ta = where[(Op.VOCAB_BACKWARD, t, j)]
+            b, _ = where[(Op.BACKWARD, t, j)]
+            u, _ = where[(Op.UPDATE_START, t, -1)]
+            if not f < i < k < b < u or not sa.version == ta.version == fa.version:
+                _fail(s, f"S{t}.{j} and T{t}.{j} must run after F{t}.{j}, in that order, before B{t}.{j} and "
+                      f"U0{t}, on F's version", [sa, ta])
+    check_collective_order(schedules)
+
+
+def check_collective_order(schedules: Sequence[Sequence[Action]]) -> None:
+    """The head's collectives (the broadcast and statistics' all-reduce of S, the reduce of T) each have a
+    communicator of their own, and a communicator's collectives must be issued in one order on every rank (NCCL):
+    every stage runs its S actions in the same microbatch order, and its T actions too."""
+    for op in VOCAB_OPS:
+        first = [(a.step, a.microbatch) for a in schedules[0] if a.op is op]
+        for s, actions in enumerate(schedules[1:], start=1):
+            order = [(a.step, a.microbatch) for a in actions if a.op is op]
+            if order != first:
+                k = next((n for n, (x, y) in enumerate(zip(first, order)) if x != y), min(len(first), len(order)))
+                raise ScheduleError(f"{op.name} collectives out of order: stage {s} issues #{k} as "
+                                    f"{order[k:k + 1]} but stage 0 as {first[k:k + 1]}")
+
+
 def _check_ready(stage: int, actions: Sequence[Action], m: int) -> None:
     """F/B/H on v >= 1 after UPDATE(v-1); UPDATE_START(t) after all B of b_t; UPDATE(t) after it."""
     newest, backwards, started = 0, Counter[int](), set[int]()
     for i, a in enumerate(actions):
-        if a.op in (Op.FORWARD, Op.BACKWARD, Op.HEAD) and a.version > newest:
+        if a.op in (Op.FORWARD, Op.BACKWARD, Op.HEAD, *VOCAB_OPS) and a.version > newest:
             _fail(stage, f"action #{i} runs on a version not produced yet (newest is v{newest})", [a])
         if a.op is Op.BACKWARD:
             backwards[a.step] += 1
@@ -231,15 +286,26 @@ def dependencies(
     (gradient); with collective_updates, UPDATE(t) needs UPDATE_START(t) on every other stage.
     A head split (stage 0 runs HEAD): H(t,j) needs F(t,j) at P-1 (the token share's hidden states) and
     B(t,j) at P-1 needs H(t,j) (their gradient and loss).
+    A vocabulary-parallel head: S(t,j) on a stage s < P-1 needs F(t,j) at P-1 (the broadcast hidden states);
+    T(t,j) needs S(t,j) on every stage (the statistics' all-reduce); B(t,j) at P-1 needs T(t,j) on every stage
+    (the reduce of the input gradient). The collectives' own stage is listed too: the wait is for all.
     A producer that does not exist maps to (stage, -1): it never runs.
     """
     pos, last = _positions(schedules), len(schedules) - 1
     split = has_head_split(schedules)
+    vocab = has_vocab_parallel(schedules)
+    everyone = range(len(schedules))
     deps: dict[Node, list[Node]] = {}
     for s, actions in enumerate(schedules):
         for i, a in enumerate(actions):
             key = (a.op, a.step, a.microbatch)
-            if a.op is Op.FORWARD and s > 0:
+            if a.op is Op.VOCAB_FORWARD and s < last:
+                deps[(s, i)] = [(last, pos[last].get((Op.FORWARD, a.step, a.microbatch), -1))]
+            elif a.op is Op.VOCAB_BACKWARD:
+                deps[(s, i)] = [(r, pos[r].get((Op.VOCAB_FORWARD, a.step, a.microbatch), -1)) for r in everyone]
+            elif a.op is Op.BACKWARD and s == last and vocab:
+                deps[(s, i)] = [(r, pos[r].get((Op.VOCAB_BACKWARD, a.step, a.microbatch), -1)) for r in everyone]
+            elif a.op is Op.FORWARD and s > 0:
                 deps[(s, i)] = [(s - 1, pos[s - 1].get(key, -1))]
             elif a.op is Op.HEAD:
                 deps[(s, i)] = [(last, pos[last].get((Op.FORWARD, a.step, a.microbatch), -1))]

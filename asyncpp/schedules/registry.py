@@ -16,6 +16,14 @@ class ScheduleKindError(ValueError):
     """A schedule kind used where it is not valid (unknown name, m < P for 2bw, a stage out of range)."""
 
 
+def buffers_for_delay(delay: int, *, weight_prediction: bool = False) -> int:
+    """The weight versions that serve reads at `delay` steps: x_t back to x_{t-d} (d + 1); weight prediction
+    extrapolates from x_{t-d-1} too, so it keeps one more. The one rule for every holder of versions: the
+    pipeline's stages (through ScheduleKind.num_buffers), the simulator's history, the memory plan and the
+    checkpoint estimate."""
+    return delay + 1 + (1 if weight_prediction and delay else 0)
+
+
 @dataclass(frozen=True)
 class ScheduleKind:
     name: str
@@ -44,10 +52,8 @@ class ScheduleKind:
         return (0, d) if d else (0,)
 
     def num_buffers(self, stage: int, num_stages: int, *, weight_prediction: bool = False) -> int:
-        """Weight versions a stage holds: 1 sync, 2 for 2bw, P-s for pipedream (d + 1); weight prediction
-        extrapolates from x_{t-d-1} too, so it keeps one more."""
-        d = self.stage_delay(stage, num_stages)
-        return d + 1 + (1 if weight_prediction and d else 0)
+        """Weight versions a stage holds: 1 sync, 2 for 2bw, P-s for pipedream (buffers_for_delay)."""
+        return buffers_for_delay(self.stage_delay(stage, num_stages), weight_prediction=weight_prediction)
 
     def serves(self, num_stages: int, num_microbatches: int) -> bool:
         """Whether two-or-more weight versions cover the in-flight work of P stages with m microbatches."""

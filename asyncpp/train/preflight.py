@@ -20,15 +20,16 @@ from pathlib import Path
 
 import torch
 
-from asyncpp.analysis.memory import activation_bytes, optimizer_state_bytes
 from asyncpp.config import ConfigError, RunConfig, parse_blend
 from asyncpp.core.batches import BatchPlan
+from asyncpp.core.memory import activation_bytes, optimizer_state_bytes
 from asyncpp.optim import build_from_config
-from asyncpp.schedules.registry import stage_delay
+from asyncpp.schedules.registry import kind_of
 from asyncpp.train import checkpoint as ckpt
 from asyncpp.train.run_identity import EXIT_CONFIG_ERROR
 from data.default import default_cache_dir, default_prefix
 from data.indexed import IndexedDataError, check_prefix, check_token_ids
+from data.source import resolve_tokenizer
 from model_zoo import build_model
 
 __all__ = ["EXIT_CONFIG_ERROR", "check", "check_data", "check_device", "check_directories",
@@ -201,7 +202,8 @@ def _estimated_checkpoint_bytes(cfg: RunConfig, model_cfg) -> int:
     params = [p for p in model.parameters() if p.requires_grad]
     weights = sum(p.numel() for p in params) * torch.float32.itemsize
     pp = cfg.parallel.pp
-    versions = 1 + max(stage_delay(cfg.schedule.name, s, pp) for s in range(pp))
+    kind = kind_of(cfg.schedule.name)
+    versions = max(kind.num_buffers(s, pp, weight_prediction=cfg.staleness.weight_prediction) for s in range(pp))
     state, _ = optimizer_state_bytes(build_from_config(model, cfg.optimizer))
     return weights * (versions + 2) + state  # + u_{t-1} and gradient-level EF's g_{t-1}
 
@@ -376,16 +378,29 @@ def check_data_position(cfg: RunConfig, path: Path, manifest: dict) -> None:
 # ---- data -----------------------------------------------------------------------------------------
 def check_data(cfg: RunConfig, model_cfg) -> None:
     """Every prefix of the data is a sound .bin/.idx pair whose sampled token ids fit the model's
-    vocabulary. (The tokenizer's, stricter, is checked again when the data source is built.)"""
+    vocabulary, and the tokenizer they were made with fits it too (before any process group exists; the data
+    source checks the same when it is built)."""
 
     d = cfg.data
     try:
         prefixes = _data_prefixes(cfg)
         for prefix in prefixes:
             check_token_ids(check_prefix(prefix), model_cfg.vocab_size)
+        tokenizer, _ = resolve_tokenizer(prefixes, d.tokenizer)
     except (IndexedDataError, FileNotFoundError) as e:
         field = "data.blend" if d.name == "indexed" else f"data.name={d.name} (data.cache_dir={d.cache_dir})"
         raise ConfigError(f"{field}: {e}") from None
+    check_tokenizer_fits(tokenizer.vocab_size, cfg, model_cfg)
+
+
+def check_tokenizer_fits(tokenizer_vocab: int, cfg: RunConfig, model_cfg) -> None:
+    """The tokenizer's vocabulary fits the model's embedding (every id it can emit has a row)."""
+    if tokenizer_vocab > model_cfg.vocab_size:
+        raise ConfigError(
+            f"the tokenizer of data.name={cfg.data.name} has {tokenizer_vocab} tokens but model "
+            f"'{model_cfg.name}' has vocab_size={model_cfg.vocab_size}; pick a model with a vocabulary at "
+            "least as large as the tokenizer's"
+        )
 
 
 def _data_prefixes(cfg: RunConfig) -> list[str]:

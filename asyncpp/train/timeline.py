@@ -60,7 +60,7 @@ def write_chrome_trace(
 
 # Two shades per compute kind: alternate steps differ, so a continuous 2BW stream shows its steps.
 _COLOURS = {"F": ("#4C72B0", "#8DB0DD"), "B": ("#DD8452", "#F2B98F"), "H": ("#55A868", "#98D1A6"),
-            "comm": ("#9A9A9A",) * 2}
+            "S": ("#8172B3", "#B6AEDB"), "T": ("#937860", "#C9B29D"), "comm": ("#9A9A9A",) * 2}
 
 
 def _bar_colour(e: TimelineEvent) -> str:
@@ -99,12 +99,14 @@ def plot_gantt(
         Patch(color=_COLOURS["F"][0], label="forward"),
         Patch(color=_COLOURS["B"][0], label="backward"),
         Patch(color=_COLOURS["H"][0], label="head share (H)"),
+        Patch(color=_COLOURS["S"][0], label="vocab shard fwd (S)"),
+        Patch(color=_COLOURS["T"][0], label="vocab shard bwd (T)"),
         Patch(color="#EEEEEE", label="idle"),
         Patch(color="black", label="update start (U0)"),
         Patch(color="#C44E52", label="update (U)"),
         Patch(color=_COLOURS["comm"][0], label="transfer in flight (comm)"),
     ]
-    fig.legend(handles=legend, loc="lower center", ncol=7, fontsize=8, frameon=False)
+    fig.legend(handles=legend, loc="lower center", ncol=5, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))  # leave the bottom strip to the legend
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -133,7 +135,7 @@ def _draw_stage(ax: object, evs: list[TimelineEvent], y: float) -> None:
         linewidth=0,
     )
     for e in bars:
-        if e.kind in ("F", "B", "H") and e.microbatch >= 0:
+        if e.kind in ("F", "B", "H", "S", "T") and e.microbatch >= 0:
             ax.text(e.start + e.duration / 2, y, str(e.microbatch), ha="center", va="center", fontsize=6)
     for e in evs:
         if e.kind == "U0":

@@ -17,7 +17,7 @@ from typing import Protocol
 from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterLoadStats
 from asyncpp.core.batches import BatchPlan
-from asyncpp.core.records import PipelineBubble, StepResult
+from asyncpp.core.records import PipelineBubble, StepMetrics, StepResult
 from asyncpp.schedules.registry import is_sync_step
 from asyncpp.train.checkpoint import due
 from asyncpp.train.metrics import evaluates_after, line_due
@@ -198,27 +198,20 @@ class Trainer:
         self.step_times.append(r.step_time_s)
         self.last_loss = r.loss
         batches = self.executor.batches
-        record = {
-            "step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "update_norm": r.update_norm,
-            "tokens_per_s": r.tokens / r.step_time_s if r.step_time_s > 0 else math.nan,
-            "step_time_s": r.step_time_s, "skipped": r.skipped,
-            "sync_step": is_sync_step(r.step, self.cfg.train.steps, self.cfg.staleness),
+        record = StepMetrics(
+            step=r.step, loss=r.loss, lr=r.lr, grad_norm=r.grad_norm, update_norm=r.update_norm,
+            tokens_per_s=r.tokens / r.step_time_s if r.step_time_s > 0 else math.nan, step_time_s=r.step_time_s,
+            skipped=r.skipped, sync_step=is_sync_step(r.step, self.cfg.train.steps, self.cfg.staleness),
             # Megatron's "global batch size" and consumed samples, in tokens: under a batch rampup neither is a
             # multiple of the step.
-            "global_batch_size": batches.global_batch(r.step),
-            "consumed_tokens": batches.samples_before(r.step + 1) * self.cfg.train.seq_len,
-        }
-        if r.update_cosine is not None:  # staleness.diagnostics_every steps (their step_time_s includes it)
-            record.update(update_cosine=r.update_cosine, update_rel_error=r.update_rel_error)
-        record.update(RouterLoadStats.as_metrics(r.router_loads))
-        if val_loss is not None:
-            record["val_loss"] = val_loss
+            global_batch_size=batches.global_batch(r.step),
+            consumed_tokens=batches.samples_before(r.step + 1) * self.cfg.train.seq_len,
+            update_cosine=r.update_cosine, update_rel_error=r.update_rel_error,  # staleness.diagnostics_every
+            moe=RouterLoadStats.as_metrics(r.router_loads), val_loss=val_loss)
         if self.executor.is_writer and line_due(r.step, self.cfg.train.steps, self.cfg.logging.log_every,
                                                 val_loss is not None):
-            bubble = self.executor.running_bubble(r.step)
-            if bubble is not None:
-                record.update(bubble.as_metrics())
-        self.metrics.log(record)
+            record.bubble = self.executor.running_bubble(r.step)
+        self.metrics.log(record.to_json())
         if len(self.step_times) == 4:
             self._warn_if_work_at_risk(sum(self.step_times[1:]) / 3)  # the first step pays for warm-up
         self._count_skip(r)

@@ -11,8 +11,9 @@ import math
 import pytest
 import torch
 
+from model_zoo import get_model_config
 from tests.dist.harness import run_ranks
-from tests.dist.workers import make_config, pipeline_rank, reference_run
+from tests.dist.workers import make_config, pipeline_rank, pipeline_rank_late_after_update_start, reference_run
 
 pytestmark = [pytest.mark.equivalence, pytest.mark.dist]
 
@@ -124,9 +125,9 @@ def assemble(results: list[dict]) -> dict[str, torch.Tensor]:
     return full
 
 
-def assert_parallel_equivalent(cfg, rel: float = 1e-5):
+def assert_parallel_equivalent(cfg, rel: float = 1e-5, worker=pipeline_rank, *worker_args):
     world = cfg.parallel.pp * cfg.parallel.tp * (cfg.parallel.dp or 1)
-    results = run_ranks(pipeline_rank, world, cfg.to_dict())
+    results = run_ranks(worker, world, cfg.to_dict(), *worker_args)
     records = next(r["records"] for r in results if r["records"])
     ref = reference_run(cfg)
     for r, s in zip(records, ref["stats"], strict=True):
@@ -157,6 +158,25 @@ def test_ep2_2bw_equals_simulator():
                       train={"steps": 4, "num_microbatches": 2})
     _, _, results = assert_parallel_equivalent(cfg)
     assert any(expert for r in results for _, expert in r["layouts"].values())
+
+
+def test_ep2_2bw_at_one_stage_with_the_norm_all_reduce_posted_at_different_actions():
+    """Issue 30: 2BW at pp=1 with ep=2 hung in the expert dispatcher's count all-to-all. The norm all-reduce is
+    posted at the first action boundary where the DP sum has arrived (reduction.progress), not the same action
+    on every rank, and at pp=1 the norm group was the EP group itself (DeviceMesh's default group). Rank 0
+    pauses after each UPDATE_START here, so the two ranks post it around different expert all-to-alls; with
+    its own group (Mesh._norm_groups) the run equals the simulator, with the experts really split."""
+    cfg = make_config(model={"name": "tiny_moe"}, parallel={"pp": 1, "ep": 2, "dp": 2}, optimizer={"name": "adamw"},
+                      train={"steps": 4, "num_microbatches": 2, "timeout_s": 30.0})
+    _, _, results = assert_parallel_equivalent(cfg, 1e-5, pipeline_rank_late_after_update_start, 0, 0.3)
+    posted = [r["norm_posted_after_dispatches"] for r in results]
+    assert sorted(posted[0]) == sorted(posted[1]) == list(range(4))
+    assert any(posted[0][t] != posted[1][t] for t in range(4)), posted  # the interleaving really differed
+    experts = get_model_config("tiny_moe").moe.num_experts
+    for r in results:
+        w = r["params"]["layers.0.mlp.w_gate"]
+        assert r["layouts"]["layers.0.mlp.w_gate"] == (None, True)
+        assert w.shape[0] == experts // 2, w.shape  # each EP rank holds half the experts
 
 
 def test_aux_loss_free_bias_is_versioned_like_the_weights():

@@ -12,7 +12,8 @@ from torch import Tensor, nn
 
 from asyncpp.core.loss import cross_entropy
 from asyncpp.parallel.sharding import ShardingPlan, layout_of
-from asyncpp.parallel.tp import all_reduce_partial_grads_, logits_loss_for, vocab_parallel_cross_entropy
+from asyncpp.core.loss import logits_loss_for
+from asyncpp.parallel.tp import all_reduce_partial_grads_, vocab_parallel_cross_entropy
 from asyncpp.pipeline.stage import StageSpec, prune_to_stage, stage_forward
 from model_zoo import build_model, get_model_config
 from model_zoo.parallelize import apply_tensor_parallel

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import Tensor
 
@@ -10,9 +12,11 @@ from asyncpp.config import RunConfig
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.loss import LossFn, lm_loss
 from asyncpp.optim import build_from_config
+from asyncpp.parallel.experts import ExpertDispatcher
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.pipeline.build import build_rank_stage
 from asyncpp.pipeline.executor import PipelineExecutor
+from asyncpp.pipeline.reduction import GradientReduction
 from asyncpp.reference.executor import build_simulator, evaluate
 from asyncpp.train.trainer import Trainer
 from model_zoo import ModelConfig, build_model, get_model_config
@@ -85,7 +89,8 @@ def rank_layout(cfg_dict: dict) -> tuple[RunConfig, ModelConfig, Mesh]:
     cfg = cfg.validate(model_cfg)  # the resolved config (derived microbatch count, warmup), as pretrain runs
     p = cfg.parallel
     dims = ParallelDims.for_world(torch.distributed.get_world_size(), pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
-    return cfg, model_cfg, Mesh(dims, torch.device("cpu"), head_link=p.head_split == "tokens")
+    return cfg, model_cfg, Mesh(dims, torch.device("cpu"), head_link=p.head_split == "tokens",
+                                timeout_s=cfg.train.timeout_s)
 
 
 def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
@@ -104,7 +109,8 @@ def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     master_bytes = sum(q.numel() * q.element_size() for q in v.masters if q is not None) if v.mixed else 0
     return {"stage": mesh.pp_rank, "dp": mesh.dp_rank, "tp": mesh.tp_rank, "ep": mesh.ep_rank, "records": sink.records,
             "params": params, "summary": summary, "layouts": {n: (l.tp_dim, l.expert) for n, l in run.sharding.items()},
-            "master_bytes": master_bytes}
+            "master_bytes": master_bytes, "num_buffers": v.num_buffers,
+            "version_bytes": sum(x.numel() * x.element_size() for buffer in v.buffers for x in buffer)}
 
 
 def reference_run(cfg: RunConfig, loss_fn: LossFn = lm_loss) -> dict:
@@ -134,3 +140,34 @@ def _reference_run(cfg: RunConfig, loss_fn: LossFn) -> dict:
             val = evaluate(model, data.val_batches(), torch.device("cpu"))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"stats": stats, "params": params, "val_loss": val}
+
+
+def pipeline_rank_late_after_update_start(rank: int, cfg_dict: dict, late_rank: int, delay_s: float) -> dict:
+    """pipeline_rank, with `late_rank` pausing `delay_s` right after it posts each step's DP all-reduce: at its
+    next action boundary that all-reduce has arrived, while the other ranks reach theirs at once and find it
+    still in flight, so reduction.progress() posts the norm all-reduce at a different action on different
+    ranks (issue 30: that must not share a group with the forward's collectives). Also returns, per step, how
+    many expert dispatches this rank had run when it posted the step's norm all-reduce."""
+    posted_after: dict[int, int] = {}
+    dispatches = [0]
+    dispatch, start_norm, start_dp = (ExpertDispatcher.dispatch, GradientReduction._start_norm,
+                                      GradientReduction._start_data_parallel)
+
+    def counted_dispatch(self, *args):
+        dispatches[0] += 1
+        return dispatch(self, *args)
+
+    def recorded_start_norm(self, p):
+        posted_after[p.step] = dispatches[0]
+        return start_norm(self, p)
+
+    def late_start_dp(self, p):
+        buckets = start_dp(self, p)
+        if rank == late_rank:
+            time.sleep(delay_s)
+        return buckets
+
+    # Patched in this spawned process only.
+    ExpertDispatcher.dispatch, GradientReduction._start_norm = counted_dispatch, recorded_start_norm
+    GradientReduction._start_data_parallel = late_start_dp
+    return {**pipeline_rank(rank, cfg_dict), "norm_posted_after_dispatches": posted_after}

@@ -2,7 +2,7 @@
 
 * te and mcore backends and FLA's Gated DeltaNet kernel compute what the local modules compute, on the
   same weights, within bf16 tolerance (forward and gradients);
-* the activation estimate (asyncpp.analysis.memory) against what the CUDA allocator really keeps after a forward;
+* the activation estimate (asyncpp.core.memory) against what the CUDA allocator really keeps after a forward;
 * a 2-stage PipeDream-2BW pipeline in bf16 on one GPU equals the GPU simulator within bf16 tolerance
   (two ranks on one GPU: NCCL cannot do that, so the stage link is gloo, staged through host memory,
   see tests/gpu/workers.py);
@@ -18,8 +18,8 @@ import copy
 import pytest
 import torch
 
-from asyncpp.analysis.memory import activation_bytes, measure_saved_activations
 from asyncpp.core.loss import lm_loss
+from asyncpp.core.memory import activation_bytes, measure_saved_activations
 from model_zoo import build_model, get_model_config
 from model_zoo.backends import apply_backend, compile_blocks
 from model_zoo.backends.kernels import fla_chunk_gated_delta_rule, try_import

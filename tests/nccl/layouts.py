@@ -58,6 +58,11 @@ def _layouts() -> dict[str, Layout]:
         Layout("2bw-P2-TP2", make_config(model={"name": "tiny_moe"}, parallel={"pp": 2, "tp": 2}, train=short)),
         Layout("2bw-P2-EP2", make_config(model={"name": "tiny_moe"}, parallel={"pp": 2, "dp": 2, "ep": 2},
                                          train=short)),
+        # One stage (issue 30): the norm all-reduce, posted at a timing-dependent action, shared the EP (the
+        # TP) group with the forward's all-to-alls (all-reduces) until it got a group of its own.
+        Layout("2bw-P1-DP2-EP2", make_config(model={"name": "tiny_moe"}, parallel={"pp": 1, "dp": 2, "ep": 2},
+                                             train=short)),
+        Layout("2bw-P1-TP2", make_config(model={"name": "tiny_moe"}, parallel={"pp": 1, "tp": 2}, train=short)),
         # The distributed optimizer: reduces to the owners, the broadcast of x_{t+1} waited for at its first
         # read, the norm over the whole job; with an evaluation drain and a checkpoint of the sharded state.
         Layout("2bw-P2-DP2-zero", make_config(parallel={"pp": 2, "dp": 2, "distributed_optimizer": True},

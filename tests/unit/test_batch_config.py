@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from asyncpp.config import DEFAULT_MICROBATCHES, ConfigError
-from asyncpp.core.partition import default_split, stage_split
+from asyncpp.core.layer_split import default_split
+from asyncpp.core.partition import stage_split
 from asyncpp.core.update import lr_multiplier_for
 from asyncpp.job import compose, resolve
 from model_zoo import get_model_config

@@ -403,6 +403,7 @@ def test_bad_data_config_names_field_value_and_fix(overrides, message):
 def test_build_data_refuses_a_larger_vocabulary_and_corrupt_files(one_worker, tmp_path):
     from asyncpp import job
     from asyncpp.config import ConfigError
+    from asyncpp.train import preflight
 
     dst = _corrupt(one_worker, tmp_path / "big", None, None)
     meta = json.loads(Path(f"{one_worker}.json").read_text())
@@ -411,6 +412,8 @@ def test_build_data_refuses_a_larger_vocabulary_and_corrupt_files(one_worker, tm
                              f"data.cache_dir={tmp_path / 'cache'}")
     with pytest.raises(ConfigError, match="has 49152 tokens but model 'tiny_dense' has vocab_size=8192"):
         job.build_data(cfg, model_cfg)
+    with pytest.raises(ConfigError, match="has 49152 tokens but model 'tiny_dense' has vocab_size=8192"):
+        preflight.check_data(cfg, model_cfg)  # the same refusal before any process group exists
     idx_path(dst).write_bytes(b"garbage!!" + idx_path(one_worker).read_bytes()[9:])
     with pytest.raises(ConfigError, match=r"data.name=indexed: .*big.idx is not a Megatron .*wrong magic"):
         job.build_data(cfg, model_cfg)

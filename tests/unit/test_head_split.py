@@ -10,7 +10,7 @@ import pytest
 from asyncpp.config import ConfigError, RunConfig
 from asyncpp.core.head_split import best_share, plan_head_split, stage_costs
 from asyncpp.core.layer_costs import layer_costs
-from asyncpp.core.partition import balanced_split
+from asyncpp.core.layer_split import balanced_split
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_pipeline, build_schedule
 from asyncpp.schedules.costmodel import OpCosts, predict, simulate, steady_delays

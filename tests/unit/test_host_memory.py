@@ -1,4 +1,4 @@
-"""The host heap's policy (asyncpp/train/host_allocator.py) and the chunked norms (asyncpp/optim/clip.py),
+"""The host heap's policy (asyncpp/host/allocator.py) and the chunked norms (asyncpp/optim/clip.py),
 the two fixes for host memory above the plan (issues 19 and 21)."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncpp.optim import clip
-from asyncpp.optim.clip import diff_sq_norm, grad_sq_norm
-from asyncpp.train.host_allocator import (
+from asyncpp.host.allocator import (
     MMAP_THRESHOLD_MAX,
     TRIM_THRESHOLD_MAX,
     heap_stats,
     set_mmap_threshold,
     set_trim_threshold,
 )
+from asyncpp.optim import clip
+from asyncpp.optim.clip import diff_sq_norm, grad_sq_norm
 
 glibc = pytest.mark.skipif(heap_stats() is None, reason="mallopt/mallinfo2 are glibc's (>= 2.33)")
 
@@ -29,7 +29,7 @@ glibc = pytest.mark.skipif(heap_stats() is None, reason="mallopt/mallinfo2 are g
 _PROBE = textwrap.dedent("""
     import sys
     import torch
-    from asyncpp.train.host_allocator import heap_stats, set_mmap_threshold
+    from asyncpp.host.allocator import heap_stats, set_mmap_threshold
     if sys.argv[1] != "none":
         assert set_mmap_threshold(int(sys.argv[1]))
     big = torch.empty(1 << 20)  # 4 MiB of fp32, mmapped at glibc's initial 128 KiB threshold
@@ -74,7 +74,7 @@ def test_threshold_none_leaves_glibc_alone_and_out_of_range_is_refused(set_thres
 _TRIM_PROBE = textwrap.dedent("""
     import ctypes
     import sys
-    from asyncpp.train.host_allocator import heap_stats, set_mmap_threshold, set_trim_threshold
+    from asyncpp.host.allocator import heap_stats, set_mmap_threshold, set_trim_threshold
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
     assert set_mmap_threshold(32 << 20)

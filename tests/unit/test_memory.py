@@ -1,4 +1,4 @@
-"""asyncpp.analysis.memory: the per-rank accounting against what is really allocated, and the activation count
+"""asyncpp.core.memory: the per-rank accounting against what is really allocated, and the activation count
 against a measurement of what autograd saves (saved-tensor hooks; the GPU check with
 torch.cuda.max_memory_allocated is in tests/gpu/test_gpu_backends.py)."""
 
@@ -9,7 +9,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from asyncpp.analysis.memory import (
+from asyncpp.config import RunConfig
+from asyncpp.core.loss import cross_entropy, lm_loss
+from asyncpp.core.memory import (
     ALLOCATED,
     activation_bytes,
     backward_scratch_bytes,
@@ -21,14 +23,12 @@ from asyncpp.analysis.memory import (
     storage_bytes,
     versions_report,
 )
-from asyncpp.config import RunConfig
-from asyncpp.core.loss import cross_entropy, lm_loss
 from asyncpp.core.staleness import ErrorFeedback
+from asyncpp.host.allocator import heap_stats
 from asyncpp.optim import build_from_config
 from asyncpp.pipeline.stage import StageSpec, prune_to_stage, stage_forward
 from asyncpp.pipeline.weights import WeightVersions
 from asyncpp.reference.executor import build_simulator
-from asyncpp.train.host_allocator import heap_stats
 from model_zoo import build_model, get_model_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -192,7 +192,7 @@ def test_measure_saved_activations_ignores_parameters():
 
 def test_in_flight_microbatches_of_every_kind_at_every_stage():
     """From the schedule itself: P - s for 1F1B-ordered kinds (pipedream's per-stage delays included), m for GPipe."""
-    from asyncpp.analysis.memory import in_flight_microbatches
+    from asyncpp.core.memory import in_flight_microbatches
 
     for kind in ("1f1b", "2bw", "pipedream"):
         assert [in_flight_microbatches(kind, s, 4, 4) for s in range(4)] == [4, 3, 2, 1], kind

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from asyncpp.analysis.memory import optimizer_state_tensors
 from asyncpp.config import ConfigError, RunConfig
+from asyncpp.core.memory import optimizer_state_tensors
 from asyncpp.optim import build_from_config
 from asyncpp.pipeline.weights import GradSums, WeightVersions, compute_dtype_of
 from asyncpp.reference.executor import build_simulator

@@ -10,7 +10,8 @@ import pytest
 
 from asyncpp.config import ConfigError, RunConfig
 from asyncpp.core.layer_costs import layer_costs
-from asyncpp.core.partition import balanced_split, default_split, stage_balance, stage_split, suggest_split
+from asyncpp.core.layer_split import balanced_split, default_split
+from asyncpp.core.partition import stage_balance, stage_split, suggest_split
 from model_zoo import get_model_config
 
 PAPER_MODELS = ("smollm2_135m", "smollm2_360m", "moe_2b", "hybrid_moe_10b")

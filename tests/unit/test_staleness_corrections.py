@@ -17,9 +17,10 @@ from torch import nn
 from asyncpp.config import RunConfig, StalenessConfig
 from asyncpp.job import compose, resolve
 from asyncpp.optim import build_optimizer
-from asyncpp.reference.executor import build_simulator, parameter_delays
+from asyncpp.reference.executor import build_simulator, parameter_delays, simulator_state
 from asyncpp.reference.simulator import DelayedUpdateSimulator
 from asyncpp.schedules.registry import is_sync_step, step_delay
+from asyncpp.train import checkpoint as ckpt
 
 A, LR = 2.0, 0.1
 
@@ -145,24 +146,24 @@ def test_everything_off_is_plain_delayed_training_bitwise():
 
 
 @pytest.mark.equivalence
-def test_gradient_ef_state_round_trip():
+def test_gradient_ef_state_round_trip(tmp_path):
+    """g_{t-1} and the prediction's x_{t-2} survive a checkpoint: saved and loaded through the one checkpoint
+    state both executors use (asyncpp/train/checkpoint.py), a resumed simulator continues bit for bit."""
     model = Scalars(num_layers=1)
     sim = DelayedUpdateSimulator(model, torch.optim.SGD(model.parameters(), lr=LR), [1] * 4, loss_fn=quadratic,
                                  grad_ef_lambda=0.5, weight_prediction=True)
     for t in range(3):
         sim.step(t, batch(t))
     assert sim.num_past_versions == 2 and len(sim.history) == 2  # x_{t-1}, x_{t-2} for the prediction
-    state = copy.deepcopy(sim.state_dict())
-    params = [p.detach().clone() for p in model.parameters()]
+    ckpt.save(tmp_path, 3, simulator_state(sim, model), config={}, layout={"pp": 1})
     for t in range(3, 6):
         sim.step(t, batch(t))
     resumed = Scalars(num_layers=1)
-    with torch.no_grad():
-        for p, x in zip(resumed.parameters(), params):
-            p.copy_(x)
     sim2 = DelayedUpdateSimulator(resumed, torch.optim.SGD(resumed.parameters(), lr=LR), [1] * 4,
                                   loss_fn=quadratic, grad_ef_lambda=0.5, weight_prediction=True)
-    sim2.load_state_dict(state)
+    ckpt.load(tmp_path / "step_00000003", simulator_state(sim2, resumed, num_past=2, step=3), ages=range(3))
+    sim2.sync_params()
+    assert any(g.abs().sum() > 0 for g in sim2.grad_error_feedback.prev_grad)  # g_{t-1} was restored
     for t in range(3, 6):
         sim2.step(t, batch(t))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters()))

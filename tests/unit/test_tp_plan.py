@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncpp.core.loss import cross_entropy
-from asyncpp.parallel.tp import logits_loss_for, vocab_parallel_cross_entropy
+from asyncpp.core.loss import cross_entropy, logits_loss_for
+from asyncpp.parallel.tp import vocab_parallel_cross_entropy
 from asyncpp.pipeline.stage import StageSpec, prune_to_stage
 from model_zoo import build_model, get_model_config
 from model_zoo.parallelize import apply_tensor_parallel, validate_tensor_parallel

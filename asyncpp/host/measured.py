@@ -1,4 +1,4 @@
-"""Measured memory of this process, to put next to the plan (asyncpp/analysis/memory.py).
+"""Measured memory of this process, to put next to the plan (asyncpp/core/memory.py).
 
 Host: the resident-set high-water mark (VmHWM in /proc/self/status). tracemalloc cannot see it: torch's
 CPU tensors come from its own allocator (malloc/mmap), not Python's. Writing 5 to /proc/self/clear_refs

@@ -27,8 +27,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from asyncpp.schedules.actions import Op
 from asyncpp.schedules.build import build_schedule
+from asyncpp.schedules.invariants import peak_in_flight
 from asyncpp.schedules.registry import kind_of
 
 ALLOCATED, ESTIMATED = "allocated", "estimated"
@@ -333,12 +333,8 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_micro
     with parallel.head_split=tokens)."""
 
     delay = kind_of(schedule).stage_delay(stage, num_stages)  # pipedream: P-1-s, not 1
-    live = peak = 0
-    for action in build_schedule(schedule, stage, num_stages, num_microbatches, [delay] * steps,
-                                 head_split=head_split):
-        live += {Op.FORWARD: 1, Op.BACKWARD: -1}.get(action.op, 0)
-        peak = max(peak, live)
-    return peak
+    return peak_in_flight(build_schedule(schedule, stage, num_stages, num_microbatches, [delay] * steps,
+                                         head_split=head_split))
 
 
 # ---- reports -----------------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""The process and its machine: the host heap's policy and measured memory. The bottom layer: torch only."""

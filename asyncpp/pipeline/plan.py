@@ -1,0 +1,163 @@
+"""One pipeline stage, resolved once and built once.
+
+`StagePlan` holds every decision about a stage that comes from the configuration: its delays at every step,
+how many weight versions it keeps (the registry's rule, weight prediction included), the compute dtype, the
+activation shape on its links, the head placement, the timeout and the update's options. `build_stage_runtime`
+turns a plan, a built stage module and its optimizer into the engine that runs it: the weight versions, the
+links (`comm_cls`, injectable), the head split's ends, the router-bias versions and the engine itself.
+
+Three callers build a stage, and all go through here so they cannot drift apart: the trainer's executor
+(executor.py, from a RunConfig), the Megatron front-end (megatron.py, from its keyword arguments) and the dry
+run (asyncpp/analysis/dryrun.py, on meta tensors: it asks the plan how many versions the run allocates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from asyncpp.config import RunConfig
+from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
+from asyncpp.core.head_split import HeadSplit
+from asyncpp.core.partition import head_split_plan
+from asyncpp.core.update import NO_CORRECTIONS, Corrections, lr_multiplier_for
+from asyncpp.parallel.mesh import Mesh, ParallelDims
+from asyncpp.parallel.sharding import REPLICATED, ParamSharding
+from asyncpp.pipeline.engine import ForwardFn, StageEngine
+from asyncpp.pipeline.head import HeadComm, HeadHelper
+from asyncpp.pipeline.p2p import StageComm
+from asyncpp.pipeline.stage import StageSpec, head_weight
+from asyncpp.pipeline.timer import stage_timer
+from asyncpp.pipeline.update import StageUpdate
+from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
+from asyncpp.schedules.registry import kind_of, step_delay
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """The update's options a stage applies at UPDATE(t) (asyncpp/core/update.py)."""
+
+    grad_clip: float = 0.0
+    corrections: Corrections = NO_CORRECTIONS
+    lr_multiplier: Callable[[int], float] | None = None
+    distributed_optimizer: bool = False
+    """Own, step and keep the state of only this DP rank's share of the parameters (pipeline/sharded.py)."""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: int
+    num_stages: int
+    schedule: str
+    delays: tuple[int, ...] | None = None
+    """d_t of this stage for t = 0 .. steps-1 (a synchronous start or cooldown gives 0 there); None: the kind's
+    steady-state delay at every step (the Megatron front-end, whose run length is not known)."""
+    tied_delays: tuple[int, ...] | None = None
+    """The same for the first stage, the owner of a tied weight: its corrections follow the owner's delay."""
+    weight_prediction: bool = False
+    compute_dtype: torch.dtype | None = None
+    """bf16: parameters cast for compute, fp32 masters kept apart (weights.py); None: compute in the masters'."""
+    activation_shape: tuple[int, ...] = (0,)
+    """What a stage boundary carries, [micro batch, sequence (this TP rank's shard under SP), hidden]; (0,) when
+    the caller sets it per call (the Megatron front-end)."""
+    link_dtype: torch.dtype = torch.float32
+    head_split: HeadSplit | None = None
+    timeout_s: float = 300.0
+    update: UpdateSpec = field(default_factory=UpdateSpec)
+
+    @classmethod
+    def of(cls, cfg: RunConfig, model_cfg, spec: StageSpec, dims: ParallelDims) -> StagePlan:
+        """A trainer run's plan for `spec`'s stage at the layout `dims`."""
+        t, s = cfg.train, cfg.staleness
+
+        def delays(stage: int) -> tuple[int, ...]:
+            return tuple(step_delay(cfg.schedule.name, stage, spec.num_stages, k, t.steps, s) for k in range(t.steps))
+
+        dtype = compute_dtype_of(t.precision)
+        seq = t.seq_len // dims.tp if cfg.parallel.sequence_parallel else t.seq_len
+        return cls(
+            stage=spec.stage, num_stages=spec.num_stages, schedule=cfg.schedule.name, delays=delays(spec.stage),
+            tied_delays=delays(0), weight_prediction=s.weight_prediction, compute_dtype=dtype,
+            activation_shape=(t.micro_batch_size, seq, model_cfg.hidden_size),
+            link_dtype=dtype if dtype is not None else torch.float32,
+            head_split=head_split_plan(cfg, model_cfg), timeout_s=t.timeout_s,
+            update=UpdateSpec(grad_clip=t.grad_clip, corrections=Corrections.of(s), lr_multiplier=lr_multiplier_for(cfg),
+                              distributed_optimizer=cfg.parallel.distributed_optimizer))
+
+    # ---- the registry's rules, asked once ---------------------------------------------------------------
+    @property
+    def steady_delay(self) -> int:
+        return kind_of(self.schedule).stage_delay(self.stage, self.num_stages)
+
+    @property
+    def num_buffers(self) -> int:
+        """The weight versions this stage holds: the kind's, plus one under weight prediction."""
+        return kind_of(self.schedule).num_buffers(self.stage, self.num_stages, weight_prediction=self.weight_prediction)
+
+    @property
+    def predict_delay(self) -> int:
+        return self.steady_delay if self.weight_prediction else 0
+
+    def delay(self, step: int) -> int:
+        return self.steady_delay if self.delays is None else self.delays[step]
+
+    def is_delayed(self, step: int) -> bool:
+        return self.delay(step) > 0
+
+    def tied_is_delayed(self, step: int) -> bool:
+        if self.tied_delays is None:
+            return kind_of(self.schedule).stage_delay(0, self.num_stages) > 0
+        return self.tied_delays[step] > 0
+
+    def weight_versions(self, params: list[nn.Parameter]) -> WeightVersions:
+        return WeightVersions(params, self.num_buffers, compute_dtype=self.compute_dtype,
+                              predict_delay=self.predict_delay)
+
+
+def build_stage_runtime(
+    plan: StagePlan,
+    spec: StageSpec | None,
+    module: nn.Module,
+    mesh: Mesh,
+    optimizer,
+    forward_fn: ForwardFn,
+    *,
+    grad_scale: float,
+    layouts: Sequence[ParamSharding] | None = None,
+    tied: Iterable[nn.Parameter] = (),
+    head_labels: Callable | None = None,
+    comm_cls: type[StageComm] = StageComm,
+) -> StageEngine:
+    """The engine of `plan`'s stage: `module` is the stage (pruned and sharded), `spec` its place in the
+    model_zoo layout (None: a module of its own, e.g. Megatron's GPTModel stage), `optimizer` built over its
+    trainable parameters (not stepped yet: the engine retargets it to the masters), `forward_fn` the stage's
+    microbatch forward. Under a head split, `head_labels(step, microbatch)` gives the helper its tokens' labels."""
+    if plan.stage != mesh.pp_rank or plan.num_stages != mesh.num_stages or (
+            spec is not None and (spec.stage, spec.num_stages) != (plan.stage, plan.num_stages)):
+        built = f"stage {spec.stage} of {spec.num_stages}, " if spec is not None else ""
+        raise ValueError(f"the stage was built as {built}planned as stage {plan.stage} of {plan.num_stages}, but "
+                         f"this rank is stage {mesh.pp_rank} of {mesh.num_stages}")
+    if plan.head_split is not None and spec is None:
+        raise ValueError("a head split needs the stage's StageSpec (a model_zoo stage): it places the head")
+    params = [p for p in module.parameters() if p.requires_grad]
+    tied_ids = {id(p) for p in tied}
+    versions = plan.weight_versions(params)
+    comm = comm_cls(mesh, plan.activation_shape, plan.link_dtype, plan.timeout_s)
+    head_comm = head_helper = None
+    if plan.head_split is not None and (spec.is_head_helper or spec.is_last):
+        head_comm = HeadComm(mesh, plan.head_split, plan.activation_shape[-1], plan.link_dtype, plan.timeout_s)
+    if head_comm is not None and spec.is_head_helper:
+        head_helper = HeadHelper(head_comm, head_weight(module, spec), head_labels)
+    timer = stage_timer(mesh.pp_rank, mesh.device)
+    update = StageUpdate(mesh, versions, optimizer, spec=plan.update, grad_scale=grad_scale,
+                         is_delayed=plan.is_delayed, tied_is_delayed=plan.tied_is_delayed,
+                         tied_mask=[id(p) in tied_ids for p in params],
+                         layouts=list(layouts) if layouts is not None else [REPLICATED] * len(params),
+                         wait=comm.wait, timer=timer,
+                         balancing=RouterBiasVersions(balanced_routers(module), versions.num_buffers),
+                         load_stats=RouterLoadStats.of(module, counted=mesh.tp_rank == 0 and mesh.ep_rank == 0))
+    return StageEngine(module=module, mesh=mesh, comm=comm, update=update, forward_fn=forward_fn, timer=timer,
+                       head_comm=head_comm, head_helper=head_helper)

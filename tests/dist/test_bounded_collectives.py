@@ -1,0 +1,66 @@
+"""Issue 30: every collective is bounded by train.timeout_s and names what hung. A rank stops answering just
+before a collective inside a stage's forward (the expert dispatcher's count all-to-all, a TP all-reduce); the
+other rank must fail within train.timeout_s with a CollectiveTimeout naming its stage, the group and the
+operation, not hang for torch's default (30 min on gloo) nor die with gloo's raw "Timed out waiting" text."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from asyncpp.parallel import collectives, experts
+from asyncpp.parallel.collectives import CollectiveTimeout
+from tests.dist.harness import run_ranks
+from tests.dist.workers import make_config, pipeline_rank
+
+pytestmark = pytest.mark.dist
+
+TIMEOUT_S = 10.0
+
+
+def silent_before(rank: int, cfg_dict: dict, victim: int, target: str, after_calls: int) -> dict:
+    """`victim` stops answering at its call number `after_calls` of `target` (sleeps past the others' timeout,
+    then exits); every other rank reports the error it raised and how long it had waited in that call."""
+    owner, name = (experts.ExpertDispatcher, "dispatch") if target == "dispatch" else (collectives, "_all_reduce")
+    original, calls, entered = getattr(owner, name), [], []
+
+    def hooked(*args, **kwargs):
+        if len(calls) == after_calls:
+            if rank == victim:
+                time.sleep(TIMEOUT_S + 3)
+                os._exit(17)
+            entered.append(time.monotonic())
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, hooked)
+    try:
+        pipeline_rank(rank, cfg_dict)
+    except CollectiveTimeout as e:
+        return {"error": str(e), "type": type(e).__name__, "waited_s": time.monotonic() - entered[0]}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("layout, target, op, group", [
+    ({"model": {"name": "tiny_moe"}, "parallel": {"pp": 1, "dp": 2, "ep": 2}}, "dispatch",
+     "the expert dispatcher's all-to-all of the token counts", "the data-parallel and expert-parallel group"),
+    pytest.param({"model": {"name": "tiny_dense"}, "parallel": {"pp": 1, "tp": 2}}, "_all_reduce",
+                 "the tensor-parallel all-reduce of a region's partial outputs (reduce_from)", "the tensor-parallel group",
+                 marks=pytest.mark.slow),
+])
+def test_a_silent_peer_inside_a_stage_collective_fails_within_the_timeout(layout, target, op, group):
+    cfg = make_config(schedule={"name": "2bw"}, optimizer={"name": "adamw"},
+                      train={"steps": 3, "num_microbatches": 2, "timeout_s": TIMEOUT_S}, **layout)
+    results = run_ranks(silent_before, 2, cfg.to_dict(), 1, target, 5, timeout=120, expect_dead=True)
+    assert results[1] == ("died", 17)
+    survivor = results[0]
+    assert isinstance(survivor, dict) and survivor["error"] is not None, survivor
+    message = survivor["error"]
+    assert survivor["type"] == "CollectiveTimeout"
+    assert message.startswith(f"stage 0 (rank 0) gave up waiting for {op} on {group} (ranks [0, 1]) "
+                              f"(train.timeout_s={TIMEOUT_S})"), message
+    # gloo's op timeout is the group's, set to train.timeout_s; 5 s of slack for a loaded 2-core machine.
+    print(f"time to failure {survivor['waited_s']:.2f} s: {message}")
+    assert TIMEOUT_S * 0.9 <= survivor["waited_s"] <= TIMEOUT_S + 5, survivor

@@ -1,0 +1,84 @@
+"""The feature space a user can configure, as data: dimensions, their values, and the config each case means.
+
+The config validator is the oracle of what is allowed (asyncpp.job.resolve, then the pipeline's own checks,
+check_pipeline_options, both before any process group exists): a case it accepts must run as a real pipeline
+and equal the simulator; a case it refuses must be refused with a ConfigError that names the field.
+
+Not in the space yet (each needs its own tolerance or harness): precision=bf16 (a derived bound per case),
+a stop mid-run with a resume, schedule kinds beyond these three, pp=3.
+"""
+
+from __future__ import annotations
+
+MAX_RANKS = 4
+"""gloo processes one case may start on the test machine (2 cores)."""
+
+DIMENSIONS: dict[str, tuple] = {
+    "schedule": ("2bw", "1f1b", "pipedream"),
+    "optimizer": ("adamw", "muon"),
+    "model": ("tiny_dense", "tiny_moe", "tiny_hybrid"),  # dense tied, MoE, hybrid (GDN + attention + MoE)
+    "ef_lambda": (0.0, 1.0),
+    "sync_start_steps": (0, 1),
+    "grad_ef_lambda": (0.0, 0.5),
+    "dc_lambda": (0.0, 0.1),
+    "weight_prediction": (False, True),
+    "pp": (1, 2, 4),
+    "tp": (1, 2),
+    "sequence_parallel": (False, True),
+    "dp": (1, 2),
+    "ep": (1, 2),
+    "distributed_optimizer": (False, True),
+    "recompute": ("none", "selective", "full"),
+    "head_split": ("none", "tokens"),
+    "rampup": (False, True),
+    "m": ("P", "2P"),  # microbatches per replica: the pipeline's depth, or twice it
+}
+
+
+def world(case: dict) -> int:
+    return case.get("pp", 1) * case.get("tp", 1) * case.get("dp", 1)
+
+
+def feasible(case: dict) -> bool:
+    """The machine's limit only (unset dimensions count as 1): what the validator refuses stays in the space.
+    One rank is no pipeline (pretrain runs the simulator itself), so a complete case has 2 ranks at least."""
+    complete = all(d in case for d in ("pp", "tp", "dp"))
+    return world(case) <= MAX_RANKS and (not complete or world(case) >= 2)
+
+
+def microbatches(case: dict) -> int:
+    return max(case["pp"], 2) * (2 if case["m"] == "2P" else 1)
+
+
+def container(case: dict) -> dict:
+    """The case as the plain config dict pretrain composes (tests/dist/workers.make_config's base, 4 steps)."""
+    m = microbatches(case)
+    train = {"steps": 4, "micro_batch_size": 2, "num_microbatches": m, "seq_len": 16, "eval_every": 0,
+             "grad_clip": 1.0, "recompute": case["recompute"], "timeout_s": 60.0}
+    if case["rampup"]:
+        # Megatron's rule: start at m/2 sequences' worth per replica, grow by one microbatch per replica until
+        # the full batch; the steps of each m form a segment of their own.
+        per_step = m * train["micro_batch_size"] * case["dp"]
+        step = train["micro_batch_size"] * case["dp"]
+        train["batch_rampup"] = [per_step // 2, step, per_step]
+    return {
+        "model": {"name": case["model"]},
+        "train": train,
+        "optimizer": {"name": case["optimizer"], "lr": 0.02 if case["optimizer"] == "muon" else 1e-3,
+                      "schedule": {"kind": "constant", "warmup_steps": 0}},
+        "schedule": {"name": case["schedule"]},
+        "staleness": {"ef_lambda": case["ef_lambda"], "sync_start_steps": case["sync_start_steps"],
+                      "grad_ef_lambda": case["grad_ef_lambda"], "dc_lambda": case["dc_lambda"],
+                      "weight_prediction": case["weight_prediction"]},
+        "parallel": {"pp": case["pp"], "tp": case["tp"], "dp": case["dp"], "ep": case["ep"],
+                     "sequence_parallel": case["sequence_parallel"],
+                     "distributed_optimizer": case["distributed_optimizer"], "head_split": case["head_split"]},
+        "logging": {"wandb_mode": "disabled", "progress": False},
+        "checkpoint": {"enabled": False},
+    }
+
+
+def label(case: dict) -> str:
+    """A short, stable test id: the values that differ from each dimension's first."""
+    diff = [f"{k}={v}" for k, v in case.items() if v != DIMENSIONS[k][0]]
+    return ",".join(diff) or "defaults"
