@@ -312,7 +312,7 @@ def a_plain_file(name: str) -> Callable[[Path], None]:
     return setup
 
 
-IDX = ["data.name=indexed", "data.tokenizer=null"]
+IDX = ["data.name=indexed", f"data.tokenizer={REPO / 'data' / 'default_corpus' / 'tokenizer.json'}"]
 SLURM = ["--nodes", "1", "--partition", "p", "--no-validate"]
 
 
