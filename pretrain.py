@@ -18,7 +18,7 @@ import os
 import sys
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from asyncpp import job
 from asyncpp.config import ConfigError
@@ -40,8 +40,7 @@ def main(dcfg: DictConfig) -> float:
     STARTED = True  # hydra composed the config; an error from here on is the run's (run_main)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
-        cfg, model_cfg = job.resolve(OmegaConf.to_container(dcfg, resolve=True),
-                                 world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        cfg, model_cfg = job.resolve(job.to_container(dcfg), world_size=int(os.environ.get("WORLD_SIZE", "1")))
         if cfg.dry_run:
             job.run_dry(cfg, model_cfg)
             return float("nan")
@@ -80,6 +79,19 @@ def leave(code: int, message: str, quiet: bool = False) -> None:
     os._exit(code)
 
 
+def check_command_line(argv: list[str]) -> None:
+    """hydra reports a command line it cannot compose (a misspelt key, a missing group option, a '+' on an
+    existing key) with exit code 1, which a launcher retries as a crash. Compose it first, the way the app will,
+    and leave with EXIT_CONFIG_ERROR and the fix. Only plain overrides: hydra's own flags (-m, --cfg, ...)
+    and sweeps (a,b) are hydra's to parse."""
+    if any(a.startswith("-") for a in argv):
+        return
+    try:
+        job.compose(argv)
+    except ConfigError as e:
+        leave(preflight.EXIT_CONFIG_ERROR, f"config error: {e}")
+
+
 def _quiet_hydra_on_other_ranks() -> None:
     """Under torchrun only rank 0 keeps a hydra run directory (the one metrics go to)."""
     if int(os.environ.get("RANK", "0")) > 0:
@@ -111,6 +123,7 @@ def run_main() -> None:
 
 
 if __name__ == "__main__":
+    check_command_line(sys.argv[1:])
     _quiet_hydra_on_other_ranks()
     install_stop()
     run_main()

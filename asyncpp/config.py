@@ -135,6 +135,9 @@ class TrainConfig:
     sets it), but every activation-sized block costs page faults, which halved tiny_dense's CPU throughput
     (bench/peers.py --memory), so it is off by default: null keeps glibc's dynamic threshold. No effect on
     other C libraries or on device memory (asyncpp/host/allocator.py)."""
+    allow_oversubscribe: bool = False
+    """Start a run whose memory plan exceeds the device's (or, on a CPU, the node's) memory; off: such a run is
+    refused before anything is built (asyncpp/train/preflight.py check_memory)."""
     host_trim_threshold: int | None = None
     """Host memory (glibc): free bytes the heap keeps at its top instead of returning them to the kernel; setting
     it also stops glibc's dynamic thresholds. With host_mmap_threshold=33554432 and 2147483647 here, a CPU run
@@ -409,10 +412,15 @@ def _float_fields(obj: object, prefix: str = "") -> Iterator[tuple[str, float, o
                     yield f"{path}[{i}]", v, d
 
 
+SEED_MAX = 2**32 - 1
+"""megatron-core seeds its dataset shuffles with numpy.random.RandomState, which takes 32-bit seeds."""
+
+
 def _check_run(cfg: RunConfig, model: ModelLimits) -> None:
-    if cfg.seed < 0:
-        raise ConfigError(f"seed={cfg.seed} must be >= 0 (the data order is seeded by numpy's SeedSequence); "
-                          "e.g. seed=1234")
+    if not 0 <= cfg.seed <= SEED_MAX:
+        raise ConfigError(f"seed={cfg.seed} must be in [0, {SEED_MAX}] (the data order is seeded by numpy, which "
+                          "takes 32-bit seeds); e.g. seed=1234")
+
     if not cfg.out_dir.strip():
         raise ConfigError(f"out_dir={cfg.out_dir!r} is empty; give a directory, or leave the default "
                           "(hydra's run directory)")
@@ -658,6 +666,7 @@ def _check_optimizer(cfg: RunConfig, model: ModelLimits) -> None:
         raise ConfigError(f"optimizer.name={o.name} with parallel.tp={cfg.parallel.tp} updates each TP shard of a "
                           "matrix on its own; set optimizer.tp_mode=block to accept that, or use optimizer.name=muon")
     _check_optimizer_extras(o)
+    _check_unused_options(o)
     s = o.schedule
     if not 0 <= s.warmup_steps <= cfg.train.steps:
         raise ConfigError(
@@ -669,6 +678,38 @@ def _check_optimizer(cfg: RunConfig, model: ModelLimits) -> None:
         raise ConfigError(f"optimizer.schedule.min_lr_ratio={s.min_lr_ratio} must be in [0, 1]")
     if not 0.0 < s.decay_fraction <= 1.0:
         raise ConfigError(f"optimizer.schedule.decay_fraction={s.decay_fraction} must be in (0, 1]")
+
+
+#: The optimizer fields that only some optimizers read (every configs/optimizer/*.yaml lists them all at their
+#: defaults, so a sweep can switch optimizer=...). Muon, NorMuon and SOAP run AdamW on the rest of the model.
+OPTIMIZER_FIELD_USERS = {
+    "adamw_lr": ("muon", "normuon", "soap"),
+    "betas": ("adamw", "muon", "normuon", "soap", "lion", "ademamix", "mars", "adan"),
+    "eps": ("adamw", "muon", "normuon", "soap", "ademamix", "mars", "adan"),
+    "momentum": ("muon", "normuon", "signum"),
+    "nesterov": ("muon", "normuon"),
+    "ns_steps": ("muon", "normuon"),
+    "adjust_lr": ("muon",),
+    "muon_compute_dtype": ("muon", "normuon"),
+    "tp_mode": ("muon", "normuon", "soap"),
+    "precondition_frequency": ("soap",),
+    "beta3": ("ademamix", "adan"),
+    "alpha": ("ademamix",),
+    "ademamix_warmup_steps": ("ademamix",),
+    "gamma": ("mars",),
+}
+
+
+def _check_unused_options(o: OptimizerConfig) -> None:
+    """An option changed from its default for an optimizer that never reads it is a mistake (a sweep that meant
+    another optimizer, a Muon setting left on an AdamW run): refused rather than silently ignored."""
+    defaults = OptimizerConfig()
+    for name, users in OPTIMIZER_FIELD_USERS.items():
+        value = getattr(o, name)
+        if o.name not in users and value != getattr(defaults, name):
+            raise ConfigError(
+                f"optimizer.{name}={value!r} is not read by optimizer.name={o.name} (only by {', '.join(users)}); "
+                f"drop it (its default is {getattr(defaults, name)!r}), or choose one of those optimizers")
 
 
 def _check_optimizer_extras(o: OptimizerConfig) -> None:
@@ -748,6 +789,13 @@ def _check_data(cfg: RunConfig, model: ModelLimits) -> None:
                               "ships its own tokenizer); set data.name=indexed or drop data.tokenizer")
         return
     prefixes, _ = parse_blend(d.blend)
+    seen: dict[str, int] = {}
+    for i, prefix in enumerate(prefixes):
+        first = seen.setdefault(str(Path(prefix).resolve()), i)
+        if first != i:
+            raise ConfigError(f"data.blend[{i}]={d.blend[i]!r} names the prefix of data.blend[{first}]="
+                              f"{d.blend[first]!r} again, so its documents would be read twice; list each prefix once "
+                              "(give it a larger weight to read it more often)")
     for i, prefix in enumerate(prefixes):
         for suffix in (".bin", ".idx"):
             if prefix.endswith(suffix):

@@ -14,15 +14,19 @@ stay in pretrain.py.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from asyncpp.analysis.dryrun import dry_run
 from asyncpp.config import ConfigError, RunConfig, check_pipeline_options, parse_blend
@@ -44,6 +48,7 @@ from asyncpp.train.run_identity import register_resolvers
 from asyncpp.train.throughput import Throughput, device_peak_tflops
 from asyncpp.train.timeline import write_run_timeline
 from asyncpp.train.trainer import Trainer
+from asyncpp.typed import check_partial
 from data.default import default_cache_dir, default_prefix
 from data.indexed import IndexedDataError
 from data.source import IndexedDataSource
@@ -61,8 +66,9 @@ def resolve(container: dict, world_size: int = 1) -> tuple[RunConfig, ModelConfi
     from it first, so what depends on dp (train.global_batch_size's microbatch count) is checked at the
     real layout, still before any process group exists."""
     cfg = RunConfig.from_dict(container)
+    overrides = check_partial(ModelConfig, cfg.model.overrides or {}, "model.overrides")  # types, before values
     try:
-        model_cfg = get_model_config(cfg.model.name, **(cfg.model.overrides or {}))
+        model_cfg = get_model_config(cfg.model.name, **overrides)
     except ValueError as e:
         raise ConfigError(f"model.overrides: {e}" if cfg.model.overrides else f"model.name: {e}") from None
     ranks = cfg.dry_run or world_size  # dry_run=N lays the job out at N ranks
@@ -78,9 +84,65 @@ def compose(overrides: list[str] | None = None) -> dict:
     overrides = list(overrides or [])
     if not any(o.startswith("out_dir=") for o in overrides):
         overrides.append("out_dir=outputs/compose")
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        dcfg = hydra_compose(config_name="pretrain", overrides=overrides)
-    return OmegaConf.to_container(dcfg, resolve=True)
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            dcfg = hydra_compose(config_name="pretrain", overrides=overrides)
+        return to_container(dcfg)
+    except ConfigError:
+        raise
+    except (HydraException, OmegaConfBaseException, ValueError) as e:  # hydra's parser raises plain ValueErrors too
+        raise ConfigError(composition_error(e, overrides)) from None
+
+
+def to_container(dcfg) -> dict:
+    """The composed DictConfig as a plain dict, its ${...} interpolations resolved; a bad interpolation is a
+    ConfigError naming the key (pretrain.py's hydra app and compose() both go through here)."""
+    try:
+        return OmegaConf.to_container(dcfg, resolve=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "an override"
+        raise ConfigError(f"{key}: {_first_line(e)}; an interpolation ${{...}} must name an existing key (e.g. "
+                          "optimizer.ademamix_warmup_steps=${train.steps}) or a registered resolver; quote a "
+                          "literal value that contains '${'") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _config_keys(tree: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        out += _config_keys(value, path + ".") if isinstance(value, dict) else [path]
+    return out
+
+
+def composition_error(e: BaseException, overrides: list[str]) -> str:
+    """hydra's or omegaconf's complaint about the command line, as one line naming the override and a fix: for a
+    typo ("Could not override 'trian.steps'") the key it meant; for a missing group option the choices."""
+    text = str(e).strip()
+    match = re.search(r"Could not override '([^']+)'", text)
+    if match:
+        key = match.group(1)
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            keys = _config_keys(OmegaConf.to_container(hydra_compose(config_name="pretrain", overrides=[
+                "out_dir=outputs/compose"])))
+        close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+        fix = f"did you mean {close[0]}?" if close else "check the spelling against configs/pretrain.yaml"
+        return f"{key} is not a config key; {fix}"
+    match = re.search(r"Could not find '([^/']+)/([^']+)'", text)
+    if match:
+        group, name = match.groups()
+        choices = sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+        return f"{group}={name} is not a config of group '{group}'; choose one of: {', '.join(choices)}"
+    match = re.search(r"Ambiguous value for argument '([^']+)'", text)
+    if match:
+        return (f"{match.group(1)} is a sweep (a comma-separated list); run it with -m (multirun), or quote a value "
+                "that contains commas, e.g. \"data.split='98,2,0'\"")
+    if "Could not append to config" in text or "already at" in text:
+        return f"{_first_line(e)}; drop the leading '+' to change an existing key (or use '++')"
+    return f"the overrides {overrides} do not compose: {_first_line(e)}; write each as KEY=VALUE (hydra syntax)"
 
 
 def build_data(cfg: RunConfig, model_cfg: ModelConfig):

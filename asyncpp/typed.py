@@ -97,6 +97,27 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     return cls(**kwargs)
 
 
+def check_partial(cls: type, data: Any, path: str) -> dict:
+    """Some fields of dataclass `cls` (overrides of a registered config), each converted to its declared type:
+    unknown keys are left for the caller to report; a nested dataclass field given as a dict is checked the same
+    way, field by field. Raises ConfigError naming `path.key`, the value and the expected type."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}={data!r} must be a mapping of fields of {cls.__name__}, e.g. {path}.FIELD=VALUE")
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for key, value in data.items():
+        dotted = f"{path}.{key}"
+        if key not in hints:
+            out[key] = value
+            continue
+        nested = [a for a in (typing.get_args(hints[key]) or (hints[key],)) if dataclasses.is_dataclass(a)]
+        if nested and isinstance(value, dict):
+            out[key] = check_partial(nested[0], value, dotted)
+        else:
+            out[key] = _convert(value, hints[key], dotted)
+    return out
+
+
 def to_dict(obj: Any) -> Any:
     """Dataclass -> plain JSON-able dict (tuples become lists)."""
     if dataclasses.is_dataclass(obj):

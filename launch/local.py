@@ -2,7 +2,7 @@
 
     python -m launch.local --nproc-per-node 2 -- parallel.pp=2 schedule=2bw
     python -m launch.local --nproc-per-node 8 --gpus -- parallel.pp=4 schedule=2bw   # adds train.device=cuda
-    python -m launch.local --nproc-per-node 4 --dry-run -- parallel.pp=4             # print the command only
+    python -m launch.local --nproc-per-node 4 --dry-run -- parallel.pp=4             # validate, print the command
 
 No torch import here; torchrun does the work.
 
@@ -33,7 +33,15 @@ from asyncpp.train.run_identity import (
     EXIT_STOPPED,
     read_exit,
 )
-from launch.torchrun import ENTRY, REPO, default_torchrun, split_overrides, torchrun_args, with_device
+from launch.torchrun import (
+    ENTRY,
+    REPO,
+    default_torchrun,
+    split_overrides,
+    torchrun_args,
+    validate_overrides,
+    with_device,
+)
 
 STOPPED = (130, 143, -2, -15)  # Ctrl-C / SIGTERM: the run checkpointed and stopped on purpose
 
@@ -102,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--torchrun", default=None, help="torchrun executable (default: the one beside this python)"
     )
-    p.add_argument("--dry-run", action="store_true", help="print the command; run nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate the overrides at this world size (as launch.slurm does) and print the command")
+    p.add_argument("--no-validate", dest="check_config", action="store_false",
+                   help="with --dry-run: print the command without composing the config")
     args = p.parse_args(options)
     try:
         if args.max_restarts < 0:
@@ -111,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     if args.dry_run:
+        if args.check_config:
+            try:
+                print(validate_overrides(with_device(overrides, "cuda") if args.gpus else overrides,
+                                         args.nproc_per_node), file=sys.stderr)
+            except ValueError as e:
+                print(f"{e}\nnothing started: fix the overrides (or pass --no-validate)", file=sys.stderr)
+                return EXIT_CONFIG_ERROR
         print(f"cd {shlex.quote(str(REPO))} && {shlex.join(cmd)}")
         if args.max_restarts:
             print(f"# rerun up to {args.max_restarts} times after a failure (not after a config error, exit 2)")

@@ -42,13 +42,35 @@ from pathlib import Path
 import jinja2
 
 from asyncpp.train.run_identity import explicit_name, run_name
-from launch.torchrun import ENTRY, REPO, split_overrides, torchrun_args, with_device
+from launch.torchrun import ENTRY, REPO, split_overrides, torchrun_args, validate_overrides, with_device
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 TEMPLATE = "sbatch.sh.j2"
 _TIME = re.compile(r"(\d+-)?\d+(:\d\d){0,2}")  # sbatch --time: minutes, [D-]HH:MM[:SS], ...
 _NAME = re.compile(r"[A-Za-z0-9_.+-]+")
 _ENV = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
+
+
+def check_time(text: str) -> None:
+    """sbatch --time: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S; minutes and seconds below 60 after a larger unit,
+    hours below 24 after days. Raises ValueError naming the value and the fix."""
+    fix = "use e.g. 24:00:00 (H:MM:SS) or 2-00:00:00 (D-HH:MM:SS)"
+    if not _TIME.fullmatch(text):
+        raise ValueError(f"--time={text!r} is not an sbatch time; {fix}")
+    days, _, rest = text.rpartition("-")
+    parts = [int(x) for x in rest.split(":")]
+    if days:  # D-H, D-H:M, D-H:M:S
+        units = ["hours", "minutes", "seconds"][: len(parts)]
+    else:  # M, M:S, H:M:S
+        units = {1: ["minutes"], 2: ["minutes", "seconds"], 3: ["hours", "minutes", "seconds"]}[len(parts)]
+    limits = {"hours": 24 if days else None, "minutes": 60 if len(parts) > 1 or days else None, "seconds": 60}
+    for unit, value in zip(units, parts):
+        if unit == units[0] and not days:
+            continue  # the leading unit may be as large as it likes (90 = 90 minutes, 25:00:00 = 25 hours)
+        if limits[unit] is not None and value >= limits[unit]:
+            raise ValueError(f"--time={text!r}: {value} {unit} is out of range (below {limits[unit]}); {fix}")
+    if all(v == 0 for v in parts) and not (days and int(days)):
+        raise ValueError(f"--time={text!r} is no time at all; {fix}")
 
 
 @dataclass(kw_only=True)
@@ -109,8 +131,11 @@ class SlurmJob:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
         if self.gpus_per_node < 0 or self.max_restarts < 0:
             raise ValueError("--gpus-per-node and --max-restarts must be >= 0")
-        if not _TIME.fullmatch(self.time):
-            raise ValueError(f"--time={self.time!r} is not an sbatch time; use e.g. 24:00:00 or 2-00:00:00")
+        check_time(self.time)
+        if self.gpus_per_node and self.ranks_per_node > self.gpus_per_node:
+            raise ValueError(f"--nproc-per-node={self.nproc_per_node} starts more ranks than --gpus-per-node="
+                             f"{self.gpus_per_node} GPUs on each node (one rank per GPU); set --nproc-per-node="
+                             f"{self.gpus_per_node}, or leave it out")
         if not _NAME.fullmatch(self.job_name):
             raise ValueError(f"--job-name={self.job_name!r} may use letters, digits and _.+- only")
         if self.max_requeues < 0 or self.checkpoint_every < 0:
@@ -150,12 +175,7 @@ def validate_config(job: SlurmJob, python: str = sys.executable) -> str:
     """Compose and validate the job's overrides as pretrain.py will, at its world size, in a subprocess
     (this module imports no torch). Returns the resolved layout line; raises ValueError with pretrain's
     'config error: ...' message when the job would be refused."""
-    cmd = [python, "-m", "launch.validate", "--world-size", str(job.world_size), "--", *job.job_overrides()]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        lines = [line for line in result.stderr.splitlines() if line.startswith("config error:")]
-        raise ValueError(lines[-1] if lines else result.stderr.strip()[-2000:])
-    return result.stdout.strip()
+    return validate_overrides(job.job_overrides(), job.world_size, python)
 
 
 def render(job: SlurmJob, command_line: str = "python -m launch.slurm") -> str:

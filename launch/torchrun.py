@@ -8,6 +8,7 @@ through a c10d rendezvous (or `--standalone` on one machine) and restarts the wh
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -64,3 +65,15 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
         i = argv.index("--")
         return argv[:i], argv[i + 1 :]
     return argv, []
+
+
+def validate_overrides(overrides: list[str], world_size: int, python: str = sys.executable) -> str:
+    """Compose and validate the job's overrides as pretrain.py will, at its world size, in a subprocess
+    (`python -m launch.validate`; the launchers import no torch). Returns the resolved layout line; raises
+    ValueError with pretrain's 'config error: ...' message when the job would be refused."""
+    cmd = [python, "-m", "launch.validate", "--world-size", str(world_size), "--", *overrides]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.splitlines() if line.startswith("config error:")]
+        raise ValueError(lines[-1] if lines else result.stderr.strip()[-2000:])
+    return result.stdout.strip()

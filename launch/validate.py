@@ -12,31 +12,9 @@ its compose() and resolve(), so the check cannot drift from what the job will do
 from __future__ import annotations
 
 import argparse
-import difflib
-import re
 import sys
 
 EXIT_CONFIG_ERROR = 2  # pretrain.py's (asyncpp/train/preflight.py): launchers never retry it
-
-
-def _keys(tree: dict, prefix: str = "") -> list[str]:
-    out = []
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        out += _keys(value, path + ".") if isinstance(value, dict) else [path]
-    return out
-
-
-def _unknown_key_hint(message: str, composed_keys: list[str]) -> str:
-    """hydra says "Could not override 'trian.steps'. To append to your config use +trian.steps=10": for a
-    typo, the key it meant is the useful fix."""
-    match = re.search(r"Could not override '([^']+)'", message)
-    if not match:
-        return message.strip()
-    key = match.group(1)
-    close = difflib.get_close_matches(key, composed_keys, n=1, cutoff=0.6)
-    fix = f"did you mean {close[0]}?" if close else "check the spelling against configs/pretrain.yaml"
-    return f"{key} is not a config key; {fix}"
 
 
 def check(overrides: list[str], world_size: int) -> str:
@@ -56,18 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.validate")
     parser.add_argument("--world-size", type=int, required=True, help="nodes x ranks per node")
     args = parser.parse_args(options)
-    from hydra.errors import HydraException
-
-    from asyncpp import job
     from asyncpp.config import ConfigError
 
     try:
         print(f"[launch] config ok: {check(overrides, args.world_size)}")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-    except HydraException as e:
-        print(f"config error: {_unknown_key_hint(str(e), _keys(job.compose([])))}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     return 0
 

@@ -392,11 +392,15 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 def _export(args: argparse.Namespace) -> int:
     from model_zoo import build_model, get_model_config
 
+    _check_out(Path(args.out), args.force)
     overrides = parse_overrides(args.set)
     run_config = None
     if args.checkpoint is not None:
-        from asyncpp.train.checkpoint import read_manifest
+        from asyncpp.train.checkpoint import damage, is_complete, read_manifest
 
+        problem = damage(args.checkpoint) if is_complete(args.checkpoint) else None
+        if problem is not None:
+            raise HFFormatError(f"--checkpoint={args.checkpoint} is damaged: {problem}; export an intact one")
         state, cfg = load_checkpoint_weights(args.checkpoint)
         run_config = read_manifest(args.checkpoint)["config"]
     elif args.state_dict is None:
@@ -426,6 +430,27 @@ def _export(args: argparse.Namespace) -> int:
     files = ", ".join(sorted(p.name for p in out.iterdir()))
     print(f"exported '{cfg.name}' as {hf_class_name(family_of(cfg))} to {out} ({files})")
     return _verify(state, cfg, out) if args.verify else 0
+
+
+def _check_out(out: Path, force: bool) -> None:
+    """An export writes config.json and the weights into --out: refuse a directory that holds anything (a run's
+    directory has a config.json of its own, which the report and the study read) unless --force says so; even
+    then, refuse one that holds a run or a checkpoint."""
+    if out.exists() and not out.is_dir():
+        raise HFFormatError(f"--out={out} is a file; give a directory for the exported model")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    run_files = [n for n in ("metrics.jsonl", "summary.json", "checkpoints", "manifest.json", ".metadata")
+                 if (out / n).exists()]
+    if run_files:
+        raise HFFormatError(f"--out={out} holds a training run or checkpoint ({', '.join(run_files)}); an export "
+                            "would overwrite its config.json. Export to a directory of its own, e.g. --out "
+                            f"{out.parent / (out.name + '-hf')}")
+    if not force:
+        found = sorted(p.name for p in out.iterdir())
+        raise HFFormatError(f"--out={out} is not empty ({', '.join(found[:5])}{', ...' if len(found) > 5 else ''}); "
+                            "an export overwrites its config.json, weights and tokenizer files. Give an empty or new "
+                            "directory, or pass --force to overwrite an earlier export")
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -460,7 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--state-dict", help="torch.save'd state_dict, or a file written by `import`")
     exp.add_argument("--checkpoint", help="an asyncpp checkpoint directory (step_*), saved by any layout")
     exp.add_argument("--init-seed", type=int, default=0, help="without --state-dict: export a fresh init")
-    exp.add_argument("--out", required=True, help="output directory")
+    exp.add_argument("--out", required=True, help="output directory (new or empty; see --force)")
+    exp.add_argument("--force", action="store_true",
+                     help="write into a non-empty --out (an earlier export); never into a run or checkpoint directory")
     exp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: the state's dtype")
     exp.add_argument("--tokenizer", default="auto",
                      help="tokenizer.json, its directory or a cached hub name; 'auto' (default): the run's, or the "

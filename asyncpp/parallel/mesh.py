@@ -36,6 +36,10 @@ class ParallelDims:
     @classmethod
     def for_world(cls, world_size: int, *, pp: int, tp: int = 1, ep: int = 1, dp: int | None = None) -> ParallelDims:
         """Derive dp = world_size / (pp * tp) (Megatron's rule) and check an explicit dp against it."""
+        for name, value in (("pp", pp), ("tp", tp), ("ep", ep), ("dp", dp)):
+            if value is not None and value < 1:  # before dividing by them
+                raise ConfigError(f"parallel.{name}={value} must be >= 1"
+                                  f"{' (or null to derive it from the world size)' if name == 'dp' else ''}")
         if world_size % (pp * tp):
             raise ConfigError(
                 f"the job has {world_size} ranks, which is not divisible by parallel.tp={tp} x parallel.pp={pp} "

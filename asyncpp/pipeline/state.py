@@ -59,6 +59,7 @@ class StageCheckpoint:
         if point is None:
             return None
         path, step = point
+        self.saver.resumed_from = path  # never pruned by this run
         v = self.engine.versions
         v.set_newest(step)  # buffers now stand for x_step, x_step-1, ...: DCP fills them in place
         ages = [step - version for version in v.held()]

@@ -115,6 +115,7 @@ class ReferenceExecutor:
         if point is None:
             return None
         path, step = point
+        self.saver.resumed_from = path  # never pruned by this run
         past = min(step, self.sim.num_past_versions)
         ckpt.load(path, simulator_state(self.sim, self.model, num_past=past, step=step), ages=range(past + 1))
         self.sim.balancing.use(step)

@@ -255,6 +255,9 @@ class Saver:
         self.async_save = async_save
         self._group = dist.new_group(backend="gloo") if async_save and _distributed() else None
         self._pending: _Pending | None = None
+        self.resumed_from: Path | None = None
+        """The checkpoint this run resumed from (set by the executor's resume): never pruned by this run, so a
+        failed attempt can always start again where it did."""
 
     def save(self, root: str | os.PathLike, step: int, state: StageState, *, config: dict, layout: dict,
              keep_last: int = 3, data: dict | None = None) -> Path:
@@ -273,7 +276,7 @@ class Saver:
         _barrier()
         manifest = {"format": FORMAT_VERSION, "step": step, "config": config, "layout": layout,
                     "code_version": code_version(), "rng": _gather_rng(), "saved_at": time.time(), "data": data}
-        commit = _Commit(tmp, final, root, keep_last, manifest)
+        commit = _Commit(tmp, final, root, keep_last, manifest, self.resumed_from)
         quiet_single_process_dcp()
         if self.async_save:
             future = _dcp().async_save(_flat(state), checkpoint_id=str(tmp), process_group=self._group,
@@ -321,6 +324,7 @@ class _Commit:
     root: Path
     keep_last: int
     manifest: dict
+    protect: Path | None = None
 
     def run(self) -> None:
         """Rank 0, after every rank's shards and DCP's .metadata are written: manifest, rename, prune."""
@@ -333,7 +337,7 @@ class _Commit:
         _fsync_dir(self.root)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
-        _prune(self.root, self.keep_last)
+        _prune(self.root, self.keep_last, self.manifest["step"], self.protect)
 
     def abandon(self) -> None:
         """Remove the partial directory (rank 0; a stale one left by a dead rank 0 goes at the next start)."""
@@ -426,12 +430,16 @@ def save(root: str | os.PathLike, step: int, state: StageState, **kwargs) -> Pat
     return Saver().save(root, step, state, **kwargs)
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    """Called right after a commit: only complete checkpoints count, so the newest `keep_last` good
-    ones always survive (a refused or failed save commits nothing and prunes nothing)."""
-    complete = list_checkpoints(root)
+def _prune(root: Path, keep_last: int, step: int | None = None, protect: Path | None = None) -> None:
+    """Called right after the commit of `step`: only complete checkpoints count, so the newest `keep_last` good
+    ones always survive (a refused or failed save commits nothing and prunes nothing). Only the history being
+    written is pruned: checkpoints of later steps (another history; preflight refuses to start one in the same
+    directory, but a shared checkpoint.dir may still hold one) and the checkpoint the run resumed from are kept."""
+    complete = [p for p in list_checkpoints(root) if step is None or (step_of(p) or 0) <= step]
+    kept = {Path(protect).resolve()} if protect is not None else set()
     for old in complete[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.resolve() not in kept:
+            shutil.rmtree(old, ignore_errors=True)
     clean_stale(root)  # leftovers of saves that died (none is in flight here)
 
 
@@ -461,6 +469,59 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
 def latest(root: str | os.PathLike) -> Path | None:
     found = list_checkpoints(root)
     return found[-1] if found else None
+
+
+def step_of(path: str | os.PathLike) -> int | None:
+    """The step in a step_<N> directory's name, or None."""
+    name = Path(path).name
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
+
+
+def damage(path: str | os.PathLike) -> str | None:
+    """What is wrong with a checkpoint directory, or None when it is intact: its manifest parses and names its
+    step, DCP's .metadata loads, and every shard it indexes is there, as long as the index says. Reads no tensor
+    and builds no model, so preflight can check before anything exists."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"it has no {MANIFEST} (an unfinished save)"
+    except (OSError, ValueError) as e:
+        return f"its {MANIFEST} does not parse ({e}; a torn write)"
+    step = manifest.get("step") if isinstance(manifest, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        return f"its {MANIFEST} has no integer 'step' (found {step!r})"
+    if step_of(path) not in (None, step):
+        return f"its {MANIFEST} says step {step}, but the directory is {path.name}"
+    if not (path / ".metadata").is_file():
+        return "it has no .metadata (DCP's index of the shards)"
+    try:
+        metadata = _dcp().FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - whatever unpickling a damaged file raises, it is this damage
+        return f"its .metadata does not load ({type(e).__name__}: {e})"
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        shard = path / name
+        if not shard.is_file():
+            return f"its shard {name} is missing"
+        if shard.stat().st_size < size:
+            return f"its shard {name} holds {shard.stat().st_size} bytes, but .metadata indexes {size} (truncated)"
+    return None
+
+
+def latest_intact(root: str | os.PathLike, warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest complete checkpoint in `root` that is not damaged (see damage()); each newer damaged one is
+    named, with what is wrong, through `warn`."""
+    for path in reversed(list_checkpoints(root)):
+        problem = damage(path)
+        if problem is None:
+            return path
+        if warn is not None:
+            warn(f"warning: checkpoint {path} is damaged: {problem}; falling back to an older one (this run will "
+                 "write its step again)")
+    return None
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
@@ -563,7 +624,7 @@ def resume_point(cfg, source, warn=print) -> tuple[Path, int] | None:
     c = cfg.checkpoint
     if c.resume == "none":
         return None
-    path = latest(checkpoint_root(cfg)) if c.resume == "auto" else Path(c.resume)
+    path = latest_intact(checkpoint_root(cfg)) if c.resume == "auto" else Path(c.resume)  # preflight said why
     if path is None:  # 'auto' before the first checkpoint
         return None
     manifest = read_manifest(path)  # a clear error if an explicit path is not a complete checkpoint

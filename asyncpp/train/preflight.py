@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from asyncpp.config import ConfigError, RunConfig, parse_blend
-from asyncpp.core.memory import optimizer_state_bytes
+from asyncpp.core.batches import BatchPlan
+from asyncpp.core.memory import activation_bytes, optimizer_state_bytes
 from asyncpp.optim import build_from_config
 from asyncpp.schedules.registry import kind_of
 from asyncpp.train import checkpoint as ckpt
@@ -46,8 +47,11 @@ def _stderr(text: str) -> None:
 def check(cfg: RunConfig, model_cfg, *, rank: int = 0, local_world_size: int = 1, warn: Warn = _stderr) -> None:
     """All pre-flight checks of this rank (see the module docstring). Raises ConfigError."""
     check_device(cfg, local_world_size)
+    check_memory(cfg, model_cfg, local_world_size)
     if rank != 0:
         return
+    check_sample_index(cfg)
+    check_cache(cfg)
     check_directories(cfg)
     removed = ckpt.clean_stale(ckpt.checkpoint_root(cfg))
     if removed:
@@ -81,24 +85,107 @@ def _checkpoint_field(cfg: RunConfig) -> str:
     return "checkpoint.dir" if cfg.checkpoint.dir else "checkpoint.dir (default: <out_dir>/checkpoints)"
 
 
+def _writable_directory(field: str, path: Path) -> None:
+    """`path` is (or is made) a directory that takes a file; else a ConfigError naming `field`."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{field}={path} is a file, not a directory; point it at a directory (or remove the file)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".asyncpp-write-probe-")
+        try:
+            os.write(fd, b"ok")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{field}={path} is not writable ({e.strerror or e}); point it at a directory this "
+                          "user can write, on a disk with room for the run") from None
+
+
 def check_directories(cfg: RunConfig) -> None:
     """The run directory and (with checkpoint.enabled) the checkpoint directory exist and take a file."""
     dirs = [("out_dir (hydra.run.dir)", Path(cfg.out_dir))]
     if cfg.checkpoint.enabled:
         dirs.append((_checkpoint_field(cfg), ckpt.checkpoint_root(cfg)))
     for field, path in dirs:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            fd, probe = tempfile.mkstemp(dir=path, prefix=".asyncpp-write-probe-")
-            try:
-                os.write(fd, b"ok")
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-                os.unlink(probe)
-        except OSError as e:
-            raise ConfigError(f"{field}={path} is not writable ({e.strerror or e}); point it at a directory this "
-                              "user can write, on a disk with room for the run") from None
+        _writable_directory(field, path)
+
+
+def check_cache(cfg: RunConfig) -> None:
+    """The data cache (dataset indices, the default corpus' .bin/.idx) is a writable directory."""
+    d = cfg.data
+    if d.cache_dir:
+        field, path = "data.cache_dir", Path(d.cache_dir)
+    else:
+        env = os.environ.get("ASYNCPP_CACHE")
+        field = "$ASYNCPP_CACHE" if env else "the data cache (data.cache_dir, $ASYNCPP_CACHE: ~/.cache/asyncpp)"
+        path = default_cache_dir()
+    _writable_directory(field, path)
+
+
+# ---- resources --------------------------------------------------------------------------------------
+INDEX_BYTES_PER_SAMPLE = 24
+"""megatron-core's GPTDataset keeps an int64 shuffle index and an (int64 document, int64 offset) sample index
+per sample, built in host memory before it is saved to the cache."""
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_sample_index(cfg: RunConfig, host_bytes: int | None = None) -> None:
+    """The samples train.steps reads must have an index that fits in this machine's memory."""
+    t = cfg.train
+    samples = BatchPlan.of(cfg).samples_before(t.steps)
+    need = samples * INDEX_BYTES_PER_SAMPLE
+    host = host_bytes or host_memory_bytes()
+    if need > host:
+        raise ConfigError(
+            f"train.steps={t.steps} reads {samples:,} samples ({t.global_batch_size} a step); megatron-core's "
+            f"sample index for them would take {_gib(need)} ({INDEX_BYTES_PER_SAMPLE} bytes a sample), more than "
+            f"this machine's {_gib(host)}; lower train.steps (at most {host // INDEX_BYTES_PER_SAMPLE // max(1, t.global_batch_size):,} "
+            "at this batch)")
+
+
+def planned_bytes(cfg: RunConfig, model_cfg, distributed: bool) -> int:
+    """A lower bound of one rank's memory: every weight version, the gradient and EF buffer and the optimizer's
+    state (the checkpoint's estimate), and one microbatch's saved activations; a pipeline rank holds its share
+    (1 / pp*tp*ep of the weights, 1 / pp of the activations). Shapes only (a meta model): allocates nothing."""
+    state = _estimated_checkpoint_bytes(cfg, model_cfg)
+    p, t = cfg.parallel, cfg.train
+    dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+    acts = activation_bytes(model_cfg, range(len(model_cfg.layer_types)), dtype=dtype,
+                            micro_batch_size=t.micro_batch_size, seq_len=t.seq_len, first=True, last=True)
+    if distributed:
+        return state // (p.pp * p.tp * p.ep) + acts // p.pp
+    return state + acts
+
+
+def check_memory(cfg: RunConfig, model_cfg, local_world_size: int = 1, capacity: int | None = None) -> None:
+    """Refuse a run whose memory plan cannot fit the device (or, on a CPU, this node's memory shared by its local
+    ranks); train.allow_oversubscribe=true runs it anyway (unified memory, a swap the user trusts)."""
+    if cfg.train.allow_oversubscribe or cfg.dry_run:
+        return
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    device = torch.device(cfg.train.device)
+    if capacity is None:
+        if device.type == "cuda" and torch.cuda.is_available():
+            capacity = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+            where = f"the GPU's {_gib(capacity)}"
+        else:
+            capacity = host_memory_bytes() // max(1, local_world_size)
+            where = f"this node's {_gib(capacity)} per rank ({local_world_size} local rank(s))"
+    else:
+        where = f"{_gib(capacity)}"
+    need = planned_bytes(cfg, model_cfg, distributed)
+    if need > capacity:
+        t = cfg.train
+        raise ConfigError(
+            f"train.micro_batch_size={t.micro_batch_size}, train.seq_len={t.seq_len}, model.name={model_cfg.name}: "
+            f"the memory plan needs at least {_gib(need)} a rank, more than {where}; lower "
+            "train.micro_batch_size (raise train.num_microbatches to keep the batch), use train.recompute=full or "
+            "more pipeline stages, or set train.allow_oversubscribe=true if you know it fits")
 
 
 def checkpoint_bytes(cfg: RunConfig, model_cfg, point: tuple[Path, int] | None = None) -> int:
@@ -140,10 +227,13 @@ def check_disk_space(cfg: RunConfig, per_checkpoint: int, disk_usage=shutil.disk
 # ---- resume ---------------------------------------------------------------------------------------
 # What a checkpoint's contents depend on: resuming under another value cannot load it, or would load a
 # state that means something else (another optimizer's moments, another schedule's weight versions).
-INCOMPATIBLE = ("model.", "optimizer.name", "schedule.name")
-# Where and how a run goes; never reported. data.* is checked by checkpoint.check_data_position.
-IGNORED = ("out_dir", "dry_run", "logging.", "checkpoint.", "parallel.", "data.", "train.device",
-           "train.timeout_s", "train.compile", "train.backend")
+# The seed, the data and the sequence length make the run's identity too: another value reads other samples,
+# so a resume under it would continue a history it is not.
+INCOMPATIBLE = ("model.", "optimizer.name", "schedule.name", "seed", "data.name", "data.blend", "data.split",
+                "data.tokenizer", "train.seq_len")
+# Where and how a run goes; never reported. The batch shape is checked against the data position.
+IGNORED = ("out_dir", "dry_run", "logging.", "checkpoint.", "parallel.", "data.cache_dir", "train.device",
+           "train.timeout_s", "train.compile", "train.backend", "train.allow_oversubscribe")
 
 
 def _leaves(tree, prefix: str = "") -> Iterator[tuple[str, object]]:
@@ -174,12 +264,35 @@ def config_differences(saved: dict, current: dict) -> list[tuple[str, object, ob
     return out
 
 
-def _resume_path(cfg: RunConfig) -> Path | None:
+def _fork_fix(cfg: RunConfig, path: Path) -> str:
+    name = f"{Path(cfg.out_dir).name}-from-{path.name}"
+    return (f"to branch off {path.name}, give the new history a directory of its own: logging.run_name={name} "
+            f"checkpoint.resume={path} (or hydra.run.dir=...)")
+
+
+def _resume_path(cfg: RunConfig, warn: Warn = _stderr) -> Path | None:
+    """The checkpoint to resume from, refusing what would lose work: a fresh start, or a resume from anything
+    but the newest checkpoint, where checkpoint.dir already holds a history (its newer checkpoints, metrics and
+    summary would be overwritten or pruned). A damaged newest checkpoint falls back to the newest intact one."""
     c = cfg.checkpoint
+    root = ckpt.checkpoint_root(cfg)
+    existing = ckpt.list_checkpoints(root)
     if c.resume == "none":
+        if existing and c.enabled:
+            raise ConfigError(
+                f"checkpoint.resume=none, but {_checkpoint_field(cfg)}={root} holds the checkpoints of an earlier "
+                f"run ({', '.join(p.name for p in existing)}); a fresh start there would replace or prune them. "
+                "Start afresh in a directory of its own (another logging.run_name, or checkpoint.dir=...), resume "
+                "them with checkpoint.resume=auto, or move them away yourself")
         return None
     if c.resume == "auto":
-        return ckpt.latest(ckpt.checkpoint_root(cfg))
+        path = ckpt.latest_intact(root, warn=warn)
+        if path is None and existing:
+            raise ConfigError(
+                f"checkpoint.resume=auto: every checkpoint in {root} is damaged ({existing[-1].name}: "
+                f"{ckpt.damage(existing[-1])}); move them away to start afresh, or point checkpoint.resume at an "
+                "intact copy")
+        return path
     path = Path(c.resume)
     if not ckpt.is_complete(path):
         state = f"is not a complete checkpoint (no {ckpt.MANIFEST})" if path.exists() else "does not exist"
@@ -188,14 +301,33 @@ def _resume_path(cfg: RunConfig) -> Path | None:
                  f"{path.parent} holds no complete checkpoint; use ")
         raise ConfigError(f"checkpoint.resume={c.resume} {state}; {there}checkpoint.resume=auto (the newest in "
                           "checkpoint.dir) or checkpoint.resume=none")
+    problem = ckpt.damage(path)
+    if problem is not None:
+        good = ckpt.latest_intact(path.parent)
+        raise ConfigError(f"checkpoint.resume={c.resume} is damaged: {problem}; resume an intact one"
+                          f"{f' (the newest in {path.parent} is {good})' if good else ''}, or repair it")
+    step = ckpt.step_of(path)
+    if path.parent.resolve() == root.resolve():
+        newer = [p.name for p in existing if (ckpt.step_of(p) or 0) > (step or 0)]
+        if newer and c.enabled:
+            raise ConfigError(
+                f"checkpoint.resume={c.resume} is not the newest checkpoint of its run ({', '.join(newer)} came "
+                f"after it); continuing it in place would overwrite them, the metrics lines and summary.json of "
+                f"{cfg.out_dir}. {_fork_fix(cfg, path)}")
+    elif existing and c.enabled:
+        raise ConfigError(
+            f"checkpoint.resume={c.resume} belongs to another run than {_checkpoint_field(cfg)}={root}, which holds "
+            f"checkpoints of its own ({', '.join(p.name for p in existing)}); continuing here would replace or prune "
+            f"them. {_fork_fix(cfg, path)}")
     return path
 
 
 def check_resume(cfg: RunConfig, warn: Warn = _stderr) -> tuple[Path, int] | None:
     """The checkpoint this run would resume from (checkpoint.resume), checked against this config: its step
-    below train.steps, and the same model, optimizer and schedule. Returns (path, step) or None; warns
-    about the other differences (hyperparameters a resumed run may change on purpose)."""
-    path = _resume_path(cfg)
+    below train.steps, the same identity (model, optimizer, schedule, seed, data) and the same data position.
+    Returns (path, step) or None; warns about the other differences (hyperparameters a resumed run may change
+    on purpose)."""
+    path = _resume_path(cfg, warn)
     if path is None:
         return None
     manifest = ckpt.read_manifest(path)
@@ -213,10 +345,34 @@ def check_resume(cfg: RunConfig, warn: Warn = _stderr) -> tuple[Path, int] | Non
         raise ConfigError(
             f"train.steps={cfg.train.steps}, but the checkpoint to resume from ({path}, checkpoint.resume="
             f"{cfg.checkpoint.resume}) is at step {step}: this run is already complete. Raise train.steps above "
-            f"{step} to train further, or start afresh with checkpoint.resume=none or another logging.run_name")
+            f"{step} to train further, or start afresh under another logging.run_name")
+    check_data_position(cfg, path, manifest)
     if differences:
         warn(f"warning: resuming {path} (step {step}) with a changed config: {listing}")
     return path, step
+
+
+def check_data_position(cfg: RunConfig, path: Path, manifest: dict) -> None:
+    """The checkpoint consumed samples [0, c); this config's step `step` must start reading at exactly c (the
+    samples are a function of the microbatch index, so another batch shape would skip or repeat some)."""
+    consumed = (manifest.get("data") or {}).get("consumed_samples")
+    if consumed is None:  # a checkpoint written before the data position was recorded
+        return
+    step = int(manifest["step"])
+    plan = BatchPlan.of(cfg)
+    here = plan.samples_before(step)
+    if here == consumed:
+        return
+    saved = (manifest.get("config") or {}).get("train") or {}
+    t = cfg.train
+    raise ConfigError(
+        f"train.micro_batch_size={t.micro_batch_size}, train.global_batch_size={t.global_batch_size}"
+        f"{f', train.batch_rampup={list(t.batch_rampup)}' if t.batch_rampup else ''}: the checkpoint {path} "
+        f"consumed {consumed} samples in its {step} steps, but under this batch shape step {step} starts at sample "
+        f"{here}, so samples would be {'skipped' if here > consumed else 'read twice'}. Resume with the "
+        f"checkpoint's batch shape (train.micro_batch_size={saved.get('micro_batch_size')}, "
+        f"train.global_batch_size={saved.get('global_batch_size')}, train.batch_rampup="
+        f"{saved.get('batch_rampup')}), or one whose first {step} steps read the same {consumed} samples")
 
 
 # ---- data -----------------------------------------------------------------------------------------

@@ -12,9 +12,11 @@ name. Imports neither torch nor hydra: launch/ calls it on a login node.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -38,8 +40,14 @@ def record_exit(code: int, message: str, path: str | None = None) -> None:
     if not path:
         return
     tmp = Path(f"{path}.{os.getpid()}.tmp")
-    tmp.write_text(f"{code} {message}\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(f"{code} {message}\n")
+        os.replace(tmp, path)
+    except OSError as e:  # the exit code itself still says it: a traceback here would turn exit 2 into 1
+        print(f"warning: ${EXIT_FILE_ENV}={path} could not be written ({e.strerror or e}); the launcher sees only "
+              f"the exit code {code}. Point ${EXIT_FILE_ENV} at a writable file", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def read_exit(path: str | Path) -> tuple[int, str] | None:
@@ -58,7 +66,7 @@ MAX_NAME = 120
 # same run can be resumed from another device, with another checkpoint cadence or another logger.
 NEUTRAL = ("hydra.", "logging.", "out_dir", "dry_run", "checkpoint.resume", "checkpoint.every",
            "checkpoint.keep_last", "checkpoint.async_save", "checkpoint.enabled", "train.device",
-           "train.timeout_s", "train.compile")
+           "train.timeout_s", "train.compile", "train.allow_oversubscribe")
 _SAFE = re.compile(r"[^A-Za-z0-9_.,=+@-]")
 
 

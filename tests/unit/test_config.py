@@ -49,10 +49,9 @@ def test_bad_config_is_refused_with_field_value_and_fix(overrides, must_contain)
         assert fragment in message, (fragment, message)
 
 
-def test_unknown_group_choice_is_refused_by_hydra():
-    from hydra.errors import MissingConfigException
-
-    with pytest.raises(MissingConfigException, match="schedule"):
+def test_unknown_group_choice_is_refused_with_the_choices():
+    with pytest.raises(ConfigError, match=r"schedule=zero_bubble is not a config of group 'schedule'; choose one "
+                                          r"of: 1f1b, 2bw, gpipe, pipedream, sync"):
         compose(["schedule=zero_bubble"])
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from asyncpp import job
 from asyncpp.config import ConfigError
@@ -32,10 +34,12 @@ def config(tmp_path, *overrides):
 
 
 def fake_checkpoint(root: Path, step: int, cfg) -> Path:
-    """What resume reads first: a committed step_* directory with its manifest (the shards are not needed
-    by the pre-flight check)."""
+    """What resume reads first: a committed step_* directory with its manifest, and a one-tensor DCP shard and
+    .metadata (the pre-flight check reads no tensor, but checks that the shards are whole)."""
     path = root / f"step_{step:08d}"
     path.mkdir(parents=True)
+    ckpt.quiet_single_process_dcp()
+    dcp.save({"x": torch.zeros(4)}, checkpoint_id=str(path), no_dist=True)
     (path / ckpt.MANIFEST).write_text(json.dumps({"step": step, "config": cfg.to_dict()}))
     return path
 
@@ -220,7 +224,10 @@ def test_train_steps_at_or_below_the_checkpoint_step_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"train.steps=6, but .* is at step 6: this run is already complete\. "
                                           r"Raise train.steps above 6"):
         preflight.check_resume(saved_cfg)
-    assert preflight.check_resume(config(tmp_path, "checkpoint.resume=none")[0]) is None
+    with pytest.raises(ConfigError, match=r"checkpoint.resume=none, but .* holds the checkpoints of an earlier run "
+                                          r"\(step_00000006\); a fresh start there would replace or prune them"):
+        preflight.check_resume(config(tmp_path, "checkpoint.resume=none")[0])
+    assert preflight.check_resume(config(tmp_path, "checkpoint.resume=none", "checkpoint.enabled=false")[0]) is None
 
 
 # ---- data ----------------------------------------------------------------------------------------

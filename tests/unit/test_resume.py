@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from asyncpp import job
 from asyncpp.reference.executor import ReferenceExecutor
@@ -144,6 +145,8 @@ def test_resume_point_finds_the_latest_checkpoint_and_warns_when_the_data_stream
     root = tmp_path / "checkpoints"
     for step in (3, 6):
         (root / f"step_{step:08d}").mkdir(parents=True)
+        ckpt.quiet_single_process_dcp()  # whole shards: auto picks the newest intact checkpoint
+        dcp.save({"x": torch.zeros(4)}, checkpoint_id=str(root / f"step_{step:08d}"), no_dist=True)
         data = {"identity": {"dataset": "corpus-a", "seq_len": 32}}
         (root / f"step_{step:08d}" / ckpt.MANIFEST).write_text(json.dumps({"step": step, "data": data}))
     warnings: list[str] = []
