@@ -750,7 +750,7 @@ def _check_staleness(cfg: RunConfig, model: ModelLimits) -> None:
         )
     delayed_only = ("ef_lambda", "sync_start_steps", "sync_cooldown_steps", "grad_ef_lambda", "dc_lambda",
                     "weight_prediction")
-    on = [f"{n}={getattr(s, n)}" for n in delayed_only if getattr(s, n)]
+    on = [f"staleness.{n}={getattr(s, n)}" for n in delayed_only if getattr(s, n)]
     if sched in SYNC_SCHEDULES and on:
         raise ConfigError(
             f"staleness options ({', '.join(on)}) only apply to delayed schedules, but "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -74,8 +75,11 @@ def dry_run(cfg: RunConfig, model_cfg, world_size: int, build_stage: BuildStage,
          f"distributed_optimizer={p.distributed_optimizer and dims.dp > 1} (meta tensors: \"allocated\" "
          "rows are sized from the real shard shapes, nothing is allocated)")
     reports = []
+    started = time.perf_counter()
     for s in range(dims.pp):
         rank = (s * dims.dp) * dims.tp  # dp rank 0, tp rank 0 of stage s
+        # Progress: a stage of a 10B model takes seconds to lay out, a 64-rank job a minute or more.
+        echo(f"dry run: stage {s + 1} of {dims.pp} (rank {rank}), {time.perf_counter() - started:.1f} s so far")
         _fake_group(rank, world_size)
         try:
             mesh = Mesh(dims, torch.device("cpu"), head_link=p.head_split == "tokens")

@@ -60,6 +60,33 @@ def check(cfg: RunConfig, model_cfg, *, rank: int = 0, local_world_size: int = 1
     if cfg.checkpoint.enabled:
         check_disk_space(cfg, checkpoint_bytes(cfg, model_cfg, point))
     check_data(cfg, model_cfg)
+    if point is None:  # last: only a run that passed every check moves anything
+        keep_an_earlier_run(cfg, warn)
+
+
+EARLIER_RUN_FILES = ("metrics.jsonl", "summary.json", "timeline.json", "timeline.png")
+"""What a run writes into its out_dir that a fresh start there would append to or overwrite (pretrain.log stays:
+hydra has it open before the checks run, and a log appended to loses nothing)."""
+
+
+def keep_an_earlier_run(cfg: RunConfig, warn: Warn = _stderr) -> Path | None:
+    """A fresh start (nothing to resume) in an out_dir where an earlier run left its record (it ran without
+    checkpoints, or crashed before its first): the record moves to <out_dir>/earlier_<k>/ rather than being
+    appended to and overwritten. Returns that directory, or None when there was nothing to keep."""
+    out = Path(cfg.out_dir)
+    found = [out / name for name in EARLIER_RUN_FILES if (out / name).is_file()]
+    if not any(path.name in ("metrics.jsonl", "summary.json") for path in found):
+        return None
+    k = 1
+    while (out / f"earlier_{k}").exists():
+        k += 1
+    dest = out / f"earlier_{k}"
+    dest.mkdir()
+    for path in found:
+        path.rename(dest / path.name)
+    warn(f"preflight: {out} holds an earlier run's record and this run has nothing to resume: moved "
+         f"{', '.join(p.name for p in found)} to {dest} (a fresh start would have appended to and overwritten them)")
+    return dest
 
 
 # ---- device ---------------------------------------------------------------------------------------

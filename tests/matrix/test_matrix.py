@@ -61,18 +61,7 @@ def test_the_accepted_cover_is_a_function_of_its_seed():
     assert again.cases == CASES and again.refused == COVER.refused
 
 
-UNNAMED_FIELD = pytest.mark.xfail(strict=True, reason=(
-    "finding: config.py's 'staleness options (ef_lambda=1.0) only apply to delayed schedules' names the option, "
-    "not the field staleness.ef_lambda (asyncpp/config.py is another helper's; left for them)"))
-STALENESS = ("ef_lambda", "sync_start_steps", "grad_ef_lambda", "dc_lambda", "weight_prediction")
-
-
-def _refusal_marks(pair) -> tuple:
-    a, va, b, _ = pair
-    return (UNNAMED_FIELD,) if (a, va) == ("schedule", "1f1b") and b in STALENESS else ()
-
-
-@pytest.mark.parametrize("pair", [pytest.param(p, marks=_refusal_marks(p)) for p in COVER.refused],
+@pytest.mark.parametrize("pair", COVER.refused,
                          ids=[f"{a}={va},{b}={vb}" for a, va, b, vb in COVER.refused])
 def test_a_pair_no_accepted_case_holds_is_refused_naming_a_field(pair):
     refusal = oracle(COVER.refused[pair])

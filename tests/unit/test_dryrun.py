@@ -13,7 +13,11 @@ from model_zoo import build_model, get_model_config
 
 def dry(overrides: list[str], tmp_path) -> list[dict]:
     cfg, model_cfg = job.resolve(job.compose(overrides + ["logging=disabled", f"out_dir={tmp_path}"]))
-    reports = job.run_dry(cfg, model_cfg, echo=lambda text: None)
+    said: list[str] = []
+    reports = job.run_dry(cfg, model_cfg, echo=said.append)
+    progress = [line for line in said if line.startswith("dry run: stage ")]  # one line before each stage's build
+    assert [line.split(" (rank")[0] for line in progress] == [
+        f"dry run: stage {s + 1} of {len(reports)}" for s in range(len(reports))]
     assert (tmp_path / "dry_run.json").is_file()
     assert not dist.is_initialized(), "the fake process group must be torn down"
     return reports

@@ -82,8 +82,16 @@ def test_an_override_hydra_refuses_is_a_config_error_and_a_crash_is_not(tmp_path
     the run stays 1, with no note: it is what the launchers retry."""
     marker = tmp_path / "exit"
     env = {"PATH": "/usr/bin:/bin", "ASYNCPP_EXIT_FILE": str(marker), "HOME": str(tmp_path)}
+    # A plain command line is composed before hydra's app runs (pretrain.check_command_line): the typo is named.
     out = subprocess.run([sys.executable, "pretrain.py", f"hydra.run.dir={tmp_path / 'run'}", *BASE, "trian.steps=3"],
                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "trian.steps is not a config key; did you mean train.steps?" in out.stderr
+    assert marker.read_text().startswith("2 config error: trian.steps is not a config key")
+    marker.unlink()
+    # A multirun (-m) goes to hydra as it is: its own refusal ends in sys.exit(1) before main, made exit 2 here.
+    out = subprocess.run([sys.executable, "pretrain.py", "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", *BASE,
+                          "trian.steps=3"], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "Could not override 'trian.steps'" in out.stderr
     assert marker.read_text().startswith("2 config error: hydra could not compose the config")
@@ -162,6 +170,26 @@ def test_stale_temporaries_are_cleaned_at_start(tmp_path):
     said = []
     preflight.check(cfg, model_cfg, warn=said.append)
     assert not stale.exists() and "removed 1 unfinished checkpoint" in said[0]
+
+
+def test_a_fresh_start_keeps_an_earlier_runs_record_byte_for_byte(tmp_path):
+    """An earlier run without checkpoints (or one that crashed before its first) left metrics and a summary: a
+    fresh start in the same out_dir moves them aside instead of appending to and overwriting them."""
+    cfg, model_cfg = config(tmp_path, "checkpoint.enabled=false")
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True)
+    earlier = {"metrics.jsonl": b'{"step": 0, "loss": 9.0}\n', "summary.json": b'{"steps": 1}', "timeline.png": b"png"}
+    for name, data in earlier.items():
+        (out / name).write_bytes(data)
+    said = []
+    preflight.check(cfg, model_cfg, warn=said.append)
+    assert not (out / "metrics.jsonl").exists() and not (out / "summary.json").exists()
+    assert {n: (out / "earlier_1" / n).read_bytes() for n in earlier} == earlier
+    assert any("moved metrics.jsonl, summary.json, timeline.png to" in s for s in said), said
+    (out / "metrics.jsonl").write_bytes(b"second\n")  # and the next fresh start keeps that one apart too
+    preflight.check(cfg, model_cfg, warn=said.append)
+    assert (out / "earlier_2" / "metrics.jsonl").read_bytes() == b"second\n"
+    assert preflight.keep_an_earlier_run(cfg) is None  # nothing left to keep
 
 
 # ---- resume --------------------------------------------------------------------------------------
