@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -163,17 +166,12 @@ def test_a_stop_flag_remembers_the_step_it_was_first_seen_in():
 def test_a_signal_before_the_first_step_exits_at_once_and_after_it_asks_for_a_checkpoint(armed, tmp_path):
     """Before the trainer's loop (a rank blocked in the rendezvous for a peer that already failed) SIGTERM keeps
     its default action and ends the process at once; once armed it only sets the flag."""
-    import os
-    import subprocess
-    import sys
-
     code = ("import os, signal, time\n"
             "from asyncpp.train.preemption import StopFlag\n"
             f"flag = StopFlag().install()\n{'flag.arm()' if armed else ''}\n"
             "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(0.2)\nprint('requested', flag.requested)\n")
     exit_file = tmp_path / "exit"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False,
-                          env={**os.environ, "ASYNCPP_EXIT_FILE": str(exit_file)})
+    proc = _run_with_exit_file(code, exit_file)
     if armed:
         assert proc.returncode == 0 and "requested True" in proc.stdout, proc.stderr
         assert not exit_file.exists()
@@ -185,21 +183,22 @@ def test_a_signal_before_the_first_step_exits_at_once_and_after_it_asks_for_a_ch
 def test_a_repeated_signal_is_the_same_request_and_a_later_one_insists(gap, exits, tmp_path):
     """slurm's scancel --signal=TERM reaches every rank and torchrun, which forwards it again: a second SIGTERM
     within REPEAT_S is the same request (the rank still checkpoints); one after it exits at once, unsaved."""
-    import os
-    import subprocess
-    import sys
-
     code = ("import os, signal, time\n"
             "from asyncpp.train.preemption import StopFlag\n"
             "flag = StopFlag().install()\nflag.arm()\n"
             f"os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep({gap})\nos.kill(os.getpid(), signal.SIGTERM)\n"
             "time.sleep(0.2)\nprint('still here', flag.requested)\n")
     exit_file = tmp_path / "exit"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False,
-                          env={**os.environ, "ASYNCPP_EXIT_FILE": str(exit_file)})
+    proc = _run_with_exit_file(code, exit_file)
     if exits:
         assert proc.returncode == 143 and "signal 15 again" in proc.stderr, (proc.returncode, proc.stderr)
         assert exit_file.read_text().startswith("143 signal 15 again")
     else:
         assert proc.returncode == 0 and "still here True" in proc.stdout, proc.stderr
         assert not exit_file.exists()
+
+
+def _run_with_exit_file(code: str, exit_file):
+    """`code` in a fresh interpreter (its own signal handlers) that reports deliberate exits to `exit_file`."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False,
+                          env={**os.environ, "ASYNCPP_EXIT_FILE": str(exit_file)})
