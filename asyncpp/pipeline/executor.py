@@ -78,8 +78,6 @@ class PipelineExecutor:
         self._agreement: StopAgreement | None = None  # created by the first segment, on every rank
         self._bubbles: BubbleGather | None = None  # on the agreement's group, created with it
         self.plan = StagePlan.of(cfg, self.model.config, self.spec, mesh.dims)
-        self.delays = self.plan.delays
-        self.head_split = self.plan.head_split  # None without parallel.head_split=tokens
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.engine = build_stage_runtime(
             self.plan, self.spec, self.model, mesh, build_optimizer(self.model, self.sharding), self._forward,
@@ -96,7 +94,7 @@ class PipelineExecutor:
 
     def _forward(self, step: int, microbatch: int, x: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
         tokens = self._tokens(step, microbatch) if (self.spec.is_first or self.spec.is_last) else None
-        if self.head_split is not None and self.spec.is_last:
+        if self.plan.head_split is not None and self.spec.is_last:
             return self._forward_split_head(tokens, x)
         out = stage_forward(self.model, self.spec, tokens[:, :-1] if self.spec.is_first else x)
         if not self.spec.is_last:
@@ -106,7 +104,7 @@ class PipelineExecutor:
     def _forward_split_head(self, tokens: Tensor, x: Tensor | None) -> tuple[Tensor, Tensor]:
         """The last stage under a head split: the final norm on every token, the head and loss of its own
         (first) tokens; returns (its loss share, the normed hidden states of the helper's tokens)."""
-        split, model = self.head_split, self.model
+        split, model = self.plan.head_split, self.model
         h = stage_forward(model, self.spec, tokens[:, :-1] if self.spec.is_first else x, head=False)
         normed = model.norm(h).reshape(split.tokens, -1)
         labels = tokens[:, 1:].reshape(-1)
@@ -115,7 +113,7 @@ class PipelineExecutor:
 
     def _helper_labels(self, step: int, microbatch: int) -> Tensor:
         """The labels of the helper's tokens of (step, microbatch): the last of its flattened tokens."""
-        return self._tokens(step, microbatch)[:, 1:].reshape(-1)[self.head_split.own_tokens:]
+        return self._tokens(step, microbatch)[:, 1:].reshape(-1)[self.plan.head_split.own_tokens:]
 
     @torch.no_grad()
     def evaluate(self, batches: list[Tensor]) -> float:
@@ -212,7 +210,7 @@ class PipelineExecutor:
 
     def _segment_actions(self, t0: int, t1: int) -> list[Action]:
         return segment_actions(self.cfg.schedule.name, self.spec.stage, self.mesh.num_stages, self.m,
-                               self.delays, t0, t1, head_split=self.head_split is not None)
+                               self.plan.delays, t0, t1, head_split=self.plan.head_split is not None)
 
     def _ready(self, todo: list[int], drained: bool = False) -> Iterator[StepResult]:
         """The results of the steps at the head of `todo` that are complete, in order. Collective over the
