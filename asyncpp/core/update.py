@@ -105,7 +105,7 @@ class UpdateRule:
 
     def checkpoint_buffers(self) -> dict[str, list[Tensor]]:
         """The per-parameter state a checkpoint must hold besides weights and optimizer, by its key prefix
-        (asyncpp/train/checkpoint.py StageState.buffers): u_{t-1} always, g_{t-1} when gradient-level EF is on.
+        (asyncpp/train/checkpoint/state.py StageState.buffers): u_{t-1} always, g_{t-1} when gradient-level EF is on.
         Both executors save and load exactly these."""
         out = {"ef": self.error_feedback.prev_update}
         if self.corrections.grad_ef_lambda:

@@ -1,4 +1,4 @@
-"""A pipeline stage's share of a checkpoint (asyncpp/train/checkpoint.py: DCP, layout-free keys): its weight
+"""A pipeline stage's share of a checkpoint (asyncpp/train/checkpoint/: DCP, layout-free keys): its weight
 versions, the update's per-parameter buffers (u_{t-1}, g_{t-1}), the optimizer and the versioned router bias,
 keyed by full-model names; saved at a drain point and loaded in place on resume. Collective."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncpp.train import checkpoint as ckpt
+from asyncpp.train.checkpoint import rng
 
 
 class FakeCuda:
@@ -40,18 +40,18 @@ class FakeCuda:
 def test_saves_the_current_devices_generator_only(monkeypatch) -> None:
     fake = FakeCuda(num_devices=4, current=2)
     fake.install(monkeypatch)
-    state = ckpt._rng_state()
+    state = rng.rng_state()
     assert state["cuda"] == [3] * 16  # cuda:2's state, one list, not one per visible GPU
 
 
 def test_restores_on_fewer_visible_gpus(monkeypatch) -> None:
     saver = FakeCuda(num_devices=8, current=5)
     saver.install(monkeypatch)
-    manifest = {"rng": [ckpt._rng_state()]}
+    manifest = {"rng": [rng.rng_state()]}
     cpu_before = torch.get_rng_state()
     loader = FakeCuda(num_devices=1, current=0)  # resumed with CUDA_VISIBLE_DEVICES set to one GPU
     loader.install(monkeypatch)
-    ckpt._restore_rng(manifest)
+    rng.restore_rng(manifest)
     assert loader.states[0].tolist() == [6] * 16  # the saving rank's generator, now on this rank's GPU
     assert torch.equal(torch.get_rng_state(), cpu_before)
 
@@ -60,8 +60,8 @@ def test_reads_the_older_one_state_per_gpu_format(monkeypatch) -> None:
     per_gpu = [[i + 10] * 16 for i in range(4)]
     fake = FakeCuda(num_devices=4, current=1)
     fake.install(monkeypatch)
-    ckpt._restore_rng({"rng": [{"torch": torch.get_rng_state().tolist(), "cuda": per_gpu}]})
+    rng.restore_rng({"rng": [{"torch": torch.get_rng_state().tolist(), "cuda": per_gpu}]})
     assert fake.states[1].tolist() == [11] * 16 and fake.states[0].tolist() == [1] * 16
     fake.current = 6  # more GPUs than the old checkpoint knew of: said so, not an IndexError
     with pytest.warns(UserWarning, match="CUDA RNG states of 4 GPUs"):
-        ckpt._restore_rng({"rng": [{"torch": torch.get_rng_state().tolist(), "cuda": per_gpu}]})
+        rng.restore_rng({"rng": [{"torch": torch.get_rng_state().tolist(), "cuda": per_gpu}]})

@@ -12,6 +12,7 @@ import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
 
 from asyncpp.train import checkpoint as ckpt
+from asyncpp.train.checkpoint import saver as saver_module
 from asyncpp.train.metrics import MetricsLogger, wandb_run_id
 
 
@@ -208,7 +209,7 @@ def test_a_failed_commit_is_an_error_not_a_half_checkpoint(tmp_path, monkeypatch
     saver = ckpt.Saver(async_save)
     _save(saver, tmp_path, 5)
     saver.wait()
-    monkeypatch.setattr(ckpt, "_write_durably", _no_space)
+    monkeypatch.setattr(saver_module, "_write_durably", _no_space)  # where the commit looks it up
     with pytest.raises(ckpt.CheckpointWriteError, match=r"step_00000010 failed: \[Errno 28\].*step_00000005"):
         _save(saver, tmp_path, 10)
         saver.wait()

@@ -689,7 +689,7 @@ def test_prune_keeps_later_steps_of_another_history(tmp_path):
         path = tmp_path / f"step_{step:08d}"
         path.mkdir()
         (path / ckpt.MANIFEST).write_text(json.dumps({"step": step}))
-    ckpt._prune(tmp_path, 1, step=3, protect=tmp_path / "step_00000002")
+    ckpt.prune(tmp_path, 1, step=3, protect=tmp_path / "step_00000002")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003", "step_00000004"]
 
 

@@ -148,7 +148,7 @@ def test_everything_off_is_plain_delayed_training_bitwise():
 @pytest.mark.equivalence
 def test_gradient_ef_state_round_trip(tmp_path):
     """g_{t-1} and the prediction's x_{t-2} survive a checkpoint: saved and loaded through the one checkpoint
-    state both executors use (asyncpp/train/checkpoint.py), a resumed simulator continues bit for bit."""
+    state both executors use (asyncpp/train/checkpoint/), a resumed simulator continues bit for bit."""
     model = Scalars(num_layers=1)
     sim = DelayedUpdateSimulator(model, torch.optim.SGD(model.parameters(), lr=LR), [1] * 4, loss_fn=quadratic,
                                  grad_ef_lambda=0.5, weight_prediction=True)

@@ -1,0 +1,128 @@
+"""Reading a checkpoint back: which one to resume from (the newest intact one, past damaged ones), loading
+it into a StageState, and the data position a resume must agree with."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from asyncpp.train.checkpoint.files import MANIFEST, checkpoint_root, list_checkpoints, read_manifest, step_of
+from asyncpp.train.checkpoint.rng import restore_rng
+from asyncpp.train.checkpoint.runtime import is_distributed, my_rank, quiet_single_process_dcp, torch_dcp
+from asyncpp.train.checkpoint.state import (
+    StageState,
+    allocate_optimizer_state,
+    global_view,
+    install_optimizer_state,
+)
+
+
+def damage(path: str | os.PathLike) -> str | None:
+    """What is wrong with a checkpoint directory, or None when it is intact: its manifest parses and names its
+    step, DCP's .metadata loads, and every shard it indexes is there, as long as the index says. Reads no tensor
+    and builds no model, so preflight can check before anything exists."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"it has no {MANIFEST} (an unfinished save)"
+    except (OSError, ValueError) as e:
+        return f"its {MANIFEST} does not parse ({e}; a torn write)"
+    step = manifest.get("step") if isinstance(manifest, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        return f"its {MANIFEST} has no integer 'step' (found {step!r})"
+    if step_of(path) not in (None, step):
+        return f"its {MANIFEST} says step {step}, but the directory is {path.name}"
+    if not (path / ".metadata").is_file():
+        return "it has no .metadata (DCP's index of the shards)"
+    try:
+        metadata = torch_dcp().FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - whatever unpickling a damaged file raises, it is this damage
+        return f"its .metadata does not load ({type(e).__name__}: {e})"
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        shard = path / name
+        if not shard.is_file():
+            return f"its shard {name} is missing"
+        if shard.stat().st_size < size:
+            return f"its shard {name} holds {shard.stat().st_size} bytes, but .metadata indexes {size} (truncated)"
+    return None
+
+
+def latest_intact(root: str | os.PathLike, warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest complete checkpoint in `root` that is not damaged (see damage()); each newer damaged one is
+    named, with what is wrong, through `warn`."""
+    for path in reversed(list_checkpoints(root)):
+        problem = damage(path)
+        if problem is None:
+            return path
+        if warn is not None:
+            warn(f"warning: checkpoint {path} is damaged: {problem}; falling back to an older one (this run will "
+                 "write its step again)")
+    return None
+
+
+def load(path: str | os.PathLike, state: StageState, ages: Sequence[int]) -> dict:
+    """Collective. Fill `state` in place from `path`; returns the manifest."""
+    manifest = read_manifest(path)
+    saved = torch_dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    missing = [a for a in ages if f"weights/{a}/{state.names[0]}" not in saved] if state.names else []
+    if missing:
+        raise ValueError(
+            f"checkpoint {path} holds no weight version of age {missing} (x_(t-{missing[0]})), which this "
+            "schedule needs; it was written by a schedule with fewer versions (e.g. sync). Resume with the "
+            "schedule it was saved with"
+        )
+    request = {f"weights/{a}/{n}": global_view(state, i, t)
+               for a in ages for i, (n, t) in enumerate(zip(state.names, state.versions[a]))}
+    for kind, tensors in state.buffers.items():  # absent from older/other runs' checkpoints: keep zeros
+        request.update({f"{kind}/{n}": global_view(state, i, t)
+                        for i, (n, t) in enumerate(zip(state.names, tensors)) if t is not None and f"{kind}/{n}" in saved})
+    missing_extra = sorted(k for k in (state.extra or {}) if k not in saved)
+    if missing_extra:
+        raise ValueError(f"checkpoint {path} lacks {missing_extra[:3]}: it was saved without this state (e.g. "
+                         "aux-loss-free router balancing was off); resume with the model config it was saved with")
+    request.update(state.extra or {})
+    optim, wrapped = allocate_optimizer_state(state, saved)
+    request.update(wrapped)
+    quiet_single_process_dcp()
+    torch_dcp().load(request, checkpoint_id=str(path), no_dist=not is_distributed())
+    install_optimizer_state(state, optim)
+    restore_rng(manifest)
+    return manifest
+
+
+def resume_point(cfg, source, warn=print) -> tuple[Path, int] | None:
+    """The checkpoint to resume from, per checkpoint.resume ('auto', 'none' or a path), and its step, or
+    None; warns (via `warn`) when the data stream changed since it was written. What the simulator's and
+    the pipeline's resume share."""
+    c = cfg.checkpoint
+    if c.resume == "none":
+        return None
+    path = latest_intact(checkpoint_root(cfg)) if c.resume == "auto" else Path(c.resume)  # preflight said why
+    if path is None:  # 'auto' before the first checkpoint
+        return None
+    manifest = read_manifest(path)  # a clear error if an explicit path is not a complete checkpoint
+    check_data_position(manifest, source, cfg, warn=warn)
+    return path, manifest["step"]
+
+
+def data_position(source, step_done: int, batches) -> dict:
+    """The data position: consumed samples (batches: the run's asyncpp.core.batches.BatchPlan, cumulative over
+    a batch rampup) and what the stream depends on."""
+    identity = source.identity() if hasattr(source, "identity") else None
+    return {"consumed_samples": batches.samples_before(step_done), "identity": identity}
+
+
+def check_data_position(manifest: dict, source, cfg, warn=print) -> None:
+    """Samples are a pure function of (stream identity, step): say so when a resume changes the stream."""
+    saved = (manifest.get("data") or {}).get("identity")
+    current = source.identity() if hasattr(source, "identity") else None
+    if saved is not None and current is not None and saved != current and my_rank() == 0:
+        changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+        warn(f"warning: the data stream differs from the checkpoint's ({', '.join(changed)}); the resumed run "
+             "reads different samples than the uninterrupted one would have")
