@@ -222,6 +222,15 @@ class StageEngine:
             self.head_comm.flush()
         self.update.drain()
 
+    def take_record(self, step: int) -> StepRecord:
+        """The update's record of `step`, handed over once: the executor reports it, and then it is gone."""
+        return self.update.records.pop(step)
+
+    def drop_losses(self) -> None:
+        """Forget the microbatch losses no one will ask step_loss for (the Megatron front-end reports its
+        losses through loss_func, so they would pile up over an unbounded run)."""
+        self.losses.clear()
+
     def step_loss(self, step: int) -> float:
         """Mean loss of b_t over microbatches and DP replicas (last stage only)."""
         losses = self.losses.pop(step)

@@ -218,7 +218,7 @@ class PipelineExecutor:
         records = self.engine.records
         while todo and (drained or math.isfinite(records.get(todo[0], _NAN_RECORD).update_norm)):
             step = todo.pop(0)
-            rec = records.pop(step)
+            rec = self.engine.take_record(step)
             loss, dt = math.nan, math.nan
             if self.spec.is_last:
                 loss = self.engine.step_loss(step)

@@ -285,7 +285,7 @@ class Pipeline2BW:
         # (engine.timer then measures that call's busy time). Losses are reported via loss_func.
         self.engine.timer.clear()
         self.engine.execute(actions)
-        self.engine.losses.clear()
+        self.engine.drop_losses()
         self._windows.append(set(actions))
         applied = [a.step for a in actions if a.op is Op.UPDATE]
         if applied:
