@@ -33,6 +33,7 @@ from typing import Any
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from asyncpp.core.records import PipelineBubble, StepMetrics
 from asyncpp.train.throughput import Throughput, peak_memory_bytes
 
 LOG_FILE = "pretrain.log"
@@ -132,28 +133,29 @@ class MetricsLogger:
                 reinit="finish_previous",
             )
 
-    def log(self, record: dict[str, Any]) -> None:
-        """Write one step's record (must contain 'step'). The first record of an attempt rewinds the file
+    def log(self, record: StepMetrics) -> None:
+        """Write one step's record (its to_json() line). The first record of an attempt rewinds the file
         to its step, so a rerun without a checkpoint (step 0) or a resume never duplicates a step."""
         if not self._rewound:
-            self.rewind(record["step"])
-        self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+            self.rewind(record.step)
+        line = record.to_json()
+        self._file.write(json.dumps({k: _jsonable(v) for k, v in line.items()}) + "\n")
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-        if "val_loss" in record:
-            self._last_val = record["val_loss"]
+            self._wandb.log({k: v for k, v in line.items() if k != "step"}, step=record.step)
+        evaluated = record.val_loss is not None
+        if evaluated:
+            self._last_val = record.val_loss
         self._bar.update(1)
         self._window.add(record)
-        iteration = record["step"] + 1
-        if line_due(record["step"], self.total_steps, self.log_every, "val_loss" in record):
+        iteration = record.step + 1
+        if line_due(record.step, self.total_steps, self.log_every, evaluated):
             self._logger.info(self.iteration_line(iteration, record))
             self._window = IterationWindow()
-        if record["step"] % self.log_every == 0 or "val_loss" in record:
-            shown = {"loss": f"{record.get('loss', float('nan')):.3f}"}
+        if record.step % self.log_every == 0 or evaluated:
+            shown = {"loss": f"{record.loss:.3f}"}
             if self._last_val is not None:
                 shown["val"] = f"{self._last_val:.3f}"
-            if "tokens_per_s" in record:
-                shown["tok/s"] = f"{record['tokens_per_s']:.0f}"
+            shown["tok/s"] = f"{record.tokens_per_s:.0f}"
             self._bar.set_postfix(shown, refresh=False)
 
     def rewind(self, step: int) -> None:
@@ -187,21 +189,19 @@ class MetricsLogger:
         """A line to the console (above the progress bar, if any) and to pretrain.log."""
         self._logger.info(text)
 
-    def iteration_line(self, iteration: int, record: dict[str, Any]) -> str:
+    def iteration_line(self, iteration: int, record: StepMetrics) -> str:
         """The Megatron-style line for the window of steps that ends with `record` (iteration = step + 1)."""
         w = self._window
         seconds = w.seconds / w.steps if w.steps else math.nan
-        parts = [f"iteration {iteration:>{len(str(self.total_steps))}}/{self.total_steps}"]
-        if "consumed_tokens" in record:  # the trainer's, from the batch plan (cumulative under a batch rampup)
-            parts.append(f"consumed tokens {record['consumed_tokens']:,}")
-        if "global_batch_size" in record:
-            parts.append(f"global batch {record['global_batch_size']:,}")
-        parts += [f"{seconds * 1e3:.1f} ms/iter", f"{w.tokens_per_s:,.0f} tokens/s",
-                  f"lr {record.get('lr', math.nan):.3e}", f"loss {w.mean_loss:.4f}",
-                  f"grad norm {record.get('grad_norm', math.nan):.3f}", f"skipped {w.skipped}"]
-        if "val_loss" in record:
-            parts.append(f"val loss {record['val_loss']:.4f}")
-        parts.append(bubble_part(record))
+        parts = [f"iteration {iteration:>{len(str(self.total_steps))}}/{self.total_steps}",
+                 # the trainer's, from the batch plan (cumulative under a batch rampup)
+                 f"consumed tokens {record.consumed_tokens:,}", f"global batch {record.global_batch_size:,}",
+                 f"{seconds * 1e3:.1f} ms/iter", f"{w.tokens_per_s:,.0f} tokens/s",
+                 f"lr {record.lr:.3e}", f"loss {w.mean_loss:.4f}",
+                 f"grad norm {record.grad_norm:.3f}", f"skipped {w.skipped}"]
+        if record.val_loss is not None:
+            parts.append(f"val loss {record.val_loss:.4f}")
+        parts.append(bubble_part(record.bubble))
         parts.append(f"peak mem {peak_memory_bytes(self.device) / 2**20:,.0f} MiB")
         parts += self._flops_parts(w.tokens_per_s)
         return " | ".join(parts)
@@ -235,12 +235,12 @@ class MetricsLogger:
         self._logger.close()
 
 
-def bubble_part(record: dict[str, Any]) -> str:
+def bubble_part(bubble: PipelineBubble | None) -> str:
     """The pipeline's idle share so far: the mean over its ranks and the worst stage (a step record's
-    bubble_fraction and bubble_fraction_per_stage, gathered from every stage's timer)."""
-    mean, stages = record.get("bubble_fraction"), record.get("bubble_fraction_per_stage")
-    if mean is None:
+    bubble, gathered from every stage's timer)."""
+    if bubble is None:
         return "bubble n/a (one process: no pipeline)"
+    mean, stages = bubble.mean, bubble.per_stage
     if not stages:
         return f"bubble {mean:.3f} (so far)"
     worst = max(range(len(stages)), key=lambda s: stages[s])
@@ -256,14 +256,14 @@ class IterationWindow:
         self.seconds = self.tokens = self.loss_sum = 0.0
         self.loss_steps = 0
 
-    def add(self, record: dict[str, Any]) -> None:
-        seconds = record.get("step_time_s", math.nan)
+    def add(self, record: StepMetrics) -> None:
+        seconds = record.step_time_s
         self.steps += 1
-        self.skipped += bool(record.get("skipped"))
+        self.skipped += bool(record.skipped)
         if math.isfinite(seconds):
             self.seconds += seconds
-            self.tokens += record.get("tokens_per_s", 0.0) * seconds
-        loss = record.get("loss", math.nan)
+            self.tokens += record.tokens_per_s * seconds
+        loss = record.loss
         if math.isfinite(loss):
             self.loss_sum, self.loss_steps = self.loss_sum + loss, self.loss_steps + 1
 

@@ -77,7 +77,7 @@ def segment_bounds(total_steps: int, *every: int, start: int = 0, at: Sequence[i
 
 
 class Sink(Protocol):
-    def log(self, record: dict) -> None: ...
+    def log(self, record: StepMetrics) -> None: ...
 
     def message(self, text: str) -> None: ...
 
@@ -87,7 +87,7 @@ class Sink(Protocol):
 class _Quiet:
     """Where records go on ranks that do not write metrics."""
 
-    def log(self, record: dict) -> None:
+    def log(self, record: StepMetrics) -> None:
         pass
 
     def message(self, text: str) -> None:
@@ -211,7 +211,7 @@ class Trainer:
         if self.executor.is_writer and line_due(r.step, self.cfg.train.steps, self.cfg.logging.log_every,
                                                 val_loss is not None):
             record.bubble = self.executor.running_bubble(r.step)
-        self.metrics.log(record.to_json())
+        self.metrics.log(record)
         if len(self.step_times) == 4:
             self._warn_if_work_at_risk(sum(self.step_times[1:]) / 3)  # the first step pays for warm-up
         self._count_skip(r)

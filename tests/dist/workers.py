@@ -11,6 +11,7 @@ from asyncpp import job
 from asyncpp.config import RunConfig
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.loss import LossFn, lm_loss
+from asyncpp.core.records import StepMetrics
 from asyncpp.optim import build_from_config
 from asyncpp.parallel.experts import ExpertDispatcher
 from asyncpp.parallel.mesh import Mesh, ParallelDims
@@ -72,8 +73,8 @@ class Collect:
     def __init__(self) -> None:
         self.records: list[dict] = []
 
-    def log(self, record: dict) -> None:
-        self.records.append(record)
+    def log(self, record: StepMetrics) -> None:
+        self.records.append(record.to_json())  # the metrics.jsonl line
 
     def message(self, text: str) -> None:
         pass

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
 
+from asyncpp.core.records import StepMetrics
 from asyncpp.train import checkpoint as ckpt
 from asyncpp.train.checkpoint import saver as saver_module
 from asyncpp.train.metrics import MetricsLogger, wandb_run_id
@@ -117,6 +118,12 @@ def _logger(out, steps: int = 10) -> MetricsLogger:
     return MetricsLogger(out, total_steps=steps, progress=False)
 
 
+def _record(step: int, loss: float = 0.0) -> StepMetrics:
+    """A step record; only its step and loss matter to these tests."""
+    return StepMetrics(step=step, loss=loss, lr=1e-3, grad_norm=1.0, update_norm=0.1, tokens_per_s=1.0,
+                       step_time_s=1.0, skipped=False, sync_step=False, global_batch_size=1, consumed_tokens=step + 1)
+
+
 def _logged_steps(out) -> list[int]:
     return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -126,7 +133,7 @@ def test_a_rerun_without_a_checkpoint_writes_each_step_once(tmp_path):
     for attempt in range(2):
         m = _logger(tmp_path)
         for step in range(6 if attempt == 0 else 4):
-            m.log({"step": step, "loss": float(attempt)})
+            m.log(_record(step, float(attempt)))
         m.close()
     # the rerun started afresh at step 0: the file is its own (0-3), not attempt 0's 0-5 followed by 0-3
     assert _logged_steps(tmp_path) == [0, 1, 2, 3]
@@ -136,13 +143,13 @@ def test_a_rerun_without_a_checkpoint_writes_each_step_once(tmp_path):
 def test_a_resumed_attempt_rewinds_to_its_first_step_and_drops_a_torn_line(tmp_path):
     m = _logger(tmp_path)
     for step in range(5):
-        m.log({"step": step})
+        m.log(_record(step))
     m.close()
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "lo')  # the writer was killed mid-line
     m = _logger(tmp_path)
-    m.log({"step": 3})  # resumed at step 3
-    m.log({"step": 4})
+    m.log(_record(3))  # resumed at step 3
+    m.log(_record(4))
     m.close()
     assert _logged_steps(tmp_path) == [0, 1, 2, 3, 4]
 
@@ -151,7 +158,7 @@ def test_rewinding_with_nothing_to_drop_writes_nothing(tmp_path, monkeypatch):
     """A resume on a full disk must not fail in the rewind (issue 18, item 6)."""
     m = _logger(tmp_path)
     for step in range(3):
-        m.log({"step": step})
+        m.log(_record(step))
     m.close()
 
     def refuse(*args):
@@ -168,7 +175,7 @@ def test_rewinding_with_nothing_to_drop_writes_nothing(tmp_path, monkeypatch):
 
 def test_a_crash_never_overwrites_the_summary(tmp_path):
     m = _logger(tmp_path)
-    m.log({"step": 0})
+    m.log(_record(0))
     m.close({"steps": 1, "final_loss": float("nan")})
     assert json.loads((tmp_path / "summary.json").read_text()) == {"steps": 1, "final_loss": "nan"}
     m = _logger(tmp_path)

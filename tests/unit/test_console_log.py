@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from asyncpp.config import RunConfig
+from asyncpp.core.records import StepMetrics
 from asyncpp.train.metrics import LOG_FILE, MetricsLogger
 from asyncpp.train.throughput import PEAK_TFLOPS, Throughput, device_peak_tflops, peak_memory_bytes
 from asyncpp.train.trainer import Trainer
@@ -18,10 +19,11 @@ from model_zoo import flops_per_token, get_model_config
 from tests.unit.test_trainer import Scripted
 
 
-def record(step: int, loss: float, seconds: float = 0.5, tokens: int = 1000, **extra) -> dict:
-    return {"step": step, "loss": loss, "lr": 1e-3 * (step + 1), "grad_norm": 2.0 + step, "update_norm": 0.1,
-            "tokens_per_s": tokens / seconds, "step_time_s": seconds, "skipped": False, "sync_step": False,
-            "global_batch_size": tokens // 10, "consumed_tokens": (step + 1) * tokens, **extra}
+def record(step: int, loss: float, seconds: float = 0.5, tokens: int = 1000, **extra) -> StepMetrics:
+    fields = {"step": step, "loss": loss, "lr": 1e-3 * (step + 1), "grad_norm": 2.0 + step, "update_norm": 0.1,
+              "tokens_per_s": tokens / seconds, "step_time_s": seconds, "skipped": False, "sync_step": False,
+              "global_batch_size": tokens // 10, "consumed_tokens": (step + 1) * tokens}
+    return StepMetrics(**{**fields, **extra})
 
 
 def logger(tmp_path, **kw) -> MetricsLogger:

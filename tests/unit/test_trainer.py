@@ -67,7 +67,7 @@ class Sink:
         self.records, self.messages = [], []
 
     def log(self, record):
-        self.records.append(record)
+        self.records.append(record.to_json())  # the metrics.jsonl line
 
     def message(self, text):
         self.messages.append(text)
