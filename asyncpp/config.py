@@ -535,6 +535,10 @@ def _check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
             f"parallel.distributed_optimizer=true with staleness.dc_lambda={s.dc_lambda}, staleness.grad_ef_lambda="
             f"{s.grad_ef_lambda}: the gradient corrections read every parameter's gradient, which the distributed "
             "optimizer leaves on its owner only; set both to 0 or parallel.distributed_optimizer=false")
+    if p.sequence_parallel and p.tp == 1:  # megatron-core's ModelParallelConfig refuses it too
+        raise ConfigError("parallel.sequence_parallel=true with parallel.tp=1: sequence parallelism splits the "
+                          "sequence over the tensor-parallel ranks, and there is only one; set "
+                          "parallel.sequence_parallel=false, or parallel.tp=2 (or more) to split it")
     if p.sequence_parallel and cfg.train.seq_len % p.tp:
         raise ConfigError(
             f"parallel.sequence_parallel=true splits the sequence over parallel.tp={p.tp} ranks, which does not "
