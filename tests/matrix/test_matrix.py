@@ -22,7 +22,7 @@ from tests.matrix.space import DIMENSIONS, container, feasible, label, world
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
 
 SEED = 30
-RANDOM_CASES = 8
+RANDOM_CASES = 4
 """Seeded random accepted full configurations run on top of the cover (slow)."""
 FIELD = re.compile(r"\b(model|train|optimizer|schedule|staleness|parallel|checkpoint|data)\.[a-z_]+")
 
