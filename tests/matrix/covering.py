@@ -185,6 +185,14 @@ def accepted_greedy(dims: Mapping[str, Sequence], seed: int, feasible: Callable[
         if best is not None:
             cases.append(best)
             todo -= pairs_of(best, dims)
+    # A pair given up early (no accepted background yet held the other values it needs, e.g. an MoE model for
+    # ep=2) gets a second try: on every case of the finished cover, repaired toward the defaults.
     covered = set().union(*(pairs_of(c, dims) for c in cases)) & set(ok)
+    for a, va, b, vb in [p for p in ok if p in refused and p not in covered]:
+        late = next((r for r in (_repair({**c, a: va, b: vb}, (a, b), dims, feasible, accepts, rng) for c in cases)
+                     if r is not None), None)
+        if late is not None:
+            cases.append(late)
+            covered |= pairs_of(late, dims) & set(ok)
     refused = {p: refused[p] for p in ok if p in refused and p not in covered}
     return Cover(cases, covered, refused, excluded)
