@@ -64,6 +64,10 @@ def check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
             f"parallel.distributed_optimizer=true with staleness.dc_lambda={s.dc_lambda}, staleness.grad_ef_lambda="
             f"{s.grad_ef_lambda}: the gradient corrections read every parameter's gradient, which the distributed "
             "optimizer leaves on its owner only; set both to 0 or parallel.distributed_optimizer=false")
+    if p.sequence_parallel and p.tp == 1:  # megatron-core's ModelParallelConfig refuses it too
+        raise ConfigError("parallel.sequence_parallel=true with parallel.tp=1: sequence parallelism splits the "
+                          "sequence over the tensor-parallel ranks, and there is only one; set "
+                          "parallel.sequence_parallel=false, or parallel.tp=2 (or more) to split it")
     if p.sequence_parallel and cfg.train.seq_len % p.tp:
         raise ConfigError(
             f"parallel.sequence_parallel=true splits the sequence over parallel.tp={p.tp} ranks, which does not "
@@ -112,19 +116,9 @@ def _check_head_split(cfg: RunConfig) -> None:
         check_head_split(cfg.schedule.name, p.pp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if p.tp > 1 or p.sequence_parallel:
+    if p.tp > 1:  # (sequence parallelism needs tp > 1: check_parallel refused it at tp=1 before)
         raise ConfigError(f"parallel.head_split=tokens with parallel.tp={p.tp}: the TP head is vocabulary-parallel "
                           "already (its shards are split over TP ranks); use parallel.head_split=none with tp > 1")
-    # Tested at dp=1 with Error Feedback only (tests/dist/test_head_split.py); the combinations below have no
-    # equivalence test yet, so they are refused rather than run untested.
-    untested = [f"parallel.dp={p.dp}"] if (p.dp or 1) > 1 else []
-    untested += ["parallel.distributed_optimizer=true"] if p.distributed_optimizer else []
-    s = cfg.staleness
-    untested += [f"staleness.{k}={getattr(s, k)}" for k in ("weight_prediction", "dc_lambda", "grad_ef_lambda")
-                 if getattr(s, k)]
-    if untested:
-        raise ConfigError(f"parallel.head_split=tokens with {', '.join(untested)} is not supported yet (no "
-                          "equivalence test covers it); use parallel.head_split=none with these")
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len
     n = p.head_split_tokens
     if n is not None and not 1 <= n < tokens:

@@ -6,7 +6,11 @@ operation, not hang for torch's default (30 min on gloo) nor die with gloo's raw
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +68,49 @@ def test_a_silent_peer_inside_a_stage_collective_fails_within_the_timeout(layout
     # gloo's op timeout is the group's, set to train.timeout_s; 5 s of slack for a loaded 2-core machine.
     print(f"time to failure {survivor['waited_s']:.2f} s: {message}")
     assert TIMEOUT_S * 0.9 <= survivor["waited_s"] <= TIMEOUT_S + 5, survivor
+
+
+SILENT_PEER = '''
+import os, runpy, sys, time
+from asyncpp.parallel import experts
+original, calls = experts.ExpertDispatcher.dispatch, []
+def dispatch(*args, **kwargs):  # rank 1 stops answering at its 6th expert dispatch, then dies
+    if len(calls) == 5 and os.environ["RANK"] == "1":
+        time.sleep({sleep_s})
+        os._exit(17)
+    calls.append(1)
+    return original(*args, **kwargs)
+experts.ExpertDispatcher.dispatch = dispatch
+sys.argv[0] = {entry!r}
+runpy.run_path({entry!r}, run_name="__main__")
+'''
+
+
+@pytest.mark.slow  # a real torchrun job: 25-40 s
+def test_pretrain_under_torchrun_exits_with_the_crash_code_and_the_message(tmp_path):
+    """The whole path a user sees: pretrain.py under torchrun, rank 1 silent inside the expert all-to-all for
+    longer than train.timeout_s. Rank 0 prints the CollectiveTimeout naming its stage, the group and the
+    operation and exits 1, docs/launch.md's crash code (retried by the launchers), not SIGABRT (-6) from a gloo
+    thread left pending at exit, and nothing is recorded as a deliberate exit."""
+    from tests.dist.test_torchrun import ROOT
+
+    wrapper = tmp_path / "silent_peer.py"
+    wrapper.write_text(SILENT_PEER.format(sleep_s=TIMEOUT_S + 20, entry=str(ROOT / "pretrain.py")))
+    exit_file = tmp_path / "exit"
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node=2", str(wrapper),
+           f"hydra.run.dir={tmp_path / 'run'}", "logging=disabled", "logging.progress=false", "model=tiny_moe",
+           "optimizer=adamw", "schedule=2bw", "parallel.ep=2", "train.steps=3", f"train.timeout_s={TIMEOUT_S}"]
+    env = {**os.environ, "ASYNCPP_EXIT_FILE": str(exit_file)}
+    started = time.monotonic()
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert ("CollectiveTimeout: stage 0 (rank 0) gave up waiting for the expert dispatcher's all-to-all of the "
+            "token counts on the data-parallel and expert-parallel group (ranks [0, 1]) "
+            f"(train.timeout_s={TIMEOUT_S})") in out, out[-3000:]
+    # torchrun's report of each rank's own exit code: rank 0's is 1.
+    codes = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", out)
+    assert ("0", "1") in codes, (codes, out[-3000:])
+    assert "terminate called" not in out, out[-3000:]
+    assert not exit_file.exists()  # a crash: the launchers retry it (docs/launch.md)
+    assert time.monotonic() - started < TIMEOUT_S + 20 + 60  # failed at the timeout, not torch's 30 min

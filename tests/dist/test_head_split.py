@@ -36,6 +36,8 @@ head's two replicas are bit-identical (both apply one update to one reduced grad
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -68,7 +70,7 @@ def head_in_token_shares(split: HeadSplit) -> LossFn:
 
 
 def assert_split_equivalent(cfg) -> tuple[list[dict], list[dict], dict]:
-    results = run_ranks(pipeline_rank, 2, cfg.to_dict())
+    results = run_ranks(pipeline_rank, cfg.parallel.pp * (cfg.parallel.dp or 1), cfg.to_dict())
     records = next(r["records"] for r in results if r["records"])
     split = head_split_plan(cfg, get_model_config(cfg.model.name, **(cfg.model.overrides or {})))
     ref = reference_run(cfg, head_in_token_shares(split))
@@ -82,9 +84,10 @@ def assert_split_equivalent(cfg) -> tuple[list[dict], list[dict], dict]:
             ref_name = "embed.weight" if tied and name == "lm_head.weight" else name
             err = relative_error(p, ref["params"][ref_name])
             assert err < 1e-5, (r["stage"], name, err)
-    helper, last = (next(r for r in results if r["stage"] == s)["params"] for s in (0, 1))
-    replica = helper["embed.weight" if tied else "lm_head.weight"]
-    assert torch.equal(replica, last["lm_head.weight"])  # one update of one reduced gradient on both
+    for dp in {r["dp"] for r in results}:
+        helper, last = (next(r for r in results if r["stage"] == s and r["dp"] == dp)["params"] for s in (0, 1))
+        replica = helper["embed.weight" if tied else "lm_head.weight"]
+        assert torch.equal(replica, last["lm_head.weight"])  # one update of one reduced gradient on both
     return results, records, ref
 
 
@@ -109,3 +112,28 @@ def test_head_split_tied_embeddings_with_sync_start_and_eval() -> None:
     results, records, ref = assert_split_equivalent(cfg)
     assert "lm_head.weight" not in next(r for r in results if r["stage"] == 0)["params"]
     assert records[-1]["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)  # the last stage's whole head
+
+
+@pytest.mark.parametrize("extra", [
+    {"staleness": {"weight_prediction": True}},
+    {"staleness": {"dc_lambda": 1000.0}},  # tests/dist/test_corrections_pipeline.py's: 0.1 moves 4 steps by 6e-6
+    {"staleness": {"grad_ef_lambda": 0.5}},
+    pytest.param({"parallel": {"dp": 2}, "train": {"num_microbatches": 2}}, marks=pytest.mark.slow),
+    pytest.param({"parallel": {"dp": 2, "distributed_optimizer": True}, "train": {"num_microbatches": 2}},
+                 marks=pytest.mark.slow),
+], ids=["weight-prediction", "dc-asgd", "grad-ef", "dp2", "dp2-distributed-optimizer"])
+def test_head_split_with_a_correction_or_data_parallelism_equals_simulator(extra: dict) -> None:
+    """Issue 30: the head split refused these as untested. The helper's head replica is a parameter of stage 0
+    like any other: predicted, DC-corrected and gradient-EF'd with that stage's versions, reduced over DP (and
+    owned by one DP rank under the distributed optimizer) with its pair on the last stage."""
+    parallel = {"pp": 2, "head_split": "tokens", "stage_layers": [2, 2], **extra.get("parallel", {})}
+    cfg = make_config(model=UNTIED, parallel=parallel, optimizer={"name": "adamw", "eps": ADAMW_EPS},
+                      train={"steps": 4, **extra.get("train", {})}, staleness=extra.get("staleness", {}))
+    results, _, ref = assert_split_equivalent(cfg)
+    assert "lm_head.weight" in next(r for r in results if r["stage"] == 0)["params"]
+    assert {r["dp"] for r in results} == set(range(parallel.get("dp", 1)))
+    if "staleness" in extra:  # the correction really acts: without it the simulator ends 1e-4 or more away
+        off = {k: type(v)() for k, v in extra["staleness"].items()}
+        split = head_split_plan(cfg, get_model_config(cfg.model.name, **cfg.model.overrides))
+        plain = reference_run(cfg.replace(staleness=dataclasses.replace(cfg.staleness, **off)), head_in_token_shares(split))
+        assert max(relative_error(p, plain["params"][n]) for n, p in ref["params"].items()) > 1e-4

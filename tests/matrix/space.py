@@ -3,18 +3,17 @@
 The config validator is the oracle of what is allowed (asyncpp.job.resolve, then the pipeline's own checks,
 check_pipeline_options, both before any process group exists): a case it accepts must run as a real pipeline
 and equal the simulator; a case it refuses must be refused with a ConfigError that names the field.
-
-Not in the space yet (each needs its own tolerance or harness): precision=bf16 (a derived bound per case),
-a stop mid-run with a resume, schedule kinds beyond these three, pp=3.
 """
 
 from __future__ import annotations
+
+from asyncpp.pipeline.stopping import stop_lookahead
 
 MAX_RANKS = 4
 """gloo processes one case may start on the test machine (2 cores)."""
 
 DIMENSIONS: dict[str, tuple] = {
-    "schedule": ("2bw", "1f1b", "pipedream"),
+    "schedule": ("2bw", "1f1b", "pipedream", "sync", "gpipe"),
     "optimizer": ("adamw", "muon"),
     "model": ("tiny_dense", "tiny_moe", "tiny_hybrid"),  # dense tied, MoE, hybrid (GDN + attention + MoE)
     "ef_lambda": (0.0, 1.0),
@@ -22,16 +21,20 @@ DIMENSIONS: dict[str, tuple] = {
     "grad_ef_lambda": (0.0, 0.5),
     "dc_lambda": (0.0, 0.1),
     "weight_prediction": (False, True),
-    "pp": (1, 2, 4),
+    "pp": (1, 2, 3, 4),
     "tp": (1, 2),
     "sequence_parallel": (False, True),
     "dp": (1, 2),
     "ep": (1, 2),
     "distributed_optimizer": (False, True),
+    "precision": ("fp32", "bf16"),
     "recompute": ("none", "selective", "full"),
+    # The head placement. "vocab" (the vocabulary-parallel head over the pipeline) joins these values when
+    # parallel.head lands (issue 28); container() then maps it to that key.
     "head_split": ("none", "tokens"),
     "rampup": (False, True),
-    "m": ("P", "2P"),  # microbatches per replica: the pipeline's depth, or twice it
+    "m": ("P", "P+1", "2P"),  # microbatches per replica: the pipeline's depth, one more, or twice it
+    "resume": (False, True),  # a stop requested mid-run (checkpointed), then the same command resumes it
 }
 
 
@@ -47,20 +50,26 @@ def feasible(case: dict) -> bool:
 
 
 def microbatches(case: dict) -> int:
-    return max(case["pp"], 2) * (2 if case["m"] == "2P" else 1)
+    depth = max(case["pp"], 2)
+    return {"P": depth, "P+1": depth + 1, "2P": 2 * depth}[case["m"]]
 
 
-def container(case: dict) -> dict:
-    """The case as the plain config dict pretrain composes (tests/dist/workers.make_config's base, 4 steps)."""
+def steps(case: dict) -> int:
+    """4 steps; a case with a stop runs long enough that the stop requested at step 0 (tests/matrix/run.py) lands
+    mid-run with two steps left to resume: at 1 + the largest stage delay in the steady state."""
+    return max(4, stop_lookahead(case["schedule"], case["pp"]) + 2) if case["resume"] else 4
+
+
+def container(case: dict, checkpoint_dir: str = "checkpoints") -> dict:
+    """The case as the plain config dict pretrain composes (tests/dist/workers.make_config's base)."""
     m = microbatches(case)
-    train = {"steps": 4, "micro_batch_size": 2, "num_microbatches": m, "seq_len": 16, "eval_every": 0,
-             "grad_clip": 1.0, "recompute": case["recompute"], "timeout_s": 60.0}
+    train = {"steps": steps(case), "micro_batch_size": 2, "num_microbatches": m, "seq_len": 16, "eval_every": 0,
+             "grad_clip": 1.0, "recompute": case["recompute"], "precision": case["precision"], "timeout_s": 60.0}
     if case["rampup"]:
-        # Megatron's rule: start at m/2 sequences' worth per replica, grow by one microbatch per replica until
-        # the full batch; the steps of each m form a segment of their own.
-        per_step = m * train["micro_batch_size"] * case["dp"]
+        # Megatron's rule: start at half the batch (whole microbatches per replica), grow by one microbatch per
+        # replica every `samples` sequences until the full batch; the steps of each m form a segment of their own.
         step = train["micro_batch_size"] * case["dp"]
-        train["batch_rampup"] = [per_step // 2, step, per_step]
+        train["batch_rampup"] = [max(1, m // 2) * step, step, m * step]
     return {
         "model": {"name": case["model"]},
         "train": train,
@@ -74,7 +83,9 @@ def container(case: dict) -> dict:
                      "sequence_parallel": case["sequence_parallel"],
                      "distributed_optimizer": case["distributed_optimizer"], "head_split": case["head_split"]},
         "logging": {"wandb_mode": "disabled", "progress": False},
-        "checkpoint": {"enabled": False},
+        # A case with a stop checkpoints only where the stop lands (every=0, timed saves off) and resumes from it.
+        "checkpoint": ({"enabled": True, "every": 0, "every_minutes": 0.0, "dir": checkpoint_dir}
+                       if case["resume"] else {"enabled": False}),
     }
 
 

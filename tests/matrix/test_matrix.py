@@ -1,24 +1,29 @@
 """Issue 30: the covering matrix. Every pair of feature values (tests/matrix/space.py) appears in a case of a
 seeded pairwise covering array; the config validator decides each case: accepted cases run as real gloo
-pipelines and must equal the single-process simulator at the equivalence tolerances (loss and gradient norm
-relative 1e-5, weights 1e-4: tests/dist/test_pipeline_equivalence.py), refused ones must be refused before any
-process group exists with a ConfigError naming the field. `make test-matrix` runs the full array (slow); the
-default suite runs the generator's checks, every case's oracle, and a fixed slice of FAST cases."""
+pipelines, equal the single-process simulator at the tolerances of tests/matrix/run.py and pass the NCCL
+replay (tests/nccl), refused ones must be refused before any process group exists with a ConfigError naming
+the field. Seeded random full configurations run on top. `make test-matrix` runs everything (slow); the
+default suite runs the generator's checks, every refusal, and a fixed slice of FAST cases."""
 
 from __future__ import annotations
 
+import random
 import re
 
 import pytest
 
-from asyncpp.config import ConfigError, RunConfig, check_pipeline_options
+from asyncpp.config import ConfigError, check_pipeline_options
 from asyncpp.job import resolve
 from asyncpp.parallel.mesh import ParallelDims
-from tests.dist.test_pipeline_equivalence import assert_parallel_equivalent
-from tests.matrix.covering import accepted_cover, all_pairs, covering_array, pairs_of
+from tests.matrix.covering import accepted_greedy, all_pairs, covering_array, pairs_of
+from tests.matrix.run import run_case
 from tests.matrix.space import DIMENSIONS, container, feasible, label, world
 
+pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
+
 SEED = 30
+RANDOM_CASES = 4
+"""Seeded random accepted full configurations run on top of the cover (slow)."""
 FIELD = re.compile(r"\b(model|train|optimizer|schedule|staleness|parallel|checkpoint|data)\.[a-z_]+")
 
 
@@ -35,19 +40,36 @@ def oracle(case: dict) -> ConfigError | None:
     return None
 
 
-COVER = accepted_cover(DIMENSIONS, SEED, feasible, lambda case: oracle(case) is None, pool=800, tries_per_pair=10)
+def accepts(case: dict) -> bool:
+    return oracle(case) is None
+
+
+COVER = accepted_greedy(DIMENSIONS, SEED, feasible, accepts)
 CASES = COVER.cases
-FAST = tuple(i for i, c in enumerate(CASES) if world(c) == 2)[:2]
-"""The default suite's slice: the first two 2-rank cases."""
+
+
+def random_accepted(seed: int, count: int, skip: list[dict]) -> list[dict]:
+    """`count` accepted full configurations drawn uniformly per dimension (seeded), none already in `skip`."""
+    rng, out = random.Random(seed), []
+    while len(out) < count:
+        case = {d: rng.choice(values) for d, values in DIMENSIONS.items()}
+        if feasible(case) and case not in skip and case not in out and accepts(case):
+            out.append(case)
+    return out
+
+
+RANDOM = random_accepted(SEED + 1, RANDOM_CASES, CASES)
+FAST = tuple(i for i, c in enumerate(CASES) if world(c) == 2 and not c["resume"])[:2]
+"""The default suite's slice: the first two 2-rank cases without a stop (one run each)."""
 
 
 def test_every_pair_is_in_an_accepted_case_or_refused():
     covered = set().union(*(pairs_of(c, DIMENSIONS) for c in CASES))
     assert covered == COVER.covered
     assert covered | set(COVER.refused) | set(COVER.excluded) == set(all_pairs(DIMENSIONS))
-    assert all(feasible(c) and oracle(c) is None for c in CASES)
-    # Only the machine's rank limit excludes pairs: pp=4 with tp=2 or dp=2 needs 8 ranks.
-    assert COVER.excluded == [("pp", 4, "tp", 2), ("pp", 4, "dp", 2)]
+    assert all(feasible(c) and accepts(c) for c in CASES + RANDOM)
+    # Only the machine's rank limit excludes pairs: pp=3 or 4 with tp=2 or dp=2 needs 6 or 8 ranks.
+    assert COVER.excluded == [("pp", 3, "tp", 2), ("pp", 4, "tp", 2), ("pp", 3, "dp", 2), ("pp", 4, "dp", 2)]
 
 
 def test_the_covering_array_is_a_function_of_its_seed():
@@ -55,10 +77,11 @@ def test_the_covering_array_is_a_function_of_its_seed():
     assert covering_array(DIMENSIONS, SEED, feasible) != covering_array(DIMENSIONS, SEED + 1, feasible)
 
 
-@pytest.mark.slow  # a second build of the cover: 12 s
+@pytest.mark.slow  # a second build of the cover
 def test_the_accepted_cover_is_a_function_of_its_seed():
-    again = accepted_cover(DIMENSIONS, SEED, feasible, lambda case: oracle(case) is None, pool=800, tries_per_pair=10)
+    again = accepted_greedy(DIMENSIONS, SEED, feasible, accepts)
     assert again.cases == CASES and again.refused == COVER.refused
+    assert random_accepted(SEED + 1, RANDOM_CASES, again.cases) == RANDOM
 
 
 @pytest.mark.parametrize("pair", COVER.refused,
@@ -70,5 +93,25 @@ def test_a_pair_no_accepted_case_holds_is_refused_naming_a_field(pair):
 
 @pytest.mark.parametrize("index", [pytest.param(i, marks=() if i in FAST else pytest.mark.slow)
                                    for i in range(len(CASES))], ids=[label(c) for c in CASES])
-def test_an_accepted_case_equals_the_simulator(index):
-    assert_parallel_equivalent(RunConfig.from_dict(container(CASES[index])))
+def test_an_accepted_case_equals_the_simulator(index, tmp_path):
+    measured = run_case(CASES[index], tmp_path)
+    print(f"{label(CASES[index])}: {measured}")
+
+
+BF16_BEYOND_4N = {
+    "model=tiny_moe,ef_lambda=1.0,grad_ef_lambda=0.5,dc_lambda=0.1,weight_prediction=True,pp=2,tp=2,precision=bf16,"
+    "recompute=selective,rampup=True,m=2P,resume=True":
+        "bf16 rounding noise past the statistical 4N bound (tests/matrix/run.py): layers.3.mlp.shared_gate.weight "
+        "1.46e-2 against 1.35e-2 in the full run of 2026-11-25; the same case in fp32 equals the simulator at 4.2e-6",
+}
+"""Cases whose bf16 run lands past the bf16 bound while their fp32 twin passes at the fp32 tolerance (issue 30's
+note): expected failures, strict, so a change in either shows."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=BF16_BEYOND_4N[label(c)])
+                                               if label(c) in BF16_BEYOND_4N else ()) for c in RANDOM],
+                         ids=[label(c) for c in RANDOM])
+def test_a_random_accepted_configuration_equals_the_simulator(case, tmp_path):
+    measured = run_case(case, tmp_path)
+    print(f"{label(case)}: {measured}")

@@ -84,6 +84,10 @@ CORPUS: dict[str, Bad] = {
         ["model=tiny_dense", "parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=127"],
         "train.seq_len=127", "multiple of 2",
     ),
+    "sequence-parallel-without-tp": Bad(  # megatron-core refuses it too (ModelParallelConfig)
+        ["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true with parallel.tp=1",
+        "parallel.sequence_parallel=false",
+    ),
     "negative-dry-run": Bad(["dry_run=-1"], "dry_run=-1", "dry_run=8"),
     "ep-on-dense": Bad(["model=tiny_dense", "parallel.ep=2"], "parallel.ep=2", "set parallel.ep=1"),
     "ep-splits-experts": Bad(

@@ -1,0 +1,112 @@
+"""One case of the covering matrix as real gloo pipelines, against the single-process simulator, with every
+rank's torch.distributed ops recorded and replayed under NCCL's ordering rules (tests/nccl/replay.py).
+
+A case with `resume` runs twice, as a user would: a stop requested at step 0 on rank 0 (StopFlag's test hook,
+as tests/dist/test_stop_midsegment.py) is agreed by every rank, checkpointed where it lands, and the same
+command resumes from that checkpoint (checkpoint.resume=auto); the two runs' records together, and the
+resumed run's final weights, must equal one uninterrupted simulator run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from asyncpp.config import RunConfig
+from tests.dist.harness import run_ranks
+from tests.dist.test_pipeline_equivalence import assemble, relative_error
+from tests.dist.test_stop_midsegment import stopped_rank
+from tests.dist.workers import pipeline_rank, reference_run
+from tests.matrix.space import container, world
+from tests.nccl.recorder import record
+from tests.nccl.replay import MODES, replay
+
+# fp32: the equivalence tier's tolerances (tests/dist/test_pipeline_equivalence.py): loss and gradient norm
+# relative 1e-5, each weight tensor 1e-4.
+FP32_REL, FP32_WEIGHT_REL = 1e-5, 1e-4
+# bf16: a layout that sums in another order changes bf16 roundings. With DP only the fp32 gradient sums are
+# reordered, which moves a master across a bf16 rounding boundary now and then (tests/dist/
+# test_distributed_optimizer.py: 2^-8 on losses, 2^-7 on weights); with TP the forward and backward round more
+# often (each partial output and partial input gradient is rounded to bf16 before the all-reduce sums it, as in
+# Megatron), every element by up to half an ulp, and the steps carry that noise on like any rounding noise
+# (Muon's Newton-Schulz amplifies it). Its scale N is the simulator's own: how far the bf16 simulator lands from
+# the fp32 one on the same case (per tensor; per step, the largest so far, since the noise grows with the
+# steps). A TP layout has up to 3x the simulator's rounding events on a path, so its own noise is up to
+# sqrt(3) N and its expected distance from the bf16 simulator sqrt(1 + 3) N = 2N; the bound is twice that,
+# 4N (a statistical bound: the matrix's first full run measured one case, pipedream + Muon + TP=2 + SP, at
+# 3.1N on step 3's gradient norm). A wrong version or a lost gradient moves the weights by a whole update, far
+# above it; the exactness of every layout's logic is the fp32 cases' job.
+BF16_REL, BF16_WEIGHT_REL, BF16_NOISE_FACTOR = 2.0 ** -8, 2.0 ** -7, 4.0
+STOP_REQUESTED_AT = 0
+
+
+def matrix_rank(rank: int, cfg_dict: dict, stop_at: int | None) -> dict:
+    """tests/dist/workers.pipeline_rank (or, with `stop_at`, a stop requested by rank 0 at that step), with every
+    torch.distributed op this rank issues recorded for the NCCL replay."""
+    with record() as recorder:
+        out = pipeline_rank(rank, cfg_dict) if stop_at is None else stopped_rank(rank, cfg_dict, 0, stop_at)
+    return {**out, "nccl_log": recorder.log}
+
+
+def assert_no_nccl_deadlock(results: list[dict], what: str) -> None:
+    logs = {rank: r["nccl_log"] for rank, r in enumerate(results)}
+    assert all(logs.values()), "a rank recorded nothing: the recorder is not installed"
+    for mode in MODES:
+        outcome = replay(logs, mode)
+        assert outcome.ok, f"{what}\n{outcome.summary()}"
+
+
+def bf16_noise(cfg: RunConfig, ref: dict) -> dict:
+    """How far the bf16 simulator lands from the fp32 simulator on this case: per step the largest |loss| and
+    |grad norm| difference so far, per weight tensor the relative error (BF16_NOISE_FACTOR above)."""
+    fp32 = reference_run(cfg.replace(train=dataclasses.replace(cfg.train, precision="fp32")))
+    pairs = list(zip(ref["stats"], fp32["stats"], strict=True))
+    return {"loss": list(itertools.accumulate((abs(a.loss - b.loss) for a, b in pairs), max)),
+            "grad_norm": list(itertools.accumulate((abs(a.grad_norm - b.grad_norm) for a, b in pairs), max)),
+            "params": {n: relative_error(p.float(), fp32["params"][n]) for n, p in ref["params"].items()}}
+
+
+def writer_records(results: list[dict]) -> list[dict]:
+    return next((r["records"] for r in results if r["records"]), [])
+
+
+def run_case(case: dict, tmp_path) -> dict:
+    """Run `case` (accepted by the validator) and assert it equals the simulator; returns what it measured."""
+    cfg = RunConfig.from_dict(container(case, str(tmp_path / "checkpoints")))
+    n, steps = world(case), cfg.train.steps
+    if case["resume"]:
+        part = run_ranks(matrix_rank, n, cfg.to_dict(), STOP_REQUESTED_AT)
+        assert_no_nccl_deadlock(part, "the run that stops")
+        stopped = {r["summary"]["stopped_at"] for r in part}
+        assert len(stopped) == 1 and 0 < min(stopped) < steps, stopped  # agreed, and really mid-run
+        stop = stopped.pop()
+        records = writer_records(part)
+        assert [r["step"] for r in records] == list(range(stop))
+        results = run_ranks(matrix_rank, n, cfg.to_dict(), None)  # the same command: resumes from the stop
+        assert_no_nccl_deadlock(results, "the resumed run")
+        records = records + writer_records(results)
+    else:
+        stop = None
+        results = run_ranks(matrix_rank, n, cfg.to_dict(), None)
+        assert_no_nccl_deadlock(results, "the run")
+        records = writer_records(results)
+    assert [r["step"] for r in records] == list(range(steps))
+    ref = reference_run(cfg)
+    noise = bf16_noise(cfg, ref) if case["precision"] == "bf16" else None
+    for t, (r, s) in enumerate(zip(records, ref["stats"], strict=True)):
+        for key in ("loss", "grad_norm"):
+            got, want = r[key], getattr(s, key)
+            bound = FP32_REL * abs(want) if noise is None else max(BF16_REL * abs(want), BF16_NOISE_FACTOR * noise[key][t])
+            assert abs(got - want) <= bound, (key, t, got, want, bound)
+    params = assemble(results)
+    worst = (0.0, 0.0, "")
+    for name, p in params.items():
+        ref_name = "embed.weight" if name == "lm_head.weight" and name not in ref["params"] else name
+        assert p.shape == ref["params"][ref_name].shape, name
+        err = relative_error(p, ref["params"][ref_name])
+        bound = FP32_WEIGHT_REL if noise is None else max(BF16_WEIGHT_REL, BF16_NOISE_FACTOR * noise["params"][ref_name])
+        assert err < bound, (name, err, bound)
+        worst = max(worst, (err, bound, name))
+    assert set(ref["params"]) <= set(params)
+    return {"stopped_at": stop, "worst_weight_error": worst,  # (error, its bound, the tensor)
+            "ops": sum(len(r["nccl_log"]) for r in results)}
