@@ -183,8 +183,8 @@ def test_a_hung_rank_fails_its_neighbour_within_the_timeout_and_the_job_restarts
 def _evidence_shows_who_waited_for_what(run_dir, err: str, frozen_at: float) -> None:
     """Both ranks left their flight records in <run dir>/comm_ops (asyncpp/parallel/flight.py). Stage 0's error names
     its file, whose first pending op is the one it gave up on, with rank 1 among its peers; rank 1, thawed by the
-    step's teardown (slurmstepd's SIGCONT and SIGTERM), wrote its record at the signal: nothing in it was issued
-    after the SIGSTOP, and its pending ops are where it stood when it froze."""
+    step's teardown (slurmstepd's SIGCONT and SIGTERM), wrote its record then: nothing in it was issued after the
+    SIGSTOP, so its last op and its pending ones (none, if it froze between ops) are where it stood."""
     m = re.search(r"stage 0 \(rank 0\) gave up waiting for (.+?) \(train\.timeout_s=.*? This rank's recent "
                   r"communication ops are in (\S+\.json)\.", err)
     assert m, err[-3000:]
@@ -200,9 +200,12 @@ def _evidence_shows_who_waited_for_what(run_dir, err: str, frozen_at: float) -> 
     assert 1 in failed["ranks"] and failed["waited"] is not None, failed  # rank 0 waited for rank 1
     theirs = json.loads(files[1][0].read_text())
     ops = [e for e in theirs["entries"] if "wait" not in e]
-    print(f"rank 1 ({theirs['reason'][:60]}): " + " | ".join(theirs["pending"][:3]))
-    assert theirs["rank"] == 1 and ops and theirs["pending"], theirs["pending"]
-    assert max(e["issued"] for e in ops) < frozen_at + 0.5, (frozen_at, ops[-1])  # frozen: nothing issued after
+    last = ops[-1] if ops else {}
+    print(f"rank 1 ({theirs['reason'][:60]}): pending {theirs['pending'][:3]}; its last op #{last.get('seq')} "
+          f"{last.get('name')} {last.get('state')} at {last.get('site')}, {frozen_at - last.get('issued', 0):.1f} s "
+          "before the SIGSTOP")
+    assert theirs["rank"] == 1 and ops, theirs
+    assert last["issued"] < frozen_at + 0.5, (frozen_at, last)  # frozen: nothing issued after the SIGSTOP
 
 
 def test_a_hydra_sweep_runs_each_point_as_a_slurm_job_in_its_own_directory(cluster, tmp_path):
