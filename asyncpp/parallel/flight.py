@@ -189,7 +189,8 @@ class Recorder:
     def _issue(self, op: Op) -> int:
         op.seq = next(self._seq)
         op.issued = time.time()
-        op.waited = op.issued if op.name in BLOCKING else None
+        if op.name in BLOCKING:  # it waits from its issue (call() takes that back for async_op=True)
+            op.state, op.waited = "waiting", op.issued
         op.what = getattr(self._local, "label", None) or ""
         self.log.append(op)
         return op.seq
@@ -253,7 +254,7 @@ class Recorder:
         if name == "batch_isend_irecv":
             return [_WorkProxy(w, op, self) for w in result]
         if name in ("isend", "irecv") or arguments.get("async_op"):
-            op.waited = None
+            op.state, op.waited = "issued", None
             return _WorkProxy(result, op, self)
         self.log.append(Wait(op.seq))  # a blocking call: waited for before it returns
         op._settle("completed")
