@@ -36,6 +36,7 @@ from asyncpp.core.partition import stage_split
 from asyncpp.core.recompute import apply_recompute, modes_per_layer
 from asyncpp.host.measured import host_rss_bytes
 from asyncpp.optim import build_from_config
+from asyncpp.parallel import flight
 from asyncpp.parallel.mesh import Mesh, ParallelDims, init_distributed
 from asyncpp.pipeline.build import build_rank_stage
 from asyncpp.pipeline.executor import PipelineExecutor
@@ -233,7 +234,15 @@ def optimizer_for(cfg: RunConfig, mesh):
 
 
 def run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | None = None) -> dict:
-    """One pipeline stage per rank (torchrun). Validated before the process group exists."""
+    """One pipeline stage per rank (torchrun). Validated before the process group exists. Every torch.distributed
+    op is kept in the rank's flight recorder, written to <run dir>/comm_ops/ when a wait gives up or a signal asks
+    for a stop (parallel/flight.py)."""
+    with flight.recording() as recorder:
+        return _run_distributed(cfg, model_cfg, stop, recorder)
+
+
+def _run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | None,
+                     recorder: flight.Recorder) -> dict:
     p = cfg.parallel
     check_pipeline_options(cfg, model_cfg)
     dims = ParallelDims.for_world(int(os.environ["WORLD_SIZE"]), pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
@@ -250,6 +259,7 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | Non
         with naming_the_peer(mesh, "rank 0's run directory (broadcast)", timeout):
             dist.broadcast_object_list(shared, src=0)  # one run directory, rank 0's (hydra's ${now} differs)
         cfg = cfg.replace(out_dir=shared[0])
+        recorder.dump_dir = Path(cfg.out_dir) / flight.DUMP_DIR
         if mesh.rank != 0:
             with naming_the_peer(mesh, "rank 0 to fill the data cache (start-up barrier)", timeout):
                 dist.barrier()  # rank 0 tokenizes and fills the cache first; the others then hit it

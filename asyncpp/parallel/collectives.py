@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from asyncpp.parallel import flight
+
 Group = dist.ProcessGroup
 
 
@@ -68,9 +70,12 @@ def describe(group: Group) -> GroupBound:
 
 
 def timeout_message(where: str, what: str, timeout_s: float, cause: str) -> str:
-    """The one wording of every "gave up waiting" error (collectives here, pipeline/p2p.py's waits)."""
-    return (f"{where} gave up waiting for {what} (train.timeout_s={timeout_s}): {cause}. The rank it waits for "
-            "probably died or hangs; check that rank's log.")
+    """The one wording of every "gave up waiting" error (collectives here, pipeline/p2p.py's waits). It also writes
+    this rank's flight record (flight.py: its recent ops, the pending ones first) and names the file."""
+    message = (f"{where} gave up waiting for {what} (train.timeout_s={timeout_s}): {cause}. The rank it waits for "
+               "probably died or hangs; check that rank's log.")
+    evidence = flight.dump(message, where, {name: b.name for name, b in _BOUNDS.items()})
+    return f"{message} This rank's recent communication ops {evidence}." if evidence else message
 
 
 @contextlib.contextmanager
@@ -78,7 +83,8 @@ def bounded(op: str, group: Group) -> Iterator[None]:
     """Run a collective `op` ("the expert all-to-all of the token counts") on `group`; a backend error (its
     timeout, a dead peer) is re-raised as a CollectiveTimeout naming the stage, the group and `op`."""
     try:
-        yield
+        with flight.about(op):
+            yield
     except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
         if isinstance(e, CollectiveTimeout):
             raise

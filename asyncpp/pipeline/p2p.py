@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from asyncpp.parallel import flight
 from asyncpp.parallel.collectives import CollectiveTimeout, timeout_message
 from asyncpp.parallel.mesh import Mesh
 
@@ -58,7 +59,8 @@ def naming_the_peer(mesh: Mesh, what: str, timeout_s: float) -> Iterator[None]:
     """Turn a raw backend error (gloo's "Connection reset by peer" when a peer died, an NCCL error) raised
     while posting an op or in a blocking collective into a PipelineTimeout that names this stage and `what`."""
     try:
-        yield
+        with flight.about(what):
+            yield
     except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
         if isinstance(e, CollectiveTimeout):  # already names its stage and what it waited for
             raise
@@ -68,6 +70,7 @@ def naming_the_peer(mesh: Mesh, what: str, timeout_s: float) -> Iterator[None]:
 def wait_for(work: dist.Work, timeout_s: float, mesh: Mesh, what: str) -> None:
     """work.wait() that turns a hang or a dead peer into an error naming this stage and `what` (blocks
     the calling thread: the CPU/gloo path)."""
+    flight.note_wait(work, what)
     try:
         work.wait(timedelta(seconds=timeout_s))
     except RuntimeError as e:
@@ -146,6 +149,7 @@ class StageComm:
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for a p2p op or a collective: stream-ordered on CUDA (watched), timed on CPU."""
         if self.stream_waits:
+            flight.note_wait(work, what)
             work.wait()
             self.watchdog.watch(work, what)
         else:
@@ -221,7 +225,8 @@ class StageComm:
     def _send(self, tensor: Tensor, dst: int, group, what: str, free_after: bool, step: int | None) -> None:
         self._check(tensor, what, dst)
         payload = self._payload(tensor)
-        with naming_the_peer(self.mesh, f"{what} to rank {dst} (posting the send)", self.timeout_s):
+        of_step = f" of step {step}" if step is not None else ""
+        with naming_the_peer(self.mesh, f"{what}{of_step} to rank {dst} (posting the send)", self.timeout_s):
             work = dist.isend(payload, dst=dst, group=group)
         self._pending.append((work, payload, tensor if free_after else None, step))
 

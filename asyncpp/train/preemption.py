@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from asyncpp.parallel import flight
 from asyncpp.train.run_identity import EXIT_STOPPED, record_exit
 
 EXIT_CODE = EXIT_STOPPED  # 128 + SIGTERM, what a job killed by SIGTERM reports: the scheduler may requeue it
@@ -55,6 +56,9 @@ class StopFlag:
         self.seen_at: int | None = None
         """The step boundary at which a loop first saw the request: the single process after step t, a pipeline
         at UPDATE_START(t), i.e. while b_t's backward was still running on this stage."""
+        self.evidence = ""
+        """Where the flight recorder wrote this rank's communication ops when the signal came (flight.dump's words:
+        "are in <file>"); empty when nothing records (a single process) or for the test hook."""
         self.at_step = at_step
         """Test hook (pretrain.py: ASYNCPP_STOP_AT_STEP): request a stop when a step >= at_step is reached, as
         if SIGTERM had arrived then, so a stop mid-segment is deterministic in CI."""
@@ -69,6 +73,8 @@ class StopFlag:
             os._exit(EXIT_CODE)
         if not self.requested:
             self.requested, self.signal, self.since = True, signum, time.monotonic()
+            if frame is not None:  # what was in flight when the scheduler asked: one small file, a few ms
+                self.evidence = flight.dump(f"signal {signum}: a stop was requested")
 
     def arm(self) -> None:
         """From now on a signal asks for a checkpoint at a step boundary (the trainer's loop has begun)."""

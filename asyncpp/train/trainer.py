@@ -190,7 +190,8 @@ class Trainer:
             seen = "" if self.stop.seen_at is None else f" in step {self.stop.seen_at}"
             cause = f"signal {self.stop.signal}{seen}"
         took = f"took {self.stop.elapsed():.1f} s from the signal" if self.stop.requested else "agreed with the others"
-        announce(f"stop requested ({cause}): checkpoint at step {step_done}; exiting {EXIT_CODE}; {took}")
+        evidence = f"; its communication ops at the signal {self.stop.evidence}" if self.stop.evidence else ""
+        announce(f"stop requested ({cause}): checkpoint at step {step_done}; exiting {EXIT_CODE}; {took}{evidence}")
 
     def _log(self, r: StepResult, val_loss: float | None) -> None:
         self.tokens += r.tokens

@@ -56,6 +56,15 @@ def test_sigterm_checkpoints_exits_143_and_resumes_exactly(tmp_path, nproc):
     saved = sorted(p.name for p in (part / "checkpoints").glob("step_*"))
     assert saved and saved[-1] != "step_00000024", saved  # stopped early, with a checkpoint
     stopped = int(saved[-1].split("_")[1])
+    # Each rank's stop line names the file its flight recorder wrote at the signal (parallel/flight.py): what it
+    # had in flight when the scheduler asked. A single process has no process group and records nothing.
+    stops = [line for line in err.decode().splitlines() if line.startswith("stop requested (signal 15")]
+    assert len(stops) == nproc, err.decode()[-2000:]
+    named = sorted(Path(line.split("its communication ops at the signal are in ")[1]) for line in stops
+                   if "its communication ops at the signal are in " in line)
+    assert named == (sorted((part / "comm_ops").glob("rank*.json")) if nproc > 1 else []), (stops, named)
+    assert sorted(json.loads(f.read_text())["rank"] for f in named) == ([0, 1] if nproc > 1 else [])
+    assert all(json.loads(f.read_text())["reason"] == "signal 15: a stop was requested" for f in named)
 
     subprocess.run(command(nproc, part), cwd=ROOT, check=True, capture_output=True, timeout=300)  # resume=auto
     resumed, reference = losses(part), losses(full)

@@ -4,12 +4,14 @@ did not meet slurm (torchrun --standalone) or was not interrupted."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -108,7 +110,7 @@ def test_preemption_checkpoints_requeues_under_the_same_id_and_resumes_exactly(c
 
 
 @pytest.mark.parametrize("name, extra, options, code, message", [
-    ("config", ["trian.steps=3"], ["--no-validate"], 2, "Could not override 'trian.steps'"),
+    ("config", ["trian.steps=3"], ["--no-validate"], 2, "trian.steps is not a config key; did you mean train.steps?"),
     ("diverged", ["optimizer.lr=1e30"], [], 3, "training diverged"),
 ])
 def test_deliberate_exits_are_neither_retried_nor_requeued(cluster, tmp_path, name, extra, options, code, message):
@@ -158,6 +160,7 @@ def test_a_hung_rank_fails_its_neighbour_within_the_timeout_and_the_job_restarts
     job_id, run_dir = submit(cluster, tmp_path, "hang", [*OVERRIDES, f"train.timeout_s={timeout_s}"])
     wait_for("6 steps logged", lambda: steps_logged(run_dir) >= 6, 400)
     (rank,) = ranks_on(cluster, "node2")
+    frozen_at = time.time()
     os.kill(rank, signal.SIGSTOP)
     stopped = time.monotonic()
     err_file = tmp_path / "logs" / f"hang-{job_id}.err"
@@ -174,6 +177,35 @@ def test_a_hung_rank_fails_its_neighbour_within_the_timeout_and_the_job_restarts
     assert "resumed at step " in out + err
     assert {r["step"] for r in metrics(run_dir)} == set(range(STEPS))
     assert losses(run_dir) == losses(full_dir)
+    _evidence_shows_who_waited_for_what(run_dir, err, frozen_at)
+
+
+def _evidence_shows_who_waited_for_what(run_dir, err: str, frozen_at: float) -> None:
+    """Both ranks left their flight records in <run dir>/comm_ops (asyncpp/parallel/flight.py). Stage 0's error names
+    its file, whose first pending op is the one it gave up on, with rank 1 among its peers; rank 1, thawed by the
+    step's teardown (slurmstepd's SIGCONT and SIGTERM), wrote its record then: nothing in it was issued after the
+    SIGSTOP, so its last op and its pending ones (none, if it froze between ops) are where it stood."""
+    m = re.search(r"stage 0 \(rank 0\) gave up waiting for (.+?) \(train\.timeout_s=.*? This rank's recent "
+                  r"communication ops are in (\S+\.json)\.", err)
+    assert m, err[-3000:]
+    waited, named = m.group(1), Path(m.group(2))
+    files = {r: sorted((run_dir / "comm_ops").glob(f"rank{r}-*.json")) for r in (0, 1)}
+    print("flight records: " + ", ".join(f"rank {r}: {[f.name for f in fs]}" for r, fs in files.items()))
+    assert named in files[0] and files[1], files
+    mine = json.loads(named.read_text())
+    first = mine["pending"][0]
+    print(f"rank 0 ({mine['reason'][:60]}...): {first}")
+    assert mine["rank"] == 0 and ": failed after waiting " in first and waited.split(" on ")[0] in first, first
+    (failed,) = [e for e in mine["entries"] if e.get("state") == "failed"]
+    assert 1 in failed["ranks"] and failed["waited"] is not None, failed  # rank 0 waited for rank 1
+    theirs = json.loads(files[1][0].read_text())
+    ops = [e for e in theirs["entries"] if "wait" not in e]
+    last = ops[-1] if ops else {}
+    print(f"rank 1 ({theirs['reason'][:60]}): pending {theirs['pending'][:3]}; its last op #{last.get('seq')} "
+          f"{last.get('name')} {last.get('state')} at {last.get('site')}, {frozen_at - last.get('issued', 0):.1f} s "
+          "before the SIGSTOP")
+    assert theirs["rank"] == 1 and ops, theirs
+    assert last["issued"] < frozen_at + 0.5, (frozen_at, last)  # frozen: nothing issued after the SIGSTOP
 
 
 def test_a_hydra_sweep_runs_each_point_as_a_slurm_job_in_its_own_directory(cluster, tmp_path):

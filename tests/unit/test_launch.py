@@ -157,7 +157,9 @@ def _fake_bin(tmp_path: Path) -> Path:
         'trap \'echo "srun: forcing job termination" >> "$LOG"; kill -KILL $child\' TERM\n'
         'while kill -0 $child 2>/dev/null; do wait $child; rc=$?; done\nexit $rc\n',
         "scancel": 'echo scancel "$@" >> "$LOG"\nkill -TERM "$(cat "$ARGS.pid")"\n',
-        "scontrol": 'if [[ "$1" == show ]]; then echo node-a; echo node-b; else echo "$@" >> "$LOG"; fi\n',
+        # `scontrol requeue` of a running job terminates it: slurm sends the batch shell SIGTERM again.
+        "scontrol": 'if [[ "$1" == show ]]; then echo node-a; echo node-b; else echo "$@" >> "$LOG"; fi\n'
+        '[[ "$1" == requeue ]] && kill -TERM $PPID\n',
         "torchrun": 'printf "%s\\n" "$@" > "$ARGS"\necho $$ > "$ARGS.pid"\ntrap \'echo TERM >> "$LOG"; exit 0\' TERM\n'
         "while true; do sleep 0.05; done\n",
     }
@@ -202,7 +204,7 @@ def test_script_runs_forwards_sigterm_and_requeues(tmp_path):
     ]
     # SIGTERM goes to the step's processes through scancel, not to srun (which would kill them unsaved)
     assert (tmp_path / "log").read_text().splitlines() == ["scancel --signal=TERM 4242", "TERM", "requeue 4242"], out
-    assert rc == 143, out
+    assert out.count("[launch] SIGTERM") == 1 and rc == 143, out  # the requeue's own SIGTERM is not handled again
 
 
 def test_dry_run_prints_script_and_command_and_never_calls_sbatch(monkeypatch, capsys, tmp_path):
