@@ -23,7 +23,7 @@ class StageCheckpoint:
                  data: DataSource, batches: BatchPlan, naming: Callable[[str], object]):
         self.cfg, self.mesh, self.spec, self.model, self.engine = cfg, mesh, spec, model, engine
         self.data, self.batches, self._naming = data, batches, naming
-        self.saver = ckpt.Saver(cfg.checkpoint.async_save)
+        self.saver = ckpt.Saver(cfg.checkpoint.async_save, timeout_s=cfg.train.timeout_s)
 
     def stage_state(self, extra: dict[str, Tensor] | None = None) -> ckpt.StageState:
         """This stage's share of a checkpoint, keyed by full-model names (a tied head as embed.weight)."""

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
@@ -76,9 +77,12 @@ class Saver:
     wait() (at the next save and at the end) re-raises a background failure and is a barrier.
     """
 
-    def __init__(self, async_save: bool = False):
+    def __init__(self, async_save: bool = False, timeout_s: float | None = None):
+        """`timeout_s` (train.timeout_s): the background group's timeout, as every training group has; without it
+        new_group's default (gloo: 30 min) would let a dead peer hang the background write that long."""
         self.async_save = async_save
-        self._group = dist.new_group(backend="gloo") if async_save and is_distributed() else None
+        timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+        self._group = dist.new_group(backend="gloo", **timeout) if async_save and is_distributed() else None
         self._pending: _Pending | None = None
         self.resumed_from: Path | None = None
         """The checkpoint this run resumed from (set by the executor's resume): never pruned by this run, so a
