@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_CPU ?= torch==2.13.0
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup train lint test test-equivalence-again test-matrix test-slurm test-all bench clean
+.PHONY: setup train lint test test-equivalence-again test-matrix test-slurm test-all bench clean gpu-trace-env gpu-trace
 
 setup: $(STAMP)
 
@@ -76,6 +76,22 @@ test-matrix: setup
 
 bench: setup
 	$(PY) bench/step.py
+
+# The fake-CUDA trace (issue 33, docs/gpu.md "Before the first GPU"): PyTorch's CUDA build in a side environment,
+# never in .venv (whose CPU wheel the whole suite runs on). FakeTensorMode makes cuda:0 tensors with it on a machine
+# without a GPU. About 5 GB with the nvidia-* wheels. The project itself is not installed there: the trace runs
+# with PYTHONPATH pointing at the checkout, and only the packages its imports need come along.
+CUDA_VENV  := .venv-cuda
+TORCH_CUDA ?= torch==2.14.1
+CUDA_STAMP := $(CUDA_VENV)/.setup-done
+gpu-trace-env: $(CUDA_STAMP)
+
+$(CUDA_STAMP):
+	@test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CUDA_VENV)/bin/python -m pip install -q $(TORCH_CUDA) numpy omegaconf hydra-core pytest
+	@touch $(CUDA_STAMP)
+	@echo "[gpu-trace-env] done: $(CUDA_VENV)"
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache
