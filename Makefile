@@ -89,7 +89,7 @@ gpu-trace-env: $(CUDA_STAMP)
 $(CUDA_STAMP):
 	@test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_VENV)/bin/python -m pip install -q --upgrade pip
-	$(CUDA_VENV)/bin/python -m pip install -q $(TORCH_CUDA) numpy omegaconf hydra-core pytest
+	$(CUDA_VENV)/bin/python -m pip install -q $(TORCH_CUDA) numpy omegaconf hydra-core tqdm pytest
 	@touch $(CUDA_STAMP)
 	@echo "[gpu-trace-env] done: $(CUDA_VENV)"
 

@@ -34,9 +34,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 _ROOT = Path(__file__).resolve().parents[2]
@@ -116,6 +117,11 @@ class StandIns:
     def host_copy(self, shape, dtype: torch.dtype) -> torch.Tensor:
         value = True if dtype == torch.bool else (0.0 if dtype.is_floating_point else self.int_elements)
         return torch.full(tuple(shape), value, dtype=dtype)
+
+
+def without_values(x: torch.Tensor) -> bool:
+    """A meta tensor or a FakeTensorMode tensor: shapes only, nothing to read."""
+    return x.device.type == "meta" or is_fake(x)
 
 
 def call_site() -> str:
@@ -232,8 +238,8 @@ class StepTracer(TorchDispatchMode):
             x = args[0]
             if x.device.type != "cpu":
                 self._host_read("scalar", name, x)
-            stand_in = self.stand_ins.scalar(x.dtype) if self.ledger.device_type == "meta" else None
-            if x.device.type == "meta":
+            stand_in = self.stand_ins.scalar(x.dtype) if self.ledger.device_type != "cpu" else None
+            if without_values(x):
                 return stand_in
             value = func(*args, **kwargs)
             if self.record:
@@ -243,11 +249,11 @@ class StepTracer(TorchDispatchMode):
             x = args[0] if func is not aten.copy_.default else args[1]
             self._host_read("copy to host", name, x)
             self.host_copies.add(len(self.ops) - 1)
-            if x.device.type == "meta":
+            if without_values(x):
                 dtype = kwargs.get("dtype") or x.dtype
-                if func is aten.copy_.default:
-                    return args[0].copy_(self.stand_ins.host_copy(x.shape, dtype))
-                return self.stand_ins.host_copy(x.shape, dtype)
+                with _disable_current_modes():  # a real CPU tensor, also under an outer FakeTensorMode
+                    copy = self.stand_ins.host_copy(x.shape, dtype)
+                return args[0].copy_(copy) if func is aten.copy_.default else copy
         elif self._copies_from_host(func, args, kwargs):
             # A pageable host-to-device copy (torch.tensor(list, device=...), .to(device)): on CUDA the host
             # waits for the stream before it returns. torch.tensor() on the CPU runs lift_fresh instead.
@@ -259,7 +265,7 @@ class StepTracer(TorchDispatchMode):
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if first is not None and first.device.type != "cpu":
                 self._host_read("data-dependent size", name, first)
-                if first.device.type == "meta":  # no values to size the output from: name the site
+                if without_values(first):  # no values to size the output from: name the site
                     raise RuntimeError(f"{name} at {self.host_reads[-1].site} sizes its output from the values "
                                        "(a host sync on CUDA, and no size at all on meta): give it its size "
                                        "(output_size=, a static bound) if the host knows it")
@@ -323,10 +329,12 @@ class StepTracer(TorchDispatchMode):
 
 
 class AttentionPath(TorchFunctionMode):
-    """F.scaled_dot_product_attention on meta tensors runs the kernel of the device the trace stands for.
+    """F.scaled_dot_product_attention on meta (or fake) tensors runs the kernel of the device the trace stands for.
 
     SDPA picks its backend by the device: on meta it falls back to the math path, which saves the whole
     [B, H, T, T] attention matrix (512 MiB per layer at 16 heads x 4096 tokens): no GPU or CPU run keeps it.
+    On fake CUDA tensors it picks math too ("flash attention requires a CUDA device, which is not available":
+    the choice reads the GPU's properties).
     Here a causal SDPA without mask or dropout on meta calls the fused kernel instead: `gpu=True` CUDA's flash
     attention (bf16/fp16; GQA natively), else the CPU's flash kernel (what torch's CPU build picks), both with
     their autograd formulas and meta shapes. `chosen` counts the calls per path."""
@@ -345,7 +353,7 @@ class AttentionPath(TorchFunctionMode):
             if out.device.type != "cpu" and not isinstance(args[0] if args else None, torch.Tensor):
                 self.tracer.note_host_read("copy from host", f"{func.__name__}(data, device=...)", out)
             return out
-        if func is not F.scaled_dot_product_attention or not args or args[0].device.type != "meta":
+        if func is not F.scaled_dot_product_attention or not args or not without_values(args[0]):
             return func(*args, **kwargs)
         q, k, v = args[:3]
         plain = (len(args) <= 3 and kwargs.get("attn_mask") is None and not kwargs.get("dropout_p")
