@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
 from asyncpp.analysis.dryrun import fake_group
-from asyncpp.analysis.trace import AttentionPath, HostRead, StandIns, StepTracer
+from asyncpp.analysis.trace import AttentionPath, HostRead, StandIns, StepTracer, needed
 from asyncpp.analysis.traced import H100, balanced_stand_ins, pin_gpu_kernels
 from asyncpp.config import RunConfig
 from asyncpp.parallel.mesh import Mesh, ParallelDims
@@ -68,13 +68,22 @@ class FakeCudaReport:
     ops: int = 0
     wall_s: float = 0.0
 
+    @property
+    def unneeded_reads(self) -> list[HostRead]:
+        return [r for r in self.host_reads if not needed(r.site)]
+
     def text(self) -> str:
+        by_site: dict[tuple[str, str], int] = {}
+        for r in self.host_reads:  # FakeTensor's .tolist() reads element by element: counted per element
+            key = (r.action, r.site)
+            by_site[key] = by_site.get(key, 0) + 1
         lines = [f"fake-CUDA forward of {self.model} stage {self.stage}: {self.ops} ops in {self.wall_s:.1f} s",
                  f"  kernels run: {self.ops_run}",
                  f"  MoE kernel per layer: {sorted(set(self.kernels.values())) or 'no MoE layer'}",
                  f"  device mixes: {len(self.mixes)}" + "".join(f"\n    {m}" for m in self.mixes[:20]),
-                 f"  host reads: {len(self.host_reads)}" + "".join(
-                     f"\n    {r.action}: {r.site} [{r.kind}: {r.op}]" for r in self.host_reads[:40])]
+                 f"  host reads (element reads): {len(self.host_reads)}, not needed: {len(self.unneeded_reads)}"]
+        lines += [f"    {n:>5}  {action}: {site}  " + (f"needed: {needed(site)}" if needed(site) else "NOT NEEDED")
+                  for (action, site), n in by_site.items()]
         return "\n".join(lines)
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import gc
 import sys
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 _ROOT = Path(__file__).resolve().parents[2]
 _PROJECT = tuple(str(_ROOT / top) + "/" for top in ("asyncpp", "model_zoo", "data"))
-_HERE = str(Path(__file__).resolve())
+_TRACERS = str(Path(__file__).resolve().parent) + "/"  # asyncpp/analysis/: the tracers' own frames are no call site
 _PLUMBING = ("/torch/utils/_python_dispatch", "/torch/_ops", "/torch/_dynamo/", "/torch/_compile", "/torch/overrides",
              "/torch/_tensor.py", "/torch/utils/_contextlib")
 
@@ -52,6 +52,24 @@ DATA_DEPENDENT = {"aten::nonzero", "aten::masked_select", "aten::_unique2", "ate
                   "aten::unique_consecutive", "aten::bincount", "aten::nonzero_static"}
 """Ops whose output size is computed from the values (on CUDA: a device-to-host read to size the output)."""
 COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
+
+
+NEEDED = {
+    ("asyncpp/parallel/experts.py", "dispatch"): "the expert all-to-all's split sizes: NCCL takes them on the host",
+    ("asyncpp/pipeline/update.py", "apply"): "the global norm: the skip decision and the clip coefficient are "
+                                             "taken on the host, once per step",
+    ("asyncpp/pipeline/executor.py", "evaluate"): "the validation loss (evaluation only)",
+    ("asyncpp/pipeline/reduction.py", "all_reduce_norms"): "the last update norms at a drain (once per segment)",
+}
+"""Host reads the step needs, by (file, function) of their call site, with the reason. Every other is a sync
+that could go (docs/gpu.md's table)."""
+
+
+def needed(site: str) -> str:
+    """The reason a read at `site` is needed, or "" if it is not."""
+    path, _, rest = site.partition(":")
+    function = rest.partition("(")[2].partition(")")[0]
+    return NEEDED.get((path, function), "")
 
 
 @dataclass(frozen=True)
@@ -99,23 +117,27 @@ class StandIns:
 
     replay: list | None = None
     """The scalars a real run of the same step read, in order (StepTracer(record=True).scalars)."""
-    int_scalar: int = 1
-    """An integer .item() (e.g. the busiest expert's rows that size the padded-bmm buffer)."""
-    int_elements: int = 1
-    """Each element of an integer tensor copied to the host (e.g. the expert all-to-all's split sizes)."""
+    ints: dict[str, int] = field(default_factory=dict)
+    """An integer read at a call site starting with the key (a path): e.g. the expert all-to-all's split sizes
+    in asyncpp/parallel/experts.py, the busiest expert's rows that size the padded-bmm buffer in
+    model_zoo/moe.py. By site, not by op: a .tolist() is one copy to the host on meta but one read per
+    element on FakeTensorMode's tensors. Elsewhere 1."""
 
     def __post_init__(self):
         self._replay = deque(self.replay or ())
 
-    def scalar(self, dtype: torch.dtype):
+    def _int(self, site: str) -> int:
+        return next((v for prefix, v in self.ints.items() if site.startswith(prefix)), 1)
+
+    def scalar(self, dtype: torch.dtype, site: str):
         if self._replay:
             return self._replay.popleft()
         if dtype == torch.bool:
             return True
-        return 0.0 if dtype.is_floating_point or dtype.is_complex else self.int_scalar
+        return 0.0 if dtype.is_floating_point or dtype.is_complex else self._int(site)
 
-    def host_copy(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        value = True if dtype == torch.bool else (0.0 if dtype.is_floating_point else self.int_elements)
+    def host_copy(self, shape, dtype: torch.dtype, site: str) -> torch.Tensor:
+        value = True if dtype == torch.bool else (0.0 if dtype.is_floating_point else self._int(site))
         return torch.full(tuple(shape), value, dtype=dtype)
 
 
@@ -125,15 +147,15 @@ def without_values(x: torch.Tensor) -> bool:
 
 
 def call_site() -> str:
-    """The innermost frame in the project's code outside this file: where the host read was asked for; and,
+    """The innermost frame in the project's code outside asyncpp/analysis/: where the host read was asked for; and,
     when the read itself happens in a library below it (torch.optim, say), that library's frame."""
     frame, via = sys._getframe(1), None
     while frame is not None:
         name = frame.f_code.co_filename
-        if name.startswith(_PROJECT) and name != _HERE:
+        if name.startswith(_PROJECT) and not name.startswith(_TRACERS):
             site = f"{Path(name).relative_to(_ROOT)}:{frame.f_lineno} ({frame.f_code.co_name})"
             return site + (f" via {via}" if via else "")
-        if via is None and name != _HERE and not any(skip in name for skip in _PLUMBING):
+        if via is None and not name.startswith(_TRACERS) and not any(skip in name for skip in _PLUMBING):
             parts = Path(name).parts
             short = "/".join(parts[parts.index("torch"):]) if "torch" in parts else Path(name).name
             via = f"{short}:{frame.f_lineno} ({frame.f_code.co_name})"
@@ -175,7 +197,9 @@ class StorageLedger:
         return self.live_bytes
 
     def enter_existing(self) -> int:
-        """Every tensor alive now (the garbage collector's view: weights, versions, optimizer state)."""
+        """Every tensor alive now (the garbage collector's view: weights, versions, optimizer state). Collected
+        first: an earlier stage's tensors in unreachable cycles would still be listed, and counted."""
+        gc.collect()
         for obj in gc.get_objects():
             if isinstance(obj, torch.Tensor):
                 self.enter(obj)
@@ -238,7 +262,8 @@ class StepTracer(TorchDispatchMode):
             x = args[0]
             if x.device.type != "cpu":
                 self._host_read("scalar", name, x)
-            stand_in = self.stand_ins.scalar(x.dtype) if self.ledger.device_type != "cpu" else None
+            site = self.host_reads[-1].site if x.device.type != "cpu" else ""
+            stand_in = self.stand_ins.scalar(x.dtype, site) if self.ledger.device_type != "cpu" else None
             if without_values(x):
                 return stand_in
             value = func(*args, **kwargs)
@@ -252,7 +277,7 @@ class StepTracer(TorchDispatchMode):
             if without_values(x):
                 dtype = kwargs.get("dtype") or x.dtype
                 with _disable_current_modes():  # a real CPU tensor, also under an outer FakeTensorMode
-                    copy = self.stand_ins.host_copy(x.shape, dtype)
+                    copy = self.stand_ins.host_copy(x.shape, dtype, self.host_reads[-1].site)
                 return args[0].copy_(copy) if func is aten.copy_.default else copy
         elif self._copies_from_host(func, args, kwargs):
             # A pageable host-to-device copy (torch.tensor(list, device=...), .to(device)): on CUDA the host

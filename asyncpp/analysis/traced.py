@@ -30,7 +30,7 @@ from torch import Tensor
 
 import asyncpp.optim.build as optim_build
 from asyncpp.analysis.dryrun import BuildOptimizer, fake_group
-from asyncpp.analysis.trace import AttentionPath, CommOp, HostRead, StandIns, StepTracer
+from asyncpp.analysis.trace import AttentionPath, CommOp, HostRead, StandIns, StepTracer, needed
 from asyncpp.config import RunConfig
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.pipeline.build import build_rank_stage
@@ -113,7 +113,8 @@ class StageTrace:
         lines.append(f"  host reads of device values: {len(self.host_reads)} in all; per training step, by call site:")
         for site, n in sorted(self.reads_per_step().items(), key=lambda kv: -kv[1]):
             kinds = sorted({f"{r.kind}: {r.op}" for r in self.host_reads if r.site == site})
-            lines.append(f"    {n:>7.2f}  {site}  [{'; '.join(kinds)}]")
+            why = needed(site)
+            lines.append(f"    {n:>7.2f}  {site}  [{'; '.join(kinds)}]  " + (f"needed: {why}" if why else "NOT NEEDED"))
         other: dict[tuple[str, str, str], int] = {}
         for r in self.host_reads:
             if r.action in ("evaluate", "checkpoint state", "drain"):
@@ -152,7 +153,8 @@ def balanced_stand_ins(cfg: RunConfig, model_cfg, dims: ParallelDims) -> StandIn
         return StandIns()
     assignments = cfg.train.micro_batch_size * cfg.train.seq_len * moe.top_k
     per_expert = math.ceil(assignments * dims.ep / moe.num_experts)  # rows of a local expert, from every peer
-    return StandIns(int_scalar=per_expert, int_elements=math.ceil(assignments / dims.ep))
+    return StandIns(ints={"asyncpp/parallel/experts.py": math.ceil(assignments / dims.ep),
+                          "model_zoo/moe.py": per_expert})
 
 
 def pin_gpu_kernels(model, device: torch.device, dtype: torch.dtype, capability: tuple[int, int]) -> dict:
