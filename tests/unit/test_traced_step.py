@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from asyncpp import job
 from asyncpp.analysis.trace import StandIns
-from asyncpp.analysis.traced import op_sequence, trace_stage
+from asyncpp.analysis.traced import TRACED_WINDOW, op_sequence, trace_stage
 from asyncpp.config import ConfigError
 
 
@@ -27,15 +27,19 @@ def optimizer_of(cfg):
 
 def allocator_peak(run) -> tuple[object, int]:
     """run() under torch's profiler with memory events: the CPU allocator's running total of the bytes
-    allocated (and not yet freed) since the profiler started, at its highest. Independent of the tracer's
-    ledger: it is c10's CPU allocator reporting every allocation and free."""
+    allocated (and not yet freed) since the profiler started, at its highest inside the traced window (the
+    build before it materializes weights and may peak higher). Independent of the tracer's ledger: it is c10's
+    CPU allocator reporting every allocation and free."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = run()
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+    window = next(e for e in events if e.get("name") == TRACED_WINDOW and e.get("ph") == "X")
+    start, end = window["ts"], window["ts"] + window["dur"]
+    totals = [e["args"]["Total Allocated"] for e in events
+              if e.get("name") == "[memory]" and start <= e["ts"] <= end]
     return result, max(totals)
 
 
