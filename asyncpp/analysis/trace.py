@@ -227,6 +227,7 @@ class StepTracer(TorchDispatchMode):
         self.host_copies: set[int] = set()  # indices in `ops` of the copies between host and device
         self.action = "start"
         self.peak_bytes = 0
+        self.cyclic_bytes = 0
         self._action_peak = 0
         self._unswept = 0
 
@@ -244,7 +245,14 @@ class StepTracer(TorchDispatchMode):
         self._action_peak = self.ledger.live_bytes
 
     def end(self) -> None:
+        """Close the action. The garbage collector runs here: storages held only by reference cycles are freed
+        at a point that is the same in every run (Python's own collections come when its object counts say,
+        which differ between a meta and a CPU run, and between a test process and a script), and what it
+        freed is kept in `cyclic_bytes`: memory a run holds until a collection happens to come."""
+        held = self.ledger.sweep()
+        gc.collect()
         live = self.ledger.sweep()
+        self.cyclic_bytes = max(self.cyclic_bytes, held - live)
         self._unswept = 0
         self.actions.append(ActionMemory(self.action, self._action_peak, live))
         self.action = "between actions"

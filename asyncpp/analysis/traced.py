@@ -82,6 +82,8 @@ class StageTrace:
     microbatches: int
     peak_bytes: int
     start_bytes: int
+    cyclic_bytes: int
+    """The most bytes a garbage collection freed at an action's end: storages only reference cycles held."""
     actions: list = field(default_factory=list)
     host_reads: list[HostRead] = field(default_factory=list)
     comms: list[CommOp] = field(default_factory=list)
@@ -109,6 +111,7 @@ class StageTrace:
                  f"{self.device})".ljust(50) + f"{self.peak_bytes / mib:>10.2f}  "
                  f"({self.peak_bytes / max(self.plan['total_bytes'], 1):.3f} of the plan)",
                  f"  MoE kernels: {self._kernel_summary()}; attention: {self.attention or 'no attention layer'}"]
+        lines.append(f"  held only by reference cycles at an action's end (freed by gc): {self.cyclic_bytes / mib:.2f} MiB")
         worst = max(self.actions, key=lambda a: a.peak_bytes) if self.actions else None
         if worst is not None:
             lines.append(f"  the peak is reached in {worst.action}")
@@ -142,7 +145,8 @@ class StageTrace:
         return {"stage": self.stage, "rank": self.rank, "device": self.device, "kernels": self.kernels,
                 "attention": self.attention,
                 "plan": self.plan, "steps": self.steps, "microbatches": self.microbatches,
-                "peak_bytes": self.peak_bytes, "start_bytes": self.start_bytes, "wall_s": self.wall_s,
+                "peak_bytes": self.peak_bytes, "start_bytes": self.start_bytes, "cyclic_bytes": self.cyclic_bytes,
+                "wall_s": self.wall_s,
                 "actions": [vars(a) for a in self.actions], "reads_per_step": self.reads_per_step(),
                 "host_reads": [r.to_dict() for r in self.host_reads], "comms": [c.to_dict() for c in self.comms]}
 
@@ -275,7 +279,8 @@ def _trace(cfg, model_cfg, dims, stage, rank, target, build_optimizer, steps, st
             executor.evaluate(executor.val_batches()[:1])
             tracer.end()
     return StageTrace(stage, rank, str(target), kernels, attention.chosen, plan.to_dict(),
-                      plan.table(), steps, executor.m, tracer.peak_bytes, start_bytes, tracer.actions,
+                      plan.table(), steps, executor.m, tracer.peak_bytes, start_bytes, tracer.cyclic_bytes,
+                      tracer.actions,
                       tracer.host_reads, tracer.comms, tracer.ops, tracer.op_actions, tracer.scalars, tracer.host_copies,
                       time.perf_counter() - started)
 
