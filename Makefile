@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_CPU ?= torch==2.13.0
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup train lint test test-equivalence-again test-matrix test-slurm test-all bench clean
+.PHONY: setup train lint test test-equivalence-again test-matrix test-slurm test-all bench clean gpu-trace-env gpu-trace first-gpu
 
 setup: $(STAMP)
 
@@ -76,6 +76,32 @@ test-matrix: setup
 
 bench: setup
 	$(PY) bench/step.py
+
+# The fake-CUDA trace (issue 33, docs/gpu.md "Before the first GPU"): PyTorch's CUDA build in a side environment,
+# never in .venv (whose CPU wheel the whole suite runs on). FakeTensorMode makes cuda:0 tensors with it on a machine
+# without a GPU. About 5 GB with the nvidia-* wheels. The project itself is not installed there: the trace runs
+# with PYTHONPATH pointing at the checkout, and only the packages its imports need come along.
+CUDA_VENV  := .venv-cuda
+TORCH_CUDA ?= torch==2.14.1
+CUDA_STAMP := $(CUDA_VENV)/.setup-done
+gpu-trace-env: $(CUDA_STAMP)
+
+$(CUDA_STAMP):
+	@test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CUDA_VENV)/bin/python -m pip install -q $(TORCH_CUDA) numpy omegaconf hydra-core tqdm pytest
+	@touch $(CUDA_STAMP)
+	@echo "[gpu-trace-env] done: $(CUDA_VENV)"
+
+# The fake-CUDA forward of every stage of the paper layouts (bench/fake_cuda_forward.py): kernels run, device
+# mixes and host reads (none expected); and the meta trace of their training steps (bench/trace_layouts.py).
+gpu-trace: $(CUDA_STAMP) setup
+	PYTHONPATH=$(CURDIR) $(CUDA_VENV)/bin/python bench/fake_cuda_forward.py --out bench_results
+	$(PY) bench/trace_layouts.py --out bench_results
+
+# The first lent GPU: pytest -m gpu and bench/gpu.py within 20 minutes, everything in one JSON (bench/first_gpu.py).
+first-gpu: setup
+	$(PY) bench/first_gpu.py --out bench_results/first_gpu.json
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from asyncpp.analysis.dryrun import dry_run
+from asyncpp.analysis.traced import trace_stage
 from asyncpp.config import ConfigError, RunConfig, check_pipeline_options, parse_blend
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.memory import simulator_run_report
@@ -316,6 +317,19 @@ def run_dry(cfg: RunConfig, model_cfg: ModelConfig, echo=print) -> list[dict]:
         stage = build_rank_stage(cfg, model_cfg, mesh, "meta")  # the real run's build, stopped before allocating
         return stage.model, stage.sharding
 
-    return dry_run(cfg, model_cfg, cfg.dry_run, build_stage,
-                   lambda stage, plan, mesh: optimizer_for(cfg, mesh)(stage, plan),
-                   out=Path(cfg.out_dir) / "dry_run.json", echo=echo)
+    def build_optimizer(stage, plan, mesh):
+        return optimizer_for(cfg, mesh)(stage, plan)
+
+    reports = dry_run(cfg, model_cfg, cfg.dry_run, build_stage, build_optimizer,
+                      out=Path(cfg.out_dir) / "dry_run.json", echo=echo)
+    if cfg.dry_run_trace:
+        stage = cfg.dry_run_stage
+        if stage is None:
+            stage = max(reports, key=lambda r: r["memory"]["total_bytes"])["stage"]
+        echo(f"dry run trace: stage {stage}, 3 steps on meta tensors (asyncpp/analysis/traced.py)")
+        trace = trace_stage(cfg, model_cfg, cfg.dry_run, stage, build_optimizer)
+        echo(trace.report())
+        out = Path(cfg.out_dir) / "dry_run_trace.json"
+        out.write_text(json.dumps(trace.to_dict(), indent=1))
+        echo(f"wrote {out} ({trace.wall_s:.1f} s traced)")
+    return reports

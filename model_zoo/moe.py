@@ -321,6 +321,11 @@ class MoE(nn.Module):
             self._kernels[key] = "bmm" if why else "grouped_mm"
         return self._kernels[key]
 
+    def pin_kernel(self, device: torch.device, dtype: torch.dtype, kernel: Kernel) -> None:
+        """Decide the kernel for (device, dtype) in advance: a trace on meta tensors runs the kernel the GPU
+        it stands for would choose (asyncpp/analysis/traced.py), not the reference the meta device gets."""
+        self._kernels[(torch.device(device), dtype)] = kernel
+
     def experts_reference(self, x: Tensor, weight: Tensor, idx: Tensor) -> Tensor:
         """Loop over experts that received tokens: gather, SwiGLU, scale by router weight, scatter-add.
 

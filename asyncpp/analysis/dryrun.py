@@ -32,7 +32,7 @@ BuildStage = Callable[[Mesh, StageSpec], tuple[nn.Module, ShardingPlan]]
 BuildOptimizer = Callable[[nn.Module, ShardingPlan, Mesh], object]
 
 
-def _fake_group(rank: int, world_size: int) -> None:
+def fake_group(rank: int, world_size: int) -> None:
     # torch's in-process fake backend: every collective returns at once. Internal to torch's test
     # utilities, but it is the supported way to trace a distributed program without peers.
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -80,7 +80,7 @@ def dry_run(cfg: RunConfig, model_cfg, world_size: int, build_stage: BuildStage,
         rank = (s * dims.dp) * dims.tp  # dp rank 0, tp rank 0 of stage s
         # Progress: a stage of a 10B model takes seconds to lay out, a 64-rank job a minute or more.
         echo(f"dry run: stage {s + 1} of {dims.pp} (rank {rank}), {time.perf_counter() - started:.1f} s so far")
-        _fake_group(rank, world_size)
+        fake_group(rank, world_size)
         try:
             mesh = Mesh(dims, torch.device("cpu"), head_link=p.head_split == "tokens")
             spec = StageSpec(s, dims.pp, model_cfg.num_layers, stage_split(cfg, model_cfg),

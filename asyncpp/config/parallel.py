@@ -54,6 +54,15 @@ def check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
     p, m = cfg.parallel, cfg.train.num_microbatches
     if cfg.dry_run < 0:
         raise ConfigError(f"dry_run={cfg.dry_run} must be a world size (e.g. dry_run=8), or 0 to train")
+    if (cfg.dry_run_trace or cfg.dry_run_stage is not None) and not cfg.dry_run:
+        key = "dry_run_trace=true" if cfg.dry_run_trace else f"dry_run_stage={cfg.dry_run_stage}"
+        raise ConfigError(f"{key} traces a dry run's stage, but dry_run=0; add dry_run=N (the world size)")
+    if cfg.dry_run_stage is not None and not 0 <= cfg.dry_run_stage < cfg.parallel.pp:
+        raise ConfigError(f"dry_run_stage={cfg.dry_run_stage} is not a stage of parallel.pp={cfg.parallel.pp}; "
+                          f"use 0..{cfg.parallel.pp - 1}, or leave it null for the largest")
+    if cfg.dry_run_stage is not None and not cfg.dry_run_trace:
+        raise ConfigError(f"dry_run_stage={cfg.dry_run_stage} picks the stage dry_run_trace traces, but "
+                          "dry_run_trace=false; add dry_run_trace=true")
     for name in ("pp", "tp", "ep"):
         positive(f"parallel.{name}", getattr(p, name))
     if p.dp is not None:

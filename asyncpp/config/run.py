@@ -37,6 +37,12 @@ class RunConfig:
     dry_run: int = 0
     """> 0: lay the job out for this many ranks on a fake process group (no GPU, no memory: meta tensors)
     and print each stage's shard shapes and per-rank memory instead of training."""
+    dry_run_trace: bool = False
+    """With dry_run=N: also run one stage's training steps at real size on meta tensors under a dispatch mode
+    (asyncpp/analysis/traced.py): the traced peak next to the plan, every host read with its call site, every
+    collective and p2p op."""
+    dry_run_stage: int | None = None
+    """With dry_run_trace: the stage to trace; None = the one with the largest planned memory."""
 
     @classmethod
     def from_dict(cls, data: dict) -> RunConfig:

@@ -59,8 +59,8 @@ class ExpertDispatcher:
     def dispatch(self, rows: Tensor, counts: Tensor, experts: ExpertFn) -> Tensor:
         """rows [M, d] sorted by global expert, counts [E] -> expert outputs [M, d] in the same order.
 
-        Blocks on the host twice (the count exchange and its .tolist()): the all-to-all's split sizes
-        must be known on the CPU. Dropless: every row is sent, nothing is capped.
+        Blocks on the host once (the .tolist() of the split sizes, after the count exchange): the all-to-all's
+        split sizes must be known on the CPU. Dropless: every row is sent, nothing is capped.
         """
         if self.ep == 1:
             return experts(rows, counts)
@@ -69,22 +69,26 @@ class ExpertDispatcher:
         with bounded("the expert dispatcher's all-to-all of the token counts", self.ep_group):
             dist.all_to_all_single(recv, counts.contiguous(), group=self.ep_group)  # E/ep counts to each rank
         recv = recv.view(self.ep, self.num_local_experts)  # [source rank, my local expert]
-        send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        # One read of both split vectors: each .tolist() of a device tensor is a host sync of its own.
+        splits = torch.cat((send.sum(1), recv.sum(1))).tolist()
+        send_splits, recv_splits = splits[:self.ep], splits[self.ep:]
         got = all_to_all(rows, recv_splits, send_splits, self.ep_group,  # source-major, expert-minor
                          "the expert dispatcher's all-to-all of the tokens to their experts")
-        perm = _source_to_expert_major(recv)
+        perm = _source_to_expert_major(recv, sum(recv_splits))
         y = experts(got.index_select(0, perm), recv.sum(0))
         back = y.index_select(0, torch.argsort(perm))  # back to source-major, as the sources sent them
         return all_to_all(back, send_splits, recv_splits, self.ep_group,
                           "the expert dispatcher's all-to-all of the expert outputs back to their tokens")
 
 
-def _source_to_expert_major(recv: Tensor) -> Tensor:
-    """recv [ep, E_local] row counts, received source-major -> the permutation that sorts rows by local
-    expert (stable, so each expert's rows stay in source order)."""
+def _source_to_expert_major(recv: Tensor, rows: int) -> Tensor:
+    """recv [ep, E_local] row counts, received source-major (`rows` of them in all, known on the host) -> the
+    permutation that sorts rows by local expert (stable, so each expert's rows stay in source order)."""
     ep, n_local = recv.shape
     expert_of = torch.arange(n_local, device=recv.device).repeat(ep)
-    row_expert = torch.repeat_interleave(expert_of, recv.flatten())
+    # output_size: without it CUDA's repeat_interleave reads the counts' sum back to size its output (a host
+    # sync per MoE layer per forward; found by the meta trace, asyncpp/analysis/traced.py).
+    row_expert = torch.repeat_interleave(expert_of, recv.flatten(), output_size=rows)
     return torch.argsort(row_expert, stable=True)
 
 

@@ -259,7 +259,7 @@ def check_disk_space(cfg: RunConfig, per_checkpoint: int, disk_usage=shutil.disk
 INCOMPATIBLE = ("model.", "optimizer.name", "schedule.name", "seed", "data.name", "data.blend", "data.split",
                 "data.tokenizer", "train.seq_len")
 # Where and how a run goes; never reported. The batch shape is checked against the data position.
-IGNORED = ("out_dir", "dry_run", "logging.", "checkpoint.", "parallel.", "data.cache_dir", "train.device",
+IGNORED = ("out_dir", "dry_run", "dry_run_trace", "dry_run_stage", "logging.", "checkpoint.", "parallel.", "data.cache_dir", "train.device",
            "train.timeout_s", "train.compile", "train.backend", "train.allow_oversubscribe")
 
 

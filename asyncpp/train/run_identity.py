@@ -64,8 +64,8 @@ MAX_NAME = 120
 
 # Overrides that say how or where a run goes, not what it trains: they leave the name alone, so the
 # same run can be resumed from another device, with another checkpoint cadence or another logger.
-NEUTRAL = ("hydra.", "logging.", "out_dir", "dry_run", "checkpoint.resume", "checkpoint.every",
-           "checkpoint.keep_last", "checkpoint.async_save", "checkpoint.enabled", "train.device",
+NEUTRAL = ("hydra.", "logging.", "out_dir", "dry_run", "dry_run_trace", "dry_run_stage", "checkpoint.resume",
+           "checkpoint.every", "checkpoint.keep_last", "checkpoint.async_save", "checkpoint.enabled", "train.device",
            "train.timeout_s", "train.compile", "train.allow_oversubscribe")
 _SAFE = re.compile(r"[^A-Za-z0-9_.,=+@-]")
 
