@@ -75,6 +75,13 @@ class ParallelConfig:
     head_split_tokens: int | None = None
     """With head_split=tokens: how many of the micro_batch_size x seq_len tokens the helper takes; None = the
     cost model's balance (chosen with stage_layers=auto's split)."""
+    head: Literal["last", "vocab"] = "last"
+    """Where the LM head and its loss run. last: on the last stage. vocab: its vocabulary spread over every
+    stage, each holding rows sized with its layers by the cost model (asyncpp/core/vocab_split.py,
+    pipeline/vocab_head.py), so a 128k-wide head no longer makes the last stage the pipeline's slowest."""
+    vocab_shards: tuple[int, ...] | None = None
+    """With head=vocab: every stage's rows of the head, in stage order, summing to the vocabulary; None = the
+    cost model's (sized together with stage_layers)."""
 
 
 #: train.num_microbatches when neither it nor train.global_batch_size is given.

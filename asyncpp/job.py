@@ -32,7 +32,7 @@ from asyncpp.analysis.dryrun import dry_run
 from asyncpp.config import ConfigError, RunConfig, check_pipeline_options, parse_blend
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.memory import simulator_run_report
-from asyncpp.core.partition import stage_split
+from asyncpp.core.partition import head_of, stage_split
 from asyncpp.core.recompute import apply_recompute, modes_per_layer
 from asyncpp.host.measured import host_rss_bytes
 from asyncpp.optim import build_from_config
@@ -244,7 +244,7 @@ def run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | Non
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     device = init_distributed(torch.device(cfg.train.device).type, cfg.train.timeout_s)
     try:
-        mesh = Mesh(dims, device, head_link=p.head_split == "tokens")
+        mesh = Mesh(dims, device, head_link=p.head_split == "tokens", vocab_head=head_of(cfg) == "vocab")
         timeout = cfg.train.timeout_s
         shared = [cfg.out_dir]
         with naming_the_peer(mesh, "rank 0's run directory (broadcast)", timeout):

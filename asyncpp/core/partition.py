@@ -14,6 +14,7 @@ from torch import nn
 from asyncpp.core.head_split import HeadSplit, plan_head_split
 from asyncpp.core.layer_costs import LayerCosts, layer_costs
 from asyncpp.core.layer_split import balanced_split, stage_sizes
+from asyncpp.core.vocab_split import run_vocab_split
 
 
 def suggest_split(sizes: Sequence[int], busy_s: Sequence[float], layer_weights: Sequence[float]) -> list[int]:
@@ -77,6 +78,16 @@ def head_split_plan(cfg, model) -> HeadSplit | None:
     return plan_head_split(costs, p.pp, t.micro_batch_size * t.seq_len, sizes, p.head_split_tokens)
 
 
+def head_of(cfg) -> str:
+    """Where the LM head runs: "last", "vocab" (spread over every stage) or "tokens" (a token share on stage 0)."""
+    return "tokens" if cfg.parallel.head_split == "tokens" else cfg.parallel.head
+
+
+def vocab_shards_of(cfg, model) -> tuple[int, ...] | None:
+    """Every stage's rows of the head under parallel.head=vocab (None otherwise)."""
+    return run_vocab_split(cfg, model).shards if head_of(cfg) == "vocab" and cfg.parallel.pp > 1 else None
+
+
 def stage_split(cfg, model) -> list[int]:
     """cfg.parallel.stage_layers resolved for `model` (a model_zoo.ModelConfig) under `cfg` (a RunConfig): the
     explicit list; `auto`, the cost model's balanced split at cfg.train's work shape on cfg.train.device
@@ -85,6 +96,8 @@ def stage_split(cfg, model) -> list[int]:
     p, t = cfg.parallel, cfg.train
     if p.stage_layers == "auto" and getattr(p, "head_split", "none") == "tokens":
         return list(head_split_plan(cfg, model).sizes)
+    if p.stage_layers == "auto" and head_of(cfg) == "vocab":
+        return list(run_vocab_split(cfg, model).sizes)
     if p.stage_layers == "auto":
         device_type = str(t.device).split(":")[0]
         return balanced_split(layer_costs(model, t.seq_len, t.micro_batch_size, device_type), p.pp)
