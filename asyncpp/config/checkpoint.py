@@ -1,0 +1,48 @@
+"""checkpoint.*: where, how often and how checkpoints are written and which one a run resumes from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from asyncpp.config.base import ModelLimits
+from asyncpp.typed import ConfigError
+
+if TYPE_CHECKING:  # annotations only: run.py imports this module
+    from asyncpp.config.run import RunConfig
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """Where step_* checkpoints go; None = <out_dir>/checkpoints."""
+    every: int = 0
+    """Save every N steps (and at the end of the run); 0 = only at the end."""
+    every_minutes: float = 30.0
+    """Also save once this much wall-clock time has passed since the last save or the start (rank 0's clock,
+    agreed by every rank at a step boundary, like Megatron's --save-interval by time); 0 = off."""
+    warn_loss_minutes: float = 60.0
+    """Warn at start (after the first steps, from their time) when a crash could lose more than this much work."""
+    keep_last: int = 3
+    resume: str = "auto"
+    """'auto' = the newest complete checkpoint in `dir` if there is one, 'none', or a step_* path."""
+    enabled: bool = True
+    """Write checkpoints (resuming is governed by `resume` alone)."""
+    async_save: bool = False
+    """Write shards in the background (DCP async_save); rank 0 commits the checkpoint from DCP's completion
+    callback as soon as every shard is written, so a crash after that never loses it."""
+
+
+def check_checkpoint(cfg: RunConfig, model: ModelLimits) -> None:
+    c = cfg.checkpoint
+    if c.every < 0:
+        raise ConfigError(f"checkpoint.every={c.every} must be >= 0 (0 = only at the end)")
+    if c.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last={c.keep_last} must be >= 1")
+    for name in ("every_minutes", "warn_loss_minutes"):
+        if getattr(c, name) < 0:
+            raise ConfigError(f"checkpoint.{name}={getattr(c, name)} must be >= 0 (0 = off)")
+    if c.resume not in ("auto", "none") and not c.resume.rstrip("/").split("/")[-1].startswith("step_"):
+        raise ConfigError(
+            f"checkpoint.resume={c.resume!r} must be 'auto', 'none' or a path to a step_* checkpoint directory"
+        )

@@ -1,0 +1,181 @@
+"""parallel.*: the layout (pp, tp, ep, dp, the stage split, the head split) and its checks, Megatron's
+divisibility rules among them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from asyncpp.config.base import ModelLimits, positive
+from asyncpp.schedules.build import check_head_split
+from asyncpp.schedules.registry import ScheduleKindError, kind_of
+from asyncpp.typed import ConfigError
+
+if TYPE_CHECKING:  # annotations only: run.py imports this module
+    from asyncpp.config.run import RunConfig
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    pp: int = 1
+    """Pipeline stages. In a single process this is the number of stages the simulator models."""
+    tp: int = 1
+    ep: int = 1
+    dp: int | None = None
+    """Data-parallel replicas; None = world_size / (pp * tp) under torchrun, 1 in one process.
+    In one process, dp > 1 simulates the replicas (m * dp microbatches per step)."""
+    sequence_parallel: bool = False
+    """With tp > 1: norms and residuals work on sequence shards (activation memory / tp); the TP
+    regions all-gather their input and reduce-scatter their output instead of all-reducing it."""
+    stage_layers: tuple[int, ...] | Literal["auto"] | None = None
+    """Layers per pipeline stage, e.g. [3, 1] or [4, 0] (an explicit split may give a stage 0 layers: only the
+    embedding, or only the norm, head and loss); `auto` (configs/parallel/default.yaml) picks the split whose
+    slowest stage is cheapest under the cost model of asyncpp.core.layer_costs (the last stage also runs the
+    LM head and the loss, the first the embedding; at least 1 layer per stage); None (a config built in
+    Python without a split) = the near-even asyncpp.core.partition.default_split. Resolved by
+    asyncpp.core.partition.stage_split, the same on every rank and in the simulator."""
+    distributed_optimizer: bool = False
+    """Megatron's --use-distributed-optimizer (ZeRO-1) over DP: each replica owns whole parameters, keeps
+    their optimizer state and Error-Feedback buffer, receives their reduced gradient and broadcasts their
+    new weights (asyncpp/optim/distributed.py, pipeline/sharded.py). Pipeline runs only; with dp=1 it is a
+    no-op, as in Megatron. Not with the gradient corrections (staleness.dc_lambda, grad_ef_lambda)."""
+    head_split: Literal["none", "tokens"] = "none"
+    """tokens: stage 0 runs the LM head and loss of a share of every microbatch's tokens for the last stage
+    (a replica of the head weight, reduced like a tied embedding), so a head that costs several blocks no
+    longer caps the pipeline's balance (asyncpp/core/head_split.py, docs/parallelism.md). Pipeline runs with
+    schedule sync, 1f1b or 2bw, tp=1; the mathematics is the unsplit model's (the simulator ignores it)."""
+    head_split_tokens: int | None = None
+    """With head_split=tokens: how many of the micro_batch_size x seq_len tokens the helper takes; None = the
+    cost model's balance (chosen with stage_layers=auto's split)."""
+    head: Literal["last", "vocab"] = "last"
+    """Where the LM head and its loss run. last: on the last stage. vocab: its vocabulary spread over every
+    stage, each holding rows sized with its layers by the cost model (asyncpp/core/vocab_split.py,
+    pipeline/vocab_head.py), so a 128k-wide head no longer makes the last stage the pipeline's slowest."""
+    vocab_shards: tuple[int, ...] | None = None
+    """With head=vocab: every stage's rows of the head, in stage order, summing to the vocabulary; None = the
+    cost model's (sized together with stage_layers)."""
+
+
+def check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
+    p, m = cfg.parallel, cfg.train.num_microbatches
+    if cfg.dry_run < 0:
+        raise ConfigError(f"dry_run={cfg.dry_run} must be a world size (e.g. dry_run=8), or 0 to train")
+    for name in ("pp", "tp", "ep"):
+        positive(f"parallel.{name}", getattr(p, name))
+    if p.dp is not None:
+        positive("parallel.dp", p.dp, "or leave it null to derive it from the world size")
+    s = cfg.staleness
+    if p.distributed_optimizer and (s.dc_lambda or s.grad_ef_lambda):
+        raise ConfigError(
+            f"parallel.distributed_optimizer=true with staleness.dc_lambda={s.dc_lambda}, staleness.grad_ef_lambda="
+            f"{s.grad_ef_lambda}: the gradient corrections read every parameter's gradient, which the distributed "
+            "optimizer leaves on its owner only; set both to 0 or parallel.distributed_optimizer=false")
+    if p.sequence_parallel and cfg.train.seq_len % p.tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel=true splits the sequence over parallel.tp={p.tp} ranks, which does not "
+            f"divide train.seq_len={cfg.train.seq_len}; use a multiple of {p.tp} or parallel.sequence_parallel=false"
+        )
+    if cfg.schedule.name == "pipedream" and p.pp < 2:
+        raise ConfigError(
+            f"schedule=pipedream with parallel.pp={p.pp}: its per-stage delays P-1-s depend on the number of "
+            "stages, so say how many it models, e.g. parallel.pp=4 (one process simulates them)"
+        )
+    if p.stage_layers == "auto" and getattr(model, "hidden_size", None) is None:
+        raise ConfigError(f"parallel.stage_layers=auto needs the model's shape to cost its layers (model "
+                          f"'{model.name}' was given by its limits only); give the split, e.g. parallel.stage_layers=[3,1]")
+    explicit = p.stage_layers not in (None, "auto")
+    if explicit and (
+        len(p.stage_layers) != p.pp or sum(p.stage_layers) != model.num_layers or min(p.stage_layers) < 0
+    ):
+        raise ConfigError(
+            f"parallel.stage_layers={list(p.stage_layers)} must have parallel.pp={p.pp} non-negative entries "
+            f"summing to the {model.num_layers} layers of model '{model.name}', or be auto (balanced by the "
+            "cost model)"
+        )
+    if not explicit and p.pp > model.num_layers:
+        raise ConfigError(
+            f"parallel.pp={p.pp} is more stages than model '{model.name}' has layers ({model.num_layers}); "
+            f"set parallel.pp<={model.num_layers}"
+        )
+    try:  # the registry knows which (P, m) each kind serves (2bw: m >= P)
+        kind_of(cfg.schedule.name).check(p.pp, m)
+    except ScheduleKindError as e:
+        raise ConfigError(str(e)) from None
+    _check_head_split(cfg)
+
+
+def _check_head_split(cfg: RunConfig) -> None:
+    p = cfg.parallel
+    if p.head_split not in ("none", "tokens"):
+        raise ConfigError(f"parallel.head_split={p.head_split!r} is not one of none, tokens (vocabulary sharding "
+                          "across stages is not implemented: docs/parallelism.md says why tokens)")
+    if p.head_split == "none":
+        if p.head_split_tokens is not None:
+            raise ConfigError(f"parallel.head_split_tokens={p.head_split_tokens} needs parallel.head_split=tokens; "
+                              "set it or leave head_split_tokens null")
+        return
+    try:
+        check_head_split(cfg.schedule.name, p.pp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if p.tp > 1 or p.sequence_parallel:
+        raise ConfigError(f"parallel.head_split=tokens with parallel.tp={p.tp}: the TP head is vocabulary-parallel "
+                          "already (its shards are split over TP ranks); use parallel.head_split=none with tp > 1")
+    # Tested at dp=1 with Error Feedback only (tests/dist/test_head_split.py); the combinations below have no
+    # equivalence test yet, so they are refused rather than run untested.
+    untested = [f"parallel.dp={p.dp}"] if (p.dp or 1) > 1 else []
+    untested += ["parallel.distributed_optimizer=true"] if p.distributed_optimizer else []
+    s = cfg.staleness
+    untested += [f"staleness.{k}={getattr(s, k)}" for k in ("weight_prediction", "dc_lambda", "grad_ef_lambda")
+                 if getattr(s, k)]
+    if untested:
+        raise ConfigError(f"parallel.head_split=tokens with {', '.join(untested)} is not supported yet (no "
+                          "equivalence test covers it); use parallel.head_split=none with these")
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+    n = p.head_split_tokens
+    if n is not None and not 1 <= n < tokens:
+        raise ConfigError(f"parallel.head_split_tokens={n} must be in [1, {tokens - 1}] (the helper takes a share of "
+                          f"train.micro_batch_size x train.seq_len = {tokens} tokens, the last stage keeps the rest); "
+                          "or null for the cost model's share")
+
+
+def check_tp_ep(cfg: RunConfig, model: ModelLimits) -> None:
+    check_parallel_sizes(model, cfg.parallel.tp, cfg.parallel.ep)
+
+
+def check_parallel_sizes(model: ModelLimits, tp: int, ep: int = 1) -> None:
+    """Megatron's divisibility rules, the one copy of them (config validation and the TP plan both call
+    it): a TP rank holds whole query heads, whole KV groups, whole GDN heads and an equal slice of the
+    ffn, every expert's ffn and the vocabulary; an EP rank holds whole experts. Read with getattr:
+    ModelLimits only promises what every caller can provide. Needs no process group."""
+    heads = {k: getattr(model, k, None) for k in ("num_heads", "num_kv_heads")}
+    common = math.gcd(*(v for v in heads.values() if v is not None))
+    gdn, moe = getattr(model, "gdn", None), getattr(model, "moe", None)
+    sizes = {
+        **{key: (n, "whole heads", common) for key, n in heads.items()},
+        "gdn.num_heads": (getattr(gdn, "num_heads", None) if "gdn" in getattr(model, "layer_types", ()) else None,
+                          "whole heads", None),
+        "vocab_size": (model.vocab_size, "an equal slice of the embedding and LM head rows", None),
+        "ffn_hidden_size": (getattr(model, "ffn_hidden_size", None) if moe is None else None, "an equal slice", None),
+    }
+    if moe is not None:  # each TP rank holds a slice of every expert's (and the shared expert's) ffn
+        sizes["moe.expert_ffn_hidden_size"] = (moe.expert_ffn_hidden_size, "an equal slice of every expert", None)
+        sizes["moe.shared_expert_ffn_hidden_size"] = (moe.shared_expert_ffn_hidden_size, "an equal slice", None)
+    for key, (n, holds, choices_of) in sizes.items():
+        if n is not None and n % tp:
+            raise ConfigError(
+                f"model.{key}={n} is not divisible by parallel.tp={tp} (model '{model.name}': each "
+                f"tensor-parallel rank holds {holds}); choose parallel.tp in {divisors(choices_of or n)}"
+            )
+    if ep > 1 and moe is None:
+        raise ConfigError(f"parallel.ep={ep} but model '{model.name}' has no experts; set parallel.ep=1")
+    if moe is not None and moe.num_experts % ep:
+        raise ConfigError(
+            f"parallel.ep={ep} does not divide the {moe.num_experts} experts of model '{model.name}'; "
+            f"choose parallel.ep in {divisors(moe.num_experts)}"
+        )
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
