@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from asyncpp.config.base import ModelLimits, positive
-from asyncpp.schedules.build import check_head_split
+from asyncpp.schedules.build import check_head_split, check_vocab_parallel
 from asyncpp.schedules.registry import ScheduleKindError, kind_of
 from asyncpp.typed import ConfigError
 
@@ -103,13 +103,45 @@ def check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
     except ScheduleKindError as e:
         raise ConfigError(str(e)) from None
     _check_head_split(cfg)
+    _check_vocab_head(cfg, model)
+
+
+def _check_vocab_head(cfg: RunConfig, model: ModelLimits) -> None:
+    """parallel.head=vocab: the layouts it is proven in (tests/dist/test_vocab_parallel_pipeline.py) and the ones
+    it refuses, each with its reason (the note of issue 28 lists them)."""
+    p = cfg.parallel
+    if p.head not in ("last", "vocab"):
+        raise ConfigError(f"parallel.head={p.head!r} is not one of last, vocab (a token share of the head on stage 0 "
+                          "is parallel.head_split=tokens)")
+    if p.vocab_shards is not None and p.head != "vocab":
+        raise ConfigError(f"parallel.vocab_shards={list(p.vocab_shards)} needs parallel.head=vocab; set it or leave "
+                          "vocab_shards null")
+    if p.head != "vocab":
+        return
+    if p.head_split != "none":
+        raise ConfigError(f"parallel.head=vocab with parallel.head_split={p.head_split}: both move the head off the "
+                          "last stage; choose one (parallel.head_split=none)")
+    try:
+        check_vocab_parallel(cfg.schedule.name)
+    except ValueError as e:
+        raise ConfigError(f"parallel.head=vocab: {e}") from None
+    if p.tp > 1:
+        raise ConfigError(f"parallel.head=vocab with parallel.tp={p.tp} is not supported yet: a stage's rows are not "
+                          "split again over its tensor-parallel ranks (no equivalence test covers it); use "
+                          "parallel.head=last with tp > 1, whose head is vocabulary-parallel over TP already")
+    if p.vocab_shards is not None:
+        rows = list(p.vocab_shards)
+        if len(rows) != p.pp or min(rows) < 0 or sum(rows) != model.vocab_size:
+            raise ConfigError(f"parallel.vocab_shards={rows} must have parallel.pp={p.pp} non-negative entries "
+                              f"summing to model '{model.name}''s vocab_size={model.vocab_size}, or be null (the "
+                              "cost model's shards)")
 
 
 def _check_head_split(cfg: RunConfig) -> None:
     p = cfg.parallel
     if p.head_split not in ("none", "tokens"):
-        raise ConfigError(f"parallel.head_split={p.head_split!r} is not one of none, tokens (vocabulary sharding "
-                          "across stages is not implemented: docs/parallelism.md says why tokens)")
+        raise ConfigError(f"parallel.head_split={p.head_split!r} is not one of none, tokens (the head's vocabulary "
+                          "spread over the stages is parallel.head=vocab)")
     if p.head_split == "none":
         if p.head_split_tokens is not None:
             raise ConfigError(f"parallel.head_split_tokens={p.head_split_tokens} needs parallel.head_split=tokens; "
