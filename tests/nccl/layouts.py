@@ -95,6 +95,26 @@ def _layouts() -> dict[str, Layout]:
         Layout("2bw-P4-head-split", make_config(parallel={"pp": 4, "head_split": "tokens"},
                                                 train={**short, "num_microbatches": 4},
                                                 staleness={"sync_cooldown_steps": 1})),
+        # parallel.head=vocab: three groups over all the stages (the hidden states' broadcast, the statistics'
+        # all-gather, the input gradient's reduce), posted at S and T actions the cost model places; with a sync
+        # start, an evaluation drain (blocking head passes) and a checkpoint of the head's rows.
+        Layout("2bw-P2-vocab", make_config(model=_UNTIED, parallel={"pp": 2, "head": "vocab"},
+                                           train={**short, "steps": 5, "eval_every": 2},
+                                           staleness={"sync_start_steps": 1},
+                                           checkpoint={"enabled": True, "every": 2})),
+        # Tied: the later stages' rows are reduced with the first stage's embedding over the whole pipeline.
+        Layout("1f1b-P4-vocab", make_config(parallel={"pp": 4, "head": "vocab"}, schedule={"name": "1f1b"},
+                                            train={**short, "num_microbatches": 4})),
+        Layout("2bw-P4-vocab", make_config(parallel={"pp": 4, "head": "vocab"},
+                                           train={**short, "num_microbatches": 5, "eval_every": 2},
+                                           staleness={"ef_lambda": 1.0})),
+        Layout("2bw-P2-DP2-vocab-zero", make_config(parallel={"pp": 2, "dp": 2, "head": "vocab",
+                                                              "distributed_optimizer": True},
+                                                    train=short, staleness={"ef_lambda": 1.0},
+                                                    checkpoint={"enabled": True, "every": 2})),
+        Layout("2bw-P2-vocab-stop-midsegment", make_config(parallel={"pp": 2, "head": "vocab"},
+                                                           train={**short, "steps": 9},
+                                                           checkpoint={"enabled": True, "every": 0}), stop=(1, 1)),
         Layout("megatron-2bw-P2", make_config(parallel={"pp": 2}, schedule={"name": "2bw"},
                                               train={"steps": 4, "num_microbatches": 2}), megatron=True),
         Layout("megatron-1f1b-P3", make_config(model={"name": "tiny_dense", "overrides": {"num_layers": 3}},
@@ -107,10 +127,10 @@ def _layouts() -> dict[str, Layout]:
 
 LAYOUTS = _layouts()
 FAST = ("2bw-P2-DP2", "1f1b-P3", "megatron-2bw-P2", "2bw-P2-stop-midsegment", "2bw-P2-DP2-zero", "2bw-P2-rampup",
-        "2bw-P2-head-split")
+        "2bw-P2-head-split", "2bw-P2-vocab")
 """Recorded in the default suite (2BW with DP, tied embeddings, a sync start and an evaluation drain; a
 middle stage; the Megatron loop; a stream cut short by a stop; the distributed optimizer; a batch rampup's
-streams of different m; the head split); the rest is `slow`."""
+streams of different m; the head split; the vocabulary-parallel head); the rest is `slow`."""
 
 
 def recorded_pipeline(rank: int, cfg_dict: dict) -> list:
