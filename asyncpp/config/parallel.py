@@ -125,16 +125,19 @@ def _check_vocab_head(cfg: RunConfig, model: ModelLimits) -> None:
         check_vocab_parallel(cfg.schedule.name)
     except ValueError as e:
         raise ConfigError(f"parallel.head=vocab: {e}") from None
-    if p.tp > 1:
-        raise ConfigError(f"parallel.head=vocab with parallel.tp={p.tp} is not supported yet: a stage's rows are not "
-                          "split again over its tensor-parallel ranks (no equivalence test covers it); use "
-                          "parallel.head=last with tp > 1, whose head is vocabulary-parallel over TP already")
+    if p.tp > 1 and getattr(model, "tie_embeddings", False):
+        raise ConfigError(f"parallel.head=vocab with parallel.tp={p.tp} and the tied embedding of model "
+                          f"'{model.name}' is not supported yet: a later stage's TP piece of the head is not the same "
+                          "rows as the first stage's TP piece of the embedding, so their gradients would be summed "
+                          "across TP ranks (no equivalence test covers it); use parallel.head=last with tp > 1, or "
+                          "an untied model (model.tie_embeddings=false)")
     if p.vocab_shards is not None:
         rows = list(p.vocab_shards)
-        if len(rows) != p.pp or min(rows) < 0 or sum(rows) != model.vocab_size:
-            raise ConfigError(f"parallel.vocab_shards={rows} must have parallel.pp={p.pp} non-negative entries "
-                              f"summing to model '{model.name}''s vocab_size={model.vocab_size}, or be null (the "
-                              "cost model's shards)")
+        if len(rows) != p.pp or min(rows) < 0 or sum(rows) != model.vocab_size or any(r % p.tp for r in rows):
+            raise ConfigError(f"parallel.vocab_shards={rows} must have parallel.pp={p.pp} non-negative entries, each a "
+                              f"multiple of parallel.tp={p.tp} (its TP ranks split a stage's rows equally), summing "
+                              f"to model '{model.name}''s vocab_size={model.vocab_size}; or be null (the cost model's "
+                              "shards)")
 
 
 def _check_head_split(cfg: RunConfig) -> None:

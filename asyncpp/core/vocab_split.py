@@ -37,6 +37,7 @@ rows. Deterministic: every rank and the simulator agree without communicating.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -189,10 +190,11 @@ def plan_vocab_split(costs: LayerCosts, num_stages: int, vocab: int, *, comm: fl
     return VocabSplit(tuple(sizes), tuple(shards), compute, head, comm, overlap)
 
 
-def shard_granule(vocab: int, num_stages: int) -> int:
-    """Rows per granule of the shards: 128 (a tensor-core tile, and divisible by any tp up to 128) once the
-    vocabulary is large enough that a granule is a small part of a stage's share; 1 for the tiny test models."""
-    return 128 if vocab >= 128 * 16 * num_stages else 1
+def shard_granule(vocab: int, num_stages: int, tp: int = 1) -> int:
+    """Rows per granule of the shards: 128 (a tensor-core tile) once the vocabulary is large enough that a granule
+    is a small part of a stage's share, else 1 (the tiny test models); a multiple of tp, whose ranks split each
+    stage's rows in equal chunks."""
+    return math.lcm(128 if vocab >= 128 * 16 * num_stages else 1, tp)
 
 
 def run_vocab_split(cfg, model) -> VocabSplit:
@@ -204,7 +206,7 @@ def run_vocab_split(cfg, model) -> VocabSplit:
     costs = layer_costs(model, t.seq_len, t.micro_batch_size, device_type)
     sizes = None if p.stage_layers == "auto" else stage_sizes(model.num_layers, p.pp, p.stage_layers)
     split = plan_vocab_split(costs, p.pp, model.vocab_size, sizes=sizes,
-                             granule=shard_granule(model.vocab_size, p.pp))
+                             granule=shard_granule(model.vocab_size, p.pp, p.tp))
     shards = p.vocab_shards
     if shards is None:
         return split

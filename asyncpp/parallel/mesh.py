@@ -103,9 +103,10 @@ class HeadLink:
 
 @dataclass(frozen=True)
 class VocabGroups:
-    """parallel.head=vocab: three groups over all the stages of each pipeline, one kind of traffic each
-    (pipeline/vocab_head.py): the last stage's broadcast of the normed hidden states, the all-gather of the
-    softmax statistics, the reduce of the partial input gradients onto the last stage."""
+    """parallel.head=vocab: three groups, one kind of traffic each (pipeline/vocab_head.py): the last stage's
+    broadcast of the normed hidden states and the reduce of the partial input gradients onto the last stage, over
+    the stages of each pipeline (one per TP rank); the all-gather of the softmax statistics over every stage and
+    TP rank of the replica (each holds other rows of the head)."""
 
     hidden: dist.ProcessGroup
     stats: dist.ProcessGroup
@@ -160,7 +161,8 @@ class Mesh:
         self.head_link = (HeadLink(self._per_pipeline([dims.pp - 1, 0]), self._per_pipeline([0, dims.pp - 1]))
                           if head_link and dims.pp > 1 else None)
         everyone = list(range(dims.pp))
-        self.vocab_groups = (VocabGroups(*(self._per_pipeline(everyone) for _ in range(3)))
+        self.vocab_groups = (VocabGroups(hidden=self._per_pipeline(everyone), stats=self._per_data_replica(),
+                                         grad=self._per_pipeline(everyone))
                              if vocab_head and dims.pp > 1 else None)
         # The distributed optimizer's norm (pipeline/reduction.ShardedGradientReduction): each rank holds
         # a distinct piece of the reduced gradient, so the squared norm is summed over the whole job, on
@@ -224,6 +226,17 @@ class Mesh:
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     mine = group
+        return mine
+
+    def _per_data_replica(self):
+        """A new group of every stage and TP rank of each DP coordinate (ranks in stage, then TP order); returns
+        this rank's. Collective: every rank creates every group in the same order."""
+        mine = None
+        for dp_rank in range(self.dims.dp):
+            ranks = [self.global_rank(s, dp_rank, r) for s in range(self.dims.pp) for r in range(self.dims.tp)]
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
         return mine
 
     def _build_links(self) -> PipelineLinks:

@@ -65,9 +65,10 @@ def param_slice(name: str, local_shape: torch.Size, layout: ParamSharding, at: S
     the local size times the group size and the offset the rank times the local size. `vocab` (this stage's
     rows of the head under parallel.head=vocab, the vocabulary size): lm_head.weight is those rows."""
     shape, offsets = list(local_shape), [0] * len(local_shape)
-    if vocab is not None and name == "lm_head.weight":
+    if vocab is not None and name == "lm_head.weight":  # the stage's rows, chunked over TP like any TP weight
         shard, vocab_size = vocab
-        return ParamSlice(name, (vocab_size, *shape[1:]), (shard.start, *offsets[1:]))
+        start = shard.start + (at.tp_rank * shape[0] if layout.is_tp_sharded and at.tp > 1 else 0)
+        return ParamSlice(name, (vocab_size, *shape[1:]), (start, *offsets[1:]))
     if layout.expert and at.ep > 1:  # experts along dim 0
         offsets[0], shape[0] = at.ep_rank * shape[0], shape[0] * at.ep
     if layout.is_tp_sharded and at.tp > 1:

@@ -24,6 +24,7 @@ from asyncpp.core.records import DataSource, PipelineBubble, StepResult
 from asyncpp.core.vocab_split import VocabSplit, vocab_pipeline
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import layout_of
+from asyncpp.parallel.tp import enter_region
 from asyncpp.pipeline.bubble import BubbleGather
 from asyncpp.pipeline.build import BuiltStage
 from asyncpp.pipeline.p2p import StageComm, naming_the_peer
@@ -105,12 +106,20 @@ class PipelineExecutor:
         if self.plan.head_split is not None and self.spec.is_last:
             return self._forward_split_head(tokens, x)
         if self.spec.vocab is not None and self.spec.is_last:  # the normed hidden states: the head is every stage's
-            return self.model.norm(stage_forward(self.model, self.spec, tokens[:, :-1] if self.spec.is_first else x,
-                                                 head=False))
+            h = stage_forward(self.model, self.spec, tokens[:, :-1] if self.spec.is_first else x, head=False)
+            return self._head_input(h)
         out = stage_forward(self.model, self.spec, tokens[:, :-1] if self.spec.is_first else x)
         if not self.spec.is_last:
             return out
         return self.loss_fn(out, tokens[:, 1:])
+
+    def _head_input(self, h: Tensor) -> Tensor:
+        """The last stage's final norm, entering the head's TP region as the TP head does (tp.enter_region: under
+        sequence parallelism the all-gather of the sequence, whose backward sums the TP ranks' partial input
+        gradients; else a copy whose backward all-reduces them)."""
+        d = self.mesh.dims
+        normed = self.model.norm(h)
+        return enter_region(normed, self.mesh.tp_group, self.cfg.parallel.sequence_parallel) if d.tp > 1 else normed
 
     def _labels(self, step: int, microbatch: int) -> Tensor:
         """The next-token ids of (step, microbatch): every stage's rows of a vocabulary-parallel head need them."""
@@ -148,7 +157,7 @@ class PipelineExecutor:
             if vocab is not None:  # every stage joins the head's pass of the batch (its labels: val_batches)
                 if not self.spec.is_last:
                     comm.send_forward(out)
-                hidden = self.model.norm(out) if self.spec.is_last else None
+                hidden = self._head_input(out) if self.spec.is_last else None
                 loss = vocab.evaluate(hidden, b[:, 1:])
                 total += loss if self.spec.is_last else 0.0
             elif self.spec.is_last:

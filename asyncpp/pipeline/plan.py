@@ -27,6 +27,7 @@ from asyncpp.core.update import NO_CORRECTIONS, Corrections, lr_multiplier_for
 from asyncpp.core.vocab_split import VocabSplit, run_vocab_split, vocab_warmup
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
+from asyncpp.parallel.vocab_parallel import split_for_tp
 from asyncpp.pipeline.engine import ForwardFn, StageEngine
 from asyncpp.pipeline.head import HeadComm, HeadHelper
 from asyncpp.pipeline.p2p import StageComm
@@ -62,6 +63,8 @@ class StagePlan:
     weight_prediction: bool = False
     compute_dtype: torch.dtype | None = None
     """bf16: parameters cast for compute, fp32 masters kept apart (weights.py); None: compute in the masters'."""
+    head_shape: tuple[int, ...] = (0,)
+    """What the head reads, [micro batch, sequence, hidden]: the whole sequence, also under SP."""
     activation_shape: tuple[int, ...] = (0,)
     """What a stage boundary carries, [micro batch, sequence (this TP rank's shard under SP), hidden]; (0,) when
     the caller sets it per call (the Megatron front-end)."""
@@ -90,6 +93,7 @@ class StagePlan:
             stage=spec.stage, num_stages=spec.num_stages, schedule=cfg.schedule.name, delays=delays(spec.stage),
             tied_delays=delays(0), weight_prediction=s.weight_prediction, compute_dtype=dtype,
             activation_shape=(t.micro_batch_size, seq, model_cfg.hidden_size),
+            head_shape=(t.micro_batch_size, t.seq_len, model_cfg.hidden_size),
             link_dtype=dtype if dtype is not None else torch.float32,
             head_split=head_split_plan(cfg, model_cfg), vocab=vocab, vocab_warmup=warmup, timeout_s=t.timeout_s,
             update=UpdateSpec(grad_clip=t.grad_clip, corrections=Corrections.of(s), lr_multiplier=lr_multiplier_for(cfg),
@@ -165,8 +169,8 @@ def build_stage_runtime(
         param, row0 = vocab_rows(module, spec)
         if tied_ids and not spec.is_first:  # its head rows are rows of the tied weight the first stage holds whole
             tied_rows = (spec.vocab.start, sum(plan.vocab.shards))
-        vocab = VocabHead(mesh, spec.vocab, param, row0, head_labels, plan.activation_shape, plan.link_dtype,
-                          comm.wait)
+        piece = split_for_tp(spec.vocab, mesh.dims.tp)[mesh.tp_rank]  # the TP plan chunked the stage's rows
+        vocab = VocabHead(mesh, piece, param, row0, head_labels, plan.head_shape, plan.link_dtype, comm.wait)
     timer = stage_timer(mesh.pp_rank, mesh.device)
     update = StageUpdate(mesh, versions, optimizer, spec=plan.update, grad_scale=grad_scale,
                          is_delayed=plan.is_delayed, tied_is_delayed=plan.tied_is_delayed,

@@ -14,7 +14,7 @@ from asyncpp.core.partition import vocab_shards_of
 from asyncpp.core.records import DataSource
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import global_view, rows_view
-from asyncpp.parallel.vocab_parallel import vocab_shards
+from asyncpp.parallel.vocab_parallel import split_for_tp, vocab_shards
 from asyncpp.pipeline.engine import StageEngine
 from asyncpp.pipeline.stage import StageSpec, tied_parameters, vocab_rows
 from asyncpp.train import checkpoint as ckpt
@@ -43,8 +43,9 @@ class StageCheckpoint:
             params = [p for p in self.model.parameters() if p.requires_grad]
             i = next(k for k, p in enumerate(params) if p is rows)
             if not (self.spec.is_first and id(rows) in tied):  # the first stage holds a tied embedding whole
-                shards[i] = rows_view(self.vocab_layout, self.spec.stage, self.model.config.vocab_size,
-                                      self.mesh.pp_group)
+                index = self.spec.stage * d.tp + self.mesh.tp_rank  # the statistics group's order: stage, TP rank
+                shards[i] = rows_view(self.vocab_layout, index, self.model.config.vocab_size,
+                                      self.mesh.vocab_groups.stats)
             # A tied embedding's rows on a later stage equal the first stage's (one update of one gradient):
             # the first stage saves them whole, the others only load theirs.
             mirrors = [k == i and id(rows) in tied and not self.spec.is_first for k in range(len(params))]
@@ -58,9 +59,10 @@ class StageCheckpoint:
 
     @property
     def vocab_layout(self) -> list[tuple[int, int]]:
-        """(start, rows) of every stage's head rows, in stage order."""
+        """(start, rows) of every stage's TP ranks' head rows, in stage, then TP rank order."""
         rows = vocab_shards_of(self.cfg, self.model.config)
-        return [(sh.start, sh.rows) for sh in vocab_shards(rows, self.model.config.vocab_size)]
+        return [(piece.start, piece.rows) for stage in vocab_shards(rows, self.model.config.vocab_size)
+                for piece in split_for_tp(stage, self.mesh.dims.tp)]
 
     def save(self, step_done: int) -> None:
         """Collective; called at a drain point, where every stage holds x_{step_done} as its newest."""

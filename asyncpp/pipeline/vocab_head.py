@@ -89,15 +89,18 @@ class VocabHead:
 
     def __init__(self, mesh: Mesh, shard: VocabShard, param: nn.Parameter, row0: int,
                  labels: Callable[[int, int], Tensor], hidden_shape: tuple[int, ...], dtype: torch.dtype, wait: Wait):
-        """The stage's rows of the head are `param`'s rows [row0, row0 + shard.rows) (lm_head.weight from row 0,
-        or the embedding on the first stage of a tied model), read on the weight version in use; `labels(step,
-        microbatch)` the microbatch's next-token ids; `hidden_shape` [mb, seq, h] in `dtype`."""
+        """The rank's rows of the head, `shard` (its TP rank's piece of its stage's rows), are `param`'s rows
+        [row0, row0 + shard.rows) (lm_head.weight from row 0, or the embedding on the first stage of a tied model),
+        read on the weight version in use; `labels(step, microbatch)` the microbatch's next-token ids;
+        `hidden_shape` [mb, seq, h] in `dtype` (the whole sequence: under sequence parallelism the last stage
+        gathers it first)."""
         if mesh.vocab_groups is None:
             raise ValueError("parallel.head=vocab needs the mesh's vocabulary groups: build it with "
                              "Mesh(..., vocab_head=True) on every rank")
         self.mesh, self.shard, self.param, self.row0, self.labels = mesh, shard, param, row0, labels
         self.hidden_shape, self.dtype, self.wait = tuple(hidden_shape), dtype, wait
         self.groups = mesh.vocab_groups
+        self.holders = dist.get_world_size(self.groups.stats)  # every stage's TP ranks hold rows of the head
         self.last = mesh.global_rank(mesh.num_stages - 1)
         self._passes: dict[tuple[int, int], _Pass] = {}
         self._hidden_in: dict[tuple[int, int], tuple[Tensor, object]] = {}  # posted broadcasts (not the last stage)
@@ -147,7 +150,7 @@ class VocabHead:
         with torch.no_grad():
             logits = nn.functional.linear(flat, self.weight()).float()
             stats = shard_statistics(logits, targets, self.shard)
-        gathered = stats.new_empty((self.mesh.num_stages * stats.shape[0], stats.shape[1]))  # gloo: stacked on dim 0
+        gathered = stats.new_empty((self.holders * stats.shape[0], stats.shape[1]))  # gloo: stacked on dim 0
         work = dist.all_gather_into_tensor(gathered, stats, group=self.groups.stats, async_op=True)
         self.passes += 1
         self.logits_widths.add(logits.shape[-1])
@@ -218,7 +221,7 @@ class VocabHead:
         flat, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         logits = nn.functional.linear(flat, self.weight()).float()
         stats = shard_statistics(logits, targets, self.shard)
-        gathered = stats.new_empty((self.mesh.num_stages * stats.shape[0], stats.shape[1]))  # gloo: stacked on dim 0
+        gathered = stats.new_empty((self.holders * stats.shape[0], stats.shape[1]))  # gloo: stacked on dim 0
         self.wait(dist.all_gather_into_tensor(gathered, stats, group=self.groups.stats, async_op=True),
                   "the vocabulary-parallel head's all-gather of a validation batch's statistics")
         top, total, target_logit = combine_statistics(gathered)

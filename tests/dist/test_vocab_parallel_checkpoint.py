@@ -21,17 +21,18 @@ UNTIED = {"name": "tiny_dense", "overrides": {"tie_embeddings": False}}
 def pipeline(cfg) -> tuple[dict[int, dict], dict[tuple[int, str], torch.Tensor]]:
     """The run's records by step and every stage's parameters by (stage, name): each stage holds other rows of the
     head under the one name."""
-    results = run_ranks(pipeline_rank, cfg.parallel.pp, cfg.to_dict())
+    results = run_ranks(pipeline_rank, cfg.parallel.pp * cfg.parallel.tp, cfg.to_dict())
     records = {r["step"]: r for res in results for r in res["records"]}
-    return records, {(res["stage"], n): p for res in results for n, p in res["params"].items()}
+    return records, {(res["stage"], res["tp"], n): p for res in results for n, p in res["params"].items()}
 
 
-def config(root, pp: int, head: str = "vocab", resume: str | None = None, **extra):
+def config(root, pp: int, head: str = "vocab", resume: str | None = None, tp: int = 1, **extra):
     checkpoint = {"enabled": True, "every": 3, "dir": str(root / "ckpt")} if resume is None else {
         "enabled": False, "resume": resume}
     # AdamW at the TP tests' eps: a run continued on another layout differs by reduction order, which AdamW at
     # eps = 1e-8 amplifies without bound on entries whose gradient is near zero (tests/dist/test_head_split.py).
-    return make_config(parallel={"pp": pp, "head": head, "stage_layers": None}, staleness={"ef_lambda": 1.0},
+    return make_config(parallel={"pp": pp, "tp": tp, "sequence_parallel": tp > 1, "head": head, "stage_layers": None},
+                       staleness={"ef_lambda": 1.0},
                        checkpoint=checkpoint, optimizer={"eps": ADAMW_EPS}, **extra)
 
 
@@ -43,7 +44,7 @@ def test_vocab_head_resume_is_bitwise_exact(tmp_path, model):
     assert sorted(resumed) == [3, 4, 5]
     for t in (3, 4, 5):
         assert resumed[t]["loss"] == full[t]["loss"] and resumed[t]["grad_norm"] == full[t]["grad_norm"], t
-    assert sum(p.shape[0] for (_, n), p in full_params.items() if n == "lm_head.weight") < 2 * 8192  # rows, spread
+    assert sum(p.shape[0] for (*_, n), p in full_params.items() if n == "lm_head.weight") < 2 * 8192  # rows, spread
     for key, p in full_params.items():
         assert torch.equal(params[key], p), key
 
@@ -63,3 +64,16 @@ def test_vocab_head_checkpoint_continues_on_four_stages_and_with_the_head_on_the
             assert got[t]["loss"] == pytest.approx(want[t]["loss"], rel=1e-5), (pp, head, t)
         for key, p in want_params.items():
             assert params[key].shape == p.shape and relative_error(params[key], p) < 1e-5, (pp, head, key)
+
+
+@pytest.mark.slow
+def test_vocab_head_checkpoint_of_tensor_parallel_pieces_continues_without_tp(tmp_path):
+    """Saved at P=2 x TP=2 with SP (four pieces of the head, by offset), resumed at P=4 x TP=1 (four other rows)."""
+    pipeline(config(tmp_path / "a", 2, tp=2, model=UNTIED))
+    want, want_params = pipeline(config(tmp_path / "w", 4, model=UNTIED))
+    got, params = pipeline(config(tmp_path / "r", 4, model=UNTIED, resume=str(tmp_path / "a" / "ckpt" / "step_00000003")))
+    assert sorted(got) == [3, 4, 5]
+    for t in (3, 4, 5):
+        assert got[t]["loss"] == pytest.approx(want[t]["loss"], rel=1e-5), t
+    for key, p in want_params.items():
+        assert params[key].shape == p.shape and relative_error(params[key], p) < 1e-5, key

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from asyncpp.core.partition import vocab_shards_of
-from asyncpp.parallel.vocab_parallel import VocabShard, vocab_shards
+from asyncpp.parallel.vocab_parallel import VocabShard, split_for_tp, vocab_shards
 from asyncpp.pipeline.vocab_head import combine_statistics, logits_gradient, shard_statistics
 from model_zoo import get_model_config
 from tests.dist.harness import run_ranks
@@ -89,8 +89,9 @@ def assert_vocab_equivalent(cfg, world: int, loss_fn=None, rel: float = 1e-5) ->
     model_cfg = get_model_config(cfg.model.name, **(cfg.model.overrides or {}))
     shards = vocab_shards(vocab_shards_of(cfg.validate(model_cfg), model_cfg), model_cfg.vocab_size)
     m = cfg.validate(model_cfg).train.num_microbatches
+    tp = cfg.parallel.tp
     for r in results:
-        v, shard = r["vocab"], shards[r["stage"]]
+        v, shard = r["vocab"], split_for_tp(shards[r["stage"]], tp)[r["tp"]]  # this TP rank's piece of its stage's
         # The vocabulary really is split: this stage's rows, the width of every logits block it computed, one S
         # per microbatch, and no stage holding the whole head.
         assert (v["start"], v["rows"]) == (shard.start, shard.rows), r["stage"]
@@ -101,6 +102,9 @@ def assert_vocab_equivalent(cfg, world: int, loss_fn=None, rel: float = 1e-5) ->
                 want = head[shard.start:shard.end]
             else:
                 want = ref["params"][name]
+                tp_dim = r["layouts"].get(name, (None, False))[0]
+                if tp_dim is not None and tp > 1:  # this rank's TP slice of the reference
+                    want = want.chunk(tp, dim=tp_dim)[r["tp"]]
             err = relative_error(p, want)
             assert err < rel, (r["stage"], name, err)
     if tied:  # every stage's head rows are rows of the one tied weight: one update of one reduced gradient
@@ -149,6 +153,18 @@ def test_vocab_head_data_parallel_2bw_error_feedback_sync_start() -> None:
     cfg = make_config(model=UNTIED, parallel={"pp": 2, "dp": 2, "head": "vocab", "distributed_optimizer": True},
                       staleness={"ef_lambda": 1.0, "sync_start_steps": 2}, optimizer={"eps": ADAMW_EPS})
     assert_vocab_equivalent(cfg, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_vocab_head_with_tensor_parallelism(sequence_parallel: bool) -> None:
+    """pp=2 x tp=2: each stage's rows split again over its TP ranks (four pieces of the vocabulary); under sequence
+    parallelism the last stage gathers the sequence before the broadcast, and the gather's backward sums the TP
+    ranks' partial input gradients."""
+    cfg = make_config(model=UNTIED, parallel={"pp": 2, "tp": 2, "head": "vocab", "sequence_parallel": sequence_parallel},
+                      train={"eval_every": 3}, optimizer={"eps": ADAMW_EPS})
+    results, _, _ = assert_vocab_equivalent(cfg, 4)
+    assert sorted((r["stage"], r["tp"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 @pytest.mark.slow

@@ -112,6 +112,12 @@ def _layouts() -> dict[str, Layout]:
                                                               "distributed_optimizer": True},
                                                     train=short, staleness={"ef_lambda": 1.0},
                                                     checkpoint={"enabled": True, "every": 2})),
+        # With TP and SP: the statistics' group spans both stages' TP ranks; the last stage's sequence all-gather
+        # (TP group) sits between its forward and the broadcast, its reduce-scatter in the backward.
+        Layout("2bw-P2-TP2-SP-vocab", make_config(model=_UNTIED, parallel={"pp": 2, "tp": 2, "head": "vocab",
+                                                                           "sequence_parallel": True},
+                                                  train={**short, "eval_every": 2},
+                                                  checkpoint={"enabled": True, "every": 2})),
         Layout("2bw-P2-vocab-stop-midsegment", make_config(parallel={"pp": 2, "head": "vocab"},
                                                            train={**short, "steps": 9},
                                                            checkpoint={"enabled": True, "every": 0}), stop=(1, 1)),
