@@ -23,7 +23,7 @@ of the run's own processes, over its wall time ("other load", in cores), and /pr
     .venv/bin/python bench/peers.py --only 2bw single --m 8 --splits [2,2] auto   # auto split vs the even one
     .venv/bin/python bench/peers.py --only 2bw 1f1b single --splits [2,2] [2,2]+tokens auto+tokens   # head split
 
-A split ending in `+tokens` also sets parallel.head_split=tokens (stage 0 runs the LM head and loss of the
+A split ending in `+tokens` also sets parallel.head=tokens (stage 0 runs the LM head and loss of the
 cost model's share of each microbatch's tokens, asyncpp/core/head_split.py); `+tokens=N` sets the share to N
 tokens (parallel.head_split_tokens).
 

@@ -16,15 +16,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from asyncpp.config import RunConfig
-from asyncpp.core.partition import head_of
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.parallel.sharding import ShardingPlan, layout_of
-from asyncpp.pipeline.build import stage_spec_of
+from asyncpp.pipeline.build import mesh_for, stage_spec_of
 from asyncpp.pipeline.memory import stage_memory
 from asyncpp.pipeline.plan import StagePlan, build_stage_runtime
 from asyncpp.pipeline.stage import StageSpec, tied_parameters
@@ -83,7 +81,7 @@ def dry_run(cfg: RunConfig, model_cfg, world_size: int, build_stage: BuildStage,
         echo(f"dry run: stage {s + 1} of {dims.pp} (rank {rank}), {time.perf_counter() - started:.1f} s so far")
         _fake_group(rank, world_size)
         try:
-            mesh = Mesh(dims, torch.device("cpu"), head_link=p.head_split == "tokens", vocab_head=head_of(cfg) == "vocab")
+            mesh = mesh_for(cfg, model_cfg, dims, "cpu")
             spec = stage_spec_of(cfg, model_cfg, s)  # the helper's head replica, the vocabulary rows, are counted
             reports.append(stage_report(cfg, model_cfg, mesh, spec, build_stage, build_optimizer))
         finally:

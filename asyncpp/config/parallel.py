@@ -40,18 +40,20 @@ class ParallelConfig:
     their optimizer state and Error-Feedback buffer, receives their reduced gradient and broadcasts their
     new weights (asyncpp/optim/distributed.py, pipeline/sharded.py). Pipeline runs only; with dp=1 it is a
     no-op, as in Megatron. Not with the gradient corrections (staleness.dc_lambda, grad_ef_lambda)."""
-    head_split: Literal["none", "tokens"] = "none"
-    """tokens: stage 0 runs the LM head and loss of a share of every microbatch's tokens for the last stage
-    (a replica of the head weight, reduced like a tied embedding), so a head that costs several blocks no
-    longer caps the pipeline's balance (asyncpp/core/head_split.py, docs/parallelism.md). Pipeline runs with
-    schedule sync, 1f1b or 2bw, tp=1; the mathematics is the unsplit model's (the simulator ignores it)."""
+    head: Literal["last", "vocab", "tokens", "auto"] = "last"
+    """Where the LM head and its loss run (docs/parallelism.md), the one key for it:
+    - last: on the last stage;
+    - vocab: its vocabulary spread over every stage, each holding rows sized with its layers by the cost model
+      (asyncpp/core/vocab_split.py, pipeline/vocab_head.py), so a 128k-wide head no longer makes the last stage
+      the pipeline's slowest;
+    - tokens: stage 0 also runs the head and loss of a share of every microbatch's tokens (a replica of the head
+      weight, reduced like a tied embedding: asyncpp/core/head_split.py); dp=1, tp=1 only;
+    - auto (configs/parallel/default.yaml): vocab where the cost model predicts it faster and the layout allows
+      it, else last (asyncpp.core.partition.head_of). The simulator ignores it: the mathematics is the unsplit
+      model's."""
     head_split_tokens: int | None = None
-    """With head_split=tokens: how many of the micro_batch_size x seq_len tokens the helper takes; None = the
-    cost model's balance (chosen with stage_layers=auto's split)."""
-    head: Literal["last", "vocab"] = "last"
-    """Where the LM head and its loss run. last: on the last stage. vocab: its vocabulary spread over every
-    stage, each holding rows sized with its layers by the cost model (asyncpp/core/vocab_split.py,
-    pipeline/vocab_head.py), so a 128k-wide head no longer makes the last stage the pipeline's slowest."""
+    """With head=tokens: how many of the micro_batch_size x seq_len tokens the helper takes; None = the cost
+    model's balance (chosen with stage_layers=auto's split)."""
     vocab_shards: tuple[int, ...] | None = None
     """With head=vocab: every stage's rows of the head, in stage order, summing to the vocabulary; None = the
     cost model's (sized together with stage_layers)."""
@@ -110,17 +112,13 @@ def _check_vocab_head(cfg: RunConfig, model: ModelLimits) -> None:
     """parallel.head=vocab: the layouts it is proven in (tests/dist/test_vocab_parallel_pipeline.py) and the ones
     it refuses, each with its reason (the note of issue 28 lists them)."""
     p = cfg.parallel
-    if p.head not in ("last", "vocab"):
-        raise ConfigError(f"parallel.head={p.head!r} is not one of last, vocab (a token share of the head on stage 0 "
-                          "is parallel.head_split=tokens)")
-    if p.vocab_shards is not None and p.head != "vocab":
+    if p.head not in ("last", "vocab", "tokens", "auto"):
+        raise ConfigError(f"parallel.head={p.head!r} is not one of last, vocab, tokens, auto")
+    if p.vocab_shards is not None and p.head not in ("vocab", "auto"):
         raise ConfigError(f"parallel.vocab_shards={list(p.vocab_shards)} needs parallel.head=vocab; set it or leave "
                           "vocab_shards null")
     if p.head != "vocab":
         return
-    if p.head_split != "none":
-        raise ConfigError(f"parallel.head=vocab with parallel.head_split={p.head_split}: both move the head off the "
-                          "last stage; choose one (parallel.head_split=none)")
     try:
         check_vocab_parallel(cfg.schedule.name)
     except ValueError as e:
@@ -142,12 +140,9 @@ def _check_vocab_head(cfg: RunConfig, model: ModelLimits) -> None:
 
 def _check_head_split(cfg: RunConfig) -> None:
     p = cfg.parallel
-    if p.head_split not in ("none", "tokens"):
-        raise ConfigError(f"parallel.head_split={p.head_split!r} is not one of none, tokens (the head's vocabulary "
-                          "spread over the stages is parallel.head=vocab)")
-    if p.head_split == "none":
+    if p.head != "tokens":
         if p.head_split_tokens is not None:
-            raise ConfigError(f"parallel.head_split_tokens={p.head_split_tokens} needs parallel.head_split=tokens; "
+            raise ConfigError(f"parallel.head_split_tokens={p.head_split_tokens} needs parallel.head=tokens; "
                               "set it or leave head_split_tokens null")
         return
     try:
@@ -155,8 +150,8 @@ def _check_head_split(cfg: RunConfig) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if p.tp > 1 or p.sequence_parallel:
-        raise ConfigError(f"parallel.head_split=tokens with parallel.tp={p.tp}: the TP head is vocabulary-parallel "
-                          "already (its shards are split over TP ranks); use parallel.head_split=none with tp > 1")
+        raise ConfigError(f"parallel.head=tokens with parallel.tp={p.tp}: the TP head is vocabulary-parallel "
+                          "already (its shards are split over TP ranks); use parallel.head=last with tp > 1")
     # Tested at dp=1 with Error Feedback only (tests/dist/test_head_split.py); the combinations below have no
     # equivalence test yet, so they are refused rather than run untested.
     untested = [f"parallel.dp={p.dp}"] if (p.dp or 1) > 1 else []
@@ -165,8 +160,8 @@ def _check_head_split(cfg: RunConfig) -> None:
     untested += [f"staleness.{k}={getattr(s, k)}" for k in ("weight_prediction", "dc_lambda", "grad_ef_lambda")
                  if getattr(s, k)]
     if untested:
-        raise ConfigError(f"parallel.head_split=tokens with {', '.join(untested)} is not supported yet (no "
-                          "equivalence test covers it); use parallel.head_split=none with these")
+        raise ConfigError(f"parallel.head=tokens with {', '.join(untested)} is not supported yet (no "
+                          "equivalence test covers it); use parallel.head=last with these")
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len
     n = p.head_split_tokens
     if n is not None and not 1 <= n < tokens:

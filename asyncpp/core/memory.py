@@ -330,7 +330,7 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_micro
                            head_split: bool = False) -> int:
     """Most microbatches whose forward ran and backward did not, at once, on `stage` (from the
     schedule's own action list, so it is right for every kind: m for GPipe, P - s for 1F1B/2BW, one more
-    with parallel.head_split=tokens)."""
+    with parallel.head=tokens)."""
 
     delay = kind_of(schedule).stage_delay(stage, num_stages)  # pipedream: P-1-s, not 1
     return peak_in_flight(build_schedule(schedule, stage, num_stages, num_microbatches, [delay] * steps,

@@ -93,7 +93,7 @@ class PipelineLinks:
 
 @dataclass(frozen=True)
 class HeadLink:
-    """parallel.head_split=tokens: the two 2-rank groups between the last stage and its helper, stage 0, of
+    """parallel.head=tokens: the two 2-rank groups between the last stage and its helper, stage 0, of
     each pipeline (pipeline/head.py). One direction each, like PipelineLinks: hidden states last -> helper,
     their gradients and losses helper -> last. None on the middle stages."""
 

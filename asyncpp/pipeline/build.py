@@ -18,8 +18,9 @@ import torch
 from torch import Tensor, nn
 
 from asyncpp.core.loss import cross_entropy, logits_loss_for
-from asyncpp.core.partition import stage_split, vocab_shards_of
+from asyncpp.core.partition import head_of, stage_split, vocab_shards_of
 from asyncpp.core.recompute import apply_recompute, modes_per_layer
+from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import ParamSharding, ShardingPlan, layout_of
 from asyncpp.parallel.vocab_parallel import VocabShard, vocab_shards
 from asyncpp.pipeline.stage import StageSpec, prune_to_stage
@@ -120,7 +121,14 @@ def stage_spec_of(cfg, model_cfg: ModelConfig, stage: int) -> StageSpec:
     shards = vocab_shards_of(cfg, model_cfg)
     vocab = vocab_shards(shards, model_cfg.vocab_size)[stage] if shards is not None else None
     return StageSpec(stage, p.pp, model_cfg.num_layers, stage_split(cfg, model_cfg),
-                     head_split=p.head_split == "tokens", vocab=vocab)
+                     head_split=head_of(cfg, model_cfg) == "tokens", vocab=vocab)
+
+
+def mesh_for(cfg, model_cfg: ModelConfig, dims, device: torch.device | str, timeout_s: float | None = None) -> Mesh:
+    """The mesh of a run: its groups, with the head's (a token split's link, a vocabulary-parallel head's three)."""
+    head = head_of(cfg, model_cfg)
+    return Mesh(dims, torch.device(device), head_link=head == "tokens", vocab_head=head == "vocab",
+                timeout_s=timeout_s)
 
 
 def build_rank_stage(cfg, model_cfg: ModelConfig, mesh, device: torch.device | str) -> BuiltStage:

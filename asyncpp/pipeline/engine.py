@@ -57,7 +57,7 @@ class StageEngine:
                  forward_fn: ForwardFn, timer: StageTimer, head_comm: HeadComm | None = None,
                  head_helper: HeadHelper | None = None, vocab_head: VocabHead | None = None):
         """`update` is the stage's update (its weight versions, reductions and rule: update.py);
-        `head_comm` (parallel.head_split=tokens, on the last stage and the helper) and `head_helper` (on the
+        `head_comm` (parallel.head=tokens, on the last stage and the helper) and `head_helper` (on the
         helper): pipeline/head.py. The last stage's forward_fn then returns (its loss share, the hidden states
         of the helper's tokens). `vocab_head` (parallel.head=vocab, every stage): pipeline/vocab_head.py; the
         last stage's forward_fn then returns its normed hidden states."""

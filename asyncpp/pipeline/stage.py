@@ -19,7 +19,7 @@ from asyncpp.parallel.vocab_parallel import VocabShard
 class StageSpec:
     def __init__(self, stage: int, num_stages: int, num_layers: int, sizes: Sequence[int] | None = None,
                  *, head_split: bool = False, vocab: VocabShard | None = None):
-        """head_split: parallel.head_split=tokens; stage 0 then keeps a replica of the LM head weight
+        """head_split: parallel.head=tokens; stage 0 then keeps a replica of the LM head weight
         (asyncpp/core/head_split.py). vocab: parallel.head=vocab, this stage's rows of the LM head (every stage
         holds some: pipeline/vocab_head.py)."""
         self.stage = stage

@@ -14,7 +14,7 @@ from asyncpp.core.loss import LossFn, lm_loss
 from asyncpp.optim import build_from_config
 from asyncpp.parallel.experts import ExpertDispatcher
 from asyncpp.parallel.mesh import Mesh, ParallelDims
-from asyncpp.pipeline.build import build_rank_stage
+from asyncpp.pipeline.build import build_rank_stage, mesh_for
 from asyncpp.pipeline.executor import PipelineExecutor
 from asyncpp.pipeline.reduction import GradientReduction
 from asyncpp.reference.executor import build_simulator, evaluate
@@ -89,8 +89,7 @@ def rank_layout(cfg_dict: dict) -> tuple[RunConfig, ModelConfig, Mesh]:
     cfg = cfg.validate(model_cfg)  # the resolved config (derived microbatch count, warmup), as pretrain runs
     p = cfg.parallel
     dims = ParallelDims.for_world(torch.distributed.get_world_size(), pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
-    return cfg, model_cfg, Mesh(dims, torch.device("cpu"), head_link=p.head_split == "tokens",
-                                vocab_head=p.head == "vocab", timeout_s=cfg.train.timeout_s)
+    return cfg, model_cfg, mesh_for(cfg, model_cfg, dims, "cpu", timeout_s=cfg.train.timeout_s)
 
 
 def pipeline_rank(rank: int, cfg_dict: dict) -> dict:

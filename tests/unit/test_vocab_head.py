@@ -50,16 +50,15 @@ def test_shard_math_equals_the_unsplit_cross_entropy(rows):
 @pytest.mark.parametrize("overrides, must_contain", [
     (["parallel.pp=2", "parallel.head=vocab", "schedule=pipedream"], ["parallel.head=vocab", "pipedream"]),
     (["parallel.pp=2", "parallel.head=vocab", "schedule=gpipe"], ["parallel.head=vocab", "gpipe"]),
-    (["parallel.pp=2", "parallel.head=vocab", "parallel.head_split=tokens"], ["parallel.head_split=tokens",
-                                                                            "choose one"]),
+    (["parallel.pp=2", "parallel.head_split=tokens"], ["parallel.head_split", "parallel.head=tokens"]),
     (["model=tiny_dense", "parallel.pp=2", "parallel.tp=2", "parallel.head=vocab"], ["parallel.tp=2", "tied",
                                                                                    "tie_embeddings=false"]),
     (["model=tiny_dense", "parallel.pp=2", "parallel.head=vocab", "parallel.vocab_shards=[100,100]"],
      ["parallel.vocab_shards=[100, 100]", "vocab_size=8192"]),
     (["model=tiny_dense", "+model.overrides.tie_embeddings=false", "parallel.pp=2", "parallel.tp=2",
       "parallel.head=vocab", "parallel.vocab_shards=[4095,4097]"], ["multiple of parallel.tp=2"]),
-    (["parallel.vocab_shards=[4096,4096]"], ["needs parallel.head=vocab"]),
-    (["parallel.head=tokens"], ["parallel.head='tokens'", "'last', 'vocab'"]),
+    (["parallel.head=last", "parallel.vocab_shards=[4096,4096]"], ["needs parallel.head=vocab"]),
+    (["parallel.head=sideways"], ["parallel.head='sideways'", "'last', 'vocab', 'tokens', 'auto'"]),
 ])
 def test_refusals_name_the_field_and_the_fix(overrides, must_contain):
     with pytest.raises(ConfigError) as e:
