@@ -88,6 +88,8 @@ class StageEngine:
         while i < len(stream.actions):
             todo, action = stream.actions, stream.actions[i]
             self.comm.poll()
+            if self.vocab_head is not None:
+                self.vocab_head.poll()
             self._progress()
             scan = min(scan, stream.fixed)  # after a cut, its tail past the fixed prefix is new: rescan it
             scan, newly = receives_ahead(todo, i, scan, posted)

@@ -72,12 +72,15 @@ def combine_statistics(gathered: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return top, total, targets.sum(dim=0)
 
 
-def logits_gradient(logits: Tensor, targets: Tensor, shard: VocabShard, top: Tensor, total: Tensor) -> Tensor:
-    """d(mean cross entropy)/d(this shard's logits), fp32 [N, rows]: (softmax - onehot) / N."""
+def logits_gradient(logits: Tensor, targets: Tensor, shard: VocabShard, top: Tensor, total: Tensor, *,
+                    inplace: bool = False) -> Tensor:
+    """d(mean cross entropy)/d(this shard's logits), fp32 [N, rows]: (softmax - onehot) / N. `inplace`: formed in
+    the logits' own buffer (T's use: they are not needed after it, and a second [N, rows] fp32 buffer would be the
+    largest transient of the head, 3 GiB at moe_2b's P=2)."""
     n = logits.shape[0]
     # As autograd's log_softmax backward forms it: exp(log_softmax) / N, then the target's -1 / N.
-    log_softmax = (logits - top.unsqueeze(-1)) - torch.log(total).unsqueeze(-1)
-    grad = torch.exp(log_softmax) * (1.0 / n)
+    grad = logits if inplace else logits.clone()
+    grad.sub_(top.unsqueeze(-1)).sub_(torch.log(total).unsqueeze(-1)).exp_().mul_(1.0 / n)
     inside = (targets >= shard.start) & (targets < shard.end)
     rows = torch.nonzero(inside).squeeze(-1)  # a host sync on CUDA; index_put with a mask would be one too
     grad[rows, targets[rows] - shard.start] -= 1.0 / n
@@ -164,7 +167,7 @@ class VocabHead:
         top, total, target_logit = combine_statistics(p.gathered)
         loss = (torch.log(total) + top - target_logit).mean()
         with torch.no_grad():
-            grad = logits_gradient(p.logits, p.targets, self.shard, top, total).to(self.dtype)
+            grad = logits_gradient(p.logits, p.targets, self.shard, top, total, inplace=True).to(self.dtype)
             weight = self.weight()
             d_weight = grad.t() @ p.hidden  # [rows, h]
             # The partial input gradients in fp32 (exact products of the compute dtype's values), summed in fp32
@@ -190,6 +193,11 @@ class VocabHead:
         grads[i].narrow(0, self.row0, self.shard.rows).add_(acc.to(grads[i].dtype))
 
     # ---- retiring ----------------------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Free the buffers of completed broadcasts and reduces at once (the engine calls it at every action
+        boundary): under 2BW up to 2m of each would otherwise wait for UPDATE(t)."""
+        self._held = [h for h in self._held if not h[2].is_completed()]
+
     def retire(self, step: int) -> None:
         """At UPDATE(step): every stage has passed UPDATE_START(step) (the norm all-reduce proves it), so every
         broadcast and reduce of steps <= step has been joined by all: waiting for them returns at once."""

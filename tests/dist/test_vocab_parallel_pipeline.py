@@ -102,7 +102,9 @@ def assert_vocab_equivalent(cfg, world: int, loss_fn=None, rel: float = 1e-5) ->
                 want = head[shard.start:shard.end]
             else:
                 want = ref["params"][name]
-                tp_dim = r["layouts"].get(name, (None, False))[0]
+                tp_dim, expert = r["layouts"].get(name, (None, False))
+                if expert and cfg.parallel.ep > 1:  # this rank's experts
+                    want = want.chunk(cfg.parallel.ep, dim=0)[r["ep"]]
                 if tp_dim is not None and tp > 1:  # this rank's TP slice of the reference
                     want = want.chunk(tp, dim=tp_dim)[r["tp"]]
             err = relative_error(p, want)
@@ -175,3 +177,20 @@ def test_vocab_head_bf16_equals_the_head_in_blocks() -> None:
     model_cfg = get_model_config("tiny_dense", tie_embeddings=False)
     shards = vocab_shards(vocab_shards_of(cfg.validate(model_cfg), model_cfg), model_cfg.vocab_size)
     assert_vocab_equivalent(cfg, 2, head_in_vocab_blocks(shards))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sections", [
+    {"staleness": {"weight_prediction": True}},
+    {"staleness": {"dc_lambda": 0.1}},
+    {"staleness": {"grad_ef_lambda": 0.5}},
+    {"train": {"recompute": "full"}, "schedule": {"name": "sync"}},
+    {"model": {"name": "tiny_moe"}},
+    {"model": {"name": "tiny_moe"}, "parallel": {"pp": 2, "head": "vocab", "dp": 2, "ep": 2}},
+], ids=["weight-prediction", "dc-asgd", "gradient-ef", "recompute-sync", "moe", "moe-ep2"])
+def test_vocab_head_with_every_staleness_correction_recompute_and_moe(sections) -> None:
+    """Each head shard is a weight like any other: versioned, delayed and corrected by the same rule; the experts
+    (split over EP in the paper layouts) do not touch it."""
+    sections = {"parallel": {"pp": 2, "head": "vocab"}, "optimizer": {"eps": ADAMW_EPS}, **sections}
+    p = sections["parallel"]
+    assert_vocab_equivalent(make_config(**sections), p["pp"] * (p.get("dp") or 1))
