@@ -118,3 +118,17 @@ def test_dry_run_of_a_two_stage_vocab_layout_counts_the_head_rows_and_its_buffer
     in_flight = {"vocab": 1 + warmup, "last": 1}
     assert item(vocab[1], "activations")[1] == per_mb[False] * in_flight["vocab"]
     assert item(last[1], "activations")[1] == per_mb[True] * in_flight["last"]
+
+
+def test_dry_run_of_a_tied_vocab_layout_counts_the_first_stage_rows_in_its_embedding(tmp_path):
+    """Tied: the first stage's head rows are rows of its embedding (no parameter of their own), the later stages'
+    are lm_head.weight of their rows; each stage's logits are [N, its rows]."""
+    reports, cfg, model = dry(["model=tiny_dense", "parallel.pp=2", "dry_run=2", "parallel.head=vocab",
+                               f"train.num_microbatches={M}", f"train.micro_batch_size={MB}",
+                               f"train.seq_len={SEQ}"], tmp_path)
+    assert model.tie_embeddings
+    shards, V, h = vocab_shards_of(cfg, model), model.vocab_size, model.hidden_size
+    assert "lm_head.weight" not in reports[0]["shards"] and reports[0]["shards"]["embed.weight"]["shape"] == [V, h]
+    assert reports[1]["shards"]["lm_head.weight"]["shape"] == [shards[1], h]
+    for r, rows in zip(reports, shards):
+        assert f"[{N}, {rows}]" in item(r, "vocab head: fp32 logits")[0]
