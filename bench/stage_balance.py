@@ -20,7 +20,7 @@ forward). The share of the ideal is (total cost / P) per microbatch over the pre
   head's passes; each stage bounded by max(compute, link time)). "ib sim": the head's passes as S and T actions
   in the 2BW schedule, placed by the cost model (asyncpp/schedules/costmodel.place_vocab_passes), the collectives as
   latencies on the edges they carry, at ib; bounded also by the link's occupancy. "ib sim blk": the same, the
-  collectives blocking (S and T occupy the stage for them too). The engine does not run S/T yet.
+  collectives blocking (S and T occupy the stage for them too). The engine runs them with parallel.head=vocab (pipeline/vocab_head.py).
 
     .venv/bin/python bench/stage_balance.py                   # paper models at seq 4096 (CUDA), tiny_dense (CPU)
     .venv/bin/python bench/stage_balance.py --out bench_results/stage_balance.json
