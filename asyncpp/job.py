@@ -33,13 +33,13 @@ from asyncpp.analysis.traced import trace_stage
 from asyncpp.config import ConfigError, RunConfig, check_pipeline_options, parse_blend
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.memory import simulator_run_report
-from asyncpp.core.partition import stage_split
+from asyncpp.core.partition import stage_split, with_head_resolved
 from asyncpp.core.recompute import apply_recompute, modes_per_layer
 from asyncpp.host.measured import host_rss_bytes
 from asyncpp.optim import build_from_config
 from asyncpp.parallel import flight
-from asyncpp.parallel.mesh import Mesh, ParallelDims, init_distributed
-from asyncpp.pipeline.build import build_rank_stage
+from asyncpp.parallel.mesh import ParallelDims, init_distributed
+from asyncpp.pipeline.build import build_rank_stage, mesh_for
 from asyncpp.pipeline.executor import PipelineExecutor
 from asyncpp.pipeline.p2p import naming_the_peer
 from asyncpp.reference.executor import ReferenceExecutor
@@ -78,7 +78,7 @@ def resolve(container: dict, world_size: int = 1) -> tuple[RunConfig, ModelConfi
         p = cfg.parallel
         dims = ParallelDims.for_world(ranks, pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
         cfg = cfg.replace(parallel=dataclasses.replace(p, dp=dims.dp))
-    return cfg.validate(model_cfg), model_cfg
+    return with_head_resolved(cfg.validate(model_cfg), model_cfg), model_cfg
 
 
 def compose(overrides: list[str] | None = None) -> dict:
@@ -120,6 +120,11 @@ def _config_keys(tree: dict, prefix: str = "") -> list[str]:
     return out
 
 
+RENAMED = {"parallel.head_split": "the head's placement is one key now: parallel.head=tokens (was "
+                                  "parallel.head_split=tokens), or last, vocab, auto"}
+"""Keys a release renamed: what the command line should say instead."""
+
+
 def composition_error(e: BaseException, overrides: list[str]) -> str:
     """hydra's or omegaconf's complaint about the command line, as one line naming the override and a fix: for a
     typo ("Could not override 'trian.steps'") the key it meant; for a missing group option the choices."""
@@ -132,7 +137,7 @@ def composition_error(e: BaseException, overrides: list[str]) -> str:
                 "out_dir=outputs/compose"])))
         close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
         fix = f"did you mean {close[0]}?" if close else "check the spelling against configs/pretrain.yaml"
-        return f"{key} is not a config key; {fix}"
+        return f"{key} is not a config key; {RENAMED.get(key, fix)}"
     match = re.search(r"Could not find '([^/']+)/([^']+)'", text)
     if match:
         group, name = match.groups()
@@ -254,7 +259,7 @@ def _run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | No
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     device = init_distributed(torch.device(cfg.train.device).type, cfg.train.timeout_s)
     try:
-        mesh = Mesh(dims, device, head_link=p.head_split == "tokens")
+        mesh = mesh_for(cfg, model_cfg, dims, device)
         timeout = cfg.train.timeout_s
         shared = [cfg.out_dir]
         with naming_the_peer(mesh, "rank 0's run directory (broadcast)", timeout):

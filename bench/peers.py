@@ -23,9 +23,13 @@ of the run's own processes, over its wall time ("other load", in cores), and /pr
     .venv/bin/python bench/peers.py --only 2bw single --m 8 --splits [2,2] auto   # auto split vs the even one
     .venv/bin/python bench/peers.py --only 2bw 1f1b single --splits [2,2] [2,2]+tokens auto+tokens   # head split
 
-A split ending in `+tokens` also sets parallel.head_split=tokens (stage 0 runs the LM head and loss of the
+A split ending in `+tokens` also sets parallel.head=tokens (stage 0 runs the LM head and loss of the
 cost model's share of each microbatch's tokens, asyncpp/core/head_split.py); `+tokens=N` sets the share to N
-tokens (parallel.head_split_tokens).
+tokens (parallel.head_split_tokens). A split ending in `+vocab` sets parallel.head=vocab (the LM head's vocabulary
+spread over both stages, pipeline/vocab_head.py; `+vocab=[r0,r1]` sets the rows, parallel.vocab_shards):
+
+    .venv/bin/python bench/peers.py --only 2bw single --m 8 --reps 4 --splits [2,2] auto [2,2]+tokens auto+tokens \
+        [2,2]+vocab auto+vocab   # plain 2BW, the token head split and the vocabulary-parallel head
 
 Writes bench_results/peers.json and bench_results/peers.png (bars: median tokens/s, whiskers: min-max).
 """
@@ -71,11 +75,22 @@ def children_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def head_overrides(head: str) -> list[str]:
+    """A split's suffix as overrides: "tokens" / "tokens=330" (the token head split, the helper's share by the
+    cost model or by hand), "vocab" / "vocab=[4096,4096]" (the vocabulary-parallel head, parallel.head=vocab,
+    the shards by the cost model or by hand)."""
+    kind, _, value = head.partition("=")
+    if kind == "vocab":
+        return ["parallel.head=vocab"] + ([f"parallel.vocab_shards={value}"] if value else [])
+    if kind not in ("", "tokens"):
+        raise SystemExit(f"split suffix +{head}: expected +tokens[=N] or +vocab[=[r0,r1]]")
+    return ([f"parallel.head_split={kind}"] if kind else []) + ([f"parallel.head_split_tokens={value}"] if value else [])
+
+
 def run_one(impl: str, schedule: str, m: int, args, split: str = "") -> dict:
     """One job; returns its worker JSON with the load it ran under."""
     layers, _, head = split.partition("+")
-    kind, _, share = head.partition("=")  # "tokens=330": the helper's share set by hand, not the cost model's
-    head_args = ([f"parallel.head_split={kind}"] if kind else []) + ([f"parallel.head_split_tokens={share}"] if share else [])
+    head_args = head_overrides(head)
     extra = [f"parallel.stage_layers={layers}", *head_args, *args.overrides] if impl == "asyncpp" else []
     out = Path(args.scratch) / f"{impl}-{schedule}-{m}-{split.replace('+', '_')}.json"
     steps = args.steps
@@ -125,6 +140,8 @@ def label(impl: str, schedule: str, split: str = "") -> str:
     chunks = " (4 chunks)" if schedule in MULTI_STAGE else ""
     split, _, head = split.partition("+")
     layers = f" layers={split}" if split and split != EVEN else ""
+    if head.startswith("vocab"):
+        return f"{impl} {schedule}{chunks}{layers} head=vocab" + head[len("vocab"):]
     return f"{impl} {schedule}{chunks}{layers}" + (f" head split={head}" if head else "")
 
 
@@ -181,12 +198,12 @@ def _median_kinds(per_run: list[dict | None]) -> dict[str, float] | None:
     return {k: statistics.median(d.get(k, 0.0) for d in per_run) for k in kinds}
 
 
-BREAKDOWN_KINDS = ("F", "B", "H", "U", "idle", "untimed")
+BREAKDOWN_KINDS = ("F", "B", "H", "S", "T", "U", "idle", "untimed")
 
 
 def breakdown_table(rows: list[dict]) -> str:
     """asyncpp's runs: where each rank's step goes (ms per step, medians), against the single process's whole
-    step; `compute / single` is the stages' F + B + H summed over ranks over the single process's step time."""
+    step; `compute / single` is the stages' F + B + H + S + T summed over ranks over the single process's step time."""
     head = f"{'schedule':38} {'M':>2} {'rank':>4} " + " ".join(f"{k:>8}" for k in BREAKDOWN_KINDS) + \
         f" {'wall':>8} {'compute / single':>16}"
     lines = [head, "-" * len(head)]
@@ -194,7 +211,7 @@ def breakdown_table(rows: list[dict]) -> str:
     for r in rows:
         if r["impl"] != "asyncpp" or not r["ms_per_step_per_rank"] or None in r["ms_per_step_per_rank"]:
             continue
-        compute = sum(d.get(k, 0.0) for d in r["ms_per_step_per_rank"] for k in ("F", "B", "H"))
+        compute = sum(d.get(k, 0.0) for d in r["ms_per_step_per_rank"] for k in ("F", "B", "H", "S", "T"))
         ratio = f"{compute / single[r['m']]:.2f}" if r["m"] in single else ""
         for rank, d in enumerate(r["ms_per_step_per_rank"]):
             cells = " ".join(f"{d.get(k, 0.0):>8.1f}" for k in BREAKDOWN_KINDS)

@@ -208,8 +208,8 @@ def run_torch(args) -> dict:
 def run_ours(args) -> dict:
     """asyncpp's PipelineExecutor driven directly (no trainer: no logging, evaluation or checkpoints)."""
     from asyncpp.job import compose, optimizer_for, resolve
-    from asyncpp.parallel.mesh import Mesh, ParallelDims
-    from asyncpp.pipeline.build import build_rank_stage
+    from asyncpp.parallel.mesh import ParallelDims
+    from asyncpp.pipeline.build import build_rank_stage, mesh_for
     from asyncpp.pipeline.executor import PipelineExecutor
     from asyncpp.schedules.actions import Op
 
@@ -223,7 +223,7 @@ def run_ours(args) -> dict:
     set_mmap_threshold(cfg.train.host_mmap_threshold)  # as pretrain.py does at start
     set_trim_threshold(cfg.train.host_trim_threshold)
     dims = ParallelDims.for_world(dist.get_world_size(), pp=2, tp=1, ep=1, dp=None)
-    mesh = Mesh(dims, torch.device("cpu"), head_link=cfg.parallel.head_split == "tokens")
+    mesh = mesh_for(cfg, model_cfg, dims, "cpu")
     data = PoolData(tokens_pool(args.m, args.micro_batch, args.seq, model_cfg.vocab_size, 0))
     torch.manual_seed(cfg.seed)
     stage = build_rank_stage(cfg, model_cfg, mesh, mesh.device)  # pretrain.py's per-rank build

@@ -7,7 +7,7 @@ forward). The share of the ideal is (total cost / P) per microbatch over the pre
 
 - even: Megatron's near-even split (core/partition.default_split);
 - auto: parallel.stage_layers=auto (the split minimizing the slowest stage, at least one layer per stage);
-- auto + tokens: parallel.head_split=tokens (implemented): stage 0 runs the head and loss of the cost model's
+- auto + tokens: parallel.head=tokens (implemented): stage 0 runs the head and loss of the cost model's
   share of the tokens, the split chosen with it (asyncpp/core/head_split.py), in the schedule with HEAD
   actions (the cost model simulates it; p2p of the token share not costed);
 - VP bound: the head and its loss spread evenly over all P stages (Yeung et al., 2024), the layers split by auto
@@ -20,7 +20,7 @@ forward). The share of the ideal is (total cost / P) per microbatch over the pre
   head's passes; each stage bounded by max(compute, link time)). "ib sim": the head's passes as S and T actions
   in the 2BW schedule, placed by the cost model (asyncpp/schedules/costmodel.place_vocab_passes), the collectives as
   latencies on the edges they carry, at ib; bounded also by the link's occupancy. "ib sim blk": the same, the
-  collectives blocking (S and T occupy the stage for them too). The engine does not run S/T yet.
+  collectives blocking (S and T occupy the stage for them too). The engine runs them with parallel.head=vocab (pipeline/vocab_head.py).
 
     .venv/bin/python bench/stage_balance.py                   # paper models at seq 4096 (CUDA), tiny_dense (CPU)
     .venv/bin/python bench/stage_balance.py --out bench_results/stage_balance.json
@@ -64,7 +64,7 @@ def share_of_ideal(stage_costs: list[float], P: int, total: float | None = None)
 
 
 def share_of_ideal_head_split(costs: LayerCosts, P: int, tokens: int) -> tuple[float, list[int], float]:
-    """parallel.head_split=tokens at auto: (share of the ideal, the split, the helper's share of the tokens)."""
+    """parallel.head=tokens at auto: (share of the ideal, the split, the helper's share of the tokens)."""
     plan = plan_head_split(costs, P, tokens)
     x = plan.helper_tokens / tokens
     body = costs.stage_costs(list(plan.sizes))
@@ -160,7 +160,7 @@ def main() -> None:
               f"{r['vp_ib_simulated_blocking']['share']:>10.2f} "
               f"{r['vp_ib_exposed_equal_shards']['share']:>8.2f}  "
               f"{r['auto']} | {r['head_split_tokens_split']} ({r['head_split_helper_share']:.2f})")
-    print("\nshare of the ideal throughput predicted for 2BW (m = 4P); +tokens: parallel.head_split=tokens at auto "
+    print("\nshare of the ideal throughput predicted for 2BW (m = 4P); +tokens: parallel.head=tokens at auto "
           "(stage 0 helps the last stage); VP bound: the head spread evenly over all stages, no communication; "
           "VP nvl / VP ib: layers and unequal vocabulary shards chosen together, the head's collectives exposed at "
           f"{LINKS['nvlink'].bandwidth / 1e9:g} / {LINKS['ib'].bandwidth / 1e9:g} GB/s; VP ib hid: hidden beside "

@@ -16,14 +16,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from asyncpp.config import RunConfig
-from asyncpp.core.partition import stage_split
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.parallel.sharding import ShardingPlan, layout_of
+from asyncpp.pipeline.build import mesh_for, stage_spec_of
 from asyncpp.pipeline.memory import stage_memory
 from asyncpp.pipeline.plan import StagePlan, build_stage_runtime
 from asyncpp.pipeline.stage import StageSpec, tied_parameters
@@ -82,9 +81,8 @@ def dry_run(cfg: RunConfig, model_cfg, world_size: int, build_stage: BuildStage,
         echo(f"dry run: stage {s + 1} of {dims.pp} (rank {rank}), {time.perf_counter() - started:.1f} s so far")
         fake_group(rank, world_size)
         try:
-            mesh = Mesh(dims, torch.device("cpu"), head_link=p.head_split == "tokens")
-            spec = StageSpec(s, dims.pp, model_cfg.num_layers, stage_split(cfg, model_cfg),
-                             head_split=p.head_split == "tokens")  # the helper's head replica is counted
+            mesh = mesh_for(cfg, model_cfg, dims, "cpu")
+            spec = stage_spec_of(cfg, model_cfg, s)  # the helper's head replica, the vocabulary rows, are counted
             reports.append(stage_report(cfg, model_cfg, mesh, spec, build_stage, build_optimizer))
         finally:
             dist.destroy_process_group()

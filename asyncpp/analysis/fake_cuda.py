@@ -30,8 +30,8 @@ from asyncpp.analysis.dryrun import fake_group
 from asyncpp.analysis.trace import AttentionPath, HostRead, StandIns, StepTracer, needed
 from asyncpp.analysis.traced import H100, balanced_stand_ins, pin_gpu_kernels
 from asyncpp.config import RunConfig
-from asyncpp.parallel.mesh import Mesh, ParallelDims
-from asyncpp.pipeline.build import build_rank_stage
+from asyncpp.parallel.mesh import ParallelDims
+from asyncpp.pipeline.build import build_rank_stage, mesh_for
 from asyncpp.pipeline.stage import stage_forward
 
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention": "flash", "aten::_scaled_dot_product_cudnn_attention": "cudnn",
@@ -117,7 +117,7 @@ def fake_cuda_forward(cfg: RunConfig, model_cfg, world_size: int, stage: int,
     device = torch.device("cuda", 0)
     fake_group(rank, world_size)
     try:
-        mesh = Mesh(dims, torch.device("cpu"), head_link=p.head_split == "tokens")
+        mesh = mesh_for(cfg, model_cfg, dims, "cpu")
         mesh.device = device
         built = build_rank_stage(cfg, model_cfg, mesh, "meta")
         model, spec = built.model, built.spec

@@ -33,9 +33,9 @@ import asyncpp.optim.build as optim_build
 from asyncpp.analysis.dryrun import BuildOptimizer, fake_group
 from asyncpp.analysis.trace import AttentionPath, CommOp, HostRead, StandIns, StepTracer, needed
 from asyncpp.config import RunConfig
-from asyncpp.parallel.mesh import Mesh, ParallelDims
-from asyncpp.pipeline.build import build_rank_stage
-from asyncpp.pipeline.executor import PipelineExecutor, segment_actions
+from asyncpp.parallel.mesh import ParallelDims
+from asyncpp.pipeline.build import build_rank_stage, mesh_for
+from asyncpp.pipeline.executor import PipelineExecutor
 from asyncpp.pipeline.p2p import StageComm
 from asyncpp.pipeline.weights import compute_dtype_of
 from asyncpp.schedules.actions import Action
@@ -247,8 +247,7 @@ def trace_stage(cfg: RunConfig, model_cfg, world_size: int, stage: int, build_op
 
 def _trace(cfg, model_cfg, dims, stage, rank, target, build_optimizer, steps, stand_ins, record, as_gpu,
            evaluate) -> StageTrace:
-    p = cfg.parallel
-    mesh = Mesh(dims, torch.device("cpu"), head_link=p.head_split == "tokens")
+    mesh = mesh_for(cfg, model_cfg, dims, "cpu")
     mesh.device = target  # the groups are the fake backend's; the stage's tensors live on `device`
     built = build_rank_stage(cfg, model_cfg, mesh, target)
     dtype = compute_dtype_of(cfg.train.precision) or torch.float32
@@ -257,8 +256,7 @@ def _trace(cfg, model_cfg, dims, stage, rank, target, build_optimizer, steps, st
     executor = PipelineExecutor(cfg, built, mesh, data, lambda model, plan: build_optimizer(model, plan, mesh),
                                 comm_cls=FilledComm)
     plan = executor.report.memory_plan()
-    actions = segment_actions(cfg.schedule.name, stage, dims.pp, executor.m, executor.plan.delays, 0, steps,
-                              head_split=executor.plan.head_split is not None)
+    actions = executor.actions_of(0, steps)
     tracer = StepTracer(target.type, stand_ins if stand_ins is not None else balanced_stand_ins(cfg, model_cfg, dims),
                         record=record)
     start_bytes = tracer.start()

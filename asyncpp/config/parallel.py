@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from asyncpp.config.base import ModelLimits, positive
-from asyncpp.schedules.build import check_head_split
+from asyncpp.schedules.build import check_head_split, check_vocab_parallel
 from asyncpp.schedules.registry import ScheduleKindError, kind_of
 from asyncpp.typed import ConfigError
 
@@ -40,14 +40,23 @@ class ParallelConfig:
     their optimizer state and Error-Feedback buffer, receives their reduced gradient and broadcasts their
     new weights (asyncpp/optim/distributed.py, pipeline/sharded.py). Pipeline runs only; with dp=1 it is a
     no-op, as in Megatron. Not with the gradient corrections (staleness.dc_lambda, grad_ef_lambda)."""
-    head_split: Literal["none", "tokens"] = "none"
-    """tokens: stage 0 runs the LM head and loss of a share of every microbatch's tokens for the last stage
-    (a replica of the head weight, reduced like a tied embedding), so a head that costs several blocks no
-    longer caps the pipeline's balance (asyncpp/core/head_split.py, docs/parallelism.md). Pipeline runs with
-    schedule sync, 1f1b or 2bw, tp=1; the mathematics is the unsplit model's (the simulator ignores it)."""
+    head: Literal["last", "vocab", "tokens", "auto"] = "last"
+    """Where the LM head and its loss run (docs/parallelism.md), the one key for it:
+    - last: on the last stage;
+    - vocab: its vocabulary spread over every stage, each holding rows sized with its layers by the cost model
+      (asyncpp/core/vocab_split.py, pipeline/vocab_head.py), so a 128k-wide head no longer makes the last stage
+      the pipeline's slowest;
+    - tokens: stage 0 also runs the head and loss of a share of every microbatch's tokens (a replica of the head
+      weight, reduced like a tied embedding: asyncpp/core/head_split.py); dp=1, tp=1 only;
+    - auto (configs/parallel/default.yaml): vocab where the cost model predicts it faster and the layout allows
+      it, else last (asyncpp.core.partition.head_of). The simulator ignores it: the mathematics is the unsplit
+      model's."""
     head_split_tokens: int | None = None
-    """With head_split=tokens: how many of the micro_batch_size x seq_len tokens the helper takes; None = the
-    cost model's balance (chosen with stage_layers=auto's split)."""
+    """With head=tokens: how many of the micro_batch_size x seq_len tokens the helper takes; None = the cost
+    model's balance (chosen with stage_layers=auto's split)."""
+    vocab_shards: tuple[int, ...] | None = None
+    """With head=vocab: every stage's rows of the head, in stage order, summing to the vocabulary; None = the
+    cost model's (sized together with stage_layers)."""
 
 
 def check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
@@ -109,16 +118,44 @@ def check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
     except ScheduleKindError as e:
         raise ConfigError(str(e)) from None
     _check_head_split(cfg)
+    _check_vocab_head(cfg, model)
+
+
+def _check_vocab_head(cfg: RunConfig, model: ModelLimits) -> None:
+    """parallel.head=vocab: the layouts it is proven in (tests/dist/test_vocab_parallel_pipeline.py) and the ones
+    it refuses, each with its reason (the note of issue 28 lists them)."""
+    p = cfg.parallel
+    if p.head not in ("last", "vocab", "tokens", "auto"):
+        raise ConfigError(f"parallel.head={p.head!r} is not one of last, vocab, tokens, auto")
+    if p.vocab_shards is not None and p.head not in ("vocab", "auto"):
+        raise ConfigError(f"parallel.vocab_shards={list(p.vocab_shards)} needs parallel.head=vocab; set it or leave "
+                          "vocab_shards null")
+    if p.head != "vocab":
+        return
+    try:
+        check_vocab_parallel(cfg.schedule.name)
+    except ValueError as e:
+        raise ConfigError(f"parallel.head=vocab: {e}") from None
+    if p.tp > 1 and getattr(model, "tie_embeddings", False):
+        raise ConfigError(f"parallel.head=vocab with parallel.tp={p.tp} and the tied embedding of model "
+                          f"'{model.name}' is not supported yet: a later stage's TP piece of the head is not the same "
+                          "rows as the first stage's TP piece of the embedding, so their gradients would be summed "
+                          "across TP ranks (no equivalence test covers it); use parallel.head=last with tp > 1, or "
+                          "an untied model (model.tie_embeddings=false)")
+    if p.vocab_shards is not None:
+        rows = list(p.vocab_shards)
+        if len(rows) != p.pp or min(rows) < 0 or sum(rows) != model.vocab_size or any(r % p.tp for r in rows):
+            raise ConfigError(f"parallel.vocab_shards={rows} must have parallel.pp={p.pp} non-negative entries, each a "
+                              f"multiple of parallel.tp={p.tp} (its TP ranks split a stage's rows equally), summing "
+                              f"to model '{model.name}''s vocab_size={model.vocab_size}; or be null (the cost model's "
+                              "shards)")
 
 
 def _check_head_split(cfg: RunConfig) -> None:
     p = cfg.parallel
-    if p.head_split not in ("none", "tokens"):
-        raise ConfigError(f"parallel.head_split={p.head_split!r} is not one of none, tokens (vocabulary sharding "
-                          "across stages is not implemented: docs/parallelism.md says why tokens)")
-    if p.head_split == "none":
+    if p.head != "tokens":
         if p.head_split_tokens is not None:
-            raise ConfigError(f"parallel.head_split_tokens={p.head_split_tokens} needs parallel.head_split=tokens; "
+            raise ConfigError(f"parallel.head_split_tokens={p.head_split_tokens} needs parallel.head=tokens; "
                               "set it or leave head_split_tokens null")
         return
     try:
@@ -126,8 +163,8 @@ def _check_head_split(cfg: RunConfig) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if p.tp > 1:  # (sequence parallelism needs tp > 1: check_parallel refused it at tp=1 before)
-        raise ConfigError(f"parallel.head_split=tokens with parallel.tp={p.tp}: the TP head is vocabulary-parallel "
-                          "already (its shards are split over TP ranks); use parallel.head_split=none with tp > 1")
+        raise ConfigError(f"parallel.head=tokens with parallel.tp={p.tp}: the TP head is vocabulary-parallel "
+                          "already (its shards are split over TP ranks); use parallel.head=last with tp > 1")
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len
     n = p.head_split_tokens
     if n is not None and not 1 <= n < tokens:

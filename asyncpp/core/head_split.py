@@ -1,4 +1,4 @@
-"""parallel.head_split=tokens: the last stage's LM head and loss shared with stage 0, by tokens.
+"""parallel.head=tokens: the last stage's LM head and loss shared with stage 0, by tokens.
 
 The last stage of a small-hidden, large-vocabulary model spends most of its time in the LM head and the fp32
 cross entropy (tiny_dense: about six blocks' worth, asyncpp/core/layer_costs.py), which no split of the layers

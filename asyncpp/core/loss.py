@@ -26,7 +26,7 @@ def lm_loss(model: nn.Module, tokens: Tensor) -> Tensor:
 
 
 def token_share_loss(logits: Tensor, labels: Tensor, total_tokens: int) -> Tensor:
-    """A share of a microbatch's tokens (parallel.head_split=tokens): their summed fp32 cross entropy / the
+    """A share of a microbatch's tokens (parallel.head=tokens): their summed fp32 cross entropy / the
     microbatch's token count, so the shares' sum is `cross_entropy` of the whole microbatch (up to the order of
     the sum). logits [n, vocab], labels [n]."""
     return nn.functional.cross_entropy(logits.float(), labels, reduction="sum") / total_tokens

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
 from asyncpp.schedules.invariants import peak_in_flight
 from asyncpp.schedules.registry import kind_of
@@ -268,18 +269,22 @@ def recomputed_layer_bytes_per_token(cfg: LayerShapes, layer: int, mode: str, dt
 
 def activation_bytes(cfg: LayerShapes, layers: Iterable[int], *, dtype: torch.dtype, micro_batch_size: int,
                      seq_len: int, first: bool, last: bool, moe_imbalance: float = 1.0,
-                     recompute: Sequence[str] | None = None) -> int:
+                     recompute: Sequence[str] | None = None, head: bool = True) -> int:
     """Saved activations of one microbatch's forward through a stage: the given Blocks, plus the token
     ids on the first stage, plus the final norm, LM head and fp32 cross entropy on the last.
     `moe_imbalance`: mean over MoE layers of busiest / mean expert load (1.0 = balanced router).
-    `recompute`: the train.recompute mode of every layer of the model (None: none)."""
+    `recompute`: the train.recompute mode of every layer of the model (None: none). `head=False`
+    (parallel.head=vocab): the last stage's forward ends with the final norm; the head's logits and labels
+    are every stage's, held from S to T (`vocab_head_items`)."""
     tokens = micro_batch_size * seq_len
     layers = list(layers)
     per_token = sum(recomputed_layer_bytes_per_token(cfg, i, recompute[i] if recompute else "none", dtype, seq_len,
                                                      micro_batch_size, moe_imbalance) for i in layers)
     if first:
         per_token += 8 * (seq_len + 1) / seq_len  # the int64 token block the embedding's backward indexes
-    if last:
+    if last and not head:
+        per_token += _norm_bytes(cfg.hidden_size, dtype.itemsize)
+    elif last:
         c = dtype.itemsize
         # Final norm, the head's input, and log_softmax's fp32 output over the vocabulary (the loss is
         # computed in fp32 whatever the compute dtype: asyncpp.core.loss.cross_entropy).
@@ -330,17 +335,98 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_micro
                            head_split: bool = False) -> int:
     """Most microbatches whose forward ran and backward did not, at once, on `stage` (from the
     schedule's own action list, so it is right for every kind: m for GPipe, P - s for 1F1B/2BW, one more
-    with parallel.head_split=tokens)."""
+    with parallel.head=tokens)."""
 
     delay = kind_of(schedule).stage_delay(stage, num_stages)  # pipedream: P-1-s, not 1
     return peak_in_flight(build_schedule(schedule, stage, num_stages, num_microbatches, [delay] * steps,
                                          head_split=head_split))
 
 
+@dataclass(frozen=True)
+class VocabHeld:
+    """The most of each of a vocabulary-parallel head's buffers (pipeline/vocab_head.py) a stage holds at once,
+    read off its placed schedule (core/vocab_split.vocab_pipeline: the S and T positions the engine runs)."""
+
+    passes: int
+    """S done, T not: the fp32 logits [N, rows], the labels and the gathered statistics of each."""
+    hidden: int
+    """Stages but the last: the received hidden states [mb, seq, h] of each S until its T (the engine posts
+    the broadcast at S: S is not a compute action receives_ahead posts early). The last stage: its sent
+    hidden states still held after the microbatch's BACKWARD freed its activations, until UPDATE(t) retires
+    the broadcast (before that B they are the final norm's output, counted with the activations)."""
+    input_grads: int
+    """The fp32 partial input gradients [mb, seq, h] of the reduce: from T until UPDATE(t) retires it (the
+    last stage: until the microbatch's BACKWARD takes the sum)."""
+    accumulators: int
+    """Steps whose shard gradient [rows, h] (fp32) waits for UPDATE_START(t): a T of b_{t+1} may run first."""
+
+
+def vocab_held(actions: Sequence[Action], last: bool) -> VocabHeld:
+    """The peaks of VocabHeld's buffers over one stage's action list, each taken on its own (their sum bounds
+    the combined peak from above)."""
+    passes: set[tuple[int, int]] = set()
+    hidden: set[tuple[int, int]] = set()
+    grads: set[tuple[int, int]] = set()
+    steps: set[int] = set()
+    peaks = [0, 0, 0, 0]
+    for a in actions:
+        key = (a.step, a.microbatch)
+        if a.op is Op.VOCAB_FORWARD:
+            passes.add(key)
+            if not last:
+                hidden.add(key)
+        elif a.op is Op.VOCAB_BACKWARD:
+            passes.discard(key)
+            hidden.discard(key)
+            grads.add(key)
+            steps.add(a.step)
+        elif a.op is Op.BACKWARD and last:
+            grads.discard(key)  # the sum is taken
+            hidden.add(key)  # the sent buffer outlives the activations until UPDATE(t)
+        elif a.op is Op.UPDATE_START:
+            steps.discard(a.step)
+        elif a.op is Op.UPDATE:
+            hidden = {k for k in hidden if not last or k[0] > a.step}
+            grads = {k for k in grads if last or k[0] > a.step}
+        peaks = [max(p, len(x)) for p, x in zip(peaks, (passes, hidden, grads, steps))]
+    return VocabHeld(*peaks)
+
+
+def vocab_head_items(held: VocabHeld, *, tokens: int, rows: int, hidden: int, num_stages: int,
+                     dtype: torch.dtype) -> list[MemoryItem]:
+    """A stage's buffers of a vocabulary-parallel head (`tokens` = micro_batch_size x seq_len, `rows` its
+    shard) and the scratch of its T (`vocab_backward_scratch_bytes`)."""
+    c = dtype.itemsize
+    per_pass = 4 * tokens * rows + 8 * tokens + 4 * 3 * num_stages * tokens  # logits, labels, gathered stats
+    return [
+        MemoryItem(f"vocab head: fp32 logits [{tokens}, {rows}] + labels + statistics ({held.passes} held S->T)",
+                   held.passes * per_pass, ESTIMATED),
+        MemoryItem(f"vocab head: hidden-state broadcast buffers [{tokens}, {hidden}] {_dtype_name(dtype)} "
+                   f"({held.hidden} held)", held.hidden * c * tokens * hidden, ESTIMATED),
+        MemoryItem(f"vocab head: fp32 partial input gradients [{tokens}, {hidden}] ({held.input_grads} held)",
+                   held.input_grads * 4 * tokens * hidden, ESTIMATED),
+        MemoryItem(f"vocab head: fp32 shard gradient accumulators [{rows}, {hidden}] ({held.accumulators} steps)",
+                   held.accumulators * 4 * rows * hidden, ESTIMATED),
+        MemoryItem("vocab head: T scratch (fp32 logits gradients)",
+                   vocab_backward_scratch_bytes(tokens=tokens, rows=rows, hidden=hidden, itemsize=c), ESTIMATED),
+    ]
+
+
+def vocab_backward_scratch_bytes(*, tokens: int, rows: int, hidden: int, itemsize: int) -> int:
+    """What T (pipeline/vocab_head.VocabHead.backward) allocates for a moment above the held logits: while the
+    logits' gradient is formed, the fp32 log-softmax, its exponential and the gradient (12 T R); then the
+    gradient in the compute dtype and the shard's weight gradient, and below fp32 the fp32 copies the partial
+    input gradient's GEMM reads (4 T R + 4 R h). The partial input gradient itself is a held buffer."""
+    form = 12 * tokens * rows
+    gemm = itemsize * (tokens * rows + rows * hidden) + (4 * (tokens * rows + rows * hidden) if itemsize != 4 else 0)
+    return max(form, gemm)
+
+
 # ---- reports -----------------------------------------------------------------------------------
 
 def versions_report(versions, optimizer, *, error_feedback: Sequence[Tensor], activation_bytes_per_mb: int,
-                    in_flight: int, grad_buffers: int, title: str, backward_scratch: int = 0) -> MemoryReport:
+                    in_flight: int, grad_buffers: int, title: str, backward_scratch: int = 0,
+                    extra: Sequence[MemoryItem] = ()) -> MemoryReport:
     """One pipeline stage (asyncpp.pipeline.weights.WeightVersions): K versions in the compute dtype, the fp32
     masters if separate, the optimizer state, the EF buffer, the fp32 gradients (`grad_buffers` of them
     live at once: 2 in 2BW, whose lazy update overlaps the next step's backward) and activations."""
@@ -359,6 +445,7 @@ def versions_report(versions, optimizer, *, error_feedback: Sequence[Tensor], ac
     items.append(_activation_item(activation_bytes_per_mb, in_flight))
     if backward_scratch:
         items.append(MemoryItem("loss backward scratch (fp32 logits gradients)", backward_scratch, ESTIMATED))
+    items += extra
     return MemoryReport(title, items)
 
 

@@ -7,6 +7,7 @@ parameter its stage's delay, so both sides agree on the partition by constructio
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from torch import nn
@@ -14,6 +15,8 @@ from torch import nn
 from asyncpp.core.head_split import HeadSplit, plan_head_split
 from asyncpp.core.layer_costs import LayerCosts, layer_costs
 from asyncpp.core.layer_split import balanced_split, stage_sizes
+from asyncpp.core.vocab_split import run_vocab_split
+from asyncpp.schedules.build import VOCAB_PARALLEL_KINDS
 
 
 def suggest_split(sizes: Sequence[int], busy_s: Sequence[float], layer_weights: Sequence[float]) -> list[int]:
@@ -66,15 +69,49 @@ def stage_balance(sizes: Sequence[int], busy_s: Sequence[float], layer_weights: 
 
 
 def head_split_plan(cfg, model) -> HeadSplit | None:
-    """cfg.parallel.head_split=tokens resolved for `model` under `cfg`: the layer split (auto: chosen together
+    """cfg.parallel.head=tokens resolved for `model` under `cfg`: the layer split (auto: chosen together
     with the share, asyncpp.core.head_split.plan_head_split) and the helper's tokens; None without a split."""
     p, t = cfg.parallel, cfg.train
-    if p.head_split != "tokens":
+    if p.head != "tokens":
         return None
     device_type = str(t.device).split(":")[0]
     costs = layer_costs(model, t.seq_len, t.micro_batch_size, device_type)
     sizes = None if p.stage_layers == "auto" else stage_sizes(model.num_layers, p.pp, p.stage_layers)
     return plan_head_split(costs, p.pp, t.micro_batch_size * t.seq_len, sizes, p.head_split_tokens)
+
+
+AUTO_HEAD_GAIN = 0.05
+"""parallel.head=auto takes the vocabulary-parallel head when its slowest stage is at least this much cheaper than
+the head-on-last split's (cost model): below that the head's collectives, which the compute cost leaves out, can
+eat the gain."""
+
+
+def head_of(cfg, model) -> str:
+    """Where the LM head runs: "last", "vocab" (spread over every stage) or "tokens" (a token share on stage 0);
+    parallel.head=auto resolved by the cost model (deterministic: every rank and the simulator agree)."""
+    p = cfg.parallel
+    if p.head != "auto":
+        return p.head
+    allowed = (p.pp > 1 and cfg.schedule.name in VOCAB_PARALLEL_KINDS and getattr(model, "hidden_size", None)
+               and not (p.tp > 1 and getattr(model, "tie_embeddings", False)))
+    if not allowed:
+        return "last"
+    t = cfg.train
+    costs = layer_costs(model, t.seq_len, t.micro_batch_size, str(t.device).split(":")[0])
+    sizes = None if p.stage_layers == "auto" else stage_sizes(model.num_layers, p.pp, p.stage_layers)
+    last = max(costs.stage_costs(sizes or balanced_split(costs, p.pp)))
+    vocab = max(run_vocab_split(cfg, model).compute)
+    return "vocab" if vocab <= (1 - AUTO_HEAD_GAIN) * last else "last"
+
+
+def with_head_resolved(cfg, model):
+    """cfg with parallel.head=auto replaced by its choice (what a run records in its config)."""
+    return cfg.replace(parallel=dataclasses.replace(cfg.parallel, head=head_of(cfg, model)))
+
+
+def vocab_shards_of(cfg, model) -> tuple[int, ...] | None:
+    """Every stage's rows of the head under parallel.head=vocab (None otherwise)."""
+    return run_vocab_split(cfg, model).shards if head_of(cfg, model) == "vocab" and cfg.parallel.pp > 1 else None
 
 
 def stage_split(cfg, model) -> list[int]:
@@ -83,8 +120,10 @@ def stage_split(cfg, model) -> list[int]:
     (asyncpp.core.layer_costs), with a head split the one chosen together with its share; None (a config built
     without one), the near-even `default_split`."""
     p, t = cfg.parallel, cfg.train
-    if p.stage_layers == "auto" and getattr(p, "head_split", "none") == "tokens":
+    if p.stage_layers == "auto" and p.head == "tokens":
         return list(head_split_plan(cfg, model).sizes)
+    if p.stage_layers == "auto" and head_of(cfg, model) == "vocab":
+        return list(run_vocab_split(cfg, model).sizes)
     if p.stage_layers == "auto":
         device_type = str(t.device).split(":")[0]
         return balanced_split(layer_costs(model, t.seq_len, t.micro_batch_size, device_type), p.pp)

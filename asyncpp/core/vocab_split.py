@@ -37,11 +37,15 @@ rows. Deterministic: every rank and the simulator agree without communicating.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from asyncpp.core.layer_costs import FLOP_RATE, LayerCosts
-from asyncpp.core.layer_split import balanced_split
+from asyncpp.core.layer_costs import FLOP_RATE, LayerCosts, layer_costs
+from asyncpp.core.layer_split import balanced_split, stage_sizes
+from asyncpp.schedules.actions import Action
+from asyncpp.schedules.build import build_pipeline
+from asyncpp.schedules.costmodel import OpCosts, place_vocab_passes, predict
 
 
 @dataclass(frozen=True)
@@ -184,3 +188,53 @@ def plan_vocab_split(costs: LayerCosts, num_stages: int, vocab: int, *, comm: fl
     head = tuple(r / vocab * costs.head_vocab for r in shards)
     compute = tuple(b + h for b, h in zip(body, head))
     return VocabSplit(tuple(sizes), tuple(shards), compute, head, comm, overlap)
+
+
+def shard_granule(vocab: int, num_stages: int, tp: int = 1) -> int:
+    """Rows per granule of the shards: 128 (a tensor-core tile) once the vocabulary is large enough that a granule
+    is a small part of a stage's share, else 1 (the tiny test models); a multiple of tp, whose ranks split each
+    stage's rows in equal chunks."""
+    return math.lcm(128 if vocab >= 128 * 16 * num_stages else 1, tp)
+
+
+def run_vocab_split(cfg, model) -> VocabSplit:
+    """parallel.head=vocab resolved for `model` under run config `cfg`: the layer split (explicit, or `auto`'s
+    chosen together with the shards) and every stage's rows (explicit parallel.vocab_shards, or the cost model's
+    water filling at cfg.train's work shape). Deterministic: every rank derives the same."""
+    p, t = cfg.parallel, cfg.train
+    device_type = str(t.device).split(":")[0]
+    costs = layer_costs(model, t.seq_len, t.micro_batch_size, device_type)
+    sizes = None if p.stage_layers == "auto" else stage_sizes(model.num_layers, p.pp, p.stage_layers)
+    split = plan_vocab_split(costs, p.pp, model.vocab_size, sizes=sizes,
+                             granule=shard_granule(model.vocab_size, p.pp, p.tp))
+    shards = p.vocab_shards
+    if shards is None:
+        return split
+    head = tuple(r / model.vocab_size * costs.head_vocab for r in shards)
+    body = [c - h for c, h in zip(split.compute, split.head)]
+    return VocabSplit(split.sizes, tuple(shards), tuple(b + h for b, h in zip(body, head)), head, split.comm,
+                      split.overlap)
+
+
+def vocab_op_costs(split: VocabSplit) -> OpCosts:
+    """The schedule's action costs of a vocabulary-parallel split (backward = 2 x forward, as everywhere in the
+    cost model): the body's F and B, the shard's S and T. The collectives are left out: they only move the
+    placement where they are slow, and the engine runs them asynchronously."""
+    body = [c - h for c, h in zip(split.compute, split.head)]
+    return OpCosts(forward=[b / 3 for b in body], backward=[2 * b / 3 for b in body],
+                   vocab_forward=[h / 3 for h in split.head], vocab_backward=[2 * h / 3 for h in split.head])
+
+
+def vocab_warmup(kind: str, num_microbatches: int, split: VocabSplit) -> int:
+    """The extra warm-up forwards the placement needs (costmodel.VOCAB_WARMUPS: the fewest that is fastest)."""
+    return predict(kind, len(split.shards), num_microbatches, 4, vocab_op_costs(split),
+                   vocab_parallel=True)["vocab_warmup"]
+
+
+def vocab_pipeline(kind: str, num_microbatches: int, step_delays: Sequence[int], split: VocabSplit,
+                   warmup: int) -> list[list[Action]]:
+    """Every stage's actions with the head's S and T placed (the same delays on every stage: the kinds that
+    serve a vocabulary-parallel head give every stage one delay per step)."""
+    P = len(split.shards)
+    skeleton = build_pipeline(kind, P, num_microbatches, [list(step_delays)] * P, vocab_warmup=warmup)
+    return place_vocab_passes(skeleton, vocab_op_costs(split))

@@ -93,12 +93,24 @@ class PipelineLinks:
 
 @dataclass(frozen=True)
 class HeadLink:
-    """parallel.head_split=tokens: the two 2-rank groups between the last stage and its helper, stage 0, of
+    """parallel.head=tokens: the two 2-rank groups between the last stage and its helper, stage 0, of
     each pipeline (pipeline/head.py). One direction each, like PipelineLinks: hidden states last -> helper,
     their gradients and losses helper -> last. None on the middle stages."""
 
     hidden: dist.ProcessGroup | None
     grad: dist.ProcessGroup | None
+
+
+@dataclass(frozen=True)
+class VocabGroups:
+    """parallel.head=vocab: three groups, one kind of traffic each (pipeline/vocab_head.py): the last stage's
+    broadcast of the normed hidden states and the reduce of the partial input gradients onto the last stage, over
+    the stages of each pipeline (one per TP rank); the all-gather of the softmax statistics over every stage and
+    TP rank of the replica (each holds other rows of the head)."""
+
+    hidden: dist.ProcessGroup
+    stats: dist.ProcessGroup
+    grad: dist.ProcessGroup
 
 
 def default_backend(device: torch.device) -> str:
@@ -109,8 +121,10 @@ class Mesh:
     """This rank's view of the job: coordinates and groups along pp / dp / tp."""
 
     def __init__(self, dims: ParallelDims, device: torch.device, *, head_link: bool = False,
-                 timeout_s: float | None = None):
-        """head_link: also build the head split's pair of groups (HeadLink); every rank must pass the same.
+                 vocab_head: bool = False, timeout_s: float | None = None):
+        """head_link: also build the head split's pair of groups (HeadLink); vocab_head: the vocabulary-parallel
+        head's three groups (VocabGroups), and the tied-embedding group then spans every stage (each holds rows of
+        the tied weight); every rank must pass the same.
         timeout_s: every group's timeout (train.timeout_s); None: the default group's, which init_distributed
         set to train.timeout_s (a process group made by other means keeps torch's default)."""
         self.dims = dims
@@ -140,11 +154,16 @@ class Mesh:
         # shares one with the pipeline's p2p or with the tied-embedding all-reduce, also at P=2.
         self.norm_group = self._norm_groups()
         # {first stage, last stage} of each pipeline, for the tied embedding's gradient.
-        self.embedding_group = self._per_pipeline([0, dims.pp - 1]) if dims.pp > 1 else None
+        self.embedding_group = (self._per_pipeline(list(range(dims.pp)) if vocab_head else [0, dims.pp - 1])
+                                if dims.pp > 1 else None)
         self.links = self._build_links()
         # After the links, so a run without a head split creates exactly the groups it did before.
         self.head_link = (HeadLink(self._per_pipeline([dims.pp - 1, 0]), self._per_pipeline([0, dims.pp - 1]))
                           if head_link and dims.pp > 1 else None)
+        everyone = list(range(dims.pp))
+        self.vocab_groups = (VocabGroups(hidden=self._per_pipeline(everyone), stats=self._per_data_replica(),
+                                         grad=self._per_pipeline(everyone))
+                             if vocab_head and dims.pp > 1 else None)
         # The distributed optimizer's norm (pipeline/reduction.ShardedGradientReduction): each rank holds
         # a distinct piece of the reduced gradient, so the squared norm is summed over the whole job, on
         # a communicator of its own. Created for every DP run (new_group is collective: every rank makes
@@ -167,7 +186,9 @@ class Mesh:
                  ("distributed-optimizer norm", self.replica_norm_group),
                  *((f"pipeline link ({field})", g) for field, g in vars(self.links).items()),
                  *((f"head-split link ({field})", g) for field, g in
-                   (vars(self.head_link).items() if self.head_link is not None else ()))]
+                   (vars(self.head_link).items() if self.head_link is not None else ())),
+                 *((f"vocabulary-parallel head ({field})", g) for field, g in
+                   (vars(self.vocab_groups).items() if self.vocab_groups is not None else ()))]
         for role, group in named:
             if group is not None and dist.get_world_size(group) > 1:
                 roles.setdefault(group.group_name, (group, []))[1].append(role)
@@ -205,6 +226,17 @@ class Mesh:
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     mine = group
+        return mine
+
+    def _per_data_replica(self):
+        """A new group of every stage and TP rank of each DP coordinate (ranks in stage, then TP order); returns
+        this rank's. Collective: every rank creates every group in the same order."""
+        mine = None
+        for dp_rank in range(self.dims.dp):
+            ranks = [self.global_rank(s, dp_rank, r) for s in range(self.dims.pp) for r in range(self.dims.tp)]
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
         return mine
 
     def _build_links(self) -> PipelineLinks:

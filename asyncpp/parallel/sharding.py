@@ -7,7 +7,12 @@ Parameters not named in a plan are replicated on every rank of the stage's TP an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -52,3 +57,25 @@ def global_view(layout: ParamSharding, device_mesh, tp: int, ep: int):
         return None
     sub = device_mesh[tuple(dims)] if len(dims) > 1 else device_mesh[dims[0]]
     return lambda t: DTensor.from_local(t, sub, placements, run_check=False)
+
+
+def rows_view(shards: Sequence[tuple[int, int]], index: int, num_rows: int, group):
+    """A function wrapping this rank's rows of a [num_rows, ...] tensor, rows shards[index] = (start, rows) of the
+    ranks of `group` in group order, as the global tensor it is part of, for DCP to save and load by global offsets
+    (a vocabulary-parallel head's rows: unequal, so no DTensor placement describes them). A ShardedTensor, built
+    from the known layout without a collective. Like global_view's DTensor it shares the local storage."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    ranks = dist.get_process_group_ranks(group)
+
+    def wrap(t: Tensor):
+        tail = list(t.shape[1:])
+        metas = [ShardMetadata([start, *[0] * len(tail)], [rows, *tail], f"rank:{r}/{t.device}")
+                 for r, (start, rows) in zip(ranks, shards)]
+        meta = ShardedTensorMetadata(metas, torch.Size([num_rows, *tail]), TensorProperties(dtype=t.dtype))
+        return ShardedTensor._init_from_local_shards_and_global_metadata([Shard(t, metas[index])], meta,
+                                                                       process_group=group)
+
+    return wrap

@@ -124,10 +124,15 @@ def all_reduce_partial_grads_(model: nn.Module, plan: ShardingPlan, group: Group
 # ---------------------------------------------------------------- regions (hooks)
 
 
+def enter_region(x: Tensor, group: Group | None, sequence_parallel: bool) -> Tensor:
+    """A column-parallel input: copy_to (backward all-reduce), or under sequence parallelism the all-gather of
+    the sequence shards (backward reduce-scatter)."""
+    return gather_for_region(x, SEQ_DIM, group) if sequence_parallel else copy_to(x, group)
+
+
 def _enter_region(module: nn.Module, args: tuple, *, group: Group, sequence_parallel: bool) -> tuple:
     x, *rest = args
-    x = gather_for_region(x, SEQ_DIM, group) if sequence_parallel else copy_to(x, group)
-    return (x, *rest)
+    return (enter_region(x, group, sequence_parallel), *rest)
 
 
 def _leave_region(module: nn.Module, args: tuple, out: Tensor, *, group: Group, sequence_parallel: bool) -> Tensor:

@@ -18,9 +18,11 @@ import torch
 from torch import Tensor, nn
 
 from asyncpp.core.loss import cross_entropy, logits_loss_for
-from asyncpp.core.partition import stage_split
+from asyncpp.core.partition import head_of, stage_split, vocab_shards_of
 from asyncpp.core.recompute import apply_recompute, modes_per_layer
+from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import ParamSharding, ShardingPlan, layout_of
+from asyncpp.parallel.vocab_parallel import VocabShard, vocab_shards
 from asyncpp.pipeline.stage import StageSpec, prune_to_stage
 from model_zoo import ModelConfig, build_model
 from model_zoo.init import ParamSlice
@@ -57,11 +59,17 @@ class ShardCoords:
         return ShardCoords(mesh.tp_rank if d.tp > 1 else 0, d.tp, mesh.ep_rank if d.ep > 1 else 0, d.ep)
 
 
-def param_slice(name: str, local_shape: torch.Size, layout: ParamSharding, at: ShardCoords) -> ParamSlice:
+def param_slice(name: str, local_shape: torch.Size, layout: ParamSharding, at: ShardCoords,
+                vocab: tuple[VocabShard, int] | None = None) -> ParamSlice:
     """Where the local piece of parameter `name` sits in the full tensor, from its layout. The plans
     split with torch.chunk into equal parts (they refuse sizes that do not divide), so the global size is
-    the local size times the group size and the offset the rank times the local size."""
+    the local size times the group size and the offset the rank times the local size. `vocab` (this stage's
+    rows of the head under parallel.head=vocab, the vocabulary size): lm_head.weight is those rows."""
     shape, offsets = list(local_shape), [0] * len(local_shape)
+    if vocab is not None and name == "lm_head.weight":  # the stage's rows, chunked over TP like any TP weight
+        shard, vocab_size = vocab
+        start = shard.start + (at.tp_rank * shape[0] if layout.is_tp_sharded and at.tp > 1 else 0)
+        return ParamSlice(name, (vocab_size, *shape[1:]), (start, *offsets[1:]))
     if layout.expert and at.ep > 1:  # experts along dim 0
         offsets[0], shape[0] = at.ep_rank * shape[0], shape[0] * at.ep
     if layout.is_tp_sharded and at.tp > 1:
@@ -82,8 +90,9 @@ def build_stage(model_cfg: ModelConfig, spec: StageSpec, device: torch.device | 
     model = prune_to_stage(build_model(model_cfg, device="meta"), spec)
     sharding, loss_fn = parallelize(model) if parallelize is not None else ({}, cross_entropy)
     if torch.device(device).type != "meta":
+        rows = (spec.vocab, model_cfg.vocab_size) if spec.vocab is not None else None
         materialize(model, device, seed,
-                    lambda name, p: param_slice(name, p.shape, layout_of(sharding, name), coords))
+                    lambda name, p: param_slice(name, p.shape, layout_of(sharding, name), coords, rows))
     if recompute is not None:
         apply_recompute(model, recompute)
     return BuiltStage(model, spec, sharding, loss_fn)
@@ -105,12 +114,28 @@ def tp_ep_plan(mesh, sequence_parallel: bool = False) -> Parallelize | None:
     return apply
 
 
+def stage_spec_of(cfg, model_cfg: ModelConfig, stage: int) -> StageSpec:
+    """Stage `stage`'s place in the model under run config `cfg`: its layers, and its part of the head (a head
+    split's helper, or its rows of a vocabulary-parallel head)."""
+    p = cfg.parallel
+    shards = vocab_shards_of(cfg, model_cfg)
+    vocab = vocab_shards(shards, model_cfg.vocab_size)[stage] if shards is not None else None
+    return StageSpec(stage, p.pp, model_cfg.num_layers, stage_split(cfg, model_cfg),
+                     head_split=head_of(cfg, model_cfg) == "tokens", vocab=vocab)
+
+
+def mesh_for(cfg, model_cfg: ModelConfig, dims, device: torch.device | str, timeout_s: float | None = None) -> Mesh:
+    """The mesh of a run: its groups, with the head's (a token split's link, a vocabulary-parallel head's three)."""
+    head = head_of(cfg, model_cfg)
+    return Mesh(dims, torch.device(device), head_link=head == "tokens", vocab_head=head == "vocab",
+                timeout_s=timeout_s)
+
+
 def build_rank_stage(cfg, model_cfg: ModelConfig, mesh, device: torch.device | str) -> BuiltStage:
     """The stage this rank of `mesh` owns under run config `cfg` (seed, stage split, sequence parallelism)."""
     p = cfg.parallel
+    spec = stage_spec_of(cfg, model_cfg, mesh.pp_rank)
     split = stage_split(cfg, model_cfg)
-    spec = StageSpec(mesh.pp_rank, mesh.num_stages, model_cfg.num_layers, split,
-                     head_split=p.head_split == "tokens")
     modes = modes_per_layer(cfg.train.recompute, model_cfg.num_layers, mesh.num_stages, split)
     return build_stage(model_cfg, spec, device, cfg.seed, tp_ep_plan(mesh, p.sequence_parallel),
                        ShardCoords.of(mesh), recompute=modes)

@@ -31,6 +31,7 @@ from asyncpp.pipeline.p2p import StageComm
 from asyncpp.pipeline.stopping import ActionStream, receives_ahead
 from asyncpp.pipeline.timer import StageTimer
 from asyncpp.pipeline.update import StageUpdate, StepRecord
+from asyncpp.pipeline.vocab_head import VocabHead
 from asyncpp.schedules.actions import Action, Op
 
 ForwardFn = Callable[[int, int, "Tensor | None"], Tensor]
@@ -54,16 +55,17 @@ def backward_through(output: Tensor, grad: Tensor | None) -> None:
 class StageEngine:
     def __init__(self, *, module: nn.Module, mesh: Mesh, comm: StageComm, update: StageUpdate,
                  forward_fn: ForwardFn, timer: StageTimer, head_comm: HeadComm | None = None,
-                 head_helper: HeadHelper | None = None):
+                 head_helper: HeadHelper | None = None, vocab_head: VocabHead | None = None):
         """`update` is the stage's update (its weight versions, reductions and rule: update.py);
-        `head_comm` (parallel.head_split=tokens, on the last stage and the helper) and `head_helper` (on the
+        `head_comm` (parallel.head=tokens, on the last stage and the helper) and `head_helper` (on the
         helper): pipeline/head.py. The last stage's forward_fn then returns (its loss share, the hidden states
-        of the helper's tokens)."""
+        of the helper's tokens). `vocab_head` (parallel.head=vocab, every stage): pipeline/vocab_head.py; the
+        last stage's forward_fn then returns its normed hidden states."""
         self.module, self.mesh, self.comm, self.update = module, mesh, comm, update
         self.versions = update.versions
         self.forward_fn = forward_fn
         self.timer = timer  # perf_counter on CPU, CUDA events on CUDA
-        self.head_comm, self.head_helper = head_comm, head_helper
+        self.head_comm, self.head_helper, self.vocab_head = head_comm, head_helper, vocab_head
         self.inflight: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         self.losses: dict[int, list[Tensor]] = {}
 
@@ -78,13 +80,16 @@ class StageEngine:
         caller; nothing is called back). Given an ActionStream, the caller may cut it at an UPDATE's yield (a
         stop, stopping.py); `stream.fixed` tells it how much is executed or posted."""
         handlers = {Op.FORWARD: self._forward, Op.BACKWARD: self._backward, Op.HEAD: self._head,
-                    Op.UPDATE_START: self._update_start, Op.UPDATE: self._update}
+                    Op.UPDATE_START: self._update_start, Op.UPDATE: self._update,
+                    Op.VOCAB_FORWARD: self._vocab_forward, Op.VOCAB_BACKWARD: self._vocab_backward}
         stream = actions if isinstance(actions, ActionStream) else ActionStream(actions)
         scan, posted = 0, -1  # the next action to consider for a receive; the last compute action posted
         i = 0
         while i < len(stream.actions):
             todo, action = stream.actions, stream.actions[i]
             self.comm.poll()
+            if self.vocab_head is not None:
+                self.vocab_head.poll()
             self._progress()
             scan = min(scan, stream.fixed)  # after a cut, its tail past the fixed prefix is new: rescan it
             scan, newly = receives_ahead(todo, i, scan, posted)
@@ -109,6 +114,8 @@ class StageEngine:
             self.comm.post_recv_backward()
         elif a.op is Op.HEAD:
             self.head_comm.post_recv_forward()
+        elif a.op is Op.VOCAB_FORWARD:
+            self.vocab_head.post_hidden(a.step, a.microbatch)
         if a.op is Op.BACKWARD and self._splits_head:
             self.head_comm.post_recv_backward()
 
@@ -136,6 +143,8 @@ class StageEngine:
             load_stats.record(a.step)
         if self._splits_head:  # (own loss share, the helper's hidden states): the loss is complete at B
             self.head_comm.send_hidden(out[1], a.step)
+        elif self.vocab_head is not None and self.mesh.is_last_stage:  # the normed hidden states, to every S
+            self.vocab_head.send_hidden(a.step, a.microbatch, out)
         elif self.mesh.is_last_stage:
             self.losses.setdefault(a.step, []).append(out.detach())
         else:
@@ -145,7 +154,12 @@ class StageEngine:
 
     def _backward(self, a: Action) -> None:
         x, out = self.inflight.pop((a.step, a.microbatch))
-        grad = None if self.mesh.is_last_stage else self.comm.recv_backward(f"the output gradient of {a}")
+        if not self.mesh.is_last_stage:
+            grad = self.comm.recv_backward(f"the output gradient of {a}")
+        elif self.vocab_head is not None:
+            grad = self.vocab_head.input_grad(a.step, a.microbatch, str(a))
+        else:
+            grad = None
         message = self.head_comm.recv_backward(f"the head's gradient of {a}") if self._splits_head else None
         start = self.timer.now()
         self._use(a)
@@ -158,7 +172,7 @@ class StageEngine:
             self.comm.send_backward(sent, a.step)
             self.comm.release(x)  # the graph that read it is gone; its .grad is in the send's hands
         if grad is not None and grad is not sent:  # a stage without layers may pass `grad` itself on
-            self.comm.release(grad)
+            self.comm.release(grad)  # (a no-op for the head's reduced gradient: the comm did not allocate it)
         self.timer.add(a, start, self.timer.now())
 
     def _backward_split_head(self, a: Action, out: tuple[Tensor, Tensor], message: Tensor) -> None:
@@ -177,6 +191,23 @@ class StageEngine:
         self.head_helper.run(a.step, a.microbatch, hidden)
         self.timer.add(a, start, self.timer.now())
 
+    def _vocab_forward(self, a: Action) -> None:
+        """S(t, j): this stage's logits and softmax statistics of (t, j) on its version (pipeline/vocab_head.py)."""
+        own = self.inflight[(a.step, a.microbatch)][1] if self.mesh.is_last_stage else None
+        start = self.timer.now()
+        self._use(a)
+        self.vocab_head.forward(a.step, a.microbatch, own, str(a))
+        self.timer.add(a, start, self.timer.now())
+
+    def _vocab_backward(self, a: Action) -> None:
+        """T(t, j): the loss of (t, j), this shard's gradients, the reduce of the partial input gradient."""
+        start = self.timer.now()
+        self._use(a)
+        loss = self.vocab_head.backward(a.step, a.microbatch, str(a))
+        if self.mesh.is_last_stage:
+            self.losses.setdefault(a.step, []).append(loss)
+        self.timer.add(a, start, self.timer.now())
+
     def _use(self, a: Action) -> None:
         """Point the module at the version `a` reads (its weight prediction for delayed steps, if on)."""
         self.versions.use(a.version, predicted=self.update.is_delayed(a.step))
@@ -186,6 +217,8 @@ class StageEngine:
         grads = self.versions.take_grads()  # in the masters' dtype (fp32 sums under bf16 compute)
         if self.head_helper is not None:  # the head weight's part of b_t that the HEADs kept apart
             self.head_helper.add_into(a.step, grads, self.versions.params)
+        if self.vocab_head is not None:  # the same for the head rows' part that the Ts kept apart
+            self.vocab_head.add_into(a.step, grads, self.versions.params)
         self.update.start(a.step, grads)
         self.timer.add(a, start, self.timer.now())
 
@@ -213,6 +246,8 @@ class StageEngine:
         self.comm.retire(step)
         if self.head_comm is not None:
             self.head_comm.retire(step)
+        if self.vocab_head is not None:
+            self.vocab_head.retire(step)
 
     # ---- end of a run / drain --------------------------------------------------------------
     def finish(self) -> None:
@@ -220,6 +255,8 @@ class StageEngine:
         self.comm.flush()
         if self.head_comm is not None:
             self.head_comm.flush()
+        if self.vocab_head is not None:
+            self.vocab_head.flush()
         self.update.drain()
 
     def take_record(self, step: int) -> StepRecord:

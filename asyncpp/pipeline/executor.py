@@ -21,8 +21,10 @@ from asyncpp.config import RunConfig
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.loss import token_share_loss
 from asyncpp.core.records import DataSource, PipelineBubble, StepResult
+from asyncpp.core.vocab_split import VocabSplit, vocab_pipeline
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import layout_of
+from asyncpp.parallel.tp import enter_region
 from asyncpp.pipeline.bubble import BubbleGather
 from asyncpp.pipeline.build import BuiltStage
 from asyncpp.pipeline.p2p import StageComm, naming_the_peer
@@ -40,13 +42,19 @@ from asyncpp.train.preemption import CheckpointClock, StopFlag
 
 
 def segment_actions(kind: str, stage: int, P: int, m: int, delays: Sequence[int], t0: int, t1: int,
-                    head_split: bool = False) -> list[Action]:
+                    head_split: bool = False, vocab: tuple[VocabSplit, int] | None = None) -> list[Action]:
     """The schedule of steps [t0, t1) as a self-contained stream (drained at both ends), in absolute
-    step and version numbers (versions older than t0 were produced by earlier segments)."""
+    step and version numbers (versions older than t0 were produced by earlier segments). `vocab`: a
+    vocabulary-parallel head's split and warm-up; every stage's lists are built and the head's S and T placed
+    (deterministic: each rank places them alike)."""
+    if vocab is not None:
+        actions = vocab_pipeline(kind, m, delays[t0:t1], *vocab)[stage]
+    else:
+        actions = build_schedule(kind, stage, P, m, delays[t0:t1], head_split=head_split)
     out = []
-    for a in build_schedule(kind, stage, P, m, delays[t0:t1], head_split=head_split):
+    for a in actions:
         t = a.step + t0
-        if a.op in (Op.FORWARD, Op.BACKWARD, Op.HEAD):
+        if a.op in (Op.FORWARD, Op.BACKWARD, Op.HEAD, Op.VOCAB_FORWARD, Op.VOCAB_BACKWARD):
             version = max(t - delays[t], 0)
         else:
             version = t + 1 if a.op == Op.UPDATE else a.version
@@ -82,7 +90,8 @@ class PipelineExecutor:
         self.engine = build_stage_runtime(
             self.plan, self.spec, self.model, mesh, build_optimizer(self.model, self.sharding), self._forward,
             grad_scale=1.0 / self.m, layouts=[layout_of(self.sharding, n) for n, _ in named],
-            tied=tied_parameters(self.model, self.spec), head_labels=self._helper_labels, comm_cls=comm_cls)
+            tied=tied_parameters(self.model, self.spec),
+            head_labels=self._labels if self.spec.vocab is not None else self._helper_labels, comm_cls=comm_cls)
         self.report = StageReport(cfg, self.model.config, mesh, self.spec, self.engine, self._naming)
         self.checkpoint = StageCheckpoint(cfg, mesh, self.spec, self.model, self.engine, data, self.batches,
                                           self._naming)
@@ -96,10 +105,25 @@ class PipelineExecutor:
         tokens = self._tokens(step, microbatch) if (self.spec.is_first or self.spec.is_last) else None
         if self.plan.head_split is not None and self.spec.is_last:
             return self._forward_split_head(tokens, x)
+        if self.spec.vocab is not None and self.spec.is_last:  # the normed hidden states: the head is every stage's
+            h = stage_forward(self.model, self.spec, tokens[:, :-1] if self.spec.is_first else x, head=False)
+            return self._head_input(h)
         out = stage_forward(self.model, self.spec, tokens[:, :-1] if self.spec.is_first else x)
         if not self.spec.is_last:
             return out
         return self.loss_fn(out, tokens[:, 1:])
+
+    def _head_input(self, h: Tensor) -> Tensor:
+        """The last stage's final norm, entering the head's TP region as the TP head does (tp.enter_region: under
+        sequence parallelism the all-gather of the sequence, whose backward sums the TP ranks' partial input
+        gradients; else a copy whose backward all-reduces them)."""
+        d = self.mesh.dims
+        normed = self.model.norm(h)
+        return enter_region(normed, self.mesh.tp_group, self.cfg.parallel.sequence_parallel) if d.tp > 1 else normed
+
+    def _labels(self, step: int, microbatch: int) -> Tensor:
+        """The next-token ids of (step, microbatch): every stage's rows of a vocabulary-parallel head need them."""
+        return self._tokens(step, microbatch)[:, 1:]
 
     def _forward_split_head(self, tokens: Tensor, x: Tensor | None) -> tuple[Tensor, Tensor]:
         """The last stage under a head split: the final norm on every token, the head and loss of its own
@@ -123,13 +147,20 @@ class PipelineExecutor:
         receives = not self.spec.is_first
         if receives and batches:
             comm.post_recv_forward()
+        vocab = self.engine.vocab_head
         for i, b in enumerate(batches):
             b = to_device(b, self.mesh.device) if b is not None else None
             if receives and i + 1 < len(batches):
                 comm.post_recv_forward()  # one batch ahead: the next activation lands while this one computes
             x = b[:, :-1] if self.spec.is_first else comm.recv_forward("a validation activation")
-            out = stage_forward(self.model, self.spec, x)
-            if self.spec.is_last:
+            out = stage_forward(self.model, self.spec, x, head=vocab is None)
+            if vocab is not None:  # every stage joins the head's pass of the batch (its labels: val_batches)
+                if not self.spec.is_last:
+                    comm.send_forward(out)
+                hidden = self._head_input(out) if self.spec.is_last else None
+                loss = vocab.evaluate(hidden, b[:, 1:])
+                total += loss if self.spec.is_last else 0.0
+            elif self.spec.is_last:
                 total += self.loss_fn(out, b[:, 1:]).item()
             else:
                 comm.send_forward(out)
@@ -140,7 +171,8 @@ class PipelineExecutor:
     def val_batches(self) -> list:
         """Middle stages only relay activations: they need the number of validation batches, not the data."""
         t = self.cfg.train
-        val = self.data.val_batches() if self.spec.is_first or self.spec.is_last else [None] * t.eval_batches
+        needs_data = self.spec.is_first or self.spec.is_last or self.spec.vocab is not None  # a head shard: labels
+        val = self.data.val_batches() if needs_data else [None] * t.eval_batches
         if len(val) != t.eval_batches:  # every stage must relay the same count
             raise ValueError(f"the data source gave {len(val)} validation batches, train.eval_batches={t.eval_batches}")
         return val
@@ -162,7 +194,7 @@ class PipelineExecutor:
                                          keep=self.is_writer)
         self._start_segment(t0, t1)
         todo = list(range(t0, t1))
-        stream = ActionStream(self._segment_actions(t0, t1))
+        stream = ActionStream(self.actions_of(t0, t1))
         end = None  # the agreed step this segment ends at, once decided
         bad_update = None  # the newest step whose update this rank found not finite, since its last post
         for op, t in self.engine.run(stream):
@@ -184,7 +216,7 @@ class PipelineExecutor:
             if (stopping or checkpoint) and end is None:
                 end = min(t + self.stop_lookahead, t1)  # the same on every rank
                 if end < t1:
-                    stream.cut(self._segment_actions(t0, end))
+                    stream.cut(self.actions_of(t0, end))
                     todo[:] = [s for s in todo if s < end]
                 if not stopping and clock is not None:  # a timed checkpoint, not a stop
                     clock.agreed_at = end
@@ -208,9 +240,11 @@ class PipelineExecutor:
             self.m = m
             self.engine.update.rescale(1.0 / m)
 
-    def _segment_actions(self, t0: int, t1: int) -> list[Action]:
+    def actions_of(self, t0: int, t1: int) -> list[Action]:
+        """This stage's actions for steps [t0, t1) as one stream (segment_actions with the plan's delays, head and m)."""
+        vocab = (self.plan.vocab, self.plan.vocab_warmup) if self.plan.vocab is not None else None
         return segment_actions(self.cfg.schedule.name, self.spec.stage, self.mesh.num_stages, self.m,
-                               self.plan.delays, t0, t1, head_split=self.plan.head_split is not None)
+                               self.plan.delays, t0, t1, head_split=self.plan.head_split is not None, vocab=vocab)
 
     def _ready(self, todo: list[int], drained: bool = False) -> Iterator[StepResult]:
         """The results of the steps at the head of `todo` that are complete, in order. Collective over the

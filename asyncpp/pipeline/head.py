@@ -1,4 +1,4 @@
-"""The runtime of parallel.head_split=tokens (the mechanism and its trade-offs: asyncpp/core/head_split.py).
+"""The runtime of parallel.head=tokens (the mechanism and its trade-offs: asyncpp/core/head_split.py).
 
 Two ends of one link, each a StageComm on the pair of groups of Mesh.head_link (one direction each, so the
 NCCL argument of docs/nccl.md holds unchanged: a receive-only and a send-only end per communicator, FIFO):
@@ -33,7 +33,7 @@ class HeadComm(StageComm):
 
     def __init__(self, mesh: Mesh, split: HeadSplit, hidden: int, dtype: torch.dtype, timeout_s: float):
         if mesh.head_link is None:
-            raise ValueError("parallel.head_split=tokens needs the mesh's head link: build it with "
+            raise ValueError("parallel.head=tokens needs the mesh's head link: build it with "
                              "Mesh(..., head_link=True) on every rank")
         hidden_shape, grad_shape = (split.helper_tokens, hidden), (split.helper_tokens * hidden + 1,)
         helper = mesh.is_first_stage

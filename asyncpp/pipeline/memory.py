@@ -12,12 +12,17 @@ from asyncpp.core.memory import (
     backward_scratch_bytes,
     in_flight_microbatches,
     versions_report,
+    vocab_head_items,
+    vocab_held,
 )
 from asyncpp.core.partition import stage_split
 from asyncpp.core.recompute import modes_per_layer
+from asyncpp.core.vocab_split import run_vocab_split, vocab_pipeline, vocab_warmup
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.pipeline.stage import StageSpec
 from asyncpp.pipeline.weights import compute_dtype_of
+from asyncpp.schedules.actions import Action
+from asyncpp.schedules.invariants import peak_in_flight
 from asyncpp.schedules.registry import kind_of
 
 
@@ -45,16 +50,35 @@ def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, version
     dtype = compute_dtype_of(t.precision)
     recompute = modes_per_layer(t.recompute, model_cfg.num_layers, mesh.num_stages, stage_split(cfg, model_cfg))
     shapes = local_shapes_config(model_cfg, mesh.dims)
+    vocab = spec.vocab is not None
     act = activation_bytes(shapes, spec.layers, dtype=dtype,
                            micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
-                           first=spec.is_first, last=spec.is_last, recompute=recompute)
-    in_flight = in_flight_microbatches(cfg.schedule.name, spec.stage, mesh.num_stages, t.num_microbatches,
-                                       head_split=spec.head_split)
+                           first=spec.is_first, last=spec.is_last, recompute=recompute, head=not vocab)
+    tokens = t.micro_batch_size * t.seq_len
+    extra = []
+    if vocab:  # the placed schedule the engine runs: its extra warm-up forwards and the S/T buffers
+        actions = vocab_actions(cfg, model_cfg, spec.stage, mesh.num_stages)
+        in_flight = peak_in_flight(actions)
+        extra = vocab_head_items(vocab_held(actions, spec.is_last), tokens=tokens, rows=spec.vocab.rows,
+                                 hidden=model_cfg.hidden_size, num_stages=mesh.num_stages, dtype=dtype)
+    else:
+        in_flight = in_flight_microbatches(cfg.schedule.name, spec.stage, mesh.num_stages, t.num_microbatches,
+                                           head_split=spec.head_split)
     # A lazy update (2BW): b_{t+1}'s backward accumulates while b_t's gradient waits for U(t).
     grad_buffers = 2 if kind_of(cfg.schedule.name).lazy_update else 1
-    scratch = backward_scratch_bytes(versions.params, grad_itemsize=dtype.itemsize,
-                                     tokens=t.micro_batch_size * t.seq_len, vocab_size=shapes.vocab_size,
-                                     last=spec.is_last)
+    scratch = backward_scratch_bytes(versions.params, grad_itemsize=dtype.itemsize, tokens=tokens,
+                                     vocab_size=shapes.vocab_size, last=spec.is_last and not vocab)
     return versions_report(versions, optimizer, error_feedback=error_feedback, activation_bytes_per_mb=act,
-                           in_flight=in_flight, grad_buffers=grad_buffers, backward_scratch=scratch,
+                           in_flight=in_flight, grad_buffers=grad_buffers, backward_scratch=scratch, extra=extra,
                            title=f"stage {spec.stage} (rank {mesh.rank}, layers {list(spec.layers)})")
+
+
+def vocab_actions(cfg: RunConfig, model_cfg, stage: int, num_stages: int, steps: int = 4) -> list[Action]:
+    """Stage `stage`'s actions under parallel.head=vocab over `steps` steps at the steady delay: the split, the
+    warm-up and the S/T placement StagePlan.of and the executor use (core/vocab_split.py), so the peaks read off
+    it are the run's (steps 1 and 2 are the steady state between the warm-up and the drain)."""
+    t = cfg.train
+    split = run_vocab_split(cfg, model_cfg)
+    warmup = vocab_warmup(cfg.schedule.name, t.num_microbatches, split)
+    delay = kind_of(cfg.schedule.name).stage_delay(stage, num_stages)
+    return vocab_pipeline(cfg.schedule.name, t.num_microbatches, [delay] * steps, split, warmup)[stage]

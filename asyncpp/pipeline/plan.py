@@ -24,14 +24,17 @@ from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced
 from asyncpp.core.head_split import HeadSplit
 from asyncpp.core.partition import head_split_plan
 from asyncpp.core.update import NO_CORRECTIONS, Corrections, lr_multiplier_for
+from asyncpp.core.vocab_split import VocabSplit, run_vocab_split, vocab_warmup
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
+from asyncpp.parallel.vocab_parallel import split_for_tp
 from asyncpp.pipeline.engine import ForwardFn, StageEngine
 from asyncpp.pipeline.head import HeadComm, HeadHelper
 from asyncpp.pipeline.p2p import StageComm
-from asyncpp.pipeline.stage import StageSpec, head_weight
+from asyncpp.pipeline.stage import StageSpec, head_weight, vocab_rows
 from asyncpp.pipeline.timer import stage_timer
 from asyncpp.pipeline.update import StageUpdate
+from asyncpp.pipeline.vocab_head import VocabHead
 from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
 from asyncpp.schedules.registry import kind_of, step_delay
 
@@ -60,11 +63,17 @@ class StagePlan:
     weight_prediction: bool = False
     compute_dtype: torch.dtype | None = None
     """bf16: parameters cast for compute, fp32 masters kept apart (weights.py); None: compute in the masters'."""
+    head_shape: tuple[int, ...] = (0,)
+    """What the head reads, [micro batch, sequence, hidden]: the whole sequence, also under SP."""
     activation_shape: tuple[int, ...] = (0,)
     """What a stage boundary carries, [micro batch, sequence (this TP rank's shard under SP), hidden]; (0,) when
     the caller sets it per call (the Megatron front-end)."""
     link_dtype: torch.dtype = torch.float32
     head_split: HeadSplit | None = None
+    vocab: VocabSplit | None = None
+    """parallel.head=vocab: every stage's layers and head rows (asyncpp/core/vocab_split.py)."""
+    vocab_warmup: int = 0
+    """The extra warm-up forwards of the schedule the head's S and T are placed into (vocab_split.vocab_warmup)."""
     timeout_s: float = 300.0
     update: UpdateSpec = field(default_factory=UpdateSpec)
 
@@ -78,12 +87,15 @@ class StagePlan:
 
         dtype = compute_dtype_of(t.precision)
         seq = t.seq_len // dims.tp if cfg.parallel.sequence_parallel else t.seq_len
+        vocab = run_vocab_split(cfg, model_cfg) if spec.vocab is not None else None
+        warmup = vocab_warmup(cfg.schedule.name, t.num_microbatches, vocab) if vocab is not None else 0
         return cls(
             stage=spec.stage, num_stages=spec.num_stages, schedule=cfg.schedule.name, delays=delays(spec.stage),
             tied_delays=delays(0), weight_prediction=s.weight_prediction, compute_dtype=dtype,
             activation_shape=(t.micro_batch_size, seq, model_cfg.hidden_size),
+            head_shape=(t.micro_batch_size, t.seq_len, model_cfg.hidden_size),
             link_dtype=dtype if dtype is not None else torch.float32,
-            head_split=head_split_plan(cfg, model_cfg), timeout_s=t.timeout_s,
+            head_split=head_split_plan(cfg, model_cfg), vocab=vocab, vocab_warmup=warmup, timeout_s=t.timeout_s,
             update=UpdateSpec(grad_clip=t.grad_clip, corrections=Corrections.of(s), lr_multiplier=lr_multiplier_for(cfg),
                               distributed_optimizer=cfg.parallel.distributed_optimizer))
 
@@ -134,13 +146,14 @@ def build_stage_runtime(
     """The engine of `plan`'s stage: `module` is the stage (pruned and sharded), `spec` its place in the
     model_zoo layout (None: a module of its own, e.g. Megatron's GPTModel stage), `optimizer` built over its
     trainable parameters (not stepped yet: the engine retargets it to the masters), `forward_fn` the stage's
-    microbatch forward. Under a head split, `head_labels(step, microbatch)` gives the helper its tokens' labels."""
+    microbatch forward. Under a head split, `head_labels(step, microbatch)` gives the helper its tokens' labels;
+    under a vocabulary-parallel head every stage's the labels of the whole microbatch."""
     if plan.stage != mesh.pp_rank or plan.num_stages != mesh.num_stages or (
             spec is not None and (spec.stage, spec.num_stages) != (plan.stage, plan.num_stages)):
         built = f"stage {spec.stage} of {spec.num_stages}, " if spec is not None else ""
         raise ValueError(f"the stage was built as {built}planned as stage {plan.stage} of {plan.num_stages}, but "
                          f"this rank is stage {mesh.pp_rank} of {mesh.num_stages}")
-    if plan.head_split is not None and spec is None:
+    if (plan.head_split is not None or plan.vocab is not None) and spec is None:
         raise ValueError("a head split needs the stage's StageSpec (a model_zoo stage): it places the head")
     params = [p for p in module.parameters() if p.requires_grad]
     tied_ids = {id(p) for p in tied}
@@ -151,6 +164,13 @@ def build_stage_runtime(
         head_comm = HeadComm(mesh, plan.head_split, plan.activation_shape[-1], plan.link_dtype, plan.timeout_s)
     if head_comm is not None and spec.is_head_helper:
         head_helper = HeadHelper(head_comm, head_weight(module, spec), head_labels)
+    vocab = tied_rows = None
+    if plan.vocab is not None:
+        param, row0 = vocab_rows(module, spec)
+        if tied_ids and not spec.is_first:  # its head rows are rows of the tied weight the first stage holds whole
+            tied_rows = (spec.vocab.start, sum(plan.vocab.shards))
+        piece = split_for_tp(spec.vocab, mesh.dims.tp)[mesh.tp_rank]  # the TP plan chunked the stage's rows
+        vocab = VocabHead(mesh, piece, param, row0, head_labels, plan.head_shape, plan.link_dtype, comm.wait)
     timer = stage_timer(mesh.pp_rank, mesh.device)
     update = StageUpdate(mesh, versions, optimizer, spec=plan.update, grad_scale=grad_scale,
                          is_delayed=plan.is_delayed, tied_is_delayed=plan.tied_is_delayed,
@@ -158,6 +178,7 @@ def build_stage_runtime(
                          layouts=list(layouts) if layouts is not None else [REPLICATED] * len(params),
                          wait=comm.wait, timer=timer,
                          balancing=RouterBiasVersions(balanced_routers(module), versions.num_buffers),
-                         load_stats=RouterLoadStats.of(module, counted=mesh.tp_rank == 0 and mesh.ep_rank == 0))
+                         load_stats=RouterLoadStats.of(module, counted=mesh.tp_rank == 0 and mesh.ep_rank == 0),
+                         tied_rows=tied_rows)
     return StageEngine(module=module, mesh=mesh, comm=comm, update=update, forward_fn=forward_fn, timer=timer,
-                       head_comm=head_comm, head_helper=head_helper)
+                       head_comm=head_comm, head_helper=head_helper, vocab_head=vocab)

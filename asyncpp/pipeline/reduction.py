@@ -56,6 +56,32 @@ class PendingReduction:
     """"dp" (DP buckets in flight) -> "tied" (tied all-reduce started) -> "started" (norm all-reduce started)."""
 
 
+class RowsOfTied:
+    """parallel.head=vocab with a tied embedding: a stage's head rows are rows [row0, row0 + rows) of the tied
+    weight, whose gradient is the sum of the first stage's embedding gradient (all rows) and every stage's head
+    rows. Each stage all-reduces the whole [vocab, h] shape over the pipeline, its rows in place and zeros
+    elsewhere, and takes its rows of the sum back once it completes (wait); quacks like the all-reduce's Work.
+    The buffer costs each stage the tied weight's size for the time of one reduction."""
+
+    def __init__(self, grad: Tensor, row0: int, vocab: int, group):
+        self.grad, self.row0 = grad, row0
+        self.buffer = grad.new_zeros((vocab, *grad.shape[1:]))
+        self.rows.copy_(grad)
+        self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
+
+    @property
+    def rows(self) -> Tensor:
+        return self.buffer.narrow(0, self.row0, self.grad.shape[0])
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self, *timeout) -> bool:
+        done = self.work.wait(*timeout)
+        self.grad.copy_(self.rows)
+        return done
+
+
 class GradientReduction:
     """start(step, grads, loads) / progress() / finish(step) -> the reduced gradient and the norm vector.
 
@@ -65,8 +91,10 @@ class GradientReduction:
 
     def __init__(self, mesh: Mesh, *, grad_scale: float, tied_mask: Sequence[bool], layouts: Sequence[ParamSharding],
                  count_in_norm: Sequence[bool], correct: Correct, take_update_sq: Callable[[int], float | None],
-                 wait: Wait, load_stats: RouterLoadStats | None = None):
+                 wait: Wait, load_stats: RouterLoadStats | None = None, tied_rows: tuple[int, int] | None = None):
+        """`tied_rows` (row0, vocab): this stage's tied tensor is those rows of the tied weight (RowsOfTied)."""
         self.mesh = mesh
+        self.tied_rows = tied_rows
         self.grad_scale = grad_scale
         self.tied_mask = list(tied_mask)
         self.layouts = list(layouts)
@@ -170,6 +198,8 @@ class GradientReduction:
             return None
         if len(tied) != 1:
             raise RuntimeError(f"expected one tied embedding/head weight per stage, found {len(tied)}")
+        if self.tied_rows is not None:
+            return RowsOfTied(tied[0], *self.tied_rows, group)
         return dist.all_reduce(tied[0], group=group, async_op=True)
 
     def _start_norm(self, p: PendingReduction) -> None:

@@ -13,17 +13,20 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 
 from asyncpp.core.partition import stage_layer_ranges
+from asyncpp.parallel.vocab_parallel import VocabShard
 
 
 class StageSpec:
     def __init__(self, stage: int, num_stages: int, num_layers: int, sizes: Sequence[int] | None = None,
-                 *, head_split: bool = False):
-        """head_split: parallel.head_split=tokens; stage 0 then keeps a replica of the LM head weight
-        (asyncpp/core/head_split.py)."""
+                 *, head_split: bool = False, vocab: VocabShard | None = None):
+        """head_split: parallel.head=tokens; stage 0 then keeps a replica of the LM head weight
+        (asyncpp/core/head_split.py). vocab: parallel.head=vocab, this stage's rows of the LM head (every stage
+        holds some: pipeline/vocab_head.py)."""
         self.stage = stage
         self.num_stages = num_stages
         self.layers = stage_layer_ranges(num_layers, num_stages, sizes)[stage]
         self.head_split = head_split and num_stages > 1
+        self.vocab = vocab if num_stages > 1 else None
 
     @property
     def is_head_helper(self) -> bool:
@@ -48,9 +51,23 @@ def prune_to_stage(model: nn.Module, spec: StageSpec) -> nn.Module:
         del model.embed
     if not spec.is_last:
         del model.norm
-        if not (spec.is_head_helper and not model.config.tie_embeddings):  # a tied helper's head is its embed
-            del model.lm_head
+    if spec.vocab is not None:
+        _keep_head_rows(model, spec)
+    elif not spec.is_last and not (spec.is_head_helper and not model.config.tie_embeddings):
+        del model.lm_head  # a tied helper's head is its embed
     return model
+
+
+def _keep_head_rows(model: nn.Module, spec: StageSpec) -> None:
+    """parallel.head=vocab: the stage's rows of the LM head, still named lm_head.weight (model_zoo/init.py keys
+    them by the full head's name and their offset, so they start as those rows of the unsplit head). On the first
+    stage of a tied model the rows are the embedding's own (no parameter of their own)."""
+    if spec.is_first and model.config.tie_embeddings:
+        del model.lm_head
+        return
+    h = model.lm_head.weight.shape[1]
+    model.lm_head = nn.Linear(h, spec.vocab.rows, bias=False, device=model.lm_head.weight.device,
+                              dtype=model.lm_head.weight.dtype)
 
 
 def stage_forward(model: nn.Module, spec: StageSpec, x: Tensor, head: bool = True) -> Tensor:
@@ -60,6 +77,14 @@ def stage_forward(model: nn.Module, spec: StageSpec, x: Tensor, head: bool = Tru
     for i in spec.layers:
         h = model.layers[i](h)
     return model.head(h) if spec.is_last and head else h
+
+
+def vocab_rows(model: nn.Module, spec: StageSpec) -> tuple[nn.Parameter, int]:
+    """parallel.head=vocab: the parameter holding this stage's head rows and the row they start at in it (the
+    embedding and the shard's start on a tied first stage, else the stage's lm_head.weight from row 0)."""
+    if spec.is_first and model.config.tie_embeddings:
+        return model.embed.weight, spec.vocab.start
+    return model.lm_head.weight, 0
 
 
 def head_weight(model: nn.Module, spec: StageSpec) -> nn.Parameter:
@@ -77,6 +102,8 @@ def tied_parameters(model: nn.Module, spec: StageSpec) -> list[nn.Parameter]:
         return [head_weight(model, spec)]
     if spec.num_stages == 1 or not getattr(model.config, "tie_embeddings", False):
         return []
+    if spec.vocab is not None:  # every stage holds rows of the tied weight (the first stage all of them)
+        return [vocab_rows(model, spec)[0]]
     if spec.is_first:
         return [model.embed.weight]
     if spec.is_last:

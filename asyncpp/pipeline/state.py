@@ -10,11 +10,13 @@ from torch import Tensor, nn
 
 from asyncpp.config import RunConfig
 from asyncpp.core.batches import BatchPlan
+from asyncpp.core.partition import vocab_shards_of
 from asyncpp.core.records import DataSource
 from asyncpp.parallel.mesh import Mesh
-from asyncpp.parallel.sharding import global_view
+from asyncpp.parallel.sharding import global_view, rows_view
+from asyncpp.parallel.vocab_parallel import split_for_tp, vocab_shards
 from asyncpp.pipeline.engine import StageEngine
-from asyncpp.pipeline.stage import StageSpec, tied_parameters
+from asyncpp.pipeline.stage import StageSpec, tied_parameters, vocab_rows
 from asyncpp.train import checkpoint as ckpt
 
 
@@ -35,13 +37,32 @@ class StageCheckpoint:
         copies = {v.newest - version: v.copies(version) for version in v.held()}  # saved by their masters' owners
         d = self.mesh.dims
         shards = [global_view(layout, self.mesh.device_mesh, d.tp, d.ep) for layout in self.engine.update.layouts]
+        mirrors = None
+        if self.spec.vocab is not None:  # the head's rows: pieces of the whole head (or of the tied embedding)
+            rows, _ = vocab_rows(self.model, self.spec)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            i = next(k for k, p in enumerate(params) if p is rows)
+            if not (self.spec.is_first and id(rows) in tied):  # the first stage holds a tied embedding whole
+                index = self.spec.stage * d.tp + self.mesh.tp_rank  # the statistics group's order: stage, TP rank
+                shards[i] = rows_view(self.vocab_layout, index, self.model.config.vocab_size,
+                                      self.mesh.vocab_groups.stats)
+            # A tied embedding's rows on a later stage equal the first stage's (one update of one gradient):
+            # the first stage saves them whole, the others only load theirs.
+            mirrors = [k == i and id(rows) in tied and not self.spec.is_first for k in range(len(params))]
         balancing = self.engine.update.balancing
         if extra is None:
             extra = balancing.tensors() if balancing is not None else {}
         update = self.engine.update
         buffers = {k: update.per_parameter(v) for k, v in update.rule.checkpoint_buffers().items()}
-        return ckpt.StageState(names, versions, buffers,
-                               self.engine.update.optimizer, v.masters, shards, extra=extra, copies=copies)
+        return ckpt.StageState(names, versions, buffers, self.engine.update.optimizer, v.masters, shards,
+                               extra=extra, copies=copies, mirrors=mirrors)
+
+    @property
+    def vocab_layout(self) -> list[tuple[int, int]]:
+        """(start, rows) of every stage's TP ranks' head rows, in stage, then TP rank order."""
+        rows = vocab_shards_of(self.cfg, self.model.config)
+        return [(piece.start, piece.rows) for stage in vocab_shards(rows, self.model.config.vocab_size)
+                for piece in split_for_tp(stage, self.mesh.dims.tp)]
 
     def save(self, step_done: int) -> None:
         """Collective; called at a drain point, where every stage holds x_{step_done} as its newest."""

@@ -64,9 +64,11 @@ class StageUpdate:
     def __init__(self, mesh: Mesh, versions: WeightVersions, optimizer, *, spec, grad_scale: float,
                  is_delayed: Callable[[int], bool], tied_is_delayed: Callable[[int], bool],
                  tied_mask: Sequence[bool], layouts: Sequence[ParamSharding], wait: Wait, timer: StageTimer,
-                 balancing: RouterBiasVersions | None = None, load_stats: RouterLoadStats | None = None):
+                 balancing: RouterBiasVersions | None = None, load_stats: RouterLoadStats | None = None,
+                 tied_rows: tuple[int, int] | None = None):
         """`spec` is the plan's UpdateSpec (pipeline/plan.py); `tied_mask` and `layouts` are per parameter of
-        the stage; `wait(work, what)` is the stage's timed wait (p2p.StageComm.wait)."""
+        the stage; `wait(work, what)` is the stage's timed wait (p2p.StageComm.wait); `tied_rows` (row0, vocab):
+        the stage's tied tensor is those rows of the tied weight (reduction.RowsOfTied)."""
         self.mesh, self.versions, self.optimizer = mesh, versions, optimizer
         versions.retarget(optimizer)
         self.masters = versions.masters  # the optimizer's: updated in place
@@ -106,7 +108,7 @@ class StageUpdate:
         common = {"grad_scale": grad_scale, "tied_mask": self.tied_mask, "layouts": self.layouts,
                   "count_in_norm": counted, "correct": self._correct,
                   "take_update_sq": lambda step: self._update_sq.pop(step, None), "wait": wait,
-                  "load_stats": self.load_stats}
+                  "load_stats": self.load_stats, "tied_rows": tied_rows}
         self.reduction = (ShardedGradientReduction(mesh, ownership=self.shards.ownership, **common) if self.shards
                           else GradientReduction(mesh, **common))
 

@@ -20,7 +20,7 @@ class Op(str, Enum):
     UPDATE = "U"
     """Wait for those reductions and write x_{t+1}; placed just before the first use of x_{t+1}."""
     HEAD = "H"
-    """parallel.head_split=tokens, on the helper stage (stage 0) only: the LM head and the loss of the
+    """parallel.head=tokens, on the helper stage (stage 0) only: the LM head and the loss of the
     helper's token share of microbatch (t, j), forward and backward in one action. Its input (the last
     stage's normed hidden states of those tokens) comes from the last stage's FORWARD of (t, j); its output
     (their input gradient and loss) feeds the last stage's BACKWARD of (t, j)."""

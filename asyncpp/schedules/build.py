@@ -18,7 +18,7 @@ Every kind is built the same way, which keeps them comparable:
 
 Every FORWARD/BACKWARD of b_t runs on version max(t - d_t, 0).
 
-With `head_split` (parallel.head_split=tokens) stage 0 is also the helper that runs the LM head and loss of
+With `head_split` (parallel.head=tokens) stage 0 is also the helper that runs the LM head and loss of
 a share of every microbatch's tokens (Op.HEAD, asyncpp/core/head_split.py). The chain of a microbatch is
 then F_0 .. F_{P-1}, H (on stage 0), B_{P-1} .. B_0: a pipeline of P+1 virtual stages whose last one lives
 on stage 0, so each stage warms up with one forward more (P-s instead of P-1-s), and stage 0 runs, in the
@@ -88,11 +88,11 @@ def head_lag(num_stages: int) -> int:
 def check_head_split(kind: str, num_stages: int) -> None:
     """Raise ValueError unless `kind` at P=num_stages can split the head (HEAD_SPLIT_KINDS, P >= 2)."""
     if kind not in HEAD_SPLIT_KINDS:
-        raise ValueError(f"parallel.head_split=tokens with schedule={kind}: only {HEAD_SPLIT_KINDS} are supported "
-                         "(1F1B order, one delay for every stage); use one of them or parallel.head_split=none")
+        raise ValueError(f"parallel.head=tokens with schedule={kind}: only {HEAD_SPLIT_KINDS} are supported "
+                         "(1F1B order, one delay for every stage); use one of them or parallel.head=last")
     if num_stages < 2:
-        raise ValueError(f"parallel.head_split=tokens needs parallel.pp >= 2 (stage 0 helps the last stage), got "
-                         f"parallel.pp={num_stages}; set parallel.head_split=none")
+        raise ValueError(f"parallel.head=tokens needs parallel.pp >= 2 (stage 0 helps the last stage), got "
+                         f"parallel.pp={num_stages}; set parallel.head=last")
 
 
 VOCAB_PARALLEL_KINDS = ("sync", "1f1b", "2bw")
@@ -118,7 +118,7 @@ def _validate(kind: str, stage: int, num_stages: int, m: int, step_delays: Seque
     if vocab_parallel:
         check_vocab_parallel(kind)
         if head_split:
-            raise ValueError("parallel.head_split=tokens and a vocabulary-parallel head both move the head; choose one")
+            raise ValueError("parallel.head=tokens and a vocabulary-parallel head both move the head; choose one")
     allowed = k.allowed_delays(stage, num_stages)
     bad = [(t, d) for t, d in enumerate(step_delays) if d not in allowed]
     if bad:

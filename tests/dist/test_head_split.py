@@ -1,4 +1,4 @@
-"""parallel.head_split=tokens: a 2-stage pipeline whose stage 0 runs the LM head and loss of a share of every
+"""parallel.head=tokens: a 2-stage pipeline whose stage 0 runs the LM head and loss of a share of every
 microbatch's tokens equals the single-process simulator of the unsplit model.
 
 The same kernels on both sides. MKL picks a matmul's blocking by its row count, so the head over the helper's
@@ -96,7 +96,7 @@ UNTIED = {"name": "tiny_dense", "overrides": {"tie_embeddings": False}}
 
 @pytest.mark.parametrize("schedule, optimizer", [("2bw", "muon"), ("1f1b", "muon"), ("2bw", "adamw")])
 def test_head_split_equals_simulator(schedule: str, optimizer: str) -> None:
-    cfg = make_config(model=UNTIED, parallel={"pp": 2, "head_split": "tokens", "stage_layers": [2, 2]},
+    cfg = make_config(model=UNTIED, parallel={"pp": 2, "head": "tokens", "stage_layers": [2, 2]},
                       schedule={"name": schedule}, optimizer={"name": optimizer, "eps": ADAMW_EPS})
     results, _, _ = assert_split_equivalent(cfg)
     helper = next(r for r in results if r["stage"] == 0)
@@ -106,7 +106,7 @@ def test_head_split_equals_simulator(schedule: str, optimizer: str) -> None:
 def test_head_split_tied_embeddings_with_sync_start_and_eval() -> None:
     """A tied model's helper uses its embedding as the head (no replica); a sync start flushes mid-run; the
     share is set by hand and the split is the cost model's."""
-    cfg = make_config(parallel={"pp": 2, "head_split": "tokens", "head_split_tokens": 7, "stage_layers": "auto"},
+    cfg = make_config(parallel={"pp": 2, "head": "tokens", "head_split_tokens": 7, "stage_layers": "auto"},
                       train={"eval_every": 3}, staleness={"sync_start_steps": 2},
                       optimizer={"eps": ADAMW_EPS})
     results, records, ref = assert_split_equivalent(cfg)

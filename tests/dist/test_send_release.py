@@ -46,7 +46,7 @@ def pending_after_retire(rank: int, cfg_dict: dict) -> dict:
 @pytest.mark.parametrize("pp, head_split", [(3, "none"), (2, "tokens")])
 def test_sends_of_finished_steps_are_freed_at_the_update(pp, head_split):
     m, steps = 3, 8
-    cfg = make_config(parallel={"pp": pp, "head_split": head_split},
+    cfg = make_config(parallel={"pp": pp, "head": "tokens" if head_split == "tokens" else "last"},
                       model={"name": "tiny_dense", "overrides": {"tie_embeddings": False}},
                       train={"steps": steps, "num_microbatches": m})
     for r in run_ranks(pending_after_retire, pp, cfg.to_dict()):

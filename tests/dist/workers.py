@@ -15,7 +15,7 @@ from asyncpp.core.records import StepMetrics
 from asyncpp.optim import build_from_config
 from asyncpp.parallel.experts import ExpertDispatcher
 from asyncpp.parallel.mesh import Mesh, ParallelDims
-from asyncpp.pipeline.build import build_rank_stage
+from asyncpp.pipeline.build import build_rank_stage, mesh_for
 from asyncpp.pipeline.executor import PipelineExecutor
 from asyncpp.pipeline.reduction import GradientReduction
 from asyncpp.reference.executor import build_simulator, evaluate
@@ -90,8 +90,7 @@ def rank_layout(cfg_dict: dict) -> tuple[RunConfig, ModelConfig, Mesh]:
     cfg = cfg.validate(model_cfg)  # the resolved config (derived microbatch count, warmup), as pretrain runs
     p = cfg.parallel
     dims = ParallelDims.for_world(torch.distributed.get_world_size(), pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
-    return cfg, model_cfg, Mesh(dims, torch.device("cpu"), head_link=p.head_split == "tokens",
-                                timeout_s=cfg.train.timeout_s)
+    return cfg, model_cfg, mesh_for(cfg, model_cfg, dims, "cpu", timeout_s=cfg.train.timeout_s)
 
 
 def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
@@ -111,7 +110,16 @@ def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     return {"stage": mesh.pp_rank, "dp": mesh.dp_rank, "tp": mesh.tp_rank, "ep": mesh.ep_rank, "records": sink.records,
             "params": params, "summary": summary, "layouts": {n: (l.tp_dim, l.expert) for n, l in run.sharding.items()},
             "master_bytes": master_bytes, "num_buffers": v.num_buffers,
-            "version_bytes": sum(x.numel() * x.element_size() for buffer in v.buffers for x in buffer)}
+            "version_bytes": sum(x.numel() * x.element_size() for buffer in v.buffers for x in buffer),
+            "vocab": vocab_report(run.engine.vocab_head)}
+
+
+def vocab_report(head) -> dict | None:
+    """What a vocabulary-parallel head's stage did: its rows, the widths of the logits it computed, its passes."""
+    if head is None:
+        return None
+    return {"start": head.shard.start, "rows": head.shard.rows, "widths": sorted(head.logits_widths),
+            "passes": head.passes, "param_rows": head.param.shape[0]}
 
 
 def reference_run(cfg: RunConfig, loss_fn: LossFn = lm_loss) -> dict:

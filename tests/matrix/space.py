@@ -29,8 +29,9 @@ DIMENSIONS: dict[str, tuple] = {
     "distributed_optimizer": (False, True),
     "precision": ("fp32", "bf16"),
     "recompute": ("none", "selective", "full"),
-    # The head placement. "vocab" (the vocabulary-parallel head over the pipeline) joins these values when
-    # parallel.head lands (issue 28); container() then maps it to that key.
+    # The head placement (parallel.head: container() maps "none" to last). "vocab" (the vocabulary-parallel head,
+    # issue 28) joins these values once the full array has been rerun with it (its equivalence tests:
+    # tests/dist/test_vocab_parallel_pipeline.py).
     "head_split": ("none", "tokens"),
     "rampup": (False, True),
     "m": ("P", "P+1", "2P"),  # microbatches per replica: the pipeline's depth, one more, or twice it
@@ -81,7 +82,8 @@ def container(case: dict, checkpoint_dir: str = "checkpoints") -> dict:
                       "weight_prediction": case["weight_prediction"]},
         "parallel": {"pp": case["pp"], "tp": case["tp"], "dp": case["dp"], "ep": case["ep"],
                      "sequence_parallel": case["sequence_parallel"],
-                     "distributed_optimizer": case["distributed_optimizer"], "head_split": case["head_split"]},
+                     "distributed_optimizer": case["distributed_optimizer"],
+                     "head": "tokens" if case["head_split"] == "tokens" else "last"},
         "logging": {"wandb_mode": "disabled", "progress": False},
         # A case with a stop checkpoints only where the stop lands (every=0, timed saves off) and resumes from it.
         "checkpoint": ({"enabled": True, "every": 0, "every_minutes": 0.0, "dir": checkpoint_dir}

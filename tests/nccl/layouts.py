@@ -83,18 +83,44 @@ def _layouts() -> dict[str, Layout]:
         # A batch rampup: m = 2, 2, 3, 3, 4 (segments cut at steps 2 and 4, each stream with its own m).
         Layout("2bw-P2-rampup", make_config(parallel={"pp": 2}, train={"steps": 5, "micro_batch_size": 2,
                                                                      "num_microbatches": 4, "batch_rampup": [4, 2, 16]})),
-        # parallel.head_split=tokens: the head link's own pair of groups between the last stage and stage 0
+        # parallel.head=tokens: the head link's own pair of groups between the last stage and stage 0
         # (neighbours at P=2, not at P=3 and 4), with a sync start, an evaluation drain and a checkpoint.
-        Layout("2bw-P2-head-split", make_config(model=_UNTIED, parallel={"pp": 2, "head_split": "tokens"},
+        Layout("2bw-P2-head-split", make_config(model=_UNTIED, parallel={"pp": 2, "head": "tokens"},
                                                 train={**short, "steps": 5, "eval_every": 2},
                                                 staleness={"sync_start_steps": 1},
                                                 checkpoint={"enabled": True, "every": 2})),
-        Layout("1f1b-P3-head-split", make_config(model=_UNTIED, parallel={"pp": 3, "head_split": "tokens",
+        Layout("1f1b-P3-head-split", make_config(model=_UNTIED, parallel={"pp": 3, "head": "tokens",
                                                                           "stage_layers": [2, 1, 1]},
                                                  schedule={"name": "1f1b"}, train={**short, "num_microbatches": 3})),
-        Layout("2bw-P4-head-split", make_config(parallel={"pp": 4, "head_split": "tokens"},
+        Layout("2bw-P4-head-split", make_config(parallel={"pp": 4, "head": "tokens"},
                                                 train={**short, "num_microbatches": 4},
                                                 staleness={"sync_cooldown_steps": 1})),
+        # parallel.head=vocab: three groups over all the stages (the hidden states' broadcast, the statistics'
+        # all-gather, the input gradient's reduce), posted at S and T actions the cost model places; with a sync
+        # start, an evaluation drain (blocking head passes) and a checkpoint of the head's rows.
+        Layout("2bw-P2-vocab", make_config(model=_UNTIED, parallel={"pp": 2, "head": "vocab"},
+                                           train={**short, "steps": 5, "eval_every": 2},
+                                           staleness={"sync_start_steps": 1},
+                                           checkpoint={"enabled": True, "every": 2})),
+        # Tied: the later stages' rows are reduced with the first stage's embedding over the whole pipeline.
+        Layout("1f1b-P4-vocab", make_config(parallel={"pp": 4, "head": "vocab"}, schedule={"name": "1f1b"},
+                                            train={**short, "num_microbatches": 4})),
+        Layout("2bw-P4-vocab", make_config(parallel={"pp": 4, "head": "vocab"},
+                                           train={**short, "num_microbatches": 5, "eval_every": 2},
+                                           staleness={"ef_lambda": 1.0})),
+        Layout("2bw-P2-DP2-vocab-zero", make_config(parallel={"pp": 2, "dp": 2, "head": "vocab",
+                                                              "distributed_optimizer": True},
+                                                    train=short, staleness={"ef_lambda": 1.0},
+                                                    checkpoint={"enabled": True, "every": 2})),
+        # With TP and SP: the statistics' group spans both stages' TP ranks; the last stage's sequence all-gather
+        # (TP group) sits between its forward and the broadcast, its reduce-scatter in the backward.
+        Layout("2bw-P2-TP2-SP-vocab", make_config(model=_UNTIED, parallel={"pp": 2, "tp": 2, "head": "vocab",
+                                                                           "sequence_parallel": True},
+                                                  train={**short, "eval_every": 2},
+                                                  checkpoint={"enabled": True, "every": 2})),
+        Layout("2bw-P2-vocab-stop-midsegment", make_config(parallel={"pp": 2, "head": "vocab"},
+                                                           train={**short, "steps": 9},
+                                                           checkpoint={"enabled": True, "every": 0}), stop=(1, 1)),
         Layout("megatron-2bw-P2", make_config(parallel={"pp": 2}, schedule={"name": "2bw"},
                                               train={"steps": 4, "num_microbatches": 2}), megatron=True),
         Layout("megatron-1f1b-P3", make_config(model={"name": "tiny_dense", "overrides": {"num_layers": 3}},
@@ -107,10 +133,10 @@ def _layouts() -> dict[str, Layout]:
 
 LAYOUTS = _layouts()
 FAST = ("2bw-P2-DP2", "1f1b-P3", "megatron-2bw-P2", "2bw-P2-stop-midsegment", "2bw-P2-DP2-zero", "2bw-P2-rampup",
-        "2bw-P2-head-split")
+        "2bw-P2-head-split", "2bw-P2-vocab")
 """Recorded in the default suite (2BW with DP, tied embeddings, a sync start and an evaluation drain; a
 middle stage; the Megatron loop; a stream cut short by a stop; the distributed optimizer; a batch rampup's
-streams of different m; the head split); the rest is `slow`."""
+streams of different m; the head split; the vocabulary-parallel head); the rest is `slow`."""
 
 
 def recorded_pipeline(rank: int, cfg_dict: dict) -> list:

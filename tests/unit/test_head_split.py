@@ -1,4 +1,4 @@
-"""parallel.head_split=tokens as data: the schedules with the helper's HEAD actions, their invariants, the cost
+"""parallel.head=tokens as data: the schedules with the helper's HEAD actions, their invariants, the cost
 model's balanced step time, the share the cost model picks, and the config's refusals."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def test_invariants_catch_misplaced_heads() -> None:
 
 @pytest.mark.parametrize("kind", ["gpipe", "pipedream"])
 def test_builder_refuses_unsupported_kinds(kind: str) -> None:
-    with pytest.raises(ValueError, match="head_split=tokens with schedule="):
+    with pytest.raises(ValueError, match="head=tokens with schedule="):
         build_schedule(kind, 0, 2, 4, [0] * 2, head_split=True)
 
 
@@ -135,18 +135,18 @@ def _cfg(**parallel) -> RunConfig:
 
 def test_config_refusals() -> None:
     limits = get_model_config("tiny_dense")
-    _cfg(head_split="tokens").validate(limits)
-    _cfg(head_split="tokens", head_split_tokens=100).validate(limits)
-    with pytest.raises(ConfigError, match="head_split=tokens with schedule=pipedream"):
-        _cfg(head_split="tokens", schedule="pipedream").validate(limits)
+    _cfg(head="tokens").validate(limits)
+    _cfg(head="tokens", head_split_tokens=100).validate(limits)
+    with pytest.raises(ConfigError, match="head=tokens with schedule=pipedream"):
+        _cfg(head="tokens", schedule="pipedream").validate(limits)
     with pytest.raises(ConfigError, match=r"head_split_tokens=512 must be in \[1, 511\]"):
-        _cfg(head_split="tokens", head_split_tokens=512).validate(limits)
-    with pytest.raises(ConfigError, match="head_split_tokens=5 needs parallel.head_split=tokens"):
+        _cfg(head="tokens", head_split_tokens=512).validate(limits)
+    with pytest.raises(ConfigError, match="head_split_tokens=5 needs parallel.head=tokens"):
         _cfg(head_split_tokens=5).validate(limits)
-    with pytest.raises(ConfigError, match="head_split=tokens with parallel.tp=2"):
-        _cfg(head_split="tokens", tp=2).validate(limits)
+    with pytest.raises(ConfigError, match="head=tokens with parallel.tp=2"):
+        _cfg(head="tokens", tp=2).validate(limits)
     # Lifted by issue 30 (tests/dist/test_head_split.py runs each against the simulator).
-    _cfg(head_split="tokens", dp=2, distributed_optimizer=True).validate(limits)
+    _cfg(head="tokens", dp=2, distributed_optimizer=True).validate(limits)
 
 
 def test_a_stop_inside_a_segment_cuts_a_head_split_stream() -> None:

@@ -35,6 +35,10 @@ class StageState:
     distributed optimizer under bf16). Not saved from here (the owner saves the master under the same key,
     so no key has writers of two dtypes); loaded all the same: DCP copies the saved fp32 values into the
     bf16 tensor, which is the owner's own cast, bit for bit."""
+    mirrors: list[bool] | None = None
+    """Per name: this rank's tensors of it (every age, buffers, optimizer state) are rows of a tensor another rank
+    holds whole and saves (a tied embedding's rows of a vocabulary-parallel head): not saved from here, loaded by
+    their global offsets like any piece."""
 
 
 Shard = Callable[[Tensor], Tensor]
@@ -82,13 +86,17 @@ def flat_state(state: StageState, wrap: bool = True) -> dict[str, Tensor]:
         return global_view(state, i, t) if wrap else t
 
     flat = {}
+    mirror = state.mirrors or [False] * len(state.names)
     for age, tensors in state.versions.items():
         copy = (state.copies or {}).get(age) or [False] * len(tensors)
         flat.update({f"weights/{age}/{n}": view(i, t) for i, (n, t) in enumerate(zip(state.names, tensors))
-                     if not copy[i]})
+                     if not copy[i] and not mirror[i]})
     for kind, tensors in state.buffers.items():
-        flat.update({f"{kind}/{n}": view(i, t) for i, (n, t) in enumerate(zip(state.names, tensors)) if t is not None})
-    flat.update(_optimizer_tensors(state, wrap))
+        flat.update({f"{kind}/{n}": view(i, t) for i, (n, t) in enumerate(zip(state.names, tensors))
+                     if t is not None and not mirror[i]})
+    mirrored = {f"optim/{n}/" for n, m in zip(state.names, mirror) if m}
+    flat.update({k: t for k, t in _optimizer_tensors(state, wrap).items()
+                 if not any(k.startswith(prefix) for prefix in mirrored)})
     flat.update(state.extra or {})
     return flat
 

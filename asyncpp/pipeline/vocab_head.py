@@ -1,0 +1,242 @@
+"""The runtime of parallel.head=vocab: the LM head's vocabulary spread over every pipeline stage (the mechanism,
+its cost and the choice of the shards: asyncpp/core/vocab_split.py; the schedule's S and T actions:
+asyncpp/schedules/actions.py).
+
+Per microbatch (t, j), on the three communicators of Mesh.vocab_groups (one kind of traffic each, so every member
+issues each communicator's ops in the same order, the microbatch order, as NCCL needs: docs/nccl.md):
+
+- the last stage's FORWARD ends with the final norm; its output, the normed hidden states [mb, seq, h], is
+  broadcast to every stage (`hidden` communicator), asynchronously: the last stage never waits for it (a
+  broadcast's root may complete only once every member joined), its buffer is retired at UPDATE(t) like a send;
+- S(t, j) on every stage: the logits of the stage's rows [N, rows] and three per-token statistics, the local max,
+  the sum of exponentials below it and the target's logit when the target is one of the rows (0 otherwise); they
+  are all-gathered (`stats`), asynchronously. One all-gather instead of the building block's two all-reduces
+  (asyncpp/parallel/vocab_parallel.py: the max, then the sums): the global max and the rescaled sum come from
+  the gathered pairs (the online softmax), so S never waits inside its own pass;
+- T(t, j) waits for the statistics, forms the loss of the whole vocabulary (the same on every stage) and the
+  gradient of its logits (softmax - onehot) / N, then its shard's weight gradient and its partial input gradient,
+  which is summed onto the last stage (`grad` communicator: a reduce, asynchronous);
+- the last stage's BACKWARD waits for that sum and back-propagates it through the final norm and its layers.
+
+Each pass runs on the weight version of its action (the engine switches first): one version per microbatch across
+all shards (semantics.md). The gradients are formed here rather than by autograd because a stage may run T of
+b_{t+1} before its UPDATE_START(t) (the placement's steady state): each step's shard gradient waits in its own
+accumulator and joins the step's gradient at UPDATE_START(t), as the token head split's helper does (head.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from asyncpp.parallel.mesh import Mesh
+from asyncpp.parallel.vocab_parallel import VocabShard
+
+Wait = Callable[[object, str], None]
+
+
+@dataclass
+class _Pass:
+    """What S(t, j) leaves for T(t, j)."""
+
+    hidden: Tensor
+    logits: Tensor  # fp32 [N, rows]
+    targets: Tensor  # [N], full-vocabulary ids
+    gathered: Tensor  # [P x 3, N] once the all-gather has completed
+    work: object
+
+
+def shard_statistics(logits: Tensor, targets: Tensor, shard: VocabShard) -> Tensor:
+    """[3, N]: this shard's max logit per token, the sum of exp(logit - max) and the target's logit when the target
+    is one of its rows (else 0). An empty shard gives (-inf, 0, 0), which the combination ignores."""
+    n = logits.shape[0]
+    if shard.rows == 0:
+        return torch.stack((logits.new_full((n,), float("-inf")), logits.new_zeros(n), logits.new_zeros(n)))
+    local_max = logits.max(dim=-1).values
+    sum_exp = torch.exp(logits - local_max.unsqueeze(-1)).sum(dim=-1)
+    inside = (targets >= shard.start) & (targets < shard.end)
+    local = (targets - shard.start).clamp(0, shard.rows - 1)
+    target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+    return torch.stack((local_max, sum_exp, target_logit))
+
+
+def combine_statistics(gathered: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """[P x 3, N] -> (global max, sum of exp(logit - global max) over the vocabulary, the target's logit), per token."""
+    maxes, sums, targets = gathered.view(-1, 3, gathered.shape[-1]).unbind(1)
+    top = maxes.max(dim=0).values
+    total = (sums * torch.exp(maxes - top.unsqueeze(0))).sum(dim=0)
+    return top, total, targets.sum(dim=0)
+
+
+def logits_gradient(logits: Tensor, targets: Tensor, shard: VocabShard, top: Tensor, total: Tensor, *,
+                    inplace: bool = False) -> Tensor:
+    """d(mean cross entropy)/d(this shard's logits), fp32 [N, rows]: (softmax - onehot) / N. `inplace`: formed in
+    the logits' own buffer (T's use: they are not needed after it, and a second [N, rows] fp32 buffer would be the
+    largest transient of the head, 3 GiB at moe_2b's P=2)."""
+    n = logits.shape[0]
+    # As autograd's log_softmax backward forms it: exp(log_softmax) / N, then the target's -1 / N.
+    grad = logits if inplace else logits.clone()
+    grad.sub_(top.unsqueeze(-1)).sub_(torch.log(total).unsqueeze(-1)).exp_().mul_(1.0 / n)
+    if shard.rows == 0:
+        return grad
+    # The target's -1/N as a scatter of a masked column (0 where the target is another shard's row: x + 0 == x):
+    # selecting the rows first (nonzero) would size a tensor from the values, a host sync on CUDA.
+    inside = (targets >= shard.start) & (targets < shard.end)
+    local = (targets - shard.start).clamp(0, shard.rows - 1).unsqueeze(-1)
+    return grad.scatter_add_(1, local, inside.to(grad.dtype).mul_(-1.0 / n).unsqueeze(-1))
+
+
+class VocabHead:
+    """One stage's part of the vocabulary-parallel head: its rows, the three communicators and the passes."""
+
+    def __init__(self, mesh: Mesh, shard: VocabShard, param: nn.Parameter, row0: int,
+                 labels: Callable[[int, int], Tensor], hidden_shape: tuple[int, ...], dtype: torch.dtype, wait: Wait):
+        """The rank's rows of the head, `shard` (its TP rank's piece of its stage's rows), are `param`'s rows
+        [row0, row0 + shard.rows) (lm_head.weight from row 0, or the embedding on the first stage of a tied model),
+        read on the weight version in use; `labels(step, microbatch)` the microbatch's next-token ids;
+        `hidden_shape` [mb, seq, h] in `dtype` (the whole sequence: under sequence parallelism the last stage
+        gathers it first)."""
+        if mesh.vocab_groups is None:
+            raise ValueError("parallel.head=vocab needs the mesh's vocabulary groups: build it with "
+                             "Mesh(..., vocab_head=True) on every rank")
+        self.mesh, self.shard, self.param, self.row0, self.labels = mesh, shard, param, row0, labels
+        self.hidden_shape, self.dtype, self.wait = tuple(hidden_shape), dtype, wait
+        self.groups = mesh.vocab_groups
+        self.holders = dist.get_world_size(self.groups.stats)  # every stage's TP ranks hold rows of the head
+        self.last = mesh.global_rank(mesh.num_stages - 1)
+        self._passes: dict[tuple[int, int], _Pass] = {}
+        self._hidden_in: dict[tuple[int, int], tuple[Tensor, object]] = {}  # posted broadcasts (not the last stage)
+        self._input_grads: dict[tuple[int, int], tuple[Tensor, object]] = {}  # the reduces (last stage: awaited at B)
+        self._held: list[tuple[int, Tensor, object]] = []  # (step, buffer, work) to retire at UPDATE(step)
+        self._grads: dict[int, Tensor] = {}  # step -> the sum of its T's weight gradients (fp32)
+        self.passes = 0  # S passes run, and the logits' widths they had: what the report and the tests read
+        self.logits_widths: set[int] = set()
+
+    # ---- the last stage's FORWARD and BACKWARD ------------------------------------------------------------
+    def send_hidden(self, step: int, microbatch: int, hidden: Tensor) -> None:
+        """After the last stage's FORWARD of (t, j): broadcast its normed hidden states (not waited for here)."""
+        buffer = hidden.detach().contiguous()
+        work = dist.broadcast(buffer, src=self.last, group=self.groups.hidden, async_op=True)
+        self._held.append((step, buffer, work))
+
+    def input_grad(self, step: int, microbatch: int, what: str) -> Tensor:
+        """The last stage's BACKWARD of (t, j): the sum of every stage's partial input gradient."""
+        buffer, work = self._input_grads.pop((step, microbatch))
+        self.wait(work, f"the vocabulary-parallel head's reduce of the input gradient of {what}")
+        return buffer.to(self.dtype)
+
+    # ---- S and T -----------------------------------------------------------------------------------------
+    def post_hidden(self, step: int, microbatch: int) -> None:
+        """A stage other than the last joins the broadcast of (t, j)'s hidden states (before its S)."""
+        if self.mesh.is_last_stage or (step, microbatch) in self._hidden_in:
+            return
+        buffer = torch.empty(self.hidden_shape, dtype=self.dtype, device=self.mesh.device)
+        work = dist.broadcast(buffer, src=self.last, group=self.groups.hidden, async_op=True)
+        self._hidden_in[(step, microbatch)] = (buffer, work)
+
+    def weight(self) -> Tensor:
+        """[rows, h]: the stage's head rows on the weight version the parameters point at."""
+        return self.param.narrow(0, self.row0, self.shard.rows)
+
+    def forward(self, step: int, microbatch: int, own_hidden: Tensor | None, what: str) -> None:
+        """S(t, j): this shard's logits and statistics; starts their all-gather. `own_hidden`: the last stage's
+        FORWARD output of (t, j) (None elsewhere: received)."""
+        if own_hidden is not None:
+            hidden = own_hidden.detach()
+        else:
+            self.post_hidden(step, microbatch)
+            hidden, work = self._hidden_in.pop((step, microbatch))
+            self.wait(work, f"the vocabulary-parallel head's broadcast of the hidden states of {what}")
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        targets = self.labels(step, microbatch).reshape(-1)
+        with torch.no_grad():
+            logits = nn.functional.linear(flat, self.weight()).float()
+            stats = shard_statistics(logits, targets, self.shard)
+        gathered = stats.new_empty((self.holders * stats.shape[0], stats.shape[1]))  # gloo: stacked on dim 0
+        work = dist.all_gather_into_tensor(gathered, stats, group=self.groups.stats, async_op=True)
+        self.passes += 1
+        self.logits_widths.add(logits.shape[-1])
+        self._passes[(step, microbatch)] = _Pass(flat, logits, targets, gathered, work)
+
+    def backward(self, step: int, microbatch: int, what: str) -> Tensor:
+        """T(t, j): waits for the statistics; returns the microbatch's mean loss (every stage has it), keeps the
+        shard's weight gradient for UPDATE_START(t) and starts the reduce of the partial input gradient."""
+        p = self._passes.pop((step, microbatch))
+        self.wait(p.work, f"the vocabulary-parallel head's all-gather of the softmax statistics of {what}")
+        top, total, target_logit = combine_statistics(p.gathered)
+        loss = (torch.log(total) + top - target_logit).mean()
+        with torch.no_grad():
+            grad = logits_gradient(p.logits, p.targets, self.shard, top, total, inplace=True).to(self.dtype)
+            weight = self.weight()
+            d_weight = grad.t() @ p.hidden  # [rows, h]
+            # The partial input gradients in fp32 (exact products of the compute dtype's values), summed in fp32
+            # and rounded once on the last stage: the unsplit head's one GEMM rounds once too. In bf16 each
+            # partial rounded and the sum taken in bf16 moved every weight by 1e-3 relative per step.
+            d_hidden = (grad.float() @ weight.float()).reshape(self.hidden_shape).contiguous()
+        acc = self._grads.get(step)
+        self._grads[step] = d_weight.float() if acc is None else acc.add_(d_weight)
+        work = dist.reduce(d_hidden, dst=self.last, group=self.groups.grad, async_op=True)
+        if self.mesh.is_last_stage:
+            self._input_grads[(step, microbatch)] = (d_hidden, work)
+        else:
+            self._held.append((step, d_hidden, work))
+        return loss
+
+    def add_into(self, step: int, grads: list[Tensor], params: list[nn.Parameter]) -> None:
+        """At UPDATE_START(t): the step's shard gradient joins its rows of the parameter's entry of the step's
+        gradient."""
+        acc = self._grads.pop(step, None)
+        if acc is None:
+            return
+        i = next(k for k, p in enumerate(params) if p is self.param)
+        grads[i].narrow(0, self.row0, self.shard.rows).add_(acc.to(grads[i].dtype))
+
+    # ---- retiring ----------------------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Free the buffers of completed broadcasts and reduces at once (the engine calls it at every action
+        boundary): under 2BW up to 2m of each would otherwise wait for UPDATE(t)."""
+        self._held = [h for h in self._held if not h[2].is_completed()]
+
+    def retire(self, step: int) -> None:
+        """At UPDATE(step): every stage has passed UPDATE_START(step) (the norm all-reduce proves it), so every
+        broadcast and reduce of steps <= step has been joined by all: waiting for them returns at once."""
+        keep = []
+        for s, buffer, work in self._held:
+            if s <= step:
+                self.wait(work, f"the vocabulary-parallel head's collectives of step {s}")
+            else:
+                keep.append((s, buffer, work))
+        self._held = keep
+
+    def flush(self) -> None:
+        """At a drain: everything posted has been used, and what is held completes."""
+        if self._passes or self._hidden_in or self._input_grads:
+            raise RuntimeError(f"stage {self.mesh.pp_rank}: vocabulary-parallel head passes left at a drain: "
+                               f"{sorted(self._passes)} {sorted(self._hidden_in)} {sorted(self._input_grads)}")
+        for s, _, work in self._held:
+            self.wait(work, f"the vocabulary-parallel head's collectives of step {s}")
+        self._held = []
+
+    # ---- evaluation (forward only, blocking: one batch at a time) ------------------------------------------
+    def evaluate(self, hidden: Tensor | None, targets: Tensor) -> float:
+        """The loss of one validation batch over the whole vocabulary, on every stage (blocking)."""
+        if hidden is None:
+            hidden = torch.empty(self.hidden_shape_of(targets), dtype=self.dtype, device=self.mesh.device)
+        hidden = hidden.contiguous()
+        self.wait(dist.broadcast(hidden, src=self.last, group=self.groups.hidden, async_op=True),
+                  "the vocabulary-parallel head's broadcast of a validation batch")
+        flat, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        logits = nn.functional.linear(flat, self.weight()).float()
+        stats = shard_statistics(logits, targets, self.shard)
+        gathered = stats.new_empty((self.holders * stats.shape[0], stats.shape[1]))  # gloo: stacked on dim 0
+        self.wait(dist.all_gather_into_tensor(gathered, stats, group=self.groups.stats, async_op=True),
+                  "the vocabulary-parallel head's all-gather of a validation batch's statistics")
+        top, total, target_logit = combine_statistics(gathered)
+        return float((torch.log(total) + top - target_logit).mean())
+
+    def hidden_shape_of(self, targets: Tensor) -> tuple[int, ...]:
+        return (*targets.shape, self.hidden_shape[-1])

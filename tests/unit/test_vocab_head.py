@@ -1,0 +1,84 @@
+"""parallel.head=vocab without processes: the head's mathematics shard by shard against the unsplit head, the
+config's refusals (each naming the field, the value and the fix), and the schedule every rank derives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asyncpp.config import ConfigError
+from asyncpp.core.partition import vocab_shards_of
+from asyncpp.core.vocab_split import run_vocab_split, vocab_pipeline
+from asyncpp.job import compose, resolve
+from asyncpp.parallel.vocab_parallel import VocabShard, vocab_shards
+from asyncpp.pipeline.vocab_head import combine_statistics, logits_gradient, shard_statistics
+from asyncpp.schedules.actions import Op
+from asyncpp.schedules.invariants import check_schedules
+
+
+def check(overrides: list[str]):
+    return resolve(compose(overrides))
+
+
+@pytest.mark.parametrize("rows", [[2816, 5376], [0, 3000, 192, 5000], [8192, 0]])
+def test_shard_math_equals_the_unsplit_cross_entropy(rows):
+    """The loss from the gathered statistics equals F.cross_entropy's to fp32 rounding, and the shards' logits
+    gradients are the rows of autograd's (to a few ulp: the sum of exponentials is taken in another order); an
+    empty shard joins with (-inf, 0, 0) and changes nothing."""
+    torch.manual_seed(0)
+    n, h, vocab = 48, 32, sum(rows)
+    x, w = torch.randn(n, h), torch.randn(vocab, h) * 0.5
+    t = torch.randint(0, vocab, (n,))
+    t[0], t[1] = 0, vocab - 1  # the first and the last row as targets
+    logits = F.linear(x, w).requires_grad_()
+    loss = F.cross_entropy(logits, t)
+    loss.backward()
+    shards = vocab_shards(rows, vocab)
+    parts = [F.linear(x, w[s.start:s.end]) for s in shards]
+    top, total, target = combine_statistics(torch.cat([shard_statistics(p, t, s) for p, s in zip(parts, shards)]))
+    mine = (torch.log(total) + top - target).mean()
+    u = 2.0 ** -24
+    assert abs(float(mine) - float(loss.detach())) <= 8 * u * float(loss.detach())
+    grad = torch.cat([logits_gradient(p, t, s, top, total) for p, s in zip(parts, shards)], dim=1)
+    # Each entry exp(l - max - log Z) / N: Z summed in another order (|dZ| <= vocab u Z, so a relative
+    # difference of at most vocab u in every softmax entry, the log's and exp's own rounding on top).
+    bound = (vocab + 8) * u * logits.grad.abs() + u / n
+    assert ((grad - logits.grad).abs() <= bound).all(), float(((grad - logits.grad).abs() / bound).max())
+
+
+@pytest.mark.parametrize("overrides, must_contain", [
+    (["parallel.pp=2", "parallel.head=vocab", "schedule=pipedream"], ["parallel.head=vocab", "pipedream"]),
+    (["parallel.pp=2", "parallel.head=vocab", "schedule=gpipe"], ["parallel.head=vocab", "gpipe"]),
+    (["parallel.pp=2", "parallel.head_split=tokens"], ["parallel.head_split", "parallel.head=tokens"]),
+    (["model=tiny_dense", "parallel.pp=2", "parallel.tp=2", "parallel.head=vocab"], ["parallel.tp=2", "tied",
+                                                                                   "tie_embeddings=false"]),
+    (["model=tiny_dense", "parallel.pp=2", "parallel.head=vocab", "parallel.vocab_shards=[100,100]"],
+     ["parallel.vocab_shards=[100, 100]", "vocab_size=8192"]),
+    (["model=tiny_dense", "+model.overrides.tie_embeddings=false", "parallel.pp=2", "parallel.tp=2",
+      "parallel.head=vocab", "parallel.vocab_shards=[4095,4097]"], ["multiple of parallel.tp=2"]),
+    (["parallel.head=last", "parallel.vocab_shards=[4096,4096]"], ["needs parallel.head=vocab"]),
+    (["parallel.head=sideways"], ["parallel.head='sideways'", "'last', 'vocab', 'tokens', 'auto'"]),
+])
+def test_refusals_name_the_field_and_the_fix(overrides, must_contain):
+    with pytest.raises(ConfigError) as e:
+        check(overrides)
+    for text in must_contain:
+        assert text in str(e.value), (text, str(e.value))
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b", "sync"])
+def test_accepted_layouts_place_the_head_passes_on_every_stage(schedule):
+    """Every rank derives the same lists: the shards sum to the vocabulary, the layer split is the config's, and
+    the placed schedule passes the invariant checker (one S and one T per microbatch on every stage, F < S < T < B
+    on one version, one collective order, no deadlock)."""
+    cfg, model_cfg = check(["model=tiny_dense", "parallel.pp=4", "parallel.head=vocab", f"schedule={schedule}",
+                            "train.num_microbatches=4"])
+    split = run_vocab_split(cfg, model_cfg)
+    assert sum(split.shards) == model_cfg.vocab_size == sum(vocab_shards_of(cfg, model_cfg))
+    lists = vocab_pipeline(schedule, 4, [1 if schedule == "2bw" else 0] * 3, split, 1)
+    check_schedules(lists, 4, None)
+    for stage in lists:
+        assert sum(a.op is Op.VOCAB_FORWARD for a in stage) == sum(a.op is Op.VOCAB_BACKWARD for a in stage) == 12
+    assert vocab_pipeline(schedule, 4, [1 if schedule == "2bw" else 0] * 3, split, 1) == lists
+    assert VocabShard(0, split.shards[0]) == vocab_shards(split.shards, model_cfg.vocab_size)[0]
