@@ -136,18 +136,48 @@ def param_layouts(model: nn.Module) -> list[ParamSharding]:
     """Each trainable parameter's tensor-parallel layout, read from megatron-core's own parameter attributes
     (`tensor_model_parallel`, `partition_dim`: tensor_parallel.set_tensor_model_parallel_attributes), so the
     global norm counts a TP shard on every TP rank and a replicated tensor once. A module without them (asyncpp's
-    own stages) is replicated. Megatron's sequence-parallel norms (`sequence_parallel`: partial gradients) and
-    expert weights (`allreduce=False`) are refused: untested here."""
+    own stages) is replicated. An expert weight (`allreduce=False`) is reduced over the expert-data-parallel group
+    and counted on every EP rank. Megatron's sequence-parallel norms (`sequence_parallel`: partial gradients)
+    are refused: untested here."""
     layouts = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if getattr(p, "sequence_parallel", False) or getattr(p, "allreduce", True) is False:
-            raise NotImplementedError(f"{name}: a sequence-parallel norm (sequence_parallel=True) or an expert weight "
-                                      "(allreduce=False) is not supported by the Megatron front-end")
-        sharded = getattr(p, "tensor_model_parallel", False)
-        layouts.append(ParamSharding(tp_dim=p.partition_dim) if sharded else REPLICATED)
+        if getattr(p, "sequence_parallel", False):
+            raise NotImplementedError(f"{name}: a sequence-parallel norm (sequence_parallel=True) is not supported by "
+                                      "the Megatron front-end")
+        tp_dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+        expert = getattr(p, "allreduce", True) is False
+        layouts.append(ParamSharding(tp_dim=tp_dim, expert=expert) if tp_dim is not None or expert else REPLICATED)
     return layouts
+
+
+def _check_parallel_sizes(model: nn.Module, mesh: Mesh) -> None:
+    """A megatron-core model reads its parallel sizes from its TransformerConfig (which of its weights are expert-
+    parallel: `allreduce=False`, see param_layouts); they must be the mesh's, or expert gradients would be
+    all-reduced over DP as if they were replicas."""
+    config = getattr(_unwrap(model, "set_input_tensor"), "config", None)
+    sizes = {"pipeline_model_parallel_size": mesh.dims.pp, "tensor_model_parallel_size": mesh.dims.tp,
+             "expert_model_parallel_size": mesh.dims.ep}
+    for name, size in sizes.items():
+        value = getattr(config, name, size)
+        if value != size:
+            raise ValueError(f"the model's config has {name}={value} but the mesh (parallel_state) has {size}: "
+                             f"build the model with {name}={size}")
+
+
+def _scale_moe_aux_loss(model: nn.Module, num_microbatches: int) -> None:
+    """What megatron's forward_step does after each forward of a MoE model: its routers' auxiliary losses are
+    back-propagated with MoEAuxLossAutoScaler's scale, which must be 1/m to match the main loss's / m."""
+    config = getattr(_unwrap(model, "set_input_tensor"), "config", None)
+    if getattr(config, "num_moe_experts", None) is None:
+        return
+    if config.calculate_per_token_loss:
+        raise NotImplementedError("calculate_per_token_loss=True is not supported by the Megatron front-end")
+    # A megatron-core MoE model: megatron-core is installed.
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / num_microbatches))  # 0-dim: mixes with any device
 
 
 @dataclass
@@ -204,6 +234,7 @@ class Pipeline2BW:
                          delays=sync, tied_delays=sync,
                          update=UpdateSpec(grad_clip=grad_clip, corrections=Corrections(ef_lambda=ef_lambda),
                                            lr_multiplier=lr_multiplier))
+        _check_parallel_sizes(model, mesh)
         self.engine = build_stage_runtime(plan, None, model, mesh, optimizer, self._forward, grad_scale=1.0,
                                           layouts=param_layouts(model), tied=tied)  # loss already / m (docstring)
         self.next_step = 0
@@ -332,6 +363,7 @@ class Pipeline2BW:
         """Megatron's forward_step: inject the input, run the user's step, compute the scaled loss."""
         _unwrap(call.model, "set_input_tensor").set_input_tensor([x])  # a list, as Megatron passes it
         output, loss_func = call.forward_step_func(call.data_iterator, call.model)
+        _scale_moe_aux_loss(call.model, call.num_microbatches)
         if not self.mesh.is_last_stage:
             return output
         store = call.store

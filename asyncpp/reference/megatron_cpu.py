@@ -16,7 +16,19 @@ and stops in these places:
   (megatron/core/models/common/language_module/language_module.py:243, LanguageModule.setup_embeddings_and_output_layer).
   `_setup_embeddings_on_cpu` runs megatron's method with that copy skipped and does the same all-reduce on the CPU.
 
-`enable(device)` installs the three after `parallel_state.initialize_model_parallel`. It refuses any device but the
+- megatron/core/tensor_parallel/mappings.py allocates the outputs of its gathers, reduce-scatters and all-to-alls on
+  `torch.cuda.current_device()` (mappings.py:91, 141, 148, 181, 442: MoE's allgather dispatcher with EP or TP > 1,
+  sequence parallelism), and the MoE router moves its CPU weights there and allocates its load counters there
+  (megatron/core/transformer/moe/router.py:90, 92, 169, 178, 192, 198). Those two modules get `CpuCurrentDevice`
+  as their `torch`: the real torch module whose `torch.cuda.current_device()` is the CPU (nothing else changes,
+  and no other module sees it).
+- Without Transformer Engine, megatron/core/transformer/moe/moe_utils.py:1192 (the router's gating linear) reads
+  `te_general_gemm`, which only its TE import defines (a NameError); it is set to None, megatron's "no TE" value.
+- Not shimmed: the MoE alltoall dispatcher creates a CUDA stream in its constructor
+  (megatron/core/transformer/moe/token_dispatcher.py:445) and syncs on the current CUDA stream in its
+  permutation (token_dispatcher.py:871); use moe_token_dispatcher_type="allgather".
+
+`enable(device)` installs the after `parallel_state.initialize_model_parallel`. It refuses any device but the
 CPU: on CUDA megatron-core's own buffer and tracker are the right ones, and this module must never replace them.
 """
 
@@ -24,12 +36,15 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import types
 from functools import reduce
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel import random as mcore_random
+from megatron.core.transformer.moe import moe_utils, router
 from megatron.core.utils import GlobalMemoryBuffer
 
 
@@ -86,6 +101,23 @@ def _setup_embeddings_on_cpu(self: LanguageModule) -> None:
         torch.distributed.all_reduce(self.shared_embedding_or_output_weight().data, group=self.embd_group)
 
 
+class CpuCurrentDevice(types.ModuleType):
+    """torch, as a megatron-core module sees it in the CPU mode: every attribute is torch's, except that
+    `torch.cuda.current_device()` names the CPU (megatron allocates its buffers on that device)."""
+
+    cuda = types.SimpleNamespace(current_device=lambda: "cpu")
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+_CPU_TORCH = CpuCurrentDevice()
+_ALLOCATE_ON_CURRENT_DEVICE = (mappings, router)  # the modules that get it (module docstring)
+
+
 def enable(device: torch.device, seed: int = 1234) -> None:
     """Install the CPU buffer and RNG tracker (after initialize_model_parallel); refuses every other device.
 
@@ -107,6 +139,10 @@ def enable(device: torch.device, seed: int = 1234) -> None:
     tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
     tracker.add(mcore_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
     LanguageModule.setup_embeddings_and_output_layer = _setup_embeddings_on_cpu
+    for module in _ALLOCATE_ON_CURRENT_DEVICE:
+        module.torch = _CPU_TORCH
+    if not moe_utils.HAVE_TE:
+        moe_utils.te_general_gemm = None
     mcore_random._CUDA_RNG_STATE_TRACKER = tracker
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     assert tensor_parallel.get_cuda_rng_tracker() is tracker
@@ -116,7 +152,8 @@ def is_enabled() -> bool:
     """Whether this process runs megatron-core in the CPU mode (both shims installed)."""
     return (isinstance(parallel_state._GLOBAL_MEMORY_BUFFER, CpuGlobalMemoryBuffer)
             and isinstance(mcore_random._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker)
-            and LanguageModule.setup_embeddings_and_output_layer is _setup_embeddings_on_cpu)
+            and LanguageModule.setup_embeddings_and_output_layer is _setup_embeddings_on_cpu
+            and all(module.torch is _CPU_TORCH for module in _ALLOCATE_ON_CURRENT_DEVICE))
 
 
 def causal_mask(seq_length: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor, nn
 
@@ -38,12 +39,17 @@ VOCAB, SEQ, MICRO_BATCH, HIDDEN, LAYERS, HEADS = 64, 16, 2, 32, 4, 4
 class Case:
     name: str
     tp: int = 1
+    dp: int = 1
+    """Data-parallel replicas (world = 2 stages x tp x dp); each reads its own m microbatches of a step."""
+    ep: int = 1
     tied: bool = False
     optimizer: str = "muon"
     ef_lambda: float = 0.0
     sync_start_steps: int = 0
     drain_after: int | None = None
     """Drain the pipeline after this many calls, then resume (the mathematics does not change)."""
+    moe: bool = False
+    """Every layer's MLP a megatron-core MoELayer: 4 experts, top-2, the allgather dispatcher, aux loss."""
     steps: int = 6
     num_microbatches: int = 4
     grad_clip: float = 1.0
@@ -51,18 +57,25 @@ class Case:
 
 
 # ---- the model and the pretrain_gpt-style step ---------------------------------------------------------
-def transformer_config(pp: int, tp: int) -> TransformerConfig:
+MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_token_dispatcher_type": "allgather",
+       "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.01}
+
+
+def transformer_config(pp: int, tp: int, moe: bool, ep: int = 1) -> TransformerConfig:
     """No linear biases: the key part of the qkv bias has an identically zero gradient (softmax is shift
     invariant), so AdamW would turn the rounding noise there into lr-sized steps that differ between any two
     float orders; every other parameter's comparison is well conditioned."""
     return TransformerConfig(add_bias_linear=False, num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                              use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                              pipeline_dtype=torch.float32, params_dtype=torch.float32,
-                             pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp)
+                             pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
+                             expert_model_parallel_size=ep, **(MOE if moe else {}))
 
 
 def build_gpt(case: Case, pp: int, pre_process: bool, post_process: bool) -> GPTModel:
-    return GPTModel(transformer_config(pp, case.tp), get_gpt_layer_local_spec(), vocab_size=VOCAB,
+    spec = get_gpt_layer_local_spec(num_experts=MOE["num_moe_experts"] if case.moe else None, moe_grouped_gemm=False)
+    ep = case.ep if pp > 1 else 1  # the reference: one process, every expert
+    return GPTModel(transformer_config(pp, case.tp, case.moe, ep), spec, vocab_size=VOCAB,
                     max_sequence_length=SEQ, pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=case.tied)
 
@@ -100,7 +113,12 @@ def global_name(model: GPTModel, name: str) -> str:
     layer_number is global; the last stage's tied output weight is the embedding."""
     if name.startswith("decoder.layers."):
         index, rest = name[len("decoder.layers."):].split(".", 1)
-        return f"decoder.layers.{model.decoder.layers[int(index)].layer_number - 1}.{rest}"
+        layer = model.decoder.layers[int(index)]
+        local = "mlp.experts.local_experts."
+        if rest.startswith(local):  # an EP rank numbers its experts from 0 too
+            expert, tail = rest[len(local):].split(".", 1)
+            rest = f"{local}{layer.mlp.local_expert_indices[int(expert)]}.{tail}"
+        return f"decoder.layers.{layer.layer_number - 1}.{rest}"
     if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
         return "embedding.word_embeddings.weight"
     return name
@@ -114,8 +132,11 @@ def shard_of(full: Tensor, param: nn.Parameter, tp: int, tp_rank: int) -> Tensor
 
 
 # ---- the single-process reference ----------------------------------------------------------------------
-def setup_megatron(tp: int, pp: int) -> Mesh:
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+def setup_megatron(tp: int, pp: int, ep: int = 1) -> Mesh:
+    if parallel_state.model_parallel_is_initialized():  # the previous case's layout
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
     megatron_cpu.enable(torch.device("cpu"))
     return Mesh.from_megatron(torch.device("cpu"))
 
@@ -138,8 +159,8 @@ def reference_run(case: Case) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     sim = DelayedUpdateSimulator(model, opt, [1] * len(params), loss_fn=lm_loss, grad_clip=case.grad_clip,
                                  ef_lambda=case.ef_lambda, sync_step=lambda t: t < case.sync_start_steps)
-    data, m = data_for(case), case.num_microbatches
-    stats = [sim.step(t, [data.train_microbatch(t * m + j) for j in range(m)]) for t in range(case.steps)]
+    data, n = data_for(case), case.num_microbatches * case.dp  # replica by replica, as the pipeline reads them
+    stats = [sim.step(t, [data.train_microbatch(t * n + j) for j in range(n)]) for t in range(case.steps)]
     return {"init": init, "losses": [s.loss for s in stats], "grad_norms": [s.grad_norm for s in stats],
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
@@ -148,7 +169,7 @@ def reference_run(case: Case) -> dict:
 class Calls:
     """Counts the forwards of megatron-core's own layer classes on this rank."""
 
-    KINDS = (TransformerLayer, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    KINDS = (TransformerLayer, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, MoELayer)
 
     def __init__(self, model: nn.Module):
         self.count: dict[str, int] = {}
@@ -161,9 +182,21 @@ class Calls:
         self.count[name] = self.count.get(name, 0) + 1
 
 
-def pipeline_rank(rank: int, tp: int, cases: list[dict], references: dict) -> list[dict]:
-    mesh = setup_megatron(tp, 2)
-    return [pipeline_run(Case(**c), mesh, references[c["name"]]["init"]) for c in cases]
+def pipeline_rank(rank: int, cases: list[dict], references: dict) -> list[dict]:
+    out = []
+    for c in map(lambda c: Case(**c), cases):
+        mesh = setup_megatron(c.tp, 2, c.ep)
+        assert mesh.dims.dp == c.dp, (mesh.dims, c)
+        out.append(pipeline_run(c, mesh, references[c.name]["init"]))
+    return out
+
+
+def replica_microbatches(case: Case, dp_rank: int):
+    """This replica's microbatches: step t's global microbatches t*m*dp + dp_rank*m + j, j < m."""
+    data, m = data_for(case), case.num_microbatches
+    for t in itertools.count():
+        for j in range(m):
+            yield data.train_microbatch((t * case.dp + dp_rank) * m + j)
 
 
 def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
@@ -179,8 +212,7 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
         model, optimizer, mesh, schedule=schedule, hidden_size=HIDDEN, grad_clip=case.grad_clip,
         ef_lambda=case.ef_lambda, tied=tied, sequence_first=True, sync_start_steps=case.sync_start_steps))
     pipeline = fwd_bwd.pipeline
-    data = data_for(case)
-    train_iter = (data.train_microbatch(i) for i in itertools.count())
+    train_iter = replica_microbatches(case, mesh.dp_rank)
     losses, applied = [], []
     for k in range(case.steps):
         store = fwd_bwd(forward_step_func=forward_step, data_iterator=train_iter, model=[model],
@@ -195,7 +227,8 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
     pipeline.drain()
     grad_norms = {t: r.grad_norm for t, r in pipeline.records.items()}
     return {
-        "case": asdict(case), "stage": mesh.pp_rank, "tp_rank": mesh.tp_rank, "losses": losses, "applied": applied,
+        "case": asdict(case), "stage": mesh.pp_rank, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,
+        "ep_rank": mesh.ep_rank, "losses": losses, "applied": applied,
         "grad_norms": grad_norms,
         "params": {global_name(model, n): (p.detach().clone(), getattr(p, "tensor_model_parallel", False),
                                            getattr(p, "partition_dim", None)) for n, p in model.named_parameters()},
@@ -218,8 +251,11 @@ def evidence(model: GPTModel, mesh: Mesh, calls: Calls) -> dict:
             "tp": mesh.tp_group is ps.get_tensor_model_parallel_group(),
             "pp": mesh.pp_group is ps.get_pipeline_model_parallel_group(),
             "dp": mesh.dp_group is ps.get_data_parallel_group(),
+            "ep": mesh.ep_group is ps.get_expert_model_parallel_group(),
+            "edp": mesh.edp_group is ps.get_expert_data_parallel_group(),
             "embedding": mesh.embedding_group is ps.get_embedding_group(),
-            "norm": mesh.norm_group is ps.get_model_parallel_group(),
+            "norm": mesh.norm_group is (ps.get_model_parallel_group() if mesh.dims.ep == 1
+                                        else ps.get_expert_tensor_model_pipeline_parallel_group()),
         },
         "tp_group_ranks": ranks(ps.get_tensor_model_parallel_group()),
         "embedding_group_ranks": ranks(ps.get_embedding_group()),
