@@ -73,13 +73,13 @@ def _is_expert_stack(name: str, param: nn.Parameter, owner: nn.Module) -> bool:
 
 def is_muon_param(name: str, param: nn.Parameter, owner: nn.Module) -> bool:
     """The split rule. Muon takes hidden matrices:
-    - ndim == 2, unless the name contains "embed" or "lm_head" (input embedding / output head:
-      their rows are looked up or scored one token at a time, not a dense linear map) or the leaf
+    - ndim == 2, unless the name contains "embed", "lm_head" or "output_layer" (megatron-core's head) (input
+      embedding / output head: their rows are looked up or scored one token at a time, not a dense linear map) or the leaf
       is a bias (a stacked per-expert bias [E, d] is vectors, not a matrix);
     - ndim == 3 stacked MoE expert weights (see _is_expert_stack).
     Everything else (embeddings, head, norm weights, biases, scalars, conv kernels) -> AdamW."""
     lowered = name.lower()
-    if "embed" in lowered or "lm_head" in lowered or lowered.rsplit(".", 1)[-1].endswith("bias"):
+    if any(k in lowered for k in ("embed", "lm_head", "output_layer")) or lowered.rsplit(".", 1)[-1].endswith("bias"):
         return False
     if param.ndim == 2:
         return True

@@ -41,8 +41,16 @@ from asyncpp.optim.orthogonal import Workspace, chunk_matrices, default_bucket_n
 __all__ = ["Bucket", "MatrixJob", "orthogonalize_sharded", "plan_buckets"]
 
 Group = dist.ProcessGroup
-# Newer torch renamed all_gather_into_tensor (now deprecated) to all_gather_single; same semantics.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_gather(output: Tensor, input: Tensor, *, group: Group, async_op: bool):
+    """Newer torch renamed all_gather_into_tensor (now deprecated) to all_gather_single; same semantics. Looked
+    up at each call, not bound at import, so a wrapper of torch.distributed (the NCCL-order recorder,
+    tests/nccl/recorder.py) sees these gathers too."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
+
+
 Piece = tuple[int, int, int]  # (job index, first matrix, one past the last) of the job's flattened batch
 Result = tuple[int, int, int, Tensor]  # a piece and its NS result rows [stop - first, m_loc, n_loc]
 # (job, first, stop, out) -> NS input [stop - first, m_loc, n_loc], written into `out` when one is given

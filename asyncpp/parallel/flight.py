@@ -57,6 +57,7 @@ COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
     "broadcast", "barrier", "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
     "all_to_all", "all_to_all_single", "reduce", "gather", "scatter", "monitored_barrier",
+    "all_gather_single", "reduce_scatter_single",  # torch 2.13's names of all_gather_into_tensor / reduce_scatter_tensor
 )
 BLOCKING = frozenset(n for n in (*P2P, *COLLECTIVES) if n not in ("isend", "irecv"))
 """Calls that wait before they return unless given async_op=True (then `waited` is set by the Work's wait)."""

@@ -171,6 +171,86 @@ class Mesh:
         self.replica_norm_group = dist.new_group(list(range(dims.world_size))) if dims.dp > 1 else self.norm_group
         self._bound_groups(timeout_s if timeout_s is not None else _job_timeout_s(device))
 
+    @classmethod
+    def from_megatron(cls, device: torch.device, *, timeout_s: float | None = None) -> Mesh:
+        """This rank's mesh over megatron-core's initialized `parallel_state`: its pipeline, tensor, data,
+        expert, expert-data and embedding groups are used as they are, so a Megatron-LM job builds no second set.
+
+        asyncpp adds only what megatron-core has no group for: the per-direction pipeline links, 2 (P-1)
+        2-rank groups per pipeline (`_build_links`; a rank is in at most 4), which carry asyncpp's p2p
+        (megatron's own p2p shares the pipeline group for both directions). The gradient norm's group is
+        megatron's model-parallel group (pp x tp ranks of one replica; with ep > 1 its expert-tensor-model-
+        pipeline group, pp x ep x tp): megatron reduces its own grad norm there, which asyncpp's update replaces.
+        The layout must be megatron's default order ("tp-cp-ep-dp-pp"), which is asyncpp's (module docstring);
+        every group's ranks are checked against it. No context parallelism, no virtual pipeline stages, expert
+        tensor parallelism equal to tensor parallelism, no head split."""
+        # megatron-core is optional and a heavy import: only this path needs it.
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            raise RuntimeError("Mesh.from_megatron() needs megatron-core's parallel_state: call "
+                               "parallel_state.initialize_model_parallel(...) first")
+        unsupported = {"context_parallel_size": ps.get_context_parallel_world_size(),
+                       "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size() or 1}
+        for name, value in unsupported.items():
+            if value != 1:
+                raise NotImplementedError(f"{name}={value}: asyncpp's pipeline supports 1 only")
+        tp, etp = ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+        if etp != tp:
+            raise NotImplementedError(f"expert_tensor_parallel_size={etp} differs from tensor_model_parallel_size={tp}; "
+                                      "asyncpp's layout has one tensor-parallel degree")
+        dims = ParallelDims(pp=ps.get_pipeline_model_parallel_world_size(), dp=ps.get_data_parallel_world_size(),
+                            tp=tp, ep=ps.get_expert_model_parallel_world_size()).validate(dist.get_world_size())
+        self = cls.__new__(cls)
+        self.dims, self.device, self.rank = dims, device, dist.get_rank()
+        self.pp_rank, self.dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+        self.tp_rank, self.ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+        self.edp_rank = ps.get_expert_data_parallel_rank()
+        self.pp_group, self.tp_group = ps.get_pipeline_model_parallel_group(), ps.get_tensor_model_parallel_group()
+        self.dp_group, self.ep_group = ps.get_data_parallel_group(), ps.get_expert_model_parallel_group()
+        self.edp_group = ps.get_expert_data_parallel_group()
+        self.embedding_group = ps.get_embedding_group() if dims.pp > 1 else None
+        self._check_megatron_layout()
+        self.device_mesh = DeviceMesh.from_group(
+            [self.pp_group, self.edp_group, self.ep_group, self.tp_group], device.type,
+            mesh=torch.arange(dims.world_size).reshape(dims.pp, dims.edp, dims.ep, dims.tp),
+            mesh_dim_names=("pp", "edp", "ep", "tp"))
+        if self.norm_group_size == 1:
+            self.norm_group = self.pp_group  # this rank alone: nothing is posted on it (norm_group_size gates it)
+        else:
+            self.norm_group = (ps.get_model_parallel_group() if dims.ep == 1
+                               else ps.get_expert_tensor_model_pipeline_parallel_group())
+        self.links = self._build_links()
+        self.head_link = None
+        self.vocab_groups = None  # a megatron-core model keeps its output layer; parallel.head is asyncpp's stages'
+        # Only the distributed optimizer (parallel.distributed_optimizer) posts on it; the Megatron front-end
+        # has none, so no world-spanning group is made for it.
+        self.replica_norm_group = None
+        self._bound_groups(timeout_s if timeout_s is not None else _job_timeout_s(device))
+        return self
+
+    def _check_megatron_layout(self) -> None:
+        """Every megatron group this mesh took holds exactly the ranks asyncpp's layout formula gives."""
+        d, ep = self.dims, self.dims.ep
+        expected = {
+            "global rank": ([self.rank], [self.global_rank(self.pp_rank)]),
+            "pipeline": (self.pp_group, [self.global_rank(s) for s in range(d.pp)]),
+            "tensor-parallel": (self.tp_group, [self.global_rank(self.pp_rank, tp_rank=t) for t in range(d.tp)]),
+            "data-parallel": (self.dp_group, [self.global_rank(self.pp_rank, r) for r in range(d.dp)]),
+            "expert-parallel": (self.ep_group, [self.global_rank(self.pp_rank, self.edp_rank * ep + e)
+                                                for e in range(ep)]),
+            "expert-data-parallel": (self.edp_group, [self.global_rank(self.pp_rank, e * ep + self.ep_rank)
+                                                      for e in range(d.edp)]),
+        }
+        if self.embedding_group is not None:
+            expected["embedding"] = (self.embedding_group, [self.global_rank(0), self.global_rank(d.pp - 1)])
+        for role, (group, ranks) in expected.items():
+            got = group if isinstance(group, list) else dist.get_process_group_ranks(group)
+            if got != ranks:
+                raise ValueError(f"megatron-core's {role} group of rank {self.rank} holds ranks {got}, asyncpp's "
+                                 f"layout expects {ranks}: initialize_model_parallel(order='tp-cp-ep-dp-pp') (its "
+                                 "default) and the default embedding ranks")
+
     def _bound_groups(self, timeout_s: float) -> None:
         """Every group of this rank gets the job's timeout (init_distributed's train.timeout_s, which only the
         default group had: DeviceMesh and new_group give gloo 30 min, NCCL 10) and a description naming its

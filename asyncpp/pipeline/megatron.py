@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from asyncpp.core.update import Corrections
 from asyncpp.parallel.mesh import Mesh
+from asyncpp.parallel.sharding import REPLICATED, ParamSharding
 from asyncpp.pipeline.plan import StagePlan, UpdateSpec, build_stage_runtime
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
@@ -131,6 +132,54 @@ def _unwrap(model: Any, attr: str) -> Any:
     return model
 
 
+def param_layouts(model: nn.Module) -> list[ParamSharding]:
+    """Each trainable parameter's tensor-parallel layout, read from megatron-core's own parameter attributes
+    (`tensor_model_parallel`, `partition_dim`: tensor_parallel.set_tensor_model_parallel_attributes), so the
+    global norm counts a TP shard on every TP rank and a replicated tensor once. A module without them (asyncpp's
+    own stages) is replicated. An expert weight (`allreduce=False`) is reduced over the expert-data-parallel group
+    and counted on every EP rank. Megatron's sequence-parallel norms (`sequence_parallel`: partial gradients)
+    are refused: untested here."""
+    layouts = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if getattr(p, "sequence_parallel", False):
+            raise NotImplementedError(f"{name}: a sequence-parallel norm (sequence_parallel=True) is not supported by "
+                                      "the Megatron front-end")
+        tp_dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+        expert = getattr(p, "allreduce", True) is False
+        layouts.append(ParamSharding(tp_dim=tp_dim, expert=expert) if tp_dim is not None or expert else REPLICATED)
+    return layouts
+
+
+def _check_parallel_sizes(model: nn.Module, mesh: Mesh) -> None:
+    """A megatron-core model reads its parallel sizes from its TransformerConfig (which of its weights are expert-
+    parallel: `allreduce=False`, see param_layouts); they must be the mesh's, or expert gradients would be
+    all-reduced over DP as if they were replicas."""
+    config = getattr(_unwrap(model, "set_input_tensor"), "config", None)
+    sizes = {"pipeline_model_parallel_size": mesh.dims.pp, "tensor_model_parallel_size": mesh.dims.tp,
+             "expert_model_parallel_size": mesh.dims.ep}
+    for name, size in sizes.items():
+        value = getattr(config, name, size)
+        if value != size:
+            raise ValueError(f"the model's config has {name}={value} but the mesh (parallel_state) has {size}: "
+                             f"build the model with {name}={size}")
+
+
+def _scale_moe_aux_loss(model: nn.Module, num_microbatches: int) -> None:
+    """What megatron's forward_step does after each forward of a MoE model: its routers' auxiliary losses are
+    back-propagated with MoEAuxLossAutoScaler's scale, which must be 1/m to match the main loss's / m."""
+    config = getattr(_unwrap(model, "set_input_tensor"), "config", None)
+    if getattr(config, "num_moe_experts", None) is None:
+        return
+    if config.calculate_per_token_loss:
+        raise NotImplementedError("calculate_per_token_loss=True is not supported by the Megatron front-end")
+    # A megatron-core MoE model: megatron-core is installed.
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / num_microbatches))  # 0-dim: mixes with any device
+
+
 @dataclass
 class _Call:
     """What one forward_backward_func call hands to the microbatch forwards the engine runs."""
@@ -167,19 +216,27 @@ class Pipeline2BW:
         tied: Iterable[nn.Parameter] = (),
         sequence_first: bool = False,
         pipeline_dtype: torch.dtype = torch.float32,
+        sync_start_steps: int = 0,
     ):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
-        if schedule == "1f1b" and ef_lambda:
-            raise ValueError(f"ef_lambda={ef_lambda} corrects delayed updates; schedule='1f1b' has none, use 0")
+        if schedule == "1f1b" and (ef_lambda or sync_start_steps):
+            raise ValueError(f"ef_lambda={ef_lambda}, sync_start_steps={sync_start_steps} act on delayed updates; "
+                             "schedule='1f1b' has none, use 0")
+        if sync_start_steps < 0:
+            raise ValueError(f"sync_start_steps={sync_start_steps} must be >= 0")
         self.schedule, self.mesh, self.model = schedule, mesh, model
         self.hidden_size, self.sequence_first = hidden_size, sequence_first
+        self.sync_start_steps = sync_start_steps
         # The activation shape is set per call from seq_length/micro_batch_size (_set_activation_shape).
+        sync = (0,) * sync_start_steps or None  # later steps: the schedule's steady delay (StagePlan.delay)
         plan = StagePlan(stage=mesh.pp_rank, num_stages=mesh.num_stages, schedule=schedule, link_dtype=pipeline_dtype,
+                         delays=sync, tied_delays=sync,
                          update=UpdateSpec(grad_clip=grad_clip, corrections=Corrections(ef_lambda=ef_lambda),
                                            lr_multiplier=lr_multiplier))
-        self.engine = build_stage_runtime(plan, None, model, mesh, optimizer, self._forward,
-                                          grad_scale=1.0, tied=tied)  # the loss is already / m (module docstring)
+        _check_parallel_sizes(model, mesh)
+        self.engine = build_stage_runtime(plan, None, model, mesh, optimizer, self._forward, grad_scale=1.0,
+                                          layouts=param_layouts(model), tied=tied)  # loss already / m (docstring)
         self.next_step = 0
         """k of the next call: the minibatch b_k it consumes."""
         self.applied_step: int | None = None
@@ -267,6 +324,10 @@ class Pipeline2BW:
         P, s, k = self.mesh.num_stages, self.mesh.pp_rank, self.next_step
         if self.schedule == "1f1b":
             self._execute(window_1f1b(s, P, m, k))
+        elif k < self.sync_start_steps:  # a synchronous step of a 2BW run: b_k on x_k, flushed, as the simulator
+            if not self.drained:
+                raise RuntimeError(f"synchronous step {k} after a 2BW stream was opened (sync steps come first)")
+            self._execute(build_schedule(self.schedule, s, P, m, [0], first_step=k))
         else:
             if not kind_of(self.schedule).serves(P, m):  # the registry's rule, in this API's words
                 raise ValueError(f"schedule='{self.schedule}' needs num_microbatches >= pipeline stages, got "
@@ -302,6 +363,7 @@ class Pipeline2BW:
         """Megatron's forward_step: inject the input, run the user's step, compute the scaled loss."""
         _unwrap(call.model, "set_input_tensor").set_input_tensor([x])  # a list, as Megatron passes it
         output, loss_func = call.forward_step_func(call.data_iterator, call.model)
+        _scale_moe_aux_loss(call.model, call.num_microbatches)
         if not self.mesh.is_last_stage:
             return output
         store = call.store

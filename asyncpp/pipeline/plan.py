@@ -57,7 +57,8 @@ class StagePlan:
     schedule: str
     delays: tuple[int, ...] | None = None
     """d_t of this stage for t = 0 .. steps-1 (a synchronous start or cooldown gives 0 there); None: the kind's
-    steady-state delay at every step (the Megatron front-end, whose run length is not known)."""
+    steady-state delay at every step. Steps past its end take the steady-state delay (the Megatron front-end,
+    whose run length is not known, gives only its synchronous start)."""
     tied_delays: tuple[int, ...] | None = None
     """The same for the first stage, the owner of a tied weight: its corrections follow the owner's delay."""
     weight_prediction: bool = False
@@ -114,13 +115,13 @@ class StagePlan:
         return self.steady_delay if self.weight_prediction else 0
 
     def delay(self, step: int) -> int:
-        return self.steady_delay if self.delays is None else self.delays[step]
+        return self.delays[step] if self.delays is not None and step < len(self.delays) else self.steady_delay
 
     def is_delayed(self, step: int) -> bool:
         return self.delay(step) > 0
 
     def tied_is_delayed(self, step: int) -> bool:
-        if self.tied_delays is None:
+        if self.tied_delays is None or step >= len(self.tied_delays):
             return kind_of(self.schedule).stage_delay(0, self.num_stages) > 0
         return self.tied_delays[step] > 0
 

@@ -23,6 +23,8 @@ class Layout:
     megatron: bool = False
     stop: tuple[int, int] | None = None
     """(rank, step): that rank requests a stop at that step (StopFlag's test hook), mid-segment."""
+    example: tuple[str, ...] | None = None
+    """examples/megatron_2bw.py's command line: its loop is recorded (cfg then only gives the world size)."""
 
     @property
     def world(self) -> int:
@@ -127,16 +129,27 @@ def _layouts() -> dict[str, Layout]:
                                                parallel={"pp": 3}, schedule={"name": "1f1b"},
                                                train={"steps": 3, "num_microbatches": 3}), megatron=True),
     ]
+    # examples/megatron_2bw.py: megatron-core's GPTModel and parallel_state (Mesh.from_megatron: megatron's groups
+    # plus asyncpp's per-direction links), a tied embedding over megatron's embedding group, evaluation drains.
+    example = ("--train-iters", "5", "--eval-interval", "2", "--num-layers", "2", "--hidden-size", "32",
+               "--seq-length", "16", "--micro-batch-size", "2", "--num-microbatches", "2")
+    extra += [
+        Layout("megatron-core-example-P2", make_config(parallel={"pp": 2}),
+               example=(*example, "--ef-lambda", "1", "--sync-start-steps", "1")),
+        Layout("megatron-core-example-P2-TP2", make_config(parallel={"pp": 2, "tp": 2}),
+               example=(*example, "--tp", "2", "--optimizer", "muon")),
+    ]
     out.update({layout.name: layout for layout in extra})
     return out
 
 
 LAYOUTS = _layouts()
-FAST = ("2bw-P2-DP2", "1f1b-P3", "megatron-2bw-P2", "2bw-P2-stop-midsegment", "2bw-P2-DP2-zero", "2bw-P2-rampup",
-        "2bw-P2-head-split", "2bw-P2-vocab")
+FAST = ("2bw-P2-DP2", "1f1b-P3", "megatron-2bw-P2", "megatron-core-example-P2", "2bw-P2-stop-midsegment",
+        "2bw-P2-DP2-zero", "2bw-P2-rampup", "2bw-P2-head-split", "2bw-P2-vocab")
 """Recorded in the default suite (2BW with DP, tied embeddings, a sync start and an evaluation drain; a
-middle stage; the Megatron loop; a stream cut short by a stop; the distributed optimizer; a batch rampup's
-streams of different m; the head split; the vocabulary-parallel head); the rest is `slow`."""
+middle stage; the Megatron loop, with asyncpp's stages and with megatron-core's (the example); a stream cut short
+by a stop; the distributed optimizer; a batch rampup's streams of different m; the head split; the
+vocabulary-parallel head); the rest is `slow`."""
 
 
 def recorded_pipeline(rank: int, cfg_dict: dict) -> list:
@@ -164,13 +177,23 @@ def recorded_megatron(rank: int, cfg_dict: dict) -> list:
     return recorder.log
 
 
+def recorded_example(rank: int, argv: tuple[str, ...]) -> list:
+    from examples.megatron_2bw import parse_args, train
+
+    with record() as recorder:
+        train(parse_args(list(argv)))
+    return recorder.log
+
+
 def record_layout(layout: Layout) -> dict[int, list]:
     """Run the layout on gloo; rank -> its ops in issue order."""
     cfg = layout.cfg
     with tempfile.TemporaryDirectory() as tmp:
         if cfg.checkpoint.enabled:
             cfg = cfg.replace(checkpoint=cfg.checkpoint.__class__(**{**cfg.checkpoint.__dict__, "dir": tmp}))
-        if layout.stop is not None:
+        if layout.example is not None:
+            logs = run_ranks(recorded_example, layout.world, layout.example, timeout=600)
+        elif layout.stop is not None:
             logs = run_ranks(recorded_stopped_pipeline, layout.world, cfg.to_dict(), *layout.stop, timeout=600)
         else:
             fn = recorded_megatron if layout.megatron else recorded_pipeline

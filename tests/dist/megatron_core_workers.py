@@ -1,0 +1,262 @@
+"""megatron-core's GPTModel as asyncpp's 2BW pipeline stages, and the single-process reference they must equal.
+
+Each rank initializes megatron-core's parallel_state (gloo, CPU mode: asyncpp/reference/megatron_cpu.py), builds
+its GPTModel stage (pre_process/post_process, the local layer spec), takes asyncpp's mesh from megatron's groups
+(Mesh.from_megatron) and trains with get_forward_backward_func("2bw") from a pretrain_gpt-style loop. The
+reference is the same GPTModel unsplit in one process, under DelayedUpdateSimulator (x_{t+1} = x_t - U(g(x_{t-1})),
+synchronous start and EF as configured). Both start from the reference's initial weights (each rank loads its
+layers and TP shards), so the comparison is of the training, not of the initialization.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch import Tensor, nn
+
+from asyncpp.optim import build_optimizer
+from asyncpp.parallel.mesh import Mesh
+from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func
+from asyncpp.reference import megatron_cpu
+from asyncpp.reference.simulator import DelayedUpdateSimulator
+from tests.dist.workers import SyntheticData
+
+VOCAB, SEQ, MICRO_BATCH, HIDDEN, LAYERS, HEADS = 64, 16, 2, 32, 4, 4
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    tp: int = 1
+    dp: int = 1
+    """Data-parallel replicas (world = 2 stages x tp x dp); each reads its own m microbatches of a step."""
+    ep: int = 1
+    tied: bool = False
+    optimizer: str = "muon"
+    ef_lambda: float = 0.0
+    sync_start_steps: int = 0
+    drain_after: int | None = None
+    """Drain the pipeline after this many calls, then resume (the mathematics does not change)."""
+    moe: bool = False
+    """Every layer's MLP a megatron-core MoELayer: 4 experts, top-2, the allgather dispatcher, aux loss."""
+    steps: int = 6
+    num_microbatches: int = 4
+    grad_clip: float = 1.0
+    seed: int = 7
+
+
+# ---- the model and the pretrain_gpt-style step ---------------------------------------------------------
+MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_token_dispatcher_type": "allgather",
+       "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.01}
+
+
+def transformer_config(pp: int, tp: int, moe: bool, ep: int = 1) -> TransformerConfig:
+    """No linear biases: the key part of the qkv bias has an identically zero gradient (softmax is shift
+    invariant), so AdamW would turn the rounding noise there into lr-sized steps that differ between any two
+    float orders; every other parameter's comparison is well conditioned."""
+    return TransformerConfig(add_bias_linear=False, num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                             pipeline_dtype=torch.float32, params_dtype=torch.float32,
+                             pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
+                             expert_model_parallel_size=ep, **(MOE if moe else {}))
+
+
+def build_gpt(case: Case, pp: int, pre_process: bool, post_process: bool) -> GPTModel:
+    spec = get_gpt_layer_local_spec(num_experts=MOE["num_moe_experts"] if case.moe else None, moe_grouped_gemm=False)
+    ep = case.ep if pp > 1 else 1  # the reference: one process, every expert
+    return GPTModel(transformer_config(pp, case.tp, case.moe, ep), spec, vocab_size=VOCAB,
+                    max_sequence_length=SEQ, pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=case.tied)
+
+
+def get_batch(data_iterator):
+    """pretrain_gpt's get_batch (every stage reads the microbatch; each uses what it needs)."""
+    sample = next(data_iterator)
+    tokens, labels = sample[:, :-1], sample[:, 1:]
+    position_ids = torch.arange(tokens.size(1)).expand_as(tokens)
+    return tokens, labels, torch.ones_like(labels, dtype=torch.float), megatron_cpu.causal_mask(tokens.size(1)), position_ids
+
+
+def loss_func(loss_mask: Tensor, output_tensor: Tensor):
+    """pretrain_gpt's loss_func: (summed loss, num_tokens, {"lm loss": [sum, num_tokens]})."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])}
+
+
+def forward_step(data_iterator, model: GPTModel):
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    return output_tensor, functools.partial(loss_func, loss_mask)
+
+
+def data_for(case: Case) -> SyntheticData:
+    return SyntheticData(VOCAB, SEQ, MICRO_BATCH, case.seed)
+
+
+# ---- names and shards: a stage's parameters as pieces of the unsplit model -----------------------------
+def global_name(model: GPTModel, name: str) -> str:
+    """A stage's parameter name in the unsplit model: megatron numbers a stage's layers from 0, their
+    layer_number is global; the last stage's tied output weight is the embedding."""
+    if name.startswith("decoder.layers."):
+        index, rest = name[len("decoder.layers."):].split(".", 1)
+        layer = model.decoder.layers[int(index)]
+        local = "mlp.experts.local_experts."
+        if rest.startswith(local):  # an EP rank numbers its experts from 0 too
+            expert, tail = rest[len(local):].split(".", 1)
+            rest = f"{local}{layer.mlp.local_expert_indices[int(expert)]}.{tail}"
+        return f"decoder.layers.{layer.layer_number - 1}.{rest}"
+    if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+        return "embedding.word_embeddings.weight"
+    return name
+
+
+def shard_of(full: Tensor, param: nn.Parameter, tp: int, tp_rank: int) -> Tensor:
+    """This TP rank's piece of `full`, by megatron's own parameter attributes."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    return full.chunk(tp, dim=param.partition_dim)[tp_rank]
+
+
+# ---- the single-process reference ----------------------------------------------------------------------
+def setup_megatron(tp: int, pp: int, ep: int = 1) -> Mesh:
+    if parallel_state.model_parallel_is_initialized():  # the previous case's layout
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
+    megatron_cpu.enable(torch.device("cpu"))
+    return Mesh.from_megatron(torch.device("cpu"))
+
+
+def reference_rank(rank: int, cases: list[dict]) -> dict:
+    setup_megatron(1, 1)
+    return {c["name"]: reference_run(Case(**c)) for c in cases}
+
+
+def reference_run(case: Case) -> dict:
+    torch.manual_seed(case.seed)
+    model = build_gpt(case, pp=1, pre_process=True, post_process=True)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = build_optimizer(model, name=case.optimizer, lr=0.01)
+
+    def lm_loss(model: GPTModel, sample: Tensor) -> Tensor:
+        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(iter([sample]))
+        return (model(tokens, position_ids, attention_mask, labels=labels) * loss_mask).sum() / loss_mask.sum()
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    sim = DelayedUpdateSimulator(model, opt, [1] * len(params), loss_fn=lm_loss, grad_clip=case.grad_clip,
+                                 ef_lambda=case.ef_lambda, sync_step=lambda t: t < case.sync_start_steps)
+    data, n = data_for(case), case.num_microbatches * case.dp  # replica by replica, as the pipeline reads them
+    stats = [sim.step(t, [data.train_microbatch(t * n + j) for j in range(n)]) for t in range(case.steps)]
+    return {"init": init, "losses": [s.loss for s in stats], "grad_norms": [s.grad_norm for s in stats],
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+# ---- one pipeline rank -----------------------------------------------------------------------------------
+class Calls:
+    """Counts the forwards of megatron-core's own layer classes on this rank."""
+
+    KINDS = (TransformerLayer, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, MoELayer)
+
+    def __init__(self, model: nn.Module):
+        self.count: dict[str, int] = {}
+        for module in model.modules():
+            if isinstance(module, self.KINDS):
+                module.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output) -> None:
+        name = type(module).__name__
+        self.count[name] = self.count.get(name, 0) + 1
+
+
+def pipeline_rank(rank: int, cases: list[dict], references: dict) -> list[dict]:
+    out = []
+    for c in map(lambda c: Case(**c), cases):
+        mesh = setup_megatron(c.tp, 2, c.ep)
+        assert mesh.dims.dp == c.dp, (mesh.dims, c)
+        out.append(pipeline_run(c, mesh, references[c.name]["init"]))
+    return out
+
+
+def replica_microbatches(case: Case, dp_rank: int):
+    """This replica's microbatches: step t's global microbatches t*m*dp + dp_rank*m + j, j < m."""
+    data, m = data_for(case), case.num_microbatches
+    for t in itertools.count():
+        for j in range(m):
+            yield data.train_microbatch((t * case.dp + dp_rank) * m + j)
+
+
+def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
+    pre, post = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    model = build_gpt(case, mesh.num_stages, pre, post)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(shard_of(init[global_name(model, name)], p, case.tp, mesh.tp_rank))
+    calls = Calls(model)
+    tied = [model.shared_embedding_or_output_weight()] if case.tied else []
+    optimizer = build_optimizer(model, name=case.optimizer, lr=0.01)
+    fwd_bwd = get_forward_backward_func("2bw", engine_factory=lambda schedule: Pipeline2BW(
+        model, optimizer, mesh, schedule=schedule, hidden_size=HIDDEN, grad_clip=case.grad_clip,
+        ef_lambda=case.ef_lambda, tied=tied, sequence_first=True, sync_start_steps=case.sync_start_steps))
+    pipeline = fwd_bwd.pipeline
+    train_iter = replica_microbatches(case, mesh.dp_rank)
+    losses, applied = [], []
+    for k in range(case.steps):
+        store = fwd_bwd(forward_step_func=forward_step, data_iterator=train_iter, model=[model],
+                        num_microbatches=case.num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH)
+        if store:  # the last stage: per-token mean of the step, as Megatron's training_log reduces it
+            total = torch.stack([d["lm loss"] for d in store]).double().sum(0)
+            losses.append(float(total[0] / total[1]))
+        applied.append(pipeline.applied_step)
+        if case.drain_after is not None and k + 1 == case.drain_after:
+            pipeline.drain()
+            applied.append(pipeline.applied_step)
+    pipeline.drain()
+    grad_norms = {t: r.grad_norm for t, r in pipeline.records.items()}
+    return {
+        "case": asdict(case), "stage": mesh.pp_rank, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,
+        "ep_rank": mesh.ep_rank, "losses": losses, "applied": applied,
+        "grad_norms": grad_norms,
+        "params": {global_name(model, n): (p.detach().clone(), getattr(p, "tensor_model_parallel", False),
+                                           getattr(p, "partition_dim", None)) for n, p in model.named_parameters()},
+        "evidence": evidence(model, mesh, calls),
+    }
+
+
+def evidence(model: GPTModel, mesh: Mesh, calls: Calls) -> dict:
+    """What shows that megatron-core's modules and groups did the work (not a fallback to asyncpp's)."""
+    ps = parallel_state
+    ranks = dist.get_process_group_ranks
+    linear = next(m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))
+    return {
+        "model_class": type(model).__module__ + "." + type(model).__name__,
+        "module_classes": sorted({type(m).__module__ + "." + type(m).__name__ for m in model.modules()}),
+        "forward_calls": calls.count,
+        "cpu_mode": megatron_cpu.is_enabled(),
+        "linear_tp_group_is_megatrons": linear.tp_group is ps.get_tensor_model_parallel_group(),
+        "mesh_groups_are_megatrons": {
+            "tp": mesh.tp_group is ps.get_tensor_model_parallel_group(),
+            "pp": mesh.pp_group is ps.get_pipeline_model_parallel_group(),
+            "dp": mesh.dp_group is ps.get_data_parallel_group(),
+            "ep": mesh.ep_group is ps.get_expert_model_parallel_group(),
+            "edp": mesh.edp_group is ps.get_expert_data_parallel_group(),
+            "embedding": mesh.embedding_group is ps.get_embedding_group(),
+            "norm": mesh.norm_group is (ps.get_model_parallel_group() if mesh.dims.ep == 1
+                                        else ps.get_expert_tensor_model_pipeline_parallel_group()),
+        },
+        "tp_group_ranks": ranks(ps.get_tensor_model_parallel_group()),
+        "embedding_group_ranks": ranks(ps.get_embedding_group()),
+    }
