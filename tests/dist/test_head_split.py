@@ -126,7 +126,7 @@ def test_head_split_with_a_correction_or_data_parallelism_equals_simulator(extra
     """Issue 30: the head split refused these as untested. The helper's head replica is a parameter of stage 0
     like any other: predicted, DC-corrected and gradient-EF'd with that stage's versions, reduced over DP (and
     owned by one DP rank under the distributed optimizer) with its pair on the last stage."""
-    parallel = {"pp": 2, "head_split": "tokens", "stage_layers": [2, 2], **extra.get("parallel", {})}
+    parallel = {"pp": 2, "head": "tokens", "stage_layers": [2, 2], **extra.get("parallel", {})}
     cfg = make_config(model=UNTIED, parallel=parallel, optimizer={"name": "adamw", "eps": ADAMW_EPS},
                       train={"steps": 4, **extra.get("train", {})}, staleness=extra.get("staleness", {}))
     results, _, ref = assert_split_equivalent(cfg)
