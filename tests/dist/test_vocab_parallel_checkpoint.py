@@ -36,7 +36,8 @@ def config(root, pp: int, head: str = "vocab", resume: str | None = None, tp: in
                        checkpoint=checkpoint, optimizer={"eps": ADAMW_EPS}, **extra)
 
 
-@pytest.mark.parametrize("model", [UNTIED, {"name": "tiny_dense"}], ids=["untied", "tied"])
+@pytest.mark.parametrize("model", [UNTIED, pytest.param({"name": "tiny_dense"}, marks=pytest.mark.slow)],
+                         ids=["untied", "tied"])
 def test_vocab_head_resume_is_bitwise_exact(tmp_path, model):
     full, full_params = pipeline(config(tmp_path, 2, model=model))
     resumed, params = pipeline(config(tmp_path / "b", 2, model=model,

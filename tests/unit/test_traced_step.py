@@ -55,7 +55,7 @@ def allocator_peak(run) -> tuple[object, int]:
     return result, peak
 
 
-@pytest.mark.parametrize("model,stage", [("tiny_dense", 0), ("tiny_moe", 1)])
+@pytest.mark.parametrize("model,stage", [pytest.param("tiny_dense", 0, marks=pytest.mark.slow), ("tiny_moe", 1)])
 def test_meta_trace_runs_the_real_runs_ops_and_peak(model, stage, tmp_path):
     """AdamW (fused on both devices): the meta run replays the CPU run's scalar reads, so every branch taken on
     one (the padded-bmm buffer of tiny_moe's experts, the finiteness check) is the same. The gradient norm
