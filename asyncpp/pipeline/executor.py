@@ -102,12 +102,13 @@ class PipelineExecutor:
         return to_device(self.data.train_microbatch(index), self.mesh.device)  # CUDA: pinned, no host sync
 
     def _forward(self, step: int, microbatch: int, x: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
-        tokens = self._tokens(step, microbatch) if (self.spec.is_first or self.spec.is_last) else None
+        # The last stage reads the labels here unless a vocabulary-parallel head reads them at S (`_labels`).
+        reads = self.spec.is_first or (self.spec.is_last and self.spec.vocab is None)
+        tokens = self._tokens(step, microbatch) if reads else None
         if self.plan.head_split is not None and self.spec.is_last:
             return self._forward_split_head(tokens, x)
         if self.spec.vocab is not None and self.spec.is_last:  # the normed hidden states: the head is every stage's
-            h = stage_forward(self.model, self.spec, tokens[:, :-1] if self.spec.is_first else x, head=False)
-            return self._head_input(h)
+            return self._head_input(stage_forward(self.model, self.spec, x, head=False))  # P >= 2: never first
         out = stage_forward(self.model, self.spec, tokens[:, :-1] if self.spec.is_first else x)
         if not self.spec.is_last:
             return out
