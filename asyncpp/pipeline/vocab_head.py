@@ -72,6 +72,13 @@ def combine_statistics(gathered: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return top, total, targets.sum(dim=0)
 
 
+def mean_loss(gathered: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(global max, sum of exponentials, the mean cross entropy over the whole vocabulary) from the gathered
+    statistics: log(sum) + max - target logit, per token, averaged."""
+    top, total, target_logit = combine_statistics(gathered)
+    return top, total, (torch.log(total) + top - target_logit).mean()
+
+
 def logits_gradient(logits: Tensor, targets: Tensor, shard: VocabShard, top: Tensor, total: Tensor, *,
                     inplace: bool = False) -> Tensor:
     """d(mean cross entropy)/d(this shard's logits), fp32 [N, rows]: (softmax - onehot) / N. `inplace`: formed in
@@ -153,22 +160,26 @@ class VocabHead:
             self.wait(work, f"the vocabulary-parallel head's broadcast of the hidden states of {what}")
         flat = hidden.reshape(-1, hidden.shape[-1])
         targets = self.labels(step, microbatch).reshape(-1)
-        with torch.no_grad():
-            logits = nn.functional.linear(flat, self.weight()).float()
-            stats = shard_statistics(logits, targets, self.shard)
-        gathered = stats.new_empty((self.holders * stats.shape[0], stats.shape[1]))  # gloo: stacked on dim 0
-        work = dist.all_gather_into_tensor(gathered, stats, group=self.groups.stats, async_op=True)
+        logits, gathered, work = self._start_statistics(flat, targets)
         self.passes += 1
         self.logits_widths.add(logits.shape[-1])
         self._passes[(step, microbatch)] = _Pass(flat, logits, targets, gathered, work)
+
+    @torch.no_grad()
+    def _start_statistics(self, flat: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, object]:
+        """This shard's fp32 logits of `flat` [N, h] and the start of their statistics' all-gather over every
+        holder of head rows: (logits, the gathered buffer [holders x 3, N], the work)."""
+        logits = nn.functional.linear(flat, self.weight()).float()
+        stats = shard_statistics(logits, targets, self.shard)
+        gathered = stats.new_empty((self.holders * stats.shape[0], stats.shape[1]))  # gloo: stacked on dim 0
+        return logits, gathered, dist.all_gather_into_tensor(gathered, stats, group=self.groups.stats, async_op=True)
 
     def backward(self, step: int, microbatch: int, what: str) -> Tensor:
         """T(t, j): waits for the statistics; returns the microbatch's mean loss (every stage has it), keeps the
         shard's weight gradient for UPDATE_START(t) and starts the reduce of the partial input gradient."""
         p = self._passes.pop((step, microbatch))
         self.wait(p.work, f"the vocabulary-parallel head's all-gather of the softmax statistics of {what}")
-        top, total, target_logit = combine_statistics(p.gathered)
-        loss = (torch.log(total) + top - target_logit).mean()
+        top, total, loss = mean_loss(p.gathered)
         with torch.no_grad():
             grad = logits_gradient(p.logits, p.targets, self.shard, top, total, inplace=True).to(self.dtype)
             weight = self.weight()
@@ -229,14 +240,9 @@ class VocabHead:
         hidden = hidden.contiguous()
         self.wait(dist.broadcast(hidden, src=self.last, group=self.groups.hidden, async_op=True),
                   "the vocabulary-parallel head's broadcast of a validation batch")
-        flat, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-        logits = nn.functional.linear(flat, self.weight()).float()
-        stats = shard_statistics(logits, targets, self.shard)
-        gathered = stats.new_empty((self.holders * stats.shape[0], stats.shape[1]))  # gloo: stacked on dim 0
-        self.wait(dist.all_gather_into_tensor(gathered, stats, group=self.groups.stats, async_op=True),
-                  "the vocabulary-parallel head's all-gather of a validation batch's statistics")
-        top, total, target_logit = combine_statistics(gathered)
-        return float((torch.log(total) + top - target_logit).mean())
+        _, gathered, work = self._start_statistics(hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1))
+        self.wait(work, "the vocabulary-parallel head's all-gather of a validation batch's statistics")
+        return float(mean_loss(gathered)[2])
 
     def hidden_shape_of(self, targets: Tensor) -> tuple[int, ...]:
         return (*targets.shape, self.hidden_shape[-1])

@@ -26,7 +26,7 @@ import torch
 
 from asyncpp.core.partition import vocab_shards_of
 from asyncpp.parallel.vocab_parallel import VocabShard, split_for_tp, vocab_shards
-from asyncpp.pipeline.vocab_head import combine_statistics, logits_gradient, shard_statistics
+from asyncpp.pipeline.vocab_head import logits_gradient, mean_loss, shard_statistics
 from model_zoo import get_model_config
 from tests.dist.harness import run_ranks
 from tests.dist.test_pipeline_equivalence import relative_error
@@ -46,10 +46,10 @@ class _HeadInBlocks(torch.autograd.Function):
         flat, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         logits = [torch.nn.functional.linear(flat, weight[s.start:s.end]).float() for s in shards]
         stats = torch.cat([shard_statistics(x, targets, s) for x, s in zip(logits, shards)])
-        top, total, target_logit = combine_statistics(stats)
+        top, total, loss = mean_loss(stats)
         ctx.save_for_backward(flat, weight, targets, top, total, *logits)
         ctx.shards, ctx.shape = shards, hidden.shape
-        return (torch.log(total) + top - target_logit).mean()
+        return loss
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -12,7 +12,7 @@ from asyncpp.core.partition import vocab_shards_of
 from asyncpp.core.vocab_split import run_vocab_split, vocab_pipeline
 from asyncpp.job import compose, resolve
 from asyncpp.parallel.vocab_parallel import VocabShard, vocab_shards
-from asyncpp.pipeline.vocab_head import combine_statistics, logits_gradient, shard_statistics
+from asyncpp.pipeline.vocab_head import logits_gradient, mean_loss, shard_statistics
 from asyncpp.schedules.actions import Op
 from asyncpp.schedules.invariants import check_schedules
 
@@ -36,8 +36,7 @@ def test_shard_math_equals_the_unsplit_cross_entropy(rows):
     loss.backward()
     shards = vocab_shards(rows, vocab)
     parts = [F.linear(x, w[s.start:s.end]) for s in shards]
-    top, total, target = combine_statistics(torch.cat([shard_statistics(p, t, s) for p, s in zip(parts, shards)]))
-    mine = (torch.log(total) + top - target).mean()
+    top, total, mine = mean_loss(torch.cat([shard_statistics(p, t, s) for p, s in zip(parts, shards)]))
     u = 2.0 ** -24
     assert abs(float(mine) - float(loss.detach())) <= 8 * u * float(loss.detach())
     grad = torch.cat([logits_gradient(p, t, s, top, total) for p, s in zip(parts, shards)], dim=1)
