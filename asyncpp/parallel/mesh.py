@@ -288,32 +288,27 @@ class Mesh:
         both hung (issue 30). Collective: every rank creates every group in the same order."""
         if self.norm_group_size == 1:
             return self.pp_group  # this rank alone: nothing is ever posted on it (norm_group_size gates it)
-        mine = None
         per_replica = self.device_mesh.mesh.transpose(0, 1).reshape(self.dims.edp, -1)  # [edp, pp*ep*tp]
-        for ranks in per_replica.tolist():
-            group = dist.new_group(ranks)
-            if self.rank in ranks:
-                mine = group
-        return mine
+        return self._new_groups(per_replica.tolist())
 
     def _per_pipeline(self, stages: list[int]):
         """A new group of `stages` in every pipeline (dp, tp coordinate); returns this rank's or None.
         new_group is collective over the whole world: every rank creates every group in the same order."""
-        mine = None
-        for dp_rank in range(self.dims.dp):
-            for tp_rank in range(self.dims.tp):
-                ranks = [self.global_rank(s, dp_rank, tp_rank) for s in stages]
-                group = dist.new_group(ranks)
-                if self.rank in ranks:
-                    mine = group
-        return mine
+        return self._new_groups([[self.global_rank(s, dp_rank, tp_rank) for s in stages]
+                                 for dp_rank in range(self.dims.dp) for tp_rank in range(self.dims.tp)])
 
     def _per_data_replica(self):
         """A new group of every stage and TP rank of each DP coordinate (ranks in stage, then TP order); returns
         this rank's. Collective: every rank creates every group in the same order."""
+        d = self.dims
+        return self._new_groups([[self.global_rank(s, dp_rank, r) for s in range(d.pp) for r in range(d.tp)]
+                                 for dp_rank in range(d.dp)])
+
+    def _new_groups(self, rank_lists: list[list[int]]):
+        """A new group for each list of global ranks, in order (new_group is collective over the whole world:
+        every rank creates every group in the same order); returns the one this rank is in, or None."""
         mine = None
-        for dp_rank in range(self.dims.dp):
-            ranks = [self.global_rank(s, dp_rank, r) for s in range(self.dims.pp) for r in range(self.dims.tp)]
+        for ranks in rank_lists:
             group = dist.new_group(ranks)
             if self.rank in ranks:
                 mine = group
