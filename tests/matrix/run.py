@@ -12,7 +12,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import torch
+
 from asyncpp.config import RunConfig
+from asyncpp.core.partition import vocab_shards_of
+from asyncpp.parallel.vocab_parallel import vocab_shards
+from model_zoo import get_model_config
 from tests.dist.harness import run_ranks
 from tests.dist.test_pipeline_equivalence import assemble, relative_error
 from tests.dist.test_stop_midsegment import stopped_rank
@@ -70,6 +75,39 @@ def writer_records(results: list[dict]) -> list[dict]:
     return next((r["records"] for r in results if r["records"]), [])
 
 
+def vocab_head_weight(cfg: RunConfig, results: list[dict]) -> torch.Tensor | None:
+    """parallel.head=vocab (or auto resolved to it): the whole LM head assembled from every stage's rows by their
+    offsets, after checking the vocabulary really was split: each rank's piece (its TP rank's part of its stage's
+    rows) is the plan's, no rank holds the whole head, every logits block it computed had its piece's width, and
+    (tied) every later stage's rows are the first stage's embedding rows bit for bit (one weight, one update).
+    None when the head is not vocabulary-parallel (then no rank may have run a shard of it)."""
+    model_cfg = get_model_config(cfg.model.name, **(cfg.model.overrides or {}))
+    resolved = cfg.validate(model_cfg)
+    rows = vocab_shards_of(resolved, model_cfg)
+    if rows is None:
+        assert all(r["vocab"] is None for r in results), "a vocabulary shard ran with the head on the last stage"
+        return None
+    vocab, tp = model_cfg.vocab_size, cfg.parallel.tp
+    shards = vocab_shards(rows, vocab)
+    replica = [r for r in results if r["dp"] == r["ep"]]  # edp index 0, as assemble()
+    embed = next(r for r in replica if r["stage"] == 0)["params"]["embed.weight"]
+    head = None
+    for r in replica:
+        v, stage = r["vocab"], shards[r["stage"]]
+        assert v is not None and v["rows"] * tp == stage.rows and v["rows"] < vocab, (r["stage"], v)
+        assert v["widths"] == [v["rows"]] and v["passes"] > 0, (r["stage"], v)
+        piece = r["params"].get("lm_head.weight")
+        if piece is None:  # a tied first stage: its rows are its embedding's own
+            piece = embed[v["start"]:v["start"] + v["rows"]]
+        elif model_cfg.tie_embeddings:
+            assert torch.equal(piece, embed[v["start"]:v["start"] + v["rows"]]), r["stage"]
+        assert piece.shape[0] == v["rows"], (r["stage"], piece.shape)
+        head = torch.full((vocab, piece.shape[1]), float("nan"), dtype=piece.dtype) if head is None else head
+        head[v["start"]:v["start"] + v["rows"]] = piece
+    assert not head.isnan().any(), "some rows of the head are on no stage"
+    return head
+
+
 def run_case(case: dict, tmp_path) -> dict:
     """Run `case` (accepted by the validator) and assert it equals the simulator; returns what it measured."""
     cfg = RunConfig.from_dict(container(case, str(tmp_path / "checkpoints")))
@@ -99,6 +137,9 @@ def run_case(case: dict, tmp_path) -> dict:
             bound = FP32_REL * abs(want) if noise is None else max(BF16_REL * abs(want), BF16_NOISE_FACTOR * noise[key][t])
             assert abs(got - want) <= bound, (key, t, got, want, bound)
     params = assemble(results)
+    head = vocab_head_weight(cfg, results)
+    if head is not None:  # assemble() knows whole tensors and TP/EP slices; the head's rows are by offset
+        params["lm_head.weight"] = head
     worst = (0.0, 0.0, "")
     for name, p in params.items():
         ref_name = "embed.weight" if name == "lm_head.weight" and name not in ref["params"] else name
@@ -109,4 +150,5 @@ def run_case(case: dict, tmp_path) -> dict:
         worst = max(worst, (err, bound, name))
     assert set(ref["params"]) <= set(params)
     return {"stopped_at": stop, "worst_weight_error": worst,  # (error, its bound, the tensor)
+            "vocab_rows": None if head is None else [r["vocab"]["rows"] for r in results if r["dp"] == 0],
             "ops": sum(len(r["nccl_log"]) for r in results)}

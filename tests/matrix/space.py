@@ -29,10 +29,9 @@ DIMENSIONS: dict[str, tuple] = {
     "distributed_optimizer": (False, True),
     "precision": ("fp32", "bf16"),
     "recompute": ("none", "selective", "full"),
-    # The head placement (parallel.head: container() maps "none" to last). "vocab" (the vocabulary-parallel head,
-    # issue 28) joins these values once the full array has been rerun with it (its equivalence tests:
-    # tests/dist/test_vocab_parallel_pipeline.py).
-    "head_split": ("none", "tokens"),
+    # The LM head's placement, parallel.head: on the last stage, a token share on stage 0 (the head split), its
+    # vocabulary spread over every stage (issue 28), or the cost model's choice between last and vocab.
+    "head": ("last", "tokens", "vocab", "auto"),
     "rampup": (False, True),
     "m": ("P", "P+1", "2P"),  # microbatches per replica: the pipeline's depth, one more, or twice it
     "resume": (False, True),  # a stop requested mid-run (checkpointed), then the same command resumes it
@@ -83,7 +82,7 @@ def container(case: dict, checkpoint_dir: str = "checkpoints") -> dict:
         "parallel": {"pp": case["pp"], "tp": case["tp"], "dp": case["dp"], "ep": case["ep"],
                      "sequence_parallel": case["sequence_parallel"],
                      "distributed_optimizer": case["distributed_optimizer"],
-                     "head": "tokens" if case["head_split"] == "tokens" else "last"},
+                     "head": case["head"]},
         "logging": {"wandb_mode": "disabled", "progress": False},
         # A case with a stop checkpoints only where the stop lands (every=0, timed saves off) and resumes from it.
         "checkpoint": ({"enabled": True, "every": 0, "every_minutes": 0.0, "dir": checkpoint_dir}
