@@ -13,11 +13,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from asyncpp import job
 from asyncpp.parallel import collectives, experts
 from asyncpp.parallel.collectives import CollectiveTimeout
+from asyncpp.pipeline.build import build_rank_stage
+from asyncpp.pipeline.executor import PipelineExecutor
 from tests.dist.harness import run_ranks
-from tests.dist.workers import make_config, pipeline_rank
+from tests.dist.workers import data_for, make_config, pipeline_rank, rank_layout
 
 pytestmark = pytest.mark.dist
 
@@ -68,6 +73,43 @@ def test_a_silent_peer_inside_a_stage_collective_fails_within_the_timeout(layout
     # gloo's op timeout is the group's, set to train.timeout_s; 5 s of slack for a loaded 2-core machine.
     print(f"time to failure {survivor['waited_s']:.2f} s: {message}")
     assert TIMEOUT_S * 0.9 <= survivor["waited_s"] <= TIMEOUT_S + 5, survivor
+
+
+SAVE_TIMEOUT_S = 3.0
+
+
+def silent_in_the_async_save_group(rank: int, cfg_dict: dict) -> dict:
+    """A pipeline rank built as a run builds it (checkpoint.async_save=true): rank 0 enters a collective on the
+    background save's gloo group, rank 1 never does (it stays alive, so gloo waits for it rather than seeing a
+    closed connection). Rank 0 reports how long it waited and what it raised."""
+    cfg, model_cfg, mesh = rank_layout(cfg_dict)
+    stage = build_rank_stage(cfg, model_cfg, mesh, "cpu")
+    run = PipelineExecutor(cfg, stage, mesh, data_for(cfg, model_cfg.vocab_size), job.optimizer_for(cfg, mesh))
+    group = run.checkpoint.saver._group
+    assert group is not None, "async_save built no background group"
+    if rank == 1:
+        time.sleep(SAVE_TIMEOUT_S + 8)  # past rank 0's bound, then leave without joining
+        return {}
+    started = time.monotonic()
+    try:
+        dist.all_reduce(torch.zeros(1), group=group)
+    except RuntimeError as e:  # gloo's DistBackendError: "Timed out waiting ...ms for recv operation"
+        return {"error": str(e), "waited_s": time.monotonic() - started}
+    return {"error": None, "waited_s": time.monotonic() - started}
+
+
+@pytest.mark.slow  # spawns and builds a 2-stage pipeline: 15-35 s on this machine
+def test_the_async_save_group_is_bounded_by_train_timeout_s():
+    """The background save writes on a gloo group of its own (asyncpp/train/checkpoint/saver.py); without
+    train.timeout_s it would have new_group's default (gloo: 30 min), so a dead peer would hang the write that
+    long. A peer that never joins must make the other fail within train.timeout_s."""
+    cfg = make_config(model={"name": "tiny_dense"}, parallel={"pp": 2}, train={"timeout_s": SAVE_TIMEOUT_S},
+                      checkpoint={"enabled": True, "async_save": True, "every": 0, "every_minutes": 0.0})
+    results = run_ranks(silent_in_the_async_save_group, 2, cfg.to_dict(), timeout=120)
+    survivor = results[0]
+    assert survivor["error"] is not None and re.search(r"[Tt]imed out", survivor["error"]), survivor
+    # gloo's op timeout is the group's; 5 s of slack for a loaded 2-core machine (as above).
+    assert SAVE_TIMEOUT_S * 0.9 <= survivor["waited_s"] <= SAVE_TIMEOUT_S + 5, survivor
 
 
 SILENT_PEER = '''
