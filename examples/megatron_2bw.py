@@ -34,7 +34,7 @@ from megatron.core.transformer import TransformerConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without an install
 from asyncpp.optim import build_optimizer
 from asyncpp.parallel.mesh import Mesh, init_distributed
-from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func, param_layouts
+from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func, optimizer_sharding
 from asyncpp.reference import megatron_cpu
 
 
@@ -126,9 +126,8 @@ def train(args) -> dict:
     model = model_provider(args, parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
     model.to(device)
     # Muon orthogonalises whole matrices: megatron's TP shards are gathered over the TP group (exact).
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    sharding = {n: lay for (n, _), lay in zip(named, param_layouts(model)) if lay.is_tp_sharded}
-    optimizer = build_optimizer(model, name=args.optimizer, lr=args.lr, sharding=sharding, tp_group=mesh.tp_group)
+    optimizer = build_optimizer(model, name=args.optimizer, lr=args.lr, sharding=optimizer_sharding(model),
+                                tp_group=mesh.tp_group)
     tied = [model.shared_embedding_or_output_weight()] if model.share_embeddings_and_output_weights else []
     forward_backward_func = get_forward_backward_func("2bw", engine_factory=lambda schedule: Pipeline2BW(
         model, optimizer, mesh, schedule=schedule, hidden_size=args.hidden_size, grad_clip=args.clip_grad,
