@@ -185,7 +185,7 @@ def _check_optimizer_layouts(model: nn.Module, optimizer, mesh: Mesh) -> None:
                                      f"shards it along dim {want} (partition_dim): {fix}")
 
 
-# ---- megatron-core's own gradient machinery: refused (docs/megatron.md, "megatron-core's DDP ...") ---------
+# ---- megatron-core's own gradient machinery: refused (README, "Inside Megatron-LM") ---------------------
 _MEGATRON_GRAD_SYNC = ("finalize_model_grads_func", "grad_sync_func", "no_sync_func", "param_sync_func")
 _NOT_UNDER_2BW = (
     "it keeps one gradient buffer per parameter (param.main_grad, a view of _ParamAndGradBuffer.grad_data: "
@@ -209,8 +209,8 @@ def _refuse_megatron_grad_machinery(model: nn.Module, optimizer) -> None:
     wrapped = [n for n, p in model.named_parameters() if hasattr(p, "main_grad")]
     if wrapped:
         raise ValueError(f"parameter {wrapped[0]} has a main_grad: the model was wrapped in megatron-core's "
-                         f"DistributedDataParallel, whose hooks take the gradients away from asyncpp: {_NOT_UNDER_2BW}. "
-                         "Build the stage without it")
+                         "DistributedDataParallel, whose hooks take the gradients away from asyncpp: "
+                         f"{_NOT_UNDER_2BW}. Build the stage without it")
     if type(optimizer).__module__.startswith("megatron.core.optimizer"):
         raise ValueError(f"optimizer is megatron-core's {type(optimizer).__name__}: under 2BW the update runs in "
                          "the schedule through asyncpp's update rule (EF and the corrections, the weight versions), "

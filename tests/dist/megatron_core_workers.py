@@ -241,6 +241,7 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
     optimizer = build_optimizer(model, name=case.optimizer, lr=0.01, sharding=optimizer_sharding(model),
                                 tp_group=mesh.tp_group)
     muon = MuonWatch(optimizer, model, mesh)
+    layout_refusal = unaware_muon_refusal(model, mesh) if case.optimizer == "muon" and case.tp > 1 else None
     fwd_bwd = get_forward_backward_func("2bw", engine_factory=lambda schedule: Pipeline2BW(
         model, optimizer, mesh, schedule=schedule, hidden_size=HIDDEN, grad_clip=case.grad_clip,
         ef_lambda=case.ef_lambda, grad_ef_lambda=case.grad_ef_lambda, dc_lambda=case.dc_lambda,
@@ -269,6 +270,7 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
         "grad_norms": grad_norms,
         "params": {global_name(model, n): (p.detach().clone(), getattr(p, "tensor_model_parallel", False),
                                            getattr(p, "partition_dim", None)) for n, p in model.named_parameters()},
+        "layout_refusal": layout_refusal,
         "evidence": {**evidence(model, mesh, calls), "muon": muon.report(),
                      "corrections": corrections_evidence(pipeline, predicted.count)},
     }
@@ -306,6 +308,15 @@ class MuonWatch:
         if self.muon is None:
             return {}
         return {"tp_dims": self.tp_dims, "jobs": sorted(self.jobs, key=str), "tp_gathers": self.gathers}
+
+
+def unaware_muon_refusal(model: GPTModel, mesh: Mesh) -> str | None:
+    """What Pipeline2BW says to a Muon built without megatron's TP layout (it would orthogonalise each shard)."""
+    try:
+        Pipeline2BW(model, build_optimizer(model, name="muon", lr=0.01), mesh, hidden_size=HIDDEN)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 class PredictedReads:
