@@ -1,5 +1,6 @@
 """The Megatron front-end's checks that need no process group: megatron's TP layout read from its parameter
-attributes, and the refusal of a Muon that does not share it (asyncpp/pipeline/megatron.py)."""
+attributes, the refusal of a Muon that does not share it, and the refusals of megatron-core's DDP, optimizers and
+gradient-sync hooks (asyncpp/pipeline/megatron.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import pytest
 from torch import nn
 
 from asyncpp.optim import build_optimizer
-from asyncpp.pipeline.megatron import _check_optimizer_layouts, optimizer_sharding, param_layouts
+from asyncpp.pipeline.megatron import (
+    _check_optimizer_layouts,
+    _refuse_megatron_grad_machinery,
+    _refuse_megatron_grad_sync,
+    optimizer_sharding,
+    param_layouts,
+)
 
 
 class TwoLinears(nn.Module):
@@ -59,3 +66,43 @@ def test_elementwise_optimizers_and_tp1_have_nothing_to_check():
     _check_optimizer_layouts(model, build_optimizer(model, name="adamw", lr=0.01), MESH)
     tp1 = SimpleNamespace(dims=SimpleNamespace(tp=1), tp_group=None)
     _check_optimizer_layouts(model, build_optimizer(model, name="muon", lr=0.01), tp1)
+
+
+class Stage(TwoLinears):
+    """A stage as the front-end sees a megatron model: set_input_tensor and a TransformerConfig-like config."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(finalize_model_grads_func=None, grad_sync_func=None, no_sync_func=None,
+                                      param_sync_func=None)
+
+    def set_input_tensor(self, tensors) -> None:
+        pass
+
+
+def test_a_model_whose_gradients_megatrons_ddp_takes_is_refused():
+    """megatron's DistributedDataParallel marks every parameter with main_grad (param_and_grad_buffer.py:837) and
+    takes param.grad away in its hook; the real wrapper is refused in tests/dist/test_megatron_core.py (slow)."""
+    model = Stage()
+    _refuse_megatron_grad_machinery(model, None)
+    model.fc2.weight.main_grad = model.fc2.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"fc2.weight has a main_grad.*param_and_grad_buffer.py:837"):
+        _refuse_megatron_grad_machinery(model, None)
+
+
+def test_a_megatron_optimizer_is_refused():
+    model = Stage()
+    _refuse_megatron_grad_machinery(model, build_optimizer(model, name="adamw", lr=0.01))
+    # A class of megatron's optimizer module (a real one cannot be built on a CPU: optimizer.py:481, 907).
+    megatrons = type("DistributedOptimizer", (), {"__module__": "megatron.core.optimizer.distrib_optimizer"})
+    with pytest.raises(ValueError, match=r"megatron-core's DistributedOptimizer.*build_optimizer"):
+        _refuse_megatron_grad_machinery(model, megatrons())
+
+
+@pytest.mark.parametrize("name", ["finalize_model_grads_func", "grad_sync_func", "no_sync_func", "param_sync_func"])
+def test_megatrons_grad_sync_hooks_on_the_config_are_refused(name):
+    model = Stage()
+    _refuse_megatron_grad_sync(model)
+    setattr(model.config, name, lambda *a, **k: None)
+    with pytest.raises(ValueError, match=rf"config has {name} set.*config.{name} = None"):
+        _refuse_megatron_grad_sync(model)
