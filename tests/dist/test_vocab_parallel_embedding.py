@@ -1,0 +1,56 @@
+"""parallel.embedding=vocab: the input embedding sharded by the vocabulary-parallel head's rows (pipeline/vocab_head.
+VocabEmbedding, the E and G actions) equals the single-process simulator of the unsplit model.
+
+Tolerances: test_vocab_parallel_pipeline.py's (semantics.md's 1e-5). The sharded lookup is exact (each token's row
+lives on one stage, the reduce adds zeros to it); the rows' gradient is the unsplit lookup's backward restricted to
+the rows, per microbatch in the weight's dtype, summed over the microbatches in fp32 apart from the layers' gradient
+and added to it once (tied: the head rows' part and the lookup's part are summed in another order than autograd's),
+so only the order of fp32 sums differs, as for the head.
+
+Every case also checks that the embedding really is split: each stage's embed.weight is its rows [rows, h] (no stage
+holds the whole table), its rows are the head's, every stage ran one E and one G per microbatch, and a tied model has
+no cross-stage tied tensor (each stage's head rows are its embedding rows, one parameter)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncpp.core.partition import vocab_shards_of
+from asyncpp.parallel.vocab_parallel import vocab_shards
+from model_zoo import get_model_config
+from tests.dist.test_vocab_parallel_pipeline import UNTIED, assert_vocab_equivalent
+from tests.dist.tp_workers import ADAMW_EPS
+from tests.dist.workers import make_config
+
+pytestmark = [pytest.mark.equivalence, pytest.mark.dist]
+
+
+def assert_embedding_equivalent(cfg, world: int) -> list[dict]:
+    results, _, _ = assert_vocab_equivalent(cfg, world)  # every weight, the embedding's rows too, within 1e-5
+    model_cfg = get_model_config(cfg.model.name, **(cfg.model.overrides or {}))
+    resolved = cfg.validate(model_cfg)
+    shards = vocab_shards(vocab_shards_of(resolved, model_cfg), model_cfg.vocab_size)
+    m, steps = resolved.train.num_microbatches, cfg.train.steps
+    for r in results:
+        e, shard = r["embedding"], shards[r["stage"]]
+        assert e is not None, r["stage"]
+        assert (e["start"], e["rows"]) == (shard.start, shard.rows) == (r["vocab"]["start"], r["vocab"]["rows"])
+        assert e["lookups"] == e["gradients"] == steps * m, (r["stage"], e)
+        embed = r["params"]["embed.weight"]
+        assert embed.shape == (shard.rows, model_cfg.hidden_size) and shard.rows < model_cfg.vocab_size
+        assert e["param_rows"] == shard.rows
+        if model_cfg.tie_embeddings:  # one tensor: no lm_head of its own on any stage
+            assert "lm_head.weight" not in r["params"], r["stage"]
+    return results
+
+
+def test_sharded_embedding_two_stages_untied_2bw_with_eval() -> None:
+    cfg = make_config(model=UNTIED, parallel={"pp": 2, "head": "vocab", "embedding": "vocab"},
+                      train={"eval_every": 3}, optimizer={"eps": ADAMW_EPS})
+    assert_embedding_equivalent(cfg, 2)
+
+
+def test_sharded_embedding_two_stages_tied_1f1b() -> None:
+    cfg = make_config(parallel={"pp": 2, "head": "vocab", "embedding": "vocab"}, schedule={"name": "1f1b"},
+                      optimizer={"eps": ADAMW_EPS})
+    assert_embedding_equivalent(cfg, 2)
