@@ -139,8 +139,6 @@ def _check_vocab_head(cfg: RunConfig, model: ModelLimits) -> None:
     if p.vocab_shards is not None and p.head not in ("vocab", "auto"):
         raise ConfigError(f"parallel.vocab_shards={list(p.vocab_shards)} needs parallel.head=vocab; set it or leave "
                           "vocab_shards null")
-    if p.embedding not in ("first", "vocab"):
-        raise ConfigError(f"parallel.embedding={p.embedding!r} is not one of first, vocab")
     if p.embedding == "vocab" and p.head not in ("vocab", "auto"):
         raise ConfigError(f"parallel.embedding=vocab shards the embedding by the vocabulary-parallel head's rows, but "
                           f"parallel.head={p.head}; set parallel.head=vocab, or parallel.embedding=first")
