@@ -407,7 +407,7 @@ def vocab_head_items(held: VocabHeld, *, tokens: int, rows: int, hidden: int, nu
                    held.input_grads * 4 * tokens * hidden, ESTIMATED),
         MemoryItem(f"vocab head: fp32 shard gradient accumulators [{rows}, {hidden}] ({held.accumulators} steps)",
                    held.accumulators * 4 * rows * hidden, ESTIMATED),
-        MemoryItem("vocab head: T scratch (fp32 logits gradients)",
+        MemoryItem("vocab head: T scratch (the cast logits gradient, the GEMMs' copies, the weight gradient)",
                    vocab_backward_scratch_bytes(tokens=tokens, rows=rows, hidden=hidden, itemsize=c), ESTIMATED),
     ]
 
@@ -473,13 +473,13 @@ def embedding_items(held: EmbeddingHeld, *, tokens: int, rows: int, hidden: int,
 
 
 def vocab_backward_scratch_bytes(*, tokens: int, rows: int, hidden: int, itemsize: int) -> int:
-    """What T (pipeline/vocab_head.VocabHead.backward) allocates for a moment above the held logits: while the
-    logits' gradient is formed, the fp32 log-softmax, its exponential and the gradient (12 T R); then the
-    gradient in the compute dtype and the shard's weight gradient, and below fp32 the fp32 copies the partial
-    input gradient's GEMM reads (4 T R + 4 R h). The partial input gradient itself is a held buffer."""
-    form = 12 * tokens * rows
-    gemm = itemsize * (tokens * rows + rows * hidden) + (4 * (tokens * rows + rows * hidden) if itemsize != 4 else 0)
-    return max(form, gemm)
+    """What T (pipeline/vocab_head.VocabHead.backward) allocates for a moment above the held logits: the logits'
+    gradient is formed in place in them (logits_gradient(inplace=True)); then below fp32 its cast to the compute
+    dtype and the fp32 copies the partial input gradient's GEMM reads (4 T R + 4 R h), and the shard's weight
+    gradient [R, h] in the compute dtype. The partial input gradient itself is a held buffer."""
+    if itemsize == 4:
+        return 4 * rows * hidden
+    return itemsize * (tokens * rows + rows * hidden) + 4 * (tokens * rows + rows * hidden)
 
 
 # ---- reports -----------------------------------------------------------------------------------

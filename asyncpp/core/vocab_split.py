@@ -11,6 +11,10 @@ and a partial input gradient, which are summed onto the last stage (a reduce). P
     compute_s = layers_s + [s = 0] embedding + [s = P-1] final norm + v_s x head_vocab
     comm      = broadcast(N h a) + all_reduce(4 N) + all_reduce(8 N) + reduce(N h a)    (N tokens, a bytes)
 
+With the input embedding sharded by the same rows (parallel.embedding=vocab), the first stage's embedding moves into
+every stage's E and G actions (its per-token lookup on each, its table gradient with the rows), and comm gains a
+reduce(N h a) of the partial lookups onto the first stage and a broadcast(N h a) of its input gradient.
+
 Collective times are nccl-tests' bus-bandwidth forms: a (pipelined ring) broadcast or reduce moves the buffer
 once over each rank's link, an all-reduce 2 (P-1)/P of it; plus a fixed latency per collective. Every stage
 takes part in all four, so `comm` is the same on every stage.
@@ -82,15 +86,19 @@ class VocabComm:
     """The all-reduces of the max, then of the target logit and the sum of exponentials (fp32, per token)."""
     gradient: float
     """The reduce of the head's partial input gradients onto the last stage."""
+    embedding: float = 0.0
+    """A sharded embedding (parallel.embedding=vocab): the reduce of the partial lookups onto the first stage and
+    the broadcast of its input gradient back, [N, h] each."""
 
     @property
     def total(self) -> float:
-        return self.broadcast + self.statistics + self.gradient
+        return self.broadcast + self.statistics + self.gradient + self.embedding
 
 
 def vocab_comm_time(tokens: int, hidden: int, num_stages: int, link: Link,
-                    activation_bytes: int = ACTIVATION_BYTES) -> VocabComm:
-    """The collectives of one microbatch of `tokens` tokens over `num_stages` pipeline ranks (none with one)."""
+                    activation_bytes: int = ACTIVATION_BYTES, embedding: bool = False) -> VocabComm:
+    """The collectives of one microbatch of `tokens` tokens over `num_stages` pipeline ranks (none with one);
+    `embedding`: with the input embedding sharded too."""
     if num_stages < 1 or link.bandwidth <= 0:
         raise ValueError(f"num_stages={num_stages} must be >= 1 and the {link.name} bandwidth {link.bandwidth} "
                          "bytes/s > 0")
@@ -101,7 +109,7 @@ def vocab_comm_time(tokens: int, hidden: int, num_stages: int, link: Link,
     broadcast = hidden_bytes / link.bandwidth + link.latency
     statistics = ring * tokens * 4 / link.bandwidth + ring * tokens * 8 / link.bandwidth + 2 * link.latency
     gradient = hidden_bytes / link.bandwidth + link.latency
-    return VocabComm(broadcast, statistics, gradient)
+    return VocabComm(broadcast, statistics, gradient, 2 * (hidden_bytes / link.bandwidth + link.latency) * embedding)
 
 
 def comm_per_token(comm: VocabComm, tokens: int, device_type: str) -> float:

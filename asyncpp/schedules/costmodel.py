@@ -435,10 +435,12 @@ def predict(
     collective_updates: bool = False,
     head_split: bool = False,
     vocab_parallel: bool = False,
+    sharded_embedding: bool = False,
 ) -> dict:
     """Build the schedules of a steady run and report its predicted step time, bubble and memory. With
     vocab_parallel, the head's S and T placed by place_vocab_passes into each of VOCAB_WARMUPS' skeletons; the
-    fastest (then the one with less warm-up) is reported, its warm-up as "vocab_warmup"."""
+    fastest (then the one with less warm-up) is reported, its warm-up as "vocab_warmup"; with sharded_embedding (and
+    vocab_parallel), the embedding's E and G placed into those by place_embedding_passes."""
     delays = steady_delays(kind, num_stages, num_steps)
     if not vocab_parallel:
         schedules = build_pipeline(kind, num_stages, num_microbatches, delays, head_split=head_split)
@@ -448,6 +450,8 @@ def predict(
         for warmup in VOCAB_WARMUPS:
             skeleton = build_pipeline(kind, num_stages, num_microbatches, delays, vocab_warmup=warmup)
             schedules = place_vocab_passes(skeleton, costs)
+            if sharded_embedding:
+                schedules = place_embedding_passes(schedules, costs)
             tl = simulate(schedules, costs, collective_updates=collective_updates)
             options.append((tl.step_time(), warmup, tl))
         # The least warm-up unless more is really faster (not by rounding).

@@ -17,12 +17,22 @@ from asyncpp.core.partition import embedding_sharded
 from asyncpp.core.vocab_split import plan_vocab_split, run_vocab_split, vocab_op_costs, vocab_pipeline
 from asyncpp.parallel.vocab_parallel import VocabShard, embedding_partial
 from asyncpp.pipeline.build import build_stage, stage_spec_of
+from asyncpp.pipeline.executor import segment_actions
 from asyncpp.pipeline.stage import tied_parameters, vocab_rows
+from asyncpp.pipeline.stopping import ActionStream, stop_lookahead
 from asyncpp.schedules import ScheduleError
 from asyncpp.schedules.actions import Op
 from asyncpp.schedules.costmodel import simulate
-from asyncpp.schedules.invariants import check_schedules, has_sharded_embedding, max_versions_for
+from asyncpp.schedules.invariants import (
+    check_collective_order,
+    check_fifo,
+    check_schedules,
+    execution_order,
+    has_sharded_embedding,
+    max_versions_for,
+)
 from model_zoo import build_model, get_model_config
+from tests.unit.test_stop_midsegment import fixed_at_update
 from tests.unit.test_vocab_head import check
 
 
@@ -134,3 +144,29 @@ def test_the_run_split_costs_the_embedding_with_the_rows():
     assert len(split.embed) == 2 and all(e > 0 for e in split.embed) and sum(split.shards) == model_cfg.vocab_size
     whole = run_vocab_split(cfg.replace(parallel=dataclasses.replace(cfg.parallel, embedding="first")), model_cfg)
     assert whole.embed == () and sum(whole.compute) < sum(split.compute)  # each stage looks up every token
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
+@pytest.mark.parametrize("P,m", [(2, 2), (3, 4)])
+def test_a_stop_mid_segment_cuts_the_embedding_passes_cleanly(schedule, P, m):
+    """stopping.py: a rank learns of a stop at UPDATE(t) and continues with what the [t0, s) stream has left. With
+    the E and G actions (and the UPDATEs they pull up) the executed prefix still belongs to the shorter stream, and
+    the stages' streams together stay deadlock-free, FIFO and in one collective order per communicator."""
+    cfg, model_cfg = check(["model=tiny_dense", f"parallel.pp={P}", "parallel.head=vocab", "parallel.embedding=vocab",
+                            f"schedule={schedule}", f"train.num_microbatches={m}"])
+    split = run_vocab_split(cfg, model_cfg)
+    steps, lookahead = 7, stop_lookahead(schedule, P)
+    delays = [0] + [1 if schedule == "2bw" else 0] * (steps - 1)  # a synchronous first step, as sync start gives
+    for t in range(steps - lookahead):
+        s = t + lookahead
+        streams = []
+        for stage in range(P):
+            stream = ActionStream(segment_actions(schedule, stage, P, m, delays, 0, steps, vocab=(split, 1)))
+            stream.fixed = fixed_at_update(stream.actions, t)
+            shorter = segment_actions(schedule, stage, P, m, delays, 0, s, vocab=(split, 1))
+            stream.cut(shorter)
+            assert sorted(stream.actions, key=repr) == sorted(shorter, key=repr)
+            streams.append(stream.actions)
+        execution_order(streams)
+        check_fifo(streams)
+        check_collective_order(streams, (Op.VOCAB_FORWARD, Op.VOCAB_BACKWARD, Op.EMBED_FORWARD, Op.EMBED_BACKWARD))
