@@ -303,6 +303,7 @@ def place_embedding_passes(schedules: Sequence[Sequence[Action]], costs: OpCosts
     vocab = any(a.op is Op.VOCAB_BACKWARD for a in base[-1])
     nxt, e_next, g_next = [0] * P, [0] * P, [0] * P
     g_done: list[dict[int, int]] = [{} for _ in range(P)]  # stage -> step -> G emitted
+    g_end: list[dict[int, float]] = [{} for _ in range(P)]  # stage -> step -> when its latest G ends
     pulled: list[set[int]] = [set() for _ in range(P)]  # the UPDATEs moved up (skipped at their listed place)
     updated: list[set[int]] = [set() for _ in range(P)]  # the UPDATEs emitted
     free = [0.0] * P
@@ -314,14 +315,29 @@ def place_embedding_passes(schedules: Sequence[Sequence[Action]], costs: OpCosts
     def end(op: Op, stage: int, step: int, j: int = -1) -> float:
         return done.get((op, stage, step, j), inf)
 
+    everyone: dict[tuple[Op, int, int], list[float]] = {}  # (op, step, j) -> [stages done, latest end]
+
+    def all_end(op: Op, step: int, j: int) -> float:
+        """When every stage's `op` of (step, j) has ended (inf until all have run)."""
+        count, latest = everyone.get((op, step, j), (0, 0.0))
+        return latest if count == P else inf
+
+    update_at: dict[tuple[int, int], float] = {}  # (stage, step) -> when its UPDATE may run, once known
+
     def update_ready(s: int, t: int) -> float:
         """UPDATE(t) on stage s: its own G of step t all run, every other stage's UPDATE_START(t) and last G."""
+        if (s, t) in update_at:
+            return update_at[(s, t)]
         if g_done[s].get(t, 0) < per_step.get(t, 0) or end(Op.UPDATE_START, s, t) == inf:
             return inf
-        others = [r for r in range(P) if r != s]
-        last_g = [max(end(Op.EMBED_BACKWARD, r, t, j) for j in range(per_step[t])) for r in others]
-        return max([end(Op.UPDATE_START, r, t) + comm[r] for r in others] +
-                   [g + comm[r] for g, r in zip(last_g, others)], default=0.0)
+        ready = 0.0
+        for r in range(P):
+            if r != s:
+                last_g = g_end[r].get(t, inf) if g_done[r].get(t, 0) == per_step[t] else inf
+                ready = max(ready, end(Op.UPDATE_START, r, t) + comm[r], last_g + comm[r])
+        if ready < inf:  # every input has run: it no longer changes
+            update_at[(s, t)] = ready
+        return ready
 
     def skip_pulled(s: int) -> None:
         while nxt[s] < len(base[s]) and base[s][nxt[s]].op is Op.UPDATE and base[s][nxt[s]].step in pulled[s]:
@@ -334,17 +350,17 @@ def place_embedding_passes(schedules: Sequence[Sequence[Action]], costs: OpCosts
         a = base[s][nxt[s]]
         t, j = a.step, a.microbatch
         if a.op is Op.FORWARD and s == 0:
-            return max(end(Op.EMBED_FORWARD, r, t, j) for r in range(P)) + costs.embed_reduce
+            return all_end(Op.EMBED_FORWARD, t, j) + costs.embed_reduce
         if a.op is Op.FORWARD:
             return end(Op.FORWARD, s - 1, t, j) + comm[s - 1]
         if a.op is Op.BACKWARD and s == P - 1:
-            return max(end(Op.VOCAB_BACKWARD, r, t, j) for r in range(P)) + costs.vocab_reduce if vocab else 0.0
+            return all_end(Op.VOCAB_BACKWARD, t, j) + costs.vocab_reduce if vocab else 0.0
         if a.op is Op.BACKWARD:
             return end(Op.BACKWARD, s + 1, t, j) + comm[s + 1]
         if a.op is Op.VOCAB_FORWARD and s < P - 1:
             return end(Op.FORWARD, P - 1, t, j) + costs.vocab_broadcast
         if a.op is Op.VOCAB_BACKWARD:
-            return max(end(Op.VOCAB_FORWARD, r, t, j) for r in range(P)) + costs.vocab_allreduce
+            return all_end(Op.VOCAB_FORWARD, t, j) + costs.vocab_allreduce
         if a.op is Op.UPDATE:
             return update_ready(s, t)
         return 0.0
@@ -375,13 +391,17 @@ def place_embedding_passes(schedules: Sequence[Sequence[Action]], costs: OpCosts
     def emit(s: int, a: Action, start: float) -> None:
         free[s] = done[(a.op, s, a.step, a.microbatch)] = start + costs.duration(a.op, s)
         out[s].append(a)
+        tally = everyone.setdefault((a.op, a.step, a.microbatch), [0, 0.0])
+        tally[0], tally[1] = tally[0] + 1, max(tally[1], free[s])
         if a.op is Op.UPDATE:
             updated[s].add(a.step)
 
     remaining = sum(len(x) for x in base) + 2 * len(fwd) * P
     while remaining:
         best = None
-        for s in range(P):
+        for s in sorted(range(P), key=free.__getitem__):
+            if best is not None and free[s] > best[0]:  # it cannot start earlier than the best (nor tie it)
+                break
             e_ready, _ = ready_e(s)
             for rank, ready in enumerate((ready_g(s), e_ready, ready_listed(s))):
                 if ready < inf:
@@ -395,6 +415,7 @@ def place_embedding_passes(schedules: Sequence[Sequence[Action]], costs: OpCosts
             g_next[s] += 1
             g_done[s][t] = g_done[s].get(t, 0) + 1
             emit(s, Action(Op.EMBED_BACKWARD, t, j, v), start)
+            g_end[s][t] = free[s]
         elif rank == 1:
             t, j, v = fwd[e_next[s]]
             if ready_e(s)[1]:  # x_v's UPDATE first, out of its listed place
