@@ -106,3 +106,18 @@ def test_sharded_embedding_bf16_equals_the_head_in_blocks() -> None:
     model_cfg = get_model_config("tiny_dense", tie_embeddings=False)
     shards = vocab_shards(vocab_shards_of(cfg.validate(model_cfg), model_cfg), model_cfg.vocab_size)
     assert_embedding_equivalent(cfg, 2, head_in_vocab_blocks(shards))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sections", [
+    {"staleness": {"weight_prediction": True}},
+    {"staleness": {"dc_lambda": 0.1}},
+    {"staleness": {"grad_ef_lambda": 0.5}},
+    {"train": {"recompute": "full"}, "schedule": {"name": "sync"}},
+], ids=["weight-prediction", "dc-asgd", "gradient-ef", "recompute-sync"])
+def test_sharded_embedding_with_every_staleness_correction_and_recompute(sections) -> None:
+    """Each embedding shard is a weight like any other: its E reads the microbatch's (predicted) version, its rows'
+    gradient is corrected with the rest of b_t's when the step's reductions start (at its last G)."""
+    sections = {"parallel": {"pp": 2, "head": "vocab", "embedding": "vocab"}, "optimizer": {"eps": ADAMW_EPS},
+                **sections}
+    assert_embedding_equivalent(make_config(**sections), 2)
