@@ -70,8 +70,8 @@ class StageEngine:
         self.head_comm, self.head_helper, self.vocab_head = head_comm, head_helper, vocab_head
         self.embedding = embedding
         self._deferred: dict[int, list[Tensor]] = {}  # step -> its gradient, waiting for the step's last G
-        self._last_g: dict[int, int] = {}  # step -> index of its last G in the stream (of `_last_g_of`)
-        self._last_g_of: tuple[int, int] | None = None
+        self._last_g: dict[int, int] = {}  # step -> index of its last G in `_last_g_of` (the list it indexed)
+        self._last_g_of: tuple[list[Action], int] | None = None
         self._stream: ActionStream | None = None
         self._index = 0
         self.inflight: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
@@ -244,9 +244,11 @@ class StageEngine:
     def _embedding_pending(self, step: int) -> bool:
         """Whether a G of `step` is still ahead of the running action in the stream."""
         actions = self._stream.actions
-        if self._last_g_of != (id(actions), len(actions)):  # a new or cut stream: index its Gs again
+        # A new segment's or a cut stream's list: index its Gs again. Holding the list itself (not its id, which a
+        # later segment's list could reuse once this one is freed) keeps the index tied to it.
+        if self._last_g_of is None or self._last_g_of[0] is not actions or self._last_g_of[1] != len(actions):
             self._last_g = {x.step: k for k, x in enumerate(actions) if x.op is Op.EMBED_BACKWARD}
-            self._last_g_of = (id(actions), len(actions))
+            self._last_g_of = (actions, len(actions))
         return self._last_g.get(step, -1) > self._index
 
     def _start_reductions(self) -> None:
