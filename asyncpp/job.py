@@ -33,13 +33,12 @@ from asyncpp.analysis.traced import trace_stage
 from asyncpp.config import ConfigError, RunConfig, check_pipeline_options, parse_blend
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.memory import simulator_run_report
-from asyncpp.core.partition import stage_split, with_head_resolved
-from asyncpp.core.recompute import apply_recompute, modes_per_layer
+from asyncpp.core.partition import with_head_resolved
 from asyncpp.host.measured import host_rss_bytes
 from asyncpp.optim import build_from_config
 from asyncpp.parallel import flight
 from asyncpp.parallel.mesh import ParallelDims, init_distributed
-from asyncpp.pipeline.build import build_rank_stage, mesh_for
+from asyncpp.pipeline.build import build_rank_stage, build_whole_model, mesh_for
 from asyncpp.pipeline.executor import PipelineExecutor
 from asyncpp.pipeline.p2p import naming_the_peer
 from asyncpp.reference.executor import ReferenceExecutor
@@ -54,7 +53,7 @@ from asyncpp.typed import check_partial
 from data.default import default_cache_dir, default_prefix
 from data.indexed import IndexedDataError
 from data.source import IndexedDataSource
-from model_zoo import ModelConfig, build_model, count_parameters, flops_per_token, get_model_config
+from model_zoo import ModelConfig, count_parameters, flops_per_token, get_model_config
 from model_zoo.backends import prepare_model
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -178,10 +177,7 @@ def run(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | None = None) ->
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.train.device)
     data = build_data(cfg, model_cfg)
-    model = build_model(model_cfg, device=device, seed=cfg.seed)
-    p = cfg.parallel
-    split = stage_split(cfg, model_cfg) if p.pp > 1 else None
-    apply_recompute(model, modes_per_layer(cfg.train.recompute, model_cfg.num_layers, p.pp, split))
+    model = build_whole_model(cfg, model_cfg, device).model  # the stage builder's, as one stage of one
     metrics = make_metrics(cfg, model_cfg)
     # Layers swapped (train.backend) and compiled before the optimizer sees their Parameters.
     prepare_model(model, backend=cfg.train.backend, compile=cfg.train.compile, device=device, log=metrics.message)
