@@ -29,9 +29,9 @@ class StageCheckpoint(ckpt.Checkpointer):
         self.mesh, self.spec, self.model, self.engine = mesh, spec, model, engine
         d = mesh.dims
         layout = {"pp": d.pp, "dp": d.dp, "tp": d.tp, "ep": d.ep, "stage_layers": cfg.parallel.stage_layers}
-        super().__init__(cfg, self._parts(cfg), data, batches, layout, timeout_s=cfg.train.timeout_s, naming=naming)
+        super().__init__(cfg, self._parts, data, batches, layout, timeout_s=cfg.train.timeout_s, naming=naming)
 
-    def _parts(self, cfg: RunConfig) -> ckpt.StageParts:
+    def _parts(self) -> ckpt.StageParts:
         """This stage's parts, keyed by full-model names (a tied head as embed.weight)."""
         # A tied head is saved as embed.weight; a head split's untied replica under its own name (lm_head.weight).
         tied = {id(p) for p in tied_parameters(self.model, self.spec)} if self.model.config.tie_embeddings else set()
@@ -46,7 +46,7 @@ class StageCheckpoint(ckpt.Checkpointer):
             i = next(k for k, p in enumerate(params) if p is rows)
             if not (self.spec.is_first and id(rows) in tied):  # the first stage holds a tied embedding whole
                 index = self.spec.stage * d.tp + self.mesh.tp_rank  # the statistics group's order: stage, TP rank
-                shards[i] = rows_view(self.vocab_layout(cfg), index, self.model.config.vocab_size,
+                shards[i] = rows_view(self.vocab_layout, index, self.model.config.vocab_size,
                                       self.mesh.vocab_groups.stats)
             # A tied embedding's rows on a later stage equal the first stage's (one update of one gradient):
             # the first stage saves them whole, the others only load theirs.
@@ -55,12 +55,13 @@ class StageCheckpoint(ckpt.Checkpointer):
         return ckpt.StageParts(names, versions, update.rule, update.optimizer, versions.masters, update.balancing,
                                aligned=update.per_parameter, shards=shards, mirrors=mirrors)
 
-    def vocab_layout(self, cfg: RunConfig) -> list[tuple[int, int]]:
+    @property
+    def vocab_layout(self) -> list[tuple[int, int]]:
         """(start, rows) of every stage's TP ranks' head rows, in stage, then TP rank order."""
-        rows = vocab_shards_of(cfg, self.model.config)
+        rows = vocab_shards_of(self.cfg, self.model.config)
         return [(piece.start, piece.rows) for stage in vocab_shards(rows, self.model.config.vocab_size)
                 for piece in split_for_tp(stage, self.mesh.dims.tp)]
 
     def stage_state(self) -> ckpt.StageState:
         """This stage's share of a checkpoint as a save writes it (the traced dry run measures its cost)."""
-        return self.parts.state()
+        return self._parts().state()

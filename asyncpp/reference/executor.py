@@ -113,7 +113,7 @@ class ReferenceExecutor:
         self.device = torch.device(cfg.train.device)
         self.sim = build_simulator(cfg, model, optimizer)
         self.batches = BatchPlan.of(cfg)  # parallel.dp replicas, simulated as m_t * dp microbatches per step
-        self.checkpoint = ckpt.Checkpointer(cfg, simulator_parts(self.sim, model), data, self.batches,
+        self.checkpoint = ckpt.Checkpointer(cfg, lambda: simulator_parts(self.sim, model), data, self.batches,
                                             layout={"pp": 1, "dp": 1, "simulated_pp": cfg.parallel.pp})
         self.saver = self.checkpoint.saver
 

@@ -93,11 +93,13 @@ class StageParts:
 
 class Checkpointer:
     """An executor's checkpoints: its parts saved at a step boundary (where nothing is in flight) and resumed from
-    checkpoint.resume. `layout` goes into the manifest; `naming(what)` wraps the collectives so a wait that gives
-    up names them (the pipeline's p2p.naming_the_peer; one process has none)."""
+    checkpoint.resume. `parts()` assembles them when a save or a load needs them (a stage's shard views import
+    DTensor, which a run that never checkpoints should not pay: runtime.torch_dcp). `layout` goes into the
+    manifest; `naming(what)` wraps the collectives so a wait that gives up names them (the pipeline's
+    p2p.naming_the_peer; one process has none)."""
 
-    def __init__(self, cfg, parts: StageParts, data, batches, layout: dict, *, timeout_s: float | None = None,
-                 naming: Callable[[str], AbstractContextManager] | None = None):
+    def __init__(self, cfg, parts: Callable[[], StageParts], data, batches, layout: dict, *,
+                 timeout_s: float | None = None, naming: Callable[[str], AbstractContextManager] | None = None):
         self.cfg, self.parts, self.data, self.batches, self.layout = cfg, parts, data, batches, layout
         self._naming = naming or (lambda what: nullcontext())
         self.saver = Saver(cfg.checkpoint.async_save, timeout_s=timeout_s)
@@ -106,7 +108,7 @@ class Checkpointer:
         """Collective; at a step boundary where every version x_{step_done - age} is complete."""
         c = self.cfg
         with self._naming(f"every rank's part of the checkpoint of step {step_done} (its collectives)"):
-            return self.saver.save(checkpoint_root(c), step_done, self.parts.state(), config=c.to_dict(),
+            return self.saver.save(checkpoint_root(c), step_done, self.parts().state(), config=c.to_dict(),
                                    layout=self.layout, keep_last=c.checkpoint.keep_last,
                                    data=data_position(self.data, step_done, self.batches))
 
@@ -118,7 +120,7 @@ class Checkpointer:
         path, step = point
         self.saver.resumed_from = path  # never pruned by this run
         with self._naming(f"every rank's part of loading {path} (its collectives)"):
-            self.parts.load(path, step)
+            self.parts().load(path, step)
         return step
 
     def wait(self) -> None:
