@@ -83,7 +83,7 @@ def test_preemption_checkpoints_requeues_under_the_same_id_and_resumes_exactly(c
     wait_for("the job is requeued", lambda: (r := job(cluster, job_id))["Restarts"] == "1"
              and r["JobState"] == "PENDING", 120, 0.1)
     requeued_s = time.monotonic() - signalled
-    # slurmctld now holds it for cred_expire (10 s here, 120 s by default: Reason=BeginTime). Releasing it
+    # slurmctld now holds it for cred_expire (5 s here, 120 s by default: Reason=BeginTime). Releasing it
     # earlier (scontrol update StartTime=now) fails it: node1 still refuses the job's revoked credential.
     record = wait_ended(cluster, job_id)
     out, err = logs(tmp_path, "pre", job_id)
