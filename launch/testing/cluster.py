@@ -339,15 +339,19 @@ JobRequeue=1
     # ---- down --------------------------------------------------------------------------------------
 
     def down(self) -> None:
-        """Stop everything `up` started (idempotent; a no-op when nothing is there)."""
-        for node in NODES:
-            for pid in self.node_pids(node):
-                _kill(pid, signal.SIGKILL)
+        """Stop everything `up` started (idempotent; a no-op when nothing is there). Returns once the processes it
+        killed are gone (a SIGKILLed process lingers a moment, and a check right after `down` saw it)."""
+        killed = [pid for node in NODES for pid in self.node_pids(node)]
         for pidfile in (*self.state.glob("*.daemon-pid"), *self.state.glob("*.pid"), self.state / "munge/munged.pid",
                         self.state / "mysql/mariadbd.pid"):
             pid = _read_pid(pidfile)
             if pid is not None and _is_ours(pid):
-                _kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        for pid in killed:
+            _kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(pid) for pid in killed):
+            time.sleep(0.05)
         for node in NODES:
             sh("ip", "netns", "del", namespace(node), check=False)
             shutil.rmtree(Path("/etc/netns") / namespace(node), ignore_errors=True)
@@ -394,6 +398,14 @@ def _is_ours(pid: int) -> bool:
     except OSError:
         return False
     return comm in (*DAEMONS, "nsenter", "unshare", "sh", "on-node", "env")
+
+
+def _alive(pid: int) -> bool:
+    """Still a process (a zombie, dead but not yet reaped by its parent, counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _kill(pid: int, sig: int) -> None:
