@@ -18,6 +18,7 @@ import difflib
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -235,6 +236,18 @@ def optimizer_for(cfg: RunConfig, mesh):
     return build
 
 
+def cpu_threads(env: Mapping[str, str], cores: int) -> int:
+    """A CPU rank's intra-op threads: its share of the cores it may use, since N ranks share them and
+    oversubscribed OpenMP threads spin instead of working. In a slurm job the allocation is the rank's share, not
+    the machine: launch.slurm's script exports OMP_NUM_THREADS = the node's CPUs / ranks per node (or the
+    submitter's own value). The real slurm cluster showed why (tests/slurm: two 1-CPU nodes on one 2-core machine):
+    with the machine's cores // local ranks, each rank ran 2 threads on its 1 CPU and a step of the tiny pipeline
+    took 4 s instead of 0.15 s."""
+    if "SLURM_JOB_ID" in env and env.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(env["OMP_NUM_THREADS"]))
+    return max(1, cores // int(env.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | None = None) -> dict:
     """One pipeline stage per rank (torchrun). Validated before the process group exists. Every torch.distributed
     op is kept in the rank's flight recorder, written to <run dir>/comm_ops/ when a wait gives up or a signal asks
@@ -249,10 +262,8 @@ def _run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | No
     check_pipeline_options(cfg, model_cfg)
     dims = ParallelDims.for_world(int(os.environ["WORLD_SIZE"]), pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
     cfg = cfg.replace(parallel=dataclasses.replace(p, dp=dims.dp))  # the resolved layout is what gets saved
-    # N ranks share the machine's cores; oversubscribed OpenMP threads spin instead of working.
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if torch.device(cfg.train.device).type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        torch.set_num_threads(cpu_threads(os.environ, os.cpu_count() or 1))
     device = init_distributed(torch.device(cfg.train.device).type, cfg.train.timeout_s)
     try:
         mesh = mesh_for(cfg, model_cfg, dims, device)
