@@ -10,6 +10,8 @@ from asyncpp.config import RunConfig
 from asyncpp.core.memory import (
     activation_bytes,
     backward_scratch_bytes,
+    embedding_held,
+    embedding_items,
     in_flight_microbatches,
     versions_report,
     vocab_head_items,
@@ -61,6 +63,9 @@ def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, version
         in_flight = peak_in_flight(actions)
         extra = vocab_head_items(vocab_held(actions, spec.is_last), tokens=tokens, rows=spec.vocab.rows,
                                  hidden=model_cfg.hidden_size, num_stages=mesh.num_stages, dtype=dtype)
+        if spec.embed is not None:  # its E and G buffers, read off the same placed schedule
+            extra += embedding_items(embedding_held(actions, spec.is_first), tokens=tokens, rows=spec.embed.rows,
+                                     hidden=model_cfg.hidden_size, dtype=dtype)
     else:
         in_flight = in_flight_microbatches(cfg.schedule.name, spec.stage, mesh.num_stages, t.num_microbatches,
                                            head_split=spec.head_split)
