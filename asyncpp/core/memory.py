@@ -565,7 +565,7 @@ def versions_report(versions, optimizer, *, error_feedback: Sequence[Tensor], ac
     if versions.mixed:  # begin_update's fp32 copy of x_t (the masters held here), alive during the update
         items.append(MemoryItem("update scratch (fp32 x_t)", _numel_bytes(held), ESTIMATED, UPDATE))
     owned = held if versions.mixed else versions.params
-    items.append(MemoryItem("update scratch (error feedback: u_t of the largest parameter)",
+    items.append(MemoryItem("update scratch: error feedback's u_t of the largest parameter",
                             error_feedback_scratch_bytes(owned, ef_lambda), ESTIMATED, UPDATE))
     items += extra
     return MemoryReport(title, items, list(peaks))
@@ -590,7 +590,7 @@ def simulator_report(sim, *, activation_bytes_per_mb: int, title: str) -> Memory
     ]
     items += _optimizer_and_rest(sim.optimizer, sim.error_feedback.prev_update, sim.masters, counted, 1)
     items.append(MemoryItem("step scratch (fp32 x_t)", _numel_bytes(sim.masters), ESTIMATED, UPDATE))
-    items.append(MemoryItem("update scratch (error feedback: u_t of the largest parameter)",
+    items.append(MemoryItem("update scratch: error feedback's u_t of the largest parameter",
                             error_feedback_scratch_bytes(sim.masters, sim.error_feedback.lam), ESTIMATED, UPDATE))
     items.append(_activation_item(activation_bytes_per_mb, 1))  # the step runs after the microbatch's backward
     return MemoryReport(title, items)

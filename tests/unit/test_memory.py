@@ -127,7 +127,7 @@ def test_a_dry_run_on_meta_tensors_reports_what_the_real_stage_holds():
     # The update's scratch and the forward/backward's activations never overlap: the total takes the larger phase.
     held = sum(i.nbytes for i in real.items if i.phase == HELD)
     phases = [sum(i.nbytes for i in real.items if i.phase == p) for p in (FORWARD_BACKWARD, UPDATE)]
-    assert phases[0] == 20 and phases[1] == real.get("update scratch (fp32") + real.get("update scratch (error")
+    assert phases[0] == 20 and phases[1] == real.get("update scratch (fp32") + real.get("update scratch: error")
     assert real.total == held + max(phases) < sum(i.nbytes for i in real.items)
     assert "weight versions (2 x bf16)" in real.table() and "total" in real.table()
 
