@@ -71,6 +71,9 @@ def test_meta_trace_runs_the_real_runs_ops_and_peak(model, stage, tmp_path):
     assert op_sequence(meta) == op_sequence(real)
     labels = {a.action[:2] for a in meta.actions}
     assert {"F0", "F2", "B0", "B2", "U0", "U1", "U2"} <= labels, labels  # every kind of action of 3 steps ran
+    # pp=2 resolves parallel.head=auto to the vocabulary-parallel head: its S and T are traced as actions of their
+    # own (before issue 33's fix their ops were booked to the action before them).
+    assert cfg.parallel.head == "vocab" and {"S0", "S2", "T0", "T2"} <= labels, labels
     # The issue's bound is 10%; measured: equal to within a few bytes (the same storages, counted twice).
     assert abs(meta.peak_bytes - allocated) <= 0.1 * allocated, (meta.peak_bytes, allocated)
     sites = {r.site.split(":")[0] for r in meta.host_reads}
