@@ -74,7 +74,7 @@ def main() -> int:
                     "budget_s": args.budget_s}
     with tempfile.TemporaryDirectory() as tmp:
         junit, bench_json = Path(tmp) / "gpu.xml", Path(tmp) / "gpu.json"
-        report["pytest"] = run([sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider",
+        report["pytest"] = run([sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-v", "-p", "no:cacheprovider",
                                 f"--junitxml={junit}"], min(PYTEST_SHARE_S, args.budget_s / 2))
         report["pytest"]["cases"] = junit_cases(junit)
         left = args.budget_s - (time.perf_counter() - started)

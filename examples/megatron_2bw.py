@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py                   # PP=2, Muon, CPU (gloo)
     torchrun --standalone --nproc_per_node=4 examples/megatron_2bw.py --tp 2 --optimizer adamw --ef-lambda 1
+    torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --weight-prediction --dc-lambda 0.1
 
 A Megatron-LM user keeps megatron-core's parallel_state, GPTModel, forward_step_func and loop. What changes:
 - get_forward_backward_func("2bw", engine_factory=...) from asyncpp.pipeline.megatron;
@@ -34,7 +35,7 @@ from megatron.core.transformer import TransformerConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without an install
 from asyncpp.optim import build_optimizer
 from asyncpp.parallel.mesh import Mesh, init_distributed
-from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func, param_layouts
+from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func, optimizer_sharding
 from asyncpp.reference import megatron_cpu
 
 
@@ -56,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--ef-lambda", type=float, default=0.0, help="asyncpp: update-level Error Feedback")
     p.add_argument("--sync-start-steps", type=int, default=0, help="asyncpp: the first steps synchronous")
+    p.add_argument("--grad-ef-lambda", type=float, default=0.0, help="asyncpp: gradient-level Error Feedback")
+    p.add_argument("--dc-lambda", type=float, default=0.0, help="asyncpp: DC-ASGD delay compensation")
+    p.add_argument("--weight-prediction", action="store_true", help="asyncpp: SAPipe-style weight prediction")
     p.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--seed", type=int, default=1234)
@@ -126,13 +130,14 @@ def train(args) -> dict:
     model = model_provider(args, parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
     model.to(device)
     # Muon orthogonalises whole matrices: megatron's TP shards are gathered over the TP group (exact).
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    sharding = {n: lay for (n, _), lay in zip(named, param_layouts(model)) if lay.is_tp_sharded}
-    optimizer = build_optimizer(model, name=args.optimizer, lr=args.lr, sharding=sharding, tp_group=mesh.tp_group)
+    optimizer = build_optimizer(model, name=args.optimizer, lr=args.lr, sharding=optimizer_sharding(model),
+                                tp_group=mesh.tp_group)
     tied = [model.shared_embedding_or_output_weight()] if model.share_embeddings_and_output_weights else []
     forward_backward_func = get_forward_backward_func("2bw", engine_factory=lambda schedule: Pipeline2BW(
         model, optimizer, mesh, schedule=schedule, hidden_size=args.hidden_size, grad_clip=args.clip_grad,
-        ef_lambda=args.ef_lambda, sync_start_steps=args.sync_start_steps, tied=tied, sequence_first=True))
+        ef_lambda=args.ef_lambda, grad_ef_lambda=args.grad_ef_lambda, dc_lambda=args.dc_lambda,
+        weight_prediction=args.weight_prediction, sync_start_steps=args.sync_start_steps, tied=tied,
+        sequence_first=True))
     pipeline = forward_backward_func.pipeline
     step_func = functools.partial(forward_step, device=device)
     train_data = synthetic_tokens(args, stream=0)

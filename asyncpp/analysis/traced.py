@@ -55,14 +55,15 @@ class FilledComm(StageComm):
 
 
 class TokenSource:
-    """Token blocks on the stage's device: random on the CPU (seeded by index), shapes only on meta."""
+    """Token blocks on the stage's device: random on the CPU and CUDA (seeded by index), shapes only on meta."""
 
     def __init__(self, cfg: RunConfig, vocab_size: int, device: torch.device):
         self.shape = (cfg.train.micro_batch_size, cfg.train.seq_len + 1)
         self.vocab_size, self.device, self.eval_batches = vocab_size, device, cfg.train.eval_batches
 
     def train_microbatch(self, index: int) -> Tensor:
-        g = torch.Generator().manual_seed(index)  # meta ignores it: the same op on both devices
+        # meta ignores the generator: the same op on meta and the CPU. A CUDA tensor needs a CUDA generator.
+        g = torch.Generator(self.device if self.device.type == "cuda" else "cpu").manual_seed(index)
         return torch.empty(self.shape, dtype=torch.int64, device=self.device).random_(0, self.vocab_size, generator=g)
 
     def val_batches(self) -> list[Tensor]:

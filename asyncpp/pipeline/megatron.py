@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from asyncpp.core.update import Corrections
+from asyncpp.core.update import NO_CORRECTIONS, Corrections
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
 from asyncpp.pipeline.plan import StagePlan, UpdateSpec, build_stage_runtime
@@ -152,6 +152,90 @@ def param_layouts(model: nn.Module) -> list[ParamSharding]:
     return layouts
 
 
+def optimizer_sharding(model: nn.Module) -> dict[str, ParamSharding]:
+    """build_optimizer's `sharding` for a megatron-core model: the TP-sharded parameters by name (param_layouts).
+    With it (and tp_group=mesh.tp_group) Muon gathers each sharded matrix over the TP group and orthogonalises
+    the whole matrix, as on one process; without it Muon would orthogonalise each shard on its own."""
+    named = [n for n, p in model.named_parameters() if p.requires_grad]
+    return {n: lay for n, lay in zip(named, param_layouts(model)) if lay.is_tp_sharded}
+
+
+def _check_optimizer_layouts(model: nn.Module, optimizer, mesh: Mesh) -> None:
+    """Under TP, an optimizer that reads each parameter's TP layout (Muon's `tp_dims`, asyncpp/optim/muon.py) must
+    have megatron's: a sharded matrix it believes replicated would be orthogonalised shard by shard, a different
+    update from the unsplit model's, without any error."""
+    if mesh.dims.tp == 1:
+        return
+    names = {id(p): n for n, p in model.named_parameters()}
+    tp_dim = {id(p): lay.tp_dim for p, lay in zip((p for p in model.parameters() if p.requires_grad),
+                                                   param_layouts(model))}
+    fix = ("build it with asyncpp.optim.build_optimizer(model, ..., sharding=optimizer_sharding(model), "
+           "tp_group=mesh.tp_group)")
+    for opt in getattr(optimizer, "optimizers", {"optimizer": optimizer}).values():
+        for group in opt.param_groups:
+            if "tp_dims" not in group:
+                continue
+            if getattr(opt, "tp_group", None) is not mesh.tp_group:
+                raise ValueError(f"{type(opt).__name__}'s tp_group is not the mesh's (megatron's tensor-parallel "
+                                 f"group): {fix}")
+            for p, d in zip(group["params"], group["tp_dims"]):
+                want = None if tp_dim.get(id(p)) is None else tp_dim[id(p)] % p.ndim
+                if d != want:
+                    raise ValueError(f"{type(opt).__name__} has tp_dim={d} for {names.get(id(p), '?')}, but megatron "
+                                     f"shards it along dim {want} (partition_dim): {fix}")
+
+
+# ---- megatron-core's own gradient machinery: refused (README, "Inside Megatron-LM") ---------------------
+_MEGATRON_GRAD_SYNC = ("finalize_model_grads_func", "grad_sync_func", "no_sync_func", "param_sync_func")
+_NOT_UNDER_2BW = (
+    "it keeps one gradient buffer per parameter (param.main_grad, a view of _ParamAndGradBuffer.grad_data: "
+    "megatron/core/distributed/param_and_grad_buffer.py:837), its backward hook adds every microbatch's gradient "
+    "into it and sets param.grad = None (distributed_data_parallel.py:440-441), and it reduces that buffer in "
+    "place (param_and_grad_buffer.py:443, 455). Under 2BW the backwards of b_{t+1} run while b_t's gradient is "
+    "being reduced (UPDATE_START(t) .. UPDATE(t)), so they would add into the reduction in flight")
+
+
+def _refuse_megatron_grad_machinery(model: nn.Module, optimizer) -> None:
+    """megatron-core's DistributedDataParallel, its DistributedOptimizer (any MegatronOptimizer) and its
+    finalize_model_grads cannot drive a 2BW stage: refused with what blocks each; the reductions are asyncpp's, on
+    megatron's groups (Mesh.from_megatron). `model` is any wrapper chain (DDP, Float16Module) around the stage."""
+    wrapper = model
+    while wrapper is not None:
+        if type(wrapper).__module__.startswith("megatron.core.distributed"):
+            raise ValueError(f"model is wrapped in megatron-core's {type(wrapper).__name__}: {_NOT_UNDER_2BW}. "
+                             "Pass the unwrapped model: asyncpp reduces the gradients over megatron's data-parallel "
+                             "group itself, with a gradient per step in flight")
+        wrapper = getattr(wrapper, "module", None)
+    wrapped = [n for n, p in model.named_parameters() if hasattr(p, "main_grad")]
+    if wrapped:
+        raise ValueError(f"parameter {wrapped[0]} has a main_grad: the model was wrapped in megatron-core's "
+                         "DistributedDataParallel, whose hooks take the gradients away from asyncpp: "
+                         f"{_NOT_UNDER_2BW}. Build the stage without it")
+    if type(optimizer).__module__.startswith("megatron.core.optimizer"):
+        raise ValueError(f"optimizer is megatron-core's {type(optimizer).__name__}: under 2BW the update runs in "
+                         "the schedule through asyncpp's update rule (EF and the corrections, the weight versions), "
+                         "while a MegatronOptimizer reads param.main_grad, takes its own norm and clip and writes "
+                         "the model's parameters (megatron/core/optimizer/optimizer.py:534, 607, 774, 977); its "
+                         "DistributedOptimizer also owns the parameters' storage through DistributedDataParallel's "
+                         "parameter buffer (param_and_grad_buffer.py:831), which asyncpp's weight versions replace. "
+                         "(On a CPU none is built: optimizer.py:481 and 907 allocate on device='cuda'.) Use "
+                         "asyncpp.optim.build_optimizer (Muon, AdamW, ...)")
+
+
+def _refuse_megatron_grad_sync(model: nn.Module) -> None:
+    """Megatron's training loop sets these on the model's config (training.py's train()); its schedules call them
+    around every flushed step (megatron/core/pipeline_parallel/schedules.py:2300-2311, the end of
+    forward_backward_pipelining_without_interleaving). asyncpp's 2BW never flushes and does
+    its own reductions in the schedule, so a set one would never run: refused rather than silently skipped."""
+    config = getattr(_unwrap(model, "set_input_tensor"), "config", None)
+    for name in _MEGATRON_GRAD_SYNC:
+        if getattr(config, name, None) is not None:
+            raise ValueError(f"the model's config has {name} set (megatron's training loop sets it for its "
+                             "DistributedDataParallel): asyncpp's pipeline reduces the gradients, the tied embedding "
+                             "and the norm itself inside the schedule and never calls it; set config."
+                             f"{name} = None")
+
+
 def _check_parallel_sizes(model: nn.Module, mesh: Mesh) -> None:
     """A megatron-core model reads its parallel sizes from its TransformerConfig (which of its weights are expert-
     parallel: `allreduce=False`, see param_layouts); they must be the mesh's, or expert gradients would be
@@ -200,6 +284,9 @@ class Pipeline2BW:
     retargets it to the weight-version masters). tied: the tied embedding/head weight on the first and
     last stage. Activations travel as [micro_batch_size, seq_length, hidden_size]
     ([seq, batch, hidden] with sequence_first=True, Megatron's GPTModel layout).
+    The staleness options are the simulator's (DelayedUpdateSimulator) and the trainer's `staleness.*`:
+    ef_lambda (update-level EF), grad_ef_lambda (gradient-level EF), dc_lambda (DC-ASGD), weight_prediction
+    (each stage keeps one more weight version) and sync_start_steps; all act only on delayed steps.
     """
 
     def __init__(
@@ -212,6 +299,9 @@ class Pipeline2BW:
         schedule: str = "2bw",
         grad_clip: float = 0.0,
         ef_lambda: float = 0.0,
+        grad_ef_lambda: float = 0.0,
+        dc_lambda: float = 0.0,
+        weight_prediction: bool = False,
         lr_multiplier: Callable[[int], float] | None = None,
         tied: Iterable[nn.Parameter] = (),
         sequence_first: bool = False,
@@ -220,9 +310,10 @@ class Pipeline2BW:
     ):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
-        if schedule == "1f1b" and (ef_lambda or sync_start_steps):
-            raise ValueError(f"ef_lambda={ef_lambda}, sync_start_steps={sync_start_steps} act on delayed updates; "
-                             "schedule='1f1b' has none, use 0")
+        corrections = Corrections(ef_lambda=ef_lambda, grad_ef_lambda=grad_ef_lambda, dc_lambda=dc_lambda)
+        if schedule == "1f1b" and (corrections != NO_CORRECTIONS or sync_start_steps or weight_prediction):
+            raise ValueError(f"{corrections}, sync_start_steps={sync_start_steps}, weight_prediction="
+                             f"{weight_prediction} act on delayed updates; schedule='1f1b' has none: use 0 / False")
         if sync_start_steps < 0:
             raise ValueError(f"sync_start_steps={sync_start_steps} must be >= 0")
         self.schedule, self.mesh, self.model = schedule, mesh, model
@@ -231,10 +322,11 @@ class Pipeline2BW:
         # The activation shape is set per call from seq_length/micro_batch_size (_set_activation_shape).
         sync = (0,) * sync_start_steps or None  # later steps: the schedule's steady delay (StagePlan.delay)
         plan = StagePlan(stage=mesh.pp_rank, num_stages=mesh.num_stages, schedule=schedule, link_dtype=pipeline_dtype,
-                         delays=sync, tied_delays=sync,
-                         update=UpdateSpec(grad_clip=grad_clip, corrections=Corrections(ef_lambda=ef_lambda),
-                                           lr_multiplier=lr_multiplier))
+                         delays=sync, tied_delays=sync, weight_prediction=weight_prediction,
+                         update=UpdateSpec(grad_clip=grad_clip, corrections=corrections, lr_multiplier=lr_multiplier))
+        _refuse_megatron_grad_machinery(model, optimizer)
         _check_parallel_sizes(model, mesh)
+        _check_optimizer_layouts(model, optimizer, mesh)
         self.engine = build_stage_runtime(plan, None, model, mesh, optimizer, self._forward, grad_scale=1.0,
                                           layouts=param_layouts(model), tied=tied)  # loss already / m (docstring)
         self.next_step = 0
@@ -282,6 +374,9 @@ class Pipeline2BW:
         if collect_non_loss_data and not forward_only:
             raise NotImplementedError("collect_non_loss_data=True is supported only with forward_only=True")
         model = self._check_model(model)
+        _refuse_megatron_grad_machinery(model, None)  # a DDP wrapper may have come after the constructor
+        if not forward_only:
+            _refuse_megatron_grad_sync(model)
         self._set_activation_shape(seq_length, micro_batch_size)
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches={num_microbatches} must be >= 1")

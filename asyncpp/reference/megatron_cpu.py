@@ -22,6 +22,14 @@ and stops in these places:
   (megatron/core/transformer/moe/router.py:90, 92, 169, 178, 192, 198). Those two modules get `CpuCurrentDevice`
   as their `torch`: the real torch module whose `torch.cuda.current_device()` is the CPU (nothing else changes,
   and no other module sees it).
+- megatron-core's DistributedDataParallel allocates its gradient (and, with its distributed optimizer, parameter)
+  buffers on `torch.cuda.current_device()` (megatron/core/distributed/param_and_grad_buffer.py:800, 806):
+  param_and_grad_buffer gets `CpuCurrentDevice` too. With it, DistributedDataParallel and finalize_model_grads run
+  a flushed step on the CPU (tests/dist/test_megatron_core.py); asyncpp's 2BW refuses them for reasons of its own
+  (asyncpp/pipeline/megatron.py, _refuse_megatron_grad_machinery). megatron's optimizers are not
+  shimmed: they allocate with device='cuda' in their constructors (megatron/core/optimizer/optimizer.py:481,
+  MixedPrecisionOptimizer and so DistributedOptimizer; :907, FP32Optimizer), and the DistributedOptimizer raises
+  for a CPU parameter after that (distrib_optimizer.py:430).
 - Without Transformer Engine, megatron/core/transformer/moe/moe_utils.py:1192 (the router's gating linear) reads
   `te_general_gemm`, which only its TE import defines (a NameError); it is set to None, megatron's "no TE" value.
 - Not shimmed: the MoE alltoall dispatcher creates a CUDA stream in its constructor
@@ -41,6 +49,7 @@ from functools import reduce
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import param_and_grad_buffer
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel import random as mcore_random
@@ -115,7 +124,7 @@ class CpuCurrentDevice(types.ModuleType):
 
 
 _CPU_TORCH = CpuCurrentDevice()
-_ALLOCATE_ON_CURRENT_DEVICE = (mappings, router)  # the modules that get it (module docstring)
+_ALLOCATE_ON_CURRENT_DEVICE = (mappings, router, param_and_grad_buffer)  # the modules that get it (docstring)
 
 
 def enable(device: torch.device, seed: int = 1234) -> None:

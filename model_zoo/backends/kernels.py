@@ -35,17 +35,48 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
 
 
 @functools.cache
+def _fla() -> tuple[Callable | None, str]:
+    """(flash-linear-attention's fused chunk_gated_delta_rule, "") or (None, why).
+
+    Importable is not enough: some FLA versions refuse at their first *backward* on some GPUs (FLA 0.6 with
+    Triton < 3.7.1 on Hopper raises "produces incorrect results for gated chunk_bwd_dqkwg", seen on an H200),
+    which would crash a run at its first step. So on a CUDA machine the kernel runs one tiny forward and
+    backward here, once, and a failure falls back to the PyTorch form with the reason in `fla_status()`."""
+    ops, why = try_import("fla.ops.gated_delta_rule")
+    fused = getattr(ops, "chunk_gated_delta_rule", None) if ops is not None else None
+    if fused is None:
+        return None, why or "no chunk_gated_delta_rule"
+    if torch.cuda.is_available():
+        try:
+            _probe(fused)
+        except Exception as e:  # noqa: BLE001 - the reason is reported by fla_status() and the GPU tests
+            return None, (f"its kernel failed a forward+backward probe on {torch.cuda.get_device_name()}: "
+                          f"{type(e).__name__}: {str(e)[:300]}")
+    return fused, ""
+
+
+def _probe(fused: Callable) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    b, t, h, d = 1, 64, 1, 64  # one chunk of FLA's fixed size 64
+    q, k, v = (torch.randn(b, t, h, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = -torch.rand(b, t, h, device=device)
+    beta = torch.rand(b, t, h, device=device)
+    o, _ = fused(q, torch.nn.functional.normalize(k.float(), dim=-1).to(k.dtype), v, g, beta, output_final_state=False)
+    o.float().sum().backward()
+    torch.cuda.synchronize(device)
+
+
 def fla_chunk_gated_delta_rule() -> Callable | None:
-    """flash-linear-attention's fused chunk_gated_delta_rule (Triton, CUDA only), or None if not importable."""
-    ops, _ = try_import("fla.ops.gated_delta_rule")
-    return getattr(ops, "chunk_gated_delta_rule", None) if ops is not None else None
+    """flash-linear-attention's fused chunk_gated_delta_rule (Triton, CUDA only), or None if it is not
+    importable or failed its probe on this GPU (`fla_status()` says why)."""
+    return _fla()[0]
 
 
 def fla_status() -> str:
-    ops, why = try_import("fla.ops.gated_delta_rule")
-    if ops is not None and hasattr(ops, "chunk_gated_delta_rule"):
+    fused, why = _fla()
+    if fused is not None:
         return "flash-linear-attention: available (Gated DeltaNet uses its fused kernel on CUDA for bf16)"
-    return f"flash-linear-attention: unavailable ({why or 'no chunk_gated_delta_rule'}); {GPU_EXTRAS_HINT}"
+    return f"flash-linear-attention: unavailable ({why}); {GPU_EXTRAS_HINT}"
 
 
 @functools.cache

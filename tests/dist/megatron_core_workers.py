@@ -10,24 +10,38 @@ layers and TP shards), so the comparison is of the training, not of the initiali
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
-from dataclasses import asdict, dataclass
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.optimizer import FP32Optimizer
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor, nn
 
-from asyncpp.optim import build_optimizer
+from asyncpp.optim import build_optimizer, muon_sharded
 from asyncpp.parallel.mesh import Mesh
-from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func
+from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func, optimizer_sharding
 from asyncpp.reference import megatron_cpu
 from asyncpp.reference.simulator import DelayedUpdateSimulator
 from tests.dist.workers import SyntheticData
@@ -45,6 +59,9 @@ class Case:
     tied: bool = False
     optimizer: str = "muon"
     ef_lambda: float = 0.0
+    grad_ef_lambda: float = 0.0
+    dc_lambda: float = 0.0
+    weight_prediction: bool = False
     sync_start_steps: int = 0
     drain_after: int | None = None
     """Drain the pipeline after this many calls, then resume (the mathematics does not change)."""
@@ -54,6 +71,14 @@ class Case:
     num_microbatches: int = 4
     grad_clip: float = 1.0
     seed: int = 7
+
+    @property
+    def corrections(self) -> dict[str, float]:
+        """The staleness corrections this case turns on (a synchronous start is not one: it removes delay)."""
+        return {k: getattr(self, k) for k in CORRECTIONS if getattr(self, k)}
+
+
+CORRECTIONS = ("ef_lambda", "grad_ef_lambda", "dc_lambda", "weight_prediction")
 
 
 # ---- the model and the pretrain_gpt-style step ---------------------------------------------------------
@@ -158,11 +183,16 @@ def reference_run(case: Case) -> dict:
 
     params = [p for p in model.parameters() if p.requires_grad]
     sim = DelayedUpdateSimulator(model, opt, [1] * len(params), loss_fn=lm_loss, grad_clip=case.grad_clip,
-                                 ef_lambda=case.ef_lambda, sync_step=lambda t: t < case.sync_start_steps)
+                                 ef_lambda=case.ef_lambda, grad_ef_lambda=case.grad_ef_lambda,
+                                 dc_lambda=case.dc_lambda, weight_prediction=case.weight_prediction,
+                                 sync_step=lambda t: t < case.sync_start_steps)
     data, n = data_for(case), case.num_microbatches * case.dp  # replica by replica, as the pipeline reads them
     stats = [sim.step(t, [data.train_microbatch(t * n + j) for j in range(n)]) for t in range(case.steps)]
-    return {"init": init, "losses": [s.loss for s in stats], "grad_norms": [s.grad_norm for s in stats],
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    out = {"init": init, "losses": [s.loss for s in stats], "grad_norms": [s.grad_norm for s in stats],
+           "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    if case.corrections:  # the same run without them: the test shows they changed the trajectory
+        out["uncorrected"] = reference_run(replace(case, **dict.fromkeys(CORRECTIONS, 0)))["params"]
+    return out
 
 
 # ---- one pipeline rank -----------------------------------------------------------------------------------
@@ -207,11 +237,18 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
             p.copy_(shard_of(init[global_name(model, name)], p, case.tp, mesh.tp_rank))
     calls = Calls(model)
     tied = [model.shared_embedding_or_output_weight()] if case.tied else []
-    optimizer = build_optimizer(model, name=case.optimizer, lr=0.01)
+    # Megatron's TP layout for Muon (param_layouts): a sharded matrix is gathered and orthogonalised whole.
+    optimizer = build_optimizer(model, name=case.optimizer, lr=0.01, sharding=optimizer_sharding(model),
+                                tp_group=mesh.tp_group)
+    muon = MuonWatch(optimizer, model, mesh)
+    layout_refusal = unaware_muon_refusal(model, mesh) if case.optimizer == "muon" and case.tp > 1 else None
     fwd_bwd = get_forward_backward_func("2bw", engine_factory=lambda schedule: Pipeline2BW(
         model, optimizer, mesh, schedule=schedule, hidden_size=HIDDEN, grad_clip=case.grad_clip,
-        ef_lambda=case.ef_lambda, tied=tied, sequence_first=True, sync_start_steps=case.sync_start_steps))
+        ef_lambda=case.ef_lambda, grad_ef_lambda=case.grad_ef_lambda, dc_lambda=case.dc_lambda,
+        weight_prediction=case.weight_prediction, tied=tied, sequence_first=True,
+        sync_start_steps=case.sync_start_steps))
     pipeline = fwd_bwd.pipeline
+    predicted = PredictedReads(pipeline)
     train_iter = replica_microbatches(case, mesh.dp_rank)
     losses, applied = [], []
     for k in range(case.steps):
@@ -225,6 +262,7 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
             pipeline.drain()
             applied.append(pipeline.applied_step)
     pipeline.drain()
+    muon.close()
     grad_norms = {t: r.grad_norm for t, r in pipeline.records.items()}
     return {
         "case": asdict(case), "stage": mesh.pp_rank, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,
@@ -232,8 +270,76 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
         "grad_norms": grad_norms,
         "params": {global_name(model, n): (p.detach().clone(), getattr(p, "tensor_model_parallel", False),
                                            getattr(p, "partition_dim", None)) for n, p in model.named_parameters()},
-        "evidence": evidence(model, mesh, calls),
+        "layout_refusal": layout_refusal,
+        "evidence": {**evidence(model, mesh, calls), "muon": muon.report(),
+                     "corrections": corrections_evidence(pipeline, predicted.count)},
     }
+
+
+class MuonWatch:
+    """What Muon did with megatron's TP layout on this rank: each matrix's tp_dim in its param group, the shape
+    Newton-Schulz saw for it (Muon._job) and the all-gathers Muon issued on megatron's TP group."""
+
+    def __init__(self, optimizer, model: GPTModel, mesh: Mesh):
+        self.muon = optimizer.optimizers.get("muon")
+        self.tp_group, self.gathers, self.jobs = mesh.tp_group, 0, set()
+        if self.muon is None:
+            return
+        names = {id(p): global_name(model, n) for n, p in model.named_parameters()}
+        self.tp_dims = {names[id(p)]: d for g in self.muon.param_groups for p, d in zip(g["params"], g["tp_dims"])}
+        job, gather = self.muon._job, muon_sharded._all_gather
+
+        def watched_job(x, tp_dim, expert):
+            out = job(x, tp_dim, expert)
+            self.jobs.add((tuple(out.shape), out.gather_dim))
+            return out
+
+        def watched_gather(output, input, *, group, async_op):
+            self.gathers += group is self.tp_group
+            return gather(output, input, group=group, async_op=async_op)
+
+        self.muon._job, muon_sharded._all_gather, self._restore = watched_job, watched_gather, gather
+
+    def close(self) -> None:
+        if self.muon is not None:
+            muon_sharded._all_gather = self._restore
+
+    def report(self) -> dict:
+        if self.muon is None:
+            return {}
+        return {"tp_dims": self.tp_dims, "jobs": sorted(self.jobs, key=str), "tp_gathers": self.gathers}
+
+
+def unaware_muon_refusal(model: GPTModel, mesh: Mesh) -> str | None:
+    """What Pipeline2BW says to a Muon built without megatron's TP layout (it would orthogonalise each shard)."""
+    try:
+        Pipeline2BW(model, build_optimizer(model, name="muon", lr=0.01), mesh, hidden_size=HIDDEN)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+class PredictedReads:
+    """Counts the forwards/backwards the engine ran on a weight prediction x^ (WeightVersions.use, predicted)."""
+
+    def __init__(self, pipeline: Pipeline2BW):
+        self.count, versions = 0, pipeline.engine.versions
+        use = versions.use
+
+        def counted(version: int, predicted: bool = False) -> None:
+            self.count += bool(predicted and versions.predict_delay)
+            use(version, predicted)
+
+        versions.use = counted
+
+
+def corrections_evidence(pipeline: Pipeline2BW, predicted_reads: int) -> dict:
+    """The pipeline's own state of the corrections: gradient EF's g_{t-1} buffer, the weight versions kept, the
+    reads of a predicted version."""
+    update = pipeline.engine.update
+    prev = [g for g in update.rule.grad_error_feedback.prev_grad if g is not None]
+    return {"grad_ef_buffer_norm": float(torch.stack([g.norm() for g in prev]).norm()) if prev else 0.0,
+            "num_buffers": pipeline.engine.versions.num_buffers, "predicted_reads": predicted_reads}
 
 
 def evidence(model: GPTModel, mesh: Mesh, calls: Calls) -> dict:
@@ -260,3 +366,64 @@ def evidence(model: GPTModel, mesh: Mesh, calls: Calls) -> dict:
         "tp_group_ranks": ranks(ps.get_tensor_model_parallel_group()),
         "embedding_group_ranks": ranks(ps.get_embedding_group()),
     }
+
+
+# ---- megatron-core's DistributedDataParallel / finalize_model_grads / optimizers (asyncpp refuses them) -------
+def megatron_grad_machinery_rank(rank: int) -> dict:
+    """On one CPU process: megatron's DistributedDataParallel and finalize_model_grads run megatron's own flushed
+    step (forward_backward_no_pipelining) in the CPU mode and give the plain gradient, in param.main_grad, with
+    param.grad taken away (what keeps them out of a 2BW stage); megatron's optimizers cannot be built on a CPU;
+    Pipeline2BW refuses each with its reason. Returns what happened, as data."""
+    mesh, case = setup_megatron(1, 1), Case("megatron_ddp")
+    data = data_for(case)
+    microbatches = [data.train_microbatch(j) for j in range(case.num_microbatches)]
+    torch.manual_seed(case.seed)
+    plain = build_gpt(case, pp=1, pre_process=True, post_process=True)
+    wrapped = build_gpt(case, pp=1, pre_process=True, post_process=True)
+    wrapped.load_state_dict(plain.state_dict())
+    for sample in microbatches:  # Megatron's convention: per-token mean of each microbatch, / m
+        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(iter([sample]))
+        loss = (plain(tokens, position_ids, attention_mask, labels=labels) * loss_mask).sum() / loss_mask.sum()
+        (loss / case.num_microbatches).backward()
+    ddp = DistributedDataParallel(wrapped.config, DistributedDataParallelConfig(), wrapped)
+    wrapped.config.finalize_model_grads_func = finalize_model_grads
+    # megatron's forward_backward_no_pipelining, by hand: it allocates on device="cuda" itself
+    # (pipeline_parallel/schedules.py:596). Every microbatch but the last under no_sync, then finalize.
+    for j, sample in enumerate(microbatches):
+        with ddp.no_sync() if j + 1 < len(microbatches) else contextlib.nullcontext():
+            output, loss_func = forward_step(iter([sample]), ddp)
+            loss, num_tokens, _ = loss_func(output)
+            (loss / num_tokens / len(microbatches)).backward()
+    wrapped.config.finalize_model_grads_func([ddp])
+    pairs = list(zip(plain.parameters(), wrapped.parameters()))
+    out = {"main_grad_error": max(float((q.main_grad - p.grad).norm() / p.grad.norm()) for p, q in pairs),
+           "grads_taken": all(q.grad is None for _, q in pairs)}
+    refusals = {}
+
+    def refused(name: str, build: Callable) -> None:
+        try:
+            build()
+        except ValueError as e:
+            refusals[name] = str(e)
+
+    def pipeline(model, optimizer=None):
+        return Pipeline2BW(model, optimizer or build_optimizer(model, name="adamw", lr=0.01), mesh,
+                           hidden_size=HIDDEN, sequence_first=True)
+
+    refused("ddp", lambda: pipeline(ddp))
+    refused("ddp_inner", lambda: pipeline(wrapped))
+    try:  # megatron's optimizers on a CPU: where they stop
+        get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.01), [ddp])
+    except AssertionError as e:  # torch: "Torch not compiled with CUDA enabled"
+        frame = next(f for f in reversed(traceback.extract_tb(e.__traceback__)) if "megatron/core" in f.filename)
+        out["megatron_optimizer_stops_at"] = f"{frame.filename.split('megatron/core/')[-1]}:{frame.lineno}"
+    fresh = build_gpt(case, pp=1, pre_process=True, post_process=True)
+    # A real megatron optimizer class, its CUDA constructor not run (it cannot run here, see above).
+    refused("megatron_optimizer", lambda: pipeline(fresh, FP32Optimizer.__new__(FP32Optimizer)))
+    fresh.config.finalize_model_grads_func = finalize_model_grads
+    fwd_bwd = pipeline(fresh).forward_backward_func  # built: only the call refuses (the loop sets it later)
+    refused("finalize_model_grads_func", lambda: fwd_bwd(
+        forward_step_func=forward_step, data_iterator=iter(microbatches), model=[fresh],
+        num_microbatches=case.num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH))
+    out["refusals"] = refusals
+    return out

@@ -94,7 +94,8 @@ def assert_split_equivalent(cfg) -> tuple[list[dict], list[dict], dict]:
 UNTIED = {"name": "tiny_dense", "overrides": {"tie_embeddings": False}}
 
 
-@pytest.mark.parametrize("schedule, optimizer", [("2bw", "muon"), ("1f1b", "muon"), ("2bw", "adamw")])
+@pytest.mark.parametrize("schedule, optimizer", [("2bw", "muon"), pytest.param("1f1b", "muon", marks=pytest.mark.slow),
+                                                 pytest.param("2bw", "adamw", marks=pytest.mark.slow)])
 def test_head_split_equals_simulator(schedule: str, optimizer: str) -> None:
     cfg = make_config(model=UNTIED, parallel={"pp": 2, "head": "tokens", "stage_layers": [2, 2]},
                       schedule={"name": schedule}, optimizer={"name": optimizer, "eps": ADAMW_EPS})
@@ -115,9 +116,9 @@ def test_head_split_tied_embeddings_with_sync_start_and_eval() -> None:
 
 
 @pytest.mark.parametrize("extra", [
-    {"staleness": {"weight_prediction": True}},
+    pytest.param({"staleness": {"weight_prediction": True}}, marks=pytest.mark.slow),
     {"staleness": {"dc_lambda": 1000.0}},  # tests/dist/test_corrections_pipeline.py's: 0.1 moves 4 steps by 6e-6
-    {"staleness": {"grad_ef_lambda": 0.5}},
+    pytest.param({"staleness": {"grad_ef_lambda": 0.5}}, marks=pytest.mark.slow),
     pytest.param({"parallel": {"dp": 2}, "train": {"num_microbatches": 2}}, marks=pytest.mark.slow),
     pytest.param({"parallel": {"dp": 2, "distributed_optimizer": True}, "train": {"num_microbatches": 2}},
                  marks=pytest.mark.slow),

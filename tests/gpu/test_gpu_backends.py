@@ -22,7 +22,7 @@ from asyncpp.core.loss import lm_loss
 from asyncpp.core.memory import activation_bytes, measure_saved_activations
 from model_zoo import build_model, get_model_config
 from model_zoo.backends import apply_backend, compile_blocks
-from model_zoo.backends.kernels import fla_chunk_gated_delta_rule, try_import
+from model_zoo.backends.kernels import fla_chunk_gated_delta_rule, fla_status, try_import
 
 pytestmark = [
     pytest.mark.gpu,
@@ -82,7 +82,7 @@ def test_mcore_backend_matches_local_on_the_same_weights(name, overrides):
 
 def test_fla_kernel_matches_the_pytorch_chunked_form():
     if fla_chunk_gated_delta_rule() is None:
-        pytest.skip("flash-linear-attention is not installed: pip install -e .[gpu]")
+        pytest.skip(fla_status())
     from model_zoo.gated_deltanet import GatedDeltaNet
 
     torch.manual_seed(0)

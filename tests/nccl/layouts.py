@@ -138,6 +138,10 @@ def _layouts() -> dict[str, Layout]:
                example=(*example, "--ef-lambda", "1", "--sync-start-steps", "1")),
         Layout("megatron-core-example-P2-TP2", make_config(parallel={"pp": 2, "tp": 2}),
                example=(*example, "--tp", "2", "--optimizer", "muon")),
+        # every staleness option through the front-end (a third weight version, DC-ASGD's read of it, gradient EF)
+        Layout("megatron-core-example-P2-TP2-corrections", make_config(parallel={"pp": 2, "tp": 2}),
+               example=(*example, "--tp", "2", "--weight-prediction", "--dc-lambda", "1", "--grad-ef-lambda", "0.5",
+                        "--sync-start-steps", "1")),
     ]
     out.update({layout.name: layout for layout in extra})
     return out

@@ -161,6 +161,33 @@ def test_gated_deltanet_stays_on_pytorch_off_cuda(monkeypatch):
         assert "pip install -e .[gpu]" in fla_status()
 
 
+def test_fla_kernel_that_fails_its_probe_falls_back_with_the_reason(monkeypatch):
+    """FLA 0.6 with Triton < 3.7.1 imports fine on an H200 and raises at its first backward (seen on a lent
+    H200): the probe turns that into "unavailable, because ..." instead of a crash at the first step."""
+    import types
+
+    from model_zoo.backends import kernels
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results")
+
+    fake = types.SimpleNamespace(chunk_gated_delta_rule=refuse)
+    monkeypatch.setattr(kernels, "try_import", lambda module: (fake, ""))
+    monkeypatch.setattr(kernels.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels.torch.cuda, "get_device_name", lambda *a: "a Hopper GPU")
+    monkeypatch.setattr(kernels, "_probe", lambda fused: fused())
+    kernels._fla.cache_clear()
+    try:
+        assert kernels.fla_chunk_gated_delta_rule() is None
+        assert "failed a forward+backward probe on a Hopper GPU" in kernels.fla_status()
+        assert "Triton >= 3.4.0" in kernels.fla_status()
+        monkeypatch.setattr(kernels, "_probe", lambda fused: None)  # a kernel that passes is used
+        kernels._fla.cache_clear()
+        assert kernels.fla_chunk_gated_delta_rule() is refuse
+    finally:
+        kernels._fla.cache_clear()
+
+
 def test_local_backend_changes_nothing():
     model = tiny("tiny_dense")
     modules = [type(m) for m in model.modules()]

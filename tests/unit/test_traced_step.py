@@ -62,7 +62,8 @@ def test_meta_trace_runs_the_real_runs_ops_and_peak(model, stage, tmp_path):
     reaches the host by a .tolist(), which on the CPU reads memory without a dispatched op (nothing to record
     for a replay): clipping, the one branch on it, is off here (its multiply is in place, no memory)."""
     cfg, model_cfg = resolved([f"model={model}", "parallel.pp=2", "optimizer=adamw", "train.num_microbatches=4",
-                               "staleness.ef_lambda=1.0", "train.grad_clip=0"], tmp_path)
+                               "staleness.ef_lambda=1.0", "train.grad_clip=0",
+                               "train.seq_len=32", "train.micro_batch_size=1"], tmp_path)  # cheap: the profiler's cost is per op and per byte
     real, allocated = allocator_peak(lambda: trace_stage(cfg, model_cfg, 2, stage, optimizer_of(cfg), device="cpu",
                                                          record=True, as_gpu=None, evaluate=False))
     meta = trace_stage(cfg, model_cfg, 2, stage, optimizer_of(cfg), stand_ins=StandIns(replay=real.scalars),
