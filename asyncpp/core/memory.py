@@ -42,8 +42,9 @@ from asyncpp.schedules.invariants import peak_in_flight
 from asyncpp.schedules.registry import kind_of
 
 ALLOCATED, ESTIMATED = "allocated", "estimated"
-HELD, FORWARD_BACKWARD, UPDATE = "", "forward/backward", "update"
-"""An item's phase: held through the step, or live only in the forward/backward actions, or only inside UPDATE."""
+HELD, FORWARD_BACKWARD, UPDATE, PER_ACTION = "", "forward/backward", "update", "per action"
+"""An item's phase: held through the step, or live only in the forward/backward actions, or only inside UPDATE; or
+counted action by action (MemoryReport.peaks), the item giving its own peak."""
 PHASES = (FORWARD_BACKWARD, UPDATE)
 _MIB = 1024 * 1024
 
@@ -55,7 +56,7 @@ class MemoryItem:
     how: str
     """ALLOCATED (measured from existing tensors) or ESTIMATED (see the module docstring)."""
     phase: str = HELD
-    """HELD, FORWARD_BACKWARD or UPDATE (see the module docstring)."""
+    """HELD, FORWARD_BACKWARD, UPDATE or PER_ACTION (see the module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -96,18 +97,17 @@ class MemoryReport:
     def table(self) -> str:
         phased = any(i.phase != HELD for i in self.items)
         if self.peaks:
-            sums = [(f"+ in {p.kind} ({p.action}): {p.what}", p.nbytes) for p in self.peaks]
+            sums = [(f"+ in {p.kind} ({p.action})", p.nbytes, p.what) for p in self.peaks]
             how = "held + the largest action's share"
         else:
-            sums = [(f"+ {p} phase", self.phase_bytes(p)) for p in PHASES] if phased else []
+            sums = [(f"+ {p} phase", self.phase_bytes(p), "") for p in PHASES] if phased else []
             how = "held + the larger phase"
-        width = max([len(i.name) for i in self.items] + [len("total")] + [len(n) for n, _ in sums])
+        width = max([len(i.name) for i in self.items] + [len("total")] + [len(n) for n, _, _ in sums])
         lines = [self.title, f"  {'item':<{width}} {'MiB':>10}  how"]
-        lines += [f"  {i.name:<{width}} {i.nbytes / _MIB:>10.2f}  {i.how}" + (f"; {i.phase} only" if i.phase else "")
-                  for i in self.items]
+        lines += [f"  {i.name:<{width}} {i.nbytes / _MIB:>10.2f}  {i.how}" + _phase_note(i.phase) for i in self.items]
         if phased:
             lines.append(f"  {'held':<{width}} {self.phase_bytes(HELD) / _MIB:>10.2f}")
-            lines += [f"  {n:<{width}} {b / _MIB:>10.2f}" for n, b in sums]
+            lines += [f"  {n:<{width}} {b / _MIB:>10.2f}  {what}".rstrip() for n, b, what in sums]
         lines.append(f"  {'total':<{width}} {self.total / _MIB:>10.2f}" + (f"  ({how})" if phased else ""))
         return "\n".join(lines)
 
@@ -610,6 +610,12 @@ def _optimizer_and_rest(optimizer, error_feedback: Sequence[Tensor], masters: Se
 def _activation_item(per_microbatch: int, in_flight: int) -> MemoryItem:
     return MemoryItem(f"activations ({in_flight} microbatch{'es' if in_flight != 1 else ''} in flight)",
                       per_microbatch * in_flight, ESTIMATED, FORWARD_BACKWARD)
+
+
+def _phase_note(phase: str) -> str:
+    if phase == PER_ACTION:
+        return "; its peak (counted per action below)"
+    return f"; {phase} only" if phase else ""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -9,6 +9,8 @@ import dataclasses
 from asyncpp.config import RunConfig
 from asyncpp.core.memory import (
     FORWARD_BACKWARD,
+    HELD,
+    PER_ACTION,
     ActionLoad,
     ActionPeak,
     action_loads,
@@ -88,11 +90,12 @@ def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, version
     scratch_of = {Op.BACKWARD: scratch, Op.UPDATE: update_scratch}
     # The gradient sets are counted per action too: a set exists from its step's first BACKWARD (the fp32 sums of
     # GradSums under mixed precision) to its UPDATE, so a warm-up's forwards run without one.
-    i = next(k for k, item in enumerate(report.items) if item.name.startswith("gradients"))
-    per_set = report.items[i].nbytes // grad_buffers
-    report.items[i] = dataclasses.replace(report.items[i], phase=FORWARD_BACKWARD)
+    per_set = report.get("gradients") // grad_buffers
     loads = action_loads(actions, spec.is_last, recycled_grads=not versions.mixed and versions.num_buffers > 1)
     report.peaks = action_peaks(loads, act, per_set, scratch_of, vocab_items)
+    # Every item but the held ones is counted action by action now; the items show their own peaks.
+    report.items = [i if i.phase == HELD and not i.name.startswith("gradients") else dataclasses.replace(i, phase=PER_ACTION)
+                    for i in report.items]
     return report
 
 
