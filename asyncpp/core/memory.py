@@ -17,8 +17,9 @@ Feedback's per-parameter temporaries) is tagged with the phase it belongs to. Th
 step plus the largest action's share, not the sum of every item's own maximum: issue 33's traced step showed the
 update scratch is never live at the forward/backward peak (the sum over-counted it by 6-13%), nor the vocabulary
 head's T scratch in a FORWARD. A pipeline stage's plan walks its action list (`action_loads`: the microbatches in
-flight and the head's buffers during each action) and takes the largest action of each kind (`MemoryReport.peaks`);
-without an action list (the simulator) the larger of the two phases' item sums.
+flight, the gradient sets that exist and the head's buffers during each action), adds each action's own scratch and
+takes the largest action of each kind (`MemoryReport.peaks`, pipeline/memory.py); without an action list (the
+simulator) the larger of the two phases' item sums.
 
 Not counted: the CUDA context and allocator caching (~0.5-1 GiB per GPU), communication buffers,
 temporaries of a single op (a matmul's workspace), the activations a fused kernel saves instead of the
@@ -393,8 +394,6 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_micro
     return peak_in_flight(stage_actions(schedule, stage, num_stages, num_microbatches, steps, head_split))
 
 
-
-
 def error_feedback_scratch_bytes(masters: Sequence[Tensor], ef_lambda: float) -> int:
     """What ErrorFeedback.apply (core/staleness.py) holds above the EF buffer inside UPDATE: it runs one parameter at
     a time, and for the largest one the new u_t exists next to the u_{t-1} it replaces, plus with λ != 0 the
@@ -425,9 +424,10 @@ class VocabHeld:
 @dataclass(frozen=True)
 class ActionLoad:
     """What a stage holds while one of its actions runs, besides the step's held items: the microbatches whose
-    activations are live and the vocabulary head's buffers. While an action runs it holds what was there before
-    it and what it leaves (a FORWARD's new activations, a BACKWARD's not yet freed ones), except an UPDATE, which
-    retires its step's buffers before it applies the update (StageEngine._update)."""
+    activations are live, the vocabulary head's buffers and the gradient sets. While an action runs it holds what
+    was there before it and what it leaves (a FORWARD's new activations, a BACKWARD's not yet freed ones), except
+    an UPDATE, which retires its step's head buffers before it applies the update (StageEngine._update), but holds
+    the gradient set it consumes."""
 
     action: Action
     in_flight: int

@@ -41,7 +41,7 @@ def grad_sq_sum(grads: Sequence[Tensor], device: torch.device | str) -> Tensor:
 
 def grad_sq_norm(grads: Sequence[Tensor]) -> float:
     """grad_sq_sum read to the host (the simulator's form): the same fp64 sums in the same order."""
-    return float(grad_sq_sum(grads, "cpu")) if grads else 0.0
+    return float(grad_sq_sum(grads, "cpu"))
 
 
 @torch.no_grad()

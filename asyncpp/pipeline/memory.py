@@ -93,9 +93,9 @@ def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, version
     per_set = report.get("gradients") // grad_buffers
     loads = action_loads(actions, spec.is_last, recycled_grads=not versions.mixed and versions.num_buffers > 1)
     report.peaks = action_peaks(loads, act, per_set, scratch_of, vocab_items)
-    # Every item but the held ones is counted action by action now; the items show their own peaks.
-    report.items = [i if i.phase == HELD and not i.name.startswith("gradients") else dataclasses.replace(i, phase=PER_ACTION)
-                    for i in report.items]
+    # The total counts these items action by action now (the peaks): the table shows each at its own peak.
+    counted = [i.phase != HELD or i.name.startswith("gradients") for i in report.items]
+    report.items = [dataclasses.replace(i, phase=PER_ACTION) if c else i for i, c in zip(report.items, counted)]
     return report
 
 
