@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_CPU ?= torch==2.13.0
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup train lint test test-equivalence-again test-matrix test-slurm test-all bench clean gpu-trace-env gpu-trace first-gpu
+.PHONY: setup train lint test test-equivalence-again test-matrix test-slurm test-slurm-ci test-all bench clean gpu-trace-env gpu-trace first-gpu
 
 setup: $(STAMP)
 
@@ -64,6 +64,17 @@ test-equivalence-again: setup
 # they are missing) and stop again; the cluster is taken down after pytest whatever happened to it.
 test-slurm: setup
 	$(PY) -m pytest -q -m slurm tests/slurm; rc=$$?; $(PY) -m launch.testing.cluster down; exit $$rc
+
+# CI's share of the slurm tier (.ci/run; the whole tier takes longer than CI can spare): one two-node job against
+# torchrun --standalone, and the preemption with its requeue and resume. On a cluster without accounting (slurmdbd
+# and MariaDB: packages and start-up these two do not need; the preemption test reads slurmctld's job completion
+# log). `up` installs the packages when they are missing and fails if it cannot; the cluster is stopped whatever
+# happened, and the exit code is the first failure's.
+SLURM_CI_TESTS ?= tests/slurm/test_jobs.py::test_two_node_job_equals_torchrun_standalone \
+	tests/slurm/test_jobs.py::test_preemption_checkpoints_requeues_under_the_same_id_and_resumes_exactly
+test-slurm-ci: setup
+	$(PY) -m launch.testing.cluster up --no-accounting && $(PY) -m pytest -q -m slurm --durations=0 $(SLURM_CI_TESTS); \
+	rc=$$?; $(PY) -m launch.testing.cluster down || rc=$$((rc ? rc : 1)); exit $$rc
 
 # Everything but the GPU tests and the slurm tier (which starts a cluster of its own: make test-slurm).
 test-all: setup

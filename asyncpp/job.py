@@ -18,6 +18,7 @@ import difflib
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -33,13 +34,12 @@ from asyncpp.analysis.traced import trace_stage
 from asyncpp.config import ConfigError, RunConfig, check_pipeline_options, parse_blend
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.memory import simulator_run_report
-from asyncpp.core.partition import stage_split, with_head_resolved
-from asyncpp.core.recompute import apply_recompute, modes_per_layer
+from asyncpp.core.partition import with_head_resolved
 from asyncpp.host.measured import host_rss_bytes
 from asyncpp.optim import build_from_config
 from asyncpp.parallel import flight
 from asyncpp.parallel.mesh import ParallelDims, init_distributed
-from asyncpp.pipeline.build import build_rank_stage, mesh_for
+from asyncpp.pipeline.build import build_rank_stage, build_whole_model, mesh_for
 from asyncpp.pipeline.executor import PipelineExecutor
 from asyncpp.pipeline.p2p import naming_the_peer
 from asyncpp.reference.executor import ReferenceExecutor
@@ -54,7 +54,7 @@ from asyncpp.typed import check_partial
 from data.default import default_cache_dir, default_prefix
 from data.indexed import IndexedDataError
 from data.source import IndexedDataSource
-from model_zoo import ModelConfig, build_model, count_parameters, flops_per_token, get_model_config
+from model_zoo import ModelConfig, count_parameters, flops_per_token, get_model_config
 from model_zoo.backends import prepare_model
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -178,10 +178,7 @@ def run(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | None = None) ->
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.train.device)
     data = build_data(cfg, model_cfg)
-    model = build_model(model_cfg, device=device, seed=cfg.seed)
-    p = cfg.parallel
-    split = stage_split(cfg, model_cfg) if p.pp > 1 else None
-    apply_recompute(model, modes_per_layer(cfg.train.recompute, model_cfg.num_layers, p.pp, split))
+    model = build_whole_model(cfg, model_cfg, device).model  # the stage builder's, as one stage of one
     metrics = make_metrics(cfg, model_cfg)
     # Layers swapped (train.backend) and compiled before the optimizer sees their Parameters.
     prepare_model(model, backend=cfg.train.backend, compile=cfg.train.compile, device=device, log=metrics.message)
@@ -239,6 +236,18 @@ def optimizer_for(cfg: RunConfig, mesh):
     return build
 
 
+def cpu_threads(env: Mapping[str, str], cores: int) -> int:
+    """A CPU rank's intra-op threads: its share of the cores it may use, since N ranks share them and
+    oversubscribed OpenMP threads spin instead of working. In a slurm job the allocation is the rank's share, not
+    the machine: launch.slurm's script exports OMP_NUM_THREADS = the node's CPUs / ranks per node (or the
+    submitter's own value). The real slurm cluster showed why (tests/slurm: two 1-CPU nodes on one 2-core machine):
+    with the machine's cores // local ranks, each rank ran 2 threads on its 1 CPU and a step of the tiny pipeline
+    took 4 s instead of 0.15 s."""
+    if "SLURM_JOB_ID" in env and env.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(env["OMP_NUM_THREADS"]))
+    return max(1, cores // int(env.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | None = None) -> dict:
     """One pipeline stage per rank (torchrun). Validated before the process group exists. Every torch.distributed
     op is kept in the rank's flight recorder, written to <run dir>/comm_ops/ when a wait gives up or a signal asks
@@ -253,10 +262,8 @@ def _run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | No
     check_pipeline_options(cfg, model_cfg)
     dims = ParallelDims.for_world(int(os.environ["WORLD_SIZE"]), pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
     cfg = cfg.replace(parallel=dataclasses.replace(p, dp=dims.dp))  # the resolved layout is what gets saved
-    # N ranks share the machine's cores; oversubscribed OpenMP threads spin instead of working.
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if torch.device(cfg.train.device).type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        torch.set_num_threads(cpu_threads(os.environ, os.cpu_count() or 1))
     device = init_distributed(torch.device(cfg.train.device).type, cfg.train.timeout_s)
     try:
         mesh = mesh_for(cfg, model_cfg, dims, device)

@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from asyncpp.core.records import StepMetrics
 from asyncpp.schedules.costmodel import OpCosts, predict
 
 
@@ -35,8 +36,9 @@ def run_job(schedule: str, pp: int, m: int, steps: int, extra: list[str]) -> dic
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
         summary = json.loads((Path(out) / "summary.json").read_text())
-        records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    steady = [r["step_time_s"] for r in records[len(records) // 4:]]  # skip start-up and warm-up
+        records = [StepMetrics.from_json(json.loads(line))
+                   for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    steady = [r.step_time_s for r in records[len(records) // 4:]]  # skip start-up and warm-up
     return {
         "schedule": schedule, "pp": pp, "m": m, "steps": steps,
         "tokens_per_s": summary["tokens_per_s"],

@@ -23,6 +23,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncpp.core.records import StepMetrics
 from asyncpp.schedules.registry import SYNC_KINDS
 from tools import plots
 from tools.study import PlanError, config_diff, read_manifest, run_status
@@ -66,19 +67,20 @@ class Stat:
 # ---- loading -------------------------------------------------------------------------------------------
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """metrics.jsonl, one record per step: a resumed run rewrites the steps after its checkpoint, the last wins."""
-    by_step: dict[int, dict] = {}
+def read_metrics(path: Path) -> list[StepMetrics]:
+    """metrics.jsonl, one record per step: a resumed run rewrites the steps after its checkpoint, the last wins.
+    A line of an older run reads as StepMetrics.from_json says (a missing metric is NaN)."""
+    by_step: dict[int, StepMetrics] = {}
     if path.is_file():
         for line in path.read_text().splitlines():
             if line.strip():
-                record = json.loads(line)
-                by_step[record["step"]] = record
+                record = StepMetrics.from_json(json.loads(line))
+                by_step[record.step] = record
     return [by_step[s] for s in sorted(by_step)]
 
 
 def _num(value: object) -> float:
-    """A metric as a float: NaN/Inf are written as strings by asyncpp.train.metrics."""
+    """A summary.json value as a float: NaN/Inf are written as strings by asyncpp.train.metrics."""
     try:
         return float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
@@ -90,9 +92,9 @@ def load_run(out: Path, planned: dict) -> RunResult:
     status = run_status(out, planned["name"])
     result = RunResult(planned["name"], status, planned["config"])
     records = read_metrics(d / "metrics.jsonl")
-    evals = [(r["step"] + 1, _num(r["val_loss"])) for r in records if "val_loss" in r]  # step+1: after the update
+    evals = [(r.step + 1, r.val_loss) for r in records if r.val_loss is not None]  # step+1: after the update
     result.curve = ([s for s, _ in evals], [v for _, v in evals])
-    unstable = any(not math.isfinite(_num(r.get("loss"))) or r.get("skipped") for r in records)
+    unstable = any(not math.isfinite(r.loss) or r.skipped for r in records)
     if status == "done":
         summary = json.loads((d / "summary.json").read_text())
         result.final_val = _num(summary.get("final_val_loss"))

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from asyncpp.core.stateful import load_in_place
+
 
 def balanced_routers(model: nn.Module) -> dict[str, nn.Module]:
     """Modules (by name) whose router carries an aux-loss-free bias."""
@@ -84,19 +86,27 @@ class RouterBiasVersions:
             del self.versions[old]
         self.use(step + 1)
 
-    # ---- checkpoints: the same ages as the weights --------------------------------------------
-    def tensors(self) -> dict[str, Tensor]:
-        """{"balancing/<age>/<router name>": bias} for every held version (age 0 = newest)."""
+    # ---- Stateful (torch.distributed.checkpoint.stateful): the same ages as the weights ---------------
+    def state_dict(self) -> dict[str, Tensor]:
+        """{"balancing/<age>/<router name>": bias} for every held version (age 0 = newest); a load writes them in
+        place."""
         out = {}
         for v, biases in self.versions.items():
             out.update({f"balancing/{self.newest - v}/{n}": b for n, b in zip(self.names, biases)})
         return out
 
-    def reset(self, newest: int, ages: Sequence[int]) -> dict[str, Tensor]:
-        """Fresh buffers for versions newest-age (filled in place by a checkpoint load)."""
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Take `state`'s biases (in place already for the tensors state_dict() gave); the routers then hold the
+        newest version's."""
+        mine = self.state_dict()
+        load_in_place([mine[k] for k in mine], [state.get(k) for k in mine])
+        self.use(self.newest)
+
+    def expect(self, newest: int, ages: Sequence[int]) -> None:
+        """Before a load: fresh buffers for versions newest-age, which state_dict() then offers the load."""
         self.versions = {newest - a: [torch.empty_like(m.expert_bias) for m in self.routers.values()] for a in ages}
         self.loads.clear()
-        return self.tensors()
 
 
 class RouterLoadStats:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from torch import Tensor
+if TYPE_CHECKING:  # annotations only: tools/report.py reads the record without importing torch
+    from torch import Tensor
 
 
 class DataSource(Protocol):
@@ -69,10 +71,11 @@ class StepMetrics:
     sync_step: bool
     """A synchronous step of a delayed schedule (staleness.sync_start_steps / sync_cooldown_steps), or any step
     of a synchronous one."""
-    global_batch_size: int
-    """Sequences in the step (Megatron's global batch size: it changes under a batch rampup)."""
-    consumed_tokens: int
-    """Tokens of every step up to and including this one."""
+    global_batch_size: int | None
+    """Sequences in the step (Megatron's global batch size: it changes under a batch rampup). None only in a line
+    read back from a run older than the batch rampup (from_json)."""
+    consumed_tokens: int | None
+    """Tokens of every step up to and including this one (None as global_batch_size)."""
     update_cosine: float | None = None
     """staleness.diagnostics_every steps (simulator): cosine between the applied and the fresh update."""
     update_rel_error: float | None = None
@@ -94,3 +97,34 @@ class StepMetrics:
         if self.bubble is not None:
             out.update(self.bubble.as_metrics())
         return out
+
+    @classmethod
+    def from_json(cls, line: dict) -> StepMetrics:
+        """A metrics.jsonl line read back (tools/report.py, bench/pipeline.py): to_json's inverse for a line this
+        version writes. What a line of an older run (or a partial one) means where it lacks a field:
+        - a float metric (loss, lr, the norms, tokens_per_s, step_time_s): NaN, not recorded. The strings "nan",
+          "inf" and "-inf" (how the writer keeps a non-finite value visible, asyncpp/train/metrics.py) are those
+          floats again, here and in every optional field;
+        - skipped, sync_step: False (both were written from the first version on; a partial line lacks them);
+        - global_batch_size, consumed_tokens: None, unknown (lines before the batch rampup, commit 091d441);
+        - update_cosine and update_rel_error, val_loss, the moe/* group, the bubble: absent, as to_json leaves them.
+        A line without "step" is no step's record: ValueError."""
+        if "step" not in line:
+            raise ValueError(f"a metrics.jsonl line without 'step' is no step's record: {str(line)[:200]}")
+        bubble = None
+        if "bubble_fraction" in line:
+            bubble = PipelineBubble(_float(line["bubble_fraction"]),
+                                    tuple(_float(v) for v in line.get("bubble_fraction_per_stage", ())))
+        optional = {k: _float(line[k]) if k in line else None for k in ("update_cosine", "update_rel_error", "val_loss")}
+        return cls(step=int(line["step"]), **{k: _float(line.get(k)) for k in _FLOAT_FIELDS},
+                   skipped=bool(line.get("skipped", False)), sync_step=bool(line.get("sync_step", False)),
+                   global_batch_size=line.get("global_batch_size"), consumed_tokens=line.get("consumed_tokens"),
+                   moe={k: _float(v) for k, v in line.items() if k.startswith("moe/")}, bubble=bubble, **optional)
+
+
+_FLOAT_FIELDS = ("loss", "lr", "grad_norm", "update_norm", "tokens_per_s", "step_time_s")
+
+
+def _float(value: object) -> float:
+    """A metric read back as a float: absent (None) is NaN; the writer's "nan"/"inf" strings are those floats."""
+    return math.nan if value is None else float(value)

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from asyncpp.core.balancing import RouterBiasVersions
 from asyncpp.core.staleness import ErrorFeedback, GradientErrorFeedback, dc_asgd_
+from asyncpp.core.stateful import load_in_place
 from asyncpp.optim.clip import clip_
 from asyncpp.optim.lr_schedule import lr_multiplier
 
@@ -103,14 +104,20 @@ class UpdateRule:
         self.grad_error_feedback = GradientErrorFeedback(self.masters, corrections.grad_ef_lambda)
         self.balancing = balancing if balancing else None
 
-    def checkpoint_buffers(self) -> dict[str, list[Tensor]]:
+    # ---- Stateful (torch.distributed.checkpoint.stateful): the rule's part of a checkpoint --------------
+    def state_dict(self) -> dict[str, list[Tensor]]:
         """The per-parameter state a checkpoint must hold besides weights and optimizer, by its key prefix
-        (asyncpp/train/checkpoint/state.py StageState.buffers): u_{t-1} always, g_{t-1} when gradient-level EF is on.
-        Both executors save and load exactly these."""
+        (asyncpp/train/checkpoint/state.py StageState.buffers), aligned with `masters`: u_{t-1} always, g_{t-1}
+        when gradient-level EF is on. The rule's own tensors: a load writes them in place."""
         out = {"ef": self.error_feedback.prev_update}
         if self.corrections.grad_ef_lambda:
             out["gef"] = self.grad_error_feedback.prev_grad
         return out
+
+    def load_state_dict(self, state: dict[str, Sequence[Tensor | None]]) -> None:
+        """Take `state`'s buffers (a no-op for the tensors state_dict() gave, which a load filled in place)."""
+        for key, mine in self.state_dict().items():
+            load_in_place(mine, state.get(key, ()))
 
     @property
     def corrects_gradients(self) -> bool:

@@ -133,9 +133,20 @@ def mesh_for(cfg, model_cfg: ModelConfig, dims, device: torch.device | str, time
 
 def build_rank_stage(cfg, model_cfg: ModelConfig, mesh, device: torch.device | str) -> BuiltStage:
     """The stage this rank of `mesh` owns under run config `cfg` (seed, stage split, sequence parallelism)."""
-    p = cfg.parallel
     spec = stage_spec_of(cfg, model_cfg, mesh.pp_rank)
-    split = stage_split(cfg, model_cfg)
-    modes = modes_per_layer(cfg.train.recompute, model_cfg.num_layers, mesh.num_stages, split)
-    return build_stage(model_cfg, spec, device, cfg.seed, tp_ep_plan(mesh, p.sequence_parallel),
-                       ShardCoords.of(mesh), recompute=modes)
+    return build_stage(model_cfg, spec, device, cfg.seed, tp_ep_plan(mesh, cfg.parallel.sequence_parallel),
+                       ShardCoords.of(mesh), recompute=recompute_modes(cfg, model_cfg, mesh.num_stages))
+
+
+def build_whole_model(cfg, model_cfg: ModelConfig, device: torch.device | str) -> BuiltStage:
+    """The single-process run's model (the simulator): the whole model, built as the one stage of a one-stage
+    layout by the same build as every rank's stage; each layer recomputes as its simulated stage would
+    (train.recompute per stage of parallel.pp)."""
+    spec = StageSpec(0, 1, model_cfg.num_layers)
+    return build_stage(model_cfg, spec, device, cfg.seed, recompute=recompute_modes(cfg, model_cfg, cfg.parallel.pp))
+
+
+def recompute_modes(cfg, model_cfg: ModelConfig, num_stages: int) -> list[str]:
+    """train.recompute as the mode of every layer of the model, with the stages split as the run splits them."""
+    split = stage_split(cfg, model_cfg) if num_stages > 1 else None
+    return modes_per_layer(cfg.train.recompute, model_cfg.num_layers, num_stages, split)

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from asyncpp.core.staleness import predict_weights
+from asyncpp.core.stateful import load_in_place
 
 #: dtype of the master weights, the optimizer state and the gradient sums in every precision.
 MASTER_DTYPE = torch.float32
@@ -355,6 +356,30 @@ class WeightVersions:
     def retarget(self, optimizer) -> None:
         """Make a freshly built optimizer step the masters instead of the module's Parameters."""
         retarget(optimizer, self.params, self.masters)
+
+    # ---- Stateful (torch.distributed.checkpoint.stateful): the versions as a checkpoint holds them ---------
+    def state_dict(self) -> dict[str, list[Tensor]]:
+        """{str(age): x_{newest-age}} for every held version, at full precision (tensors()): the storage itself,
+        which a load writes in place."""
+        return {str(self.newest - version): self.tensors(version) for version in self.held()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Sequence[Tensor]]) -> None:
+        """Take `state`'s versions (in place already for the tensors state_dict() gave); then the parameters and
+        the masters point at the newest (mixed precision: its buffer refilled from the masters the load wrote)."""
+        for age, tensors in state.items():
+            load_in_place(self.tensors(self.newest - int(age)), tensors)
+        self.set_newest(self.newest)
+
+    def expect(self, newest: int) -> list[int]:
+        """Before a load of a checkpoint of step `newest`: the buffers stand for x_newest, x_newest-1, ... (what
+        state_dict() then offers the load); returns the ages the load must fill."""
+        self.set_newest(newest)
+        return [newest - version for version in self.held()]
+
+    def copied(self) -> dict[int, list[bool]]:
+        """age -> copies(version) of every held version: the tensors another rank saves."""
+        return {self.newest - version: self.copies(version) for version in self.held()}
 
 
 def optimizer_state_of(optimizer, p) -> bool:

@@ -78,22 +78,28 @@ def evaluate(model: nn.Module, batches: list[Tensor], device: torch.device) -> f
     return sum(losses) / len(losses)
 
 
+def simulator_parts(sim: DelayedUpdateSimulator, model: nn.Module) -> ckpt.StageParts:
+    """The simulator's side of a checkpoint (the pipeline's assembly, train/checkpoint/parts.py): x_t, the
+    optimizer's copy (the fp32 masters under mixed precision), and its past versions (ages 1..; compute dtype),
+    u_{t-1} (and g_{t-1}), the optimizer, the router-bias versions; every tensor whole, named as in the model."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    return ckpt.StageParts(names, sim.versions, sim.rule, sim.optimizer, sim.masters, sim.balancing)
+
+
 def simulator_state(sim: DelayedUpdateSimulator, model: nn.Module, num_past: int | None = None,
                     step: int = 0) -> ckpt.StageState:
-    """The simulator's side of a checkpoint: x_t (age 0) and its past versions (ages 1..), u_{t-1}, the
-    optimizer. With `num_past`, fresh buffers are made for that many past versions (for a load). x_t is
-    the optimizer's copy: the fp32 masters under mixed precision (past versions stay in the compute dtype)."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    """simulator_parts(...).state(), for a caller that saves or loads by hand (ckpt.save / ckpt.load). With
+    `num_past`, made ready for a load of step `step` first (fresh buffers for its past versions and router biases;
+    `num_past` must be the count the run holds at that step)."""
+    parts = simulator_parts(sim, model)
     if num_past is not None:
-        sim.history.clear()
-        for _ in range(num_past):
-            sim.history.append([torch.empty_like(p) for p in sim.params])
-    versions = {0: [q.detach() for q in sim.masters]}
-    versions.update({age + 1: v for age, v in enumerate(sim.history)})
-    buffers = sim.rule.checkpoint_buffers()
-    balancing = sim.balancing
-    extra = balancing.reset(step, range(num_past + 1)) if num_past is not None and balancing else balancing.tensors()
-    return ckpt.StageState(names, versions, buffers, sim.optimizer, sim.masters, extra=extra)
+        ages = parts.versions.expect(step)
+        if len(ages) != num_past + 1:
+            raise ValueError(f"num_past={num_past}, but at step {step} the simulator holds {len(ages) - 1} past "
+                             f"versions (min(step, {sim.num_past_versions}))")
+        if parts.balancing:
+            parts.balancing.expect(step, ages)
+    return parts.state()
 
 
 class ReferenceExecutor:
@@ -107,20 +113,13 @@ class ReferenceExecutor:
         self.device = torch.device(cfg.train.device)
         self.sim = build_simulator(cfg, model, optimizer)
         self.batches = BatchPlan.of(cfg)  # parallel.dp replicas, simulated as m_t * dp microbatches per step
-        self.saver = ckpt.Saver(cfg.checkpoint.async_save)
+        self.checkpoint = ckpt.Checkpointer(cfg, lambda: simulator_parts(self.sim, model), data, self.batches,
+                                            layout={"pp": 1, "dp": 1, "simulated_pp": cfg.parallel.pp})
+        self.saver = self.checkpoint.saver
 
     def resume(self, warn: Callable[[str], None]) -> int | None:
         """Load the checkpoint checkpoint.resume points at, if any; returns its step."""
-        point = ckpt.resume_point(self.cfg, self.data, warn=warn)
-        if point is None:
-            return None
-        path, step = point
-        self.saver.resumed_from = path  # never pruned by this run
-        past = min(step, self.sim.num_past_versions)
-        ckpt.load(path, simulator_state(self.sim, self.model, num_past=past, step=step), ages=range(past + 1))
-        self.sim.balancing.use(step)
-        self.sim.sync_params()  # mixed precision: the load wrote the fp32 masters
-        return step
+        return self.checkpoint.resume(warn)
 
     def steps(self, t0: int, t1: int, stop=None, clock=None) -> Iterator[StepResult]:
         """The trainer stops and checkpoints this executor itself, after any step (stops_at_any_step)."""
@@ -141,10 +140,7 @@ class ReferenceExecutor:
         return evaluate(self.model, batches, self.device)
 
     def save(self, step_done: int) -> None:
-        c = self.cfg
-        self.saver.save(ckpt.checkpoint_root(c), step_done, simulator_state(self.sim, self.model),
-                        config=c.to_dict(), layout={"pp": 1, "dp": 1, "simulated_pp": c.parallel.pp},
-                        keep_last=c.checkpoint.keep_last, data=ckpt.data_position(self.data, step_done, self.batches))
+        self.checkpoint.save(step_done)
 
     def stop_agreed(self, requested: bool) -> bool:
         return requested

@@ -35,6 +35,7 @@ from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced
 from asyncpp.core.loss import LossFn, lm_loss
 from asyncpp.core.records import StepResult
 from asyncpp.core.staleness import predict_weights
+from asyncpp.core.stateful import load_in_place
 from asyncpp.core.update import Corrections, UpdateRule
 from asyncpp.optim.clip import clip_, diff_sq_norm, grad_sq_norm
 from asyncpp.pipeline.weights import GradSums, is_mixed, make_masters, retarget
@@ -49,6 +50,48 @@ class TiedUse:
     attr: str
     param: nn.Parameter
     delay: int
+
+
+class VersionHistory:
+    """x_t and the past versions the delays read, as the simulator keeps them (Stateful, core/stateful.py): x_t is
+    the optimizer's `masters` (fp32 under mixed precision; the parameters themselves otherwise), `past[k]` holds
+    x_{t-1-k} in the parameters' (compute) dtype, like the pipeline's buffers."""
+
+    def __init__(self, params: list[nn.Parameter], masters: list[Tensor], num_past: int):
+        self.params, self.masters = params, masters
+        self.past: deque[list[Tensor]] = deque(maxlen=num_past or None)
+
+    def state_dict(self) -> dict[str, list[Tensor]]:
+        """{str(age): x_{t-age}}: the masters (age 0) and every past version held."""
+        out = {"0": [q.detach() for q in self.masters]}
+        out.update({str(age + 1): version for age, version in enumerate(self.past)})
+        return out
+
+    def load_state_dict(self, state: dict[str, Sequence[Tensor]]) -> None:
+        """Take `state`'s versions (in place already for state_dict()'s tensors); the parameters then hold x_t."""
+        mine = self.state_dict()
+        for age, tensors in state.items():
+            load_in_place(mine[age], tensors)
+        self.sync_params()
+
+    def expect(self, newest: int) -> list[int]:
+        """Before a load of a checkpoint of step `newest`: fresh past versions, as many as the run holds by then
+        (x_{-k} := x_0 is never stored); returns the ages the load must fill."""
+        held = min(newest, self.past.maxlen or 0)
+        self.past.clear()
+        for _ in range(held):
+            self.past.append([torch.empty_like(p) for p in self.params])
+        return list(range(held + 1))
+
+    def copied(self) -> dict[int, list[bool]] | None:
+        """One process holds every tensor it saves: no copies of another rank's masters."""
+        return None
+
+    @torch.no_grad()
+    def sync_params(self) -> None:
+        """Mixed precision: the parameters (bf16) take the masters' values x_t (no-op otherwise)."""
+        if self.masters is not self.params:
+            torch._foreach_copy_(self.params, [q.detach() for q in self.masters])
 
 
 class DelayedUpdateSimulator:
@@ -124,7 +167,8 @@ class DelayedUpdateSimulator:
         self.max_delay = max(self.delays, default=0)
         # history[k] holds x_{t-1-k}: the past versions of the registry's rule (x_t itself is the model).
         past = buffers_for_delay(self.max_delay, weight_prediction=weight_prediction) - 1
-        self.history: deque[list[Tensor]] = deque(maxlen=past or None)
+        self.versions = VersionHistory(self.params, self.masters, past)
+        self.history: deque[list[Tensor]] = self.versions.past
 
     @property
     def num_past_versions(self) -> int:
@@ -181,11 +225,9 @@ class DelayedUpdateSimulator:
                 q.grad = g
         return total / len(microbatches)
 
-    @torch.no_grad()
     def sync_params(self) -> None:
         """Mixed precision: the parameters (bf16) take the masters' values x_t (no-op otherwise)."""
-        if self.mixed:
-            torch._foreach_copy_(self.params, [q.detach() for q in self.masters])
+        self.versions.sync_params()
 
     def _stored(self, version: list[Tensor]) -> list[Tensor]:
         """A past version as kept in `history`: in the parameters' (compute) dtype, like the pipeline's buffers."""

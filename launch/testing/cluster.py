@@ -1,11 +1,13 @@
 """A real two-node Slurm cluster on this machine, for tests (tests/slurm, `make test-slurm`).
 
     python -m launch.testing.cluster up       # install the packages if missing, start, wait for idle nodes
+    python -m launch.testing.cluster up --no-accounting   # the same without slurmdbd and MariaDB (CI's pair)
     python -m launch.testing.cluster status   # sinfo
     python -m launch.testing.cluster env      # `eval "$(python -m launch.testing.cluster env)"`: PATH, SLURM_CONF
     python -m launch.testing.cluster down     # stop everything, remove the namespaces and the state
 
-What it builds (root only; Debian's slurm-wlm 22.05, munge, slurmdbd, mariadb-server):
+What it builds (root only; Debian's slurmctld, slurmd and slurm-client 22.05, munge; slurmdbd and mariadb-server
+for accounting):
 - two network namespaces, asyncpp-node1 and asyncpp-node2, each with one veth (`slurm0`) on a bridge
   (`asyncpp-br`) that has no address: 10.77.31.11 and .12 exist only inside the namespaces, and nothing is
   routed out of them. Each namespace sees its own /etc/hosts (/etc/netns/<ns>/hosts: node1, node2).
@@ -18,10 +20,13 @@ What it builds (root only; Debian's slurm-wlm 22.05, munge, slurmdbd, mariadb-se
 
 No cgroups (proctrack/linuxproc, task/none: a container's cgroup tree is not slurm's). Accounting is real:
 slurmdbd on node1 over a MariaDB that listens on a unix socket only, so `sacct -D` shows every start of a job
-(a requeued one has a REQUEUED row and then its final one); the job completion log (jobcomp/filetxt) too.
+(a requeued one has a REQUEUED row and then its final one). `--no-accounting` leaves both out (8 s of start-up
+and, on a machine without them, ~60 s of packages: what CI's two tests skip); slurmctld's own job completion log
+(jobcomp/filetxt) is kept either way and has a line for every end of a run, a requeue's included.
 
 `up()` first tears down whatever an earlier run left, so it is idempotent; `down()` kills every process in
-the two namespaces (jobs included), the daemons by their pid files, and removes all it made.
+the two namespaces (jobs included), the daemons by their pid files, and removes all it made. `Cluster.running()`
+is the cluster an earlier `up` left running (tests/slurm use it instead of starting their own).
 No torch import: the launcher tests import this.
 """
 
@@ -42,7 +47,12 @@ BRIDGE = "asyncpp-br"
 SUBNET = "10.77.31"  # private; the addresses live only inside the namespaces this module creates
 NODES = ("node1", "node2")
 CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo", "sacct", "sacctmgr", "salloc")
-PACKAGES = ("slurm-wlm", "munge", "slurmdbd", "mariadb-server")
+# Debian's packages, without their recommendations (slurm-wlm's pull in 36 more: -dev headers, plugins for
+# GPUs, InfluxDB, HDF5...), and the programs each set provides.
+PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
+ACCOUNTING_PACKAGES = ("slurmdbd", "mariadb-server")
+PROGRAMS = ("slurmctld", "slurmd", "sbatch", "munged")
+ACCOUNTING_PROGRAMS = ("slurmdbd", "mariadbd", "mariadb-install-db")
 DAEMONS = ("slurmctld", "slurmd", "munged", "slurmdbd", "mariadbd", "mariadb-install-db")
 
 
@@ -65,8 +75,20 @@ class Cluster:
     """What each node offers (config_overrides): the 2 cores of this machine, one per node."""
     slurmd_timeout: int = 10
     """Seconds before a silent node is DOWN (300 by default): the node-death test waits for it."""
-    cred_expire: int = 10
+    cred_expire: int = 5
     """Seconds a requeued job waits before it may start again (120 by default; see slurm_conf)."""
+    accounting: bool = True
+    """slurmdbd over MariaDB, for sacct (False: slurmctld's job completion log only)."""
+
+    @classmethod
+    def running(cls, state: Path = STATE) -> Cluster | None:
+        """The cluster an earlier `up` left running here, with its options, or None."""
+        conf = state / "slurm.conf"
+        if not conf.exists():
+            return None
+        cluster = cls(state=state, accounting="accounting_storage/slurmdbd" in conf.read_text())
+        r = sh(str(cluster.bin_dir / "sinfo"), "-h", "-N", "-o", "%N", check=False)
+        return cluster if r.returncode == 0 and sorted(r.stdout.split()) == list(NODES) else None
 
     @property
     def conf(self) -> Path:
@@ -102,7 +124,7 @@ class Cluster:
     # ---- up ----------------------------------------------------------------------------------------
 
     def up(self, timeout: float = 60.0) -> Cluster:
-        install_packages()
+        install_packages(self.accounting)
         self.down()
         for sub in ("munge", "log", "ctld", "bin", *(f"spool-{n}" for n in NODES)):
             (self.state / sub).mkdir(parents=True, exist_ok=True)
@@ -110,7 +132,8 @@ class Cluster:
         self._munge()
         self.conf.write_text(self.slurm_conf())
         self._wrappers()
-        self._accounting()
+        if self.accounting:
+            self._accounting()
         self._daemon("slurmctld", "node1", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         for node in NODES:
             self._daemon(f"slurmd-{node}", node, ["slurmd", "-D", "-N", node, "-f", str(self.conf)])
@@ -193,6 +216,13 @@ LogFile={self.log('slurmdbd')}
 
     def slurm_conf(self) -> str:
         s = self.state
+        accounting = (
+            "AccountingStorageType=accounting_storage/slurmdbd\n"
+            "AccountingStorageHost=node1\n"
+            "AccountingStoragePort=6819\n"
+            "# with slurmdbd this names the munge socket for its connections (AuthInfo does not reach them)\n"
+            f"AccountingStoragePass={self.munge_socket}\n"
+        ) if self.accounting else "AccountingStorageType=accounting_storage/none\n"
         nodes = "".join(
             f"NodeName={n} NodeAddr={address(n)} CPUs={self.cpus_per_node} RealMemory=4000 State=UNKNOWN\n"
             for n in NODES
@@ -221,14 +251,12 @@ SlurmdLogFile={s}/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/slurmdbd
-AccountingStorageHost=node1
-AccountingStoragePort=6819
-# with slurmdbd this names the munge socket for its connections (AuthInfo does not reach them)
-AccountingStoragePass={self.munge_socket}
-JobCompType=jobcomp/filetxt
+{accounting}JobCompType=jobcomp/filetxt
 JobCompLoc={self.jobcomp_log}
 SchedulerType=sched/backfill
+# A requeued job becomes eligible again after cred_expire; nothing wakes the scheduler then, and the backfill
+# pass that starts it runs every bf_interval (30 s by default): every second here.
+SchedulerParameters=bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
@@ -311,15 +339,19 @@ JobRequeue=1
     # ---- down --------------------------------------------------------------------------------------
 
     def down(self) -> None:
-        """Stop everything `up` started (idempotent; a no-op when nothing is there)."""
-        for node in NODES:
-            for pid in self.node_pids(node):
-                _kill(pid, signal.SIGKILL)
+        """Stop everything `up` started (idempotent; a no-op when nothing is there). Returns once the processes it
+        killed are gone (a SIGKILLed process lingers a moment, and a check right after `down` saw it)."""
+        killed = [pid for node in NODES for pid in self.node_pids(node)]
         for pidfile in (*self.state.glob("*.daemon-pid"), *self.state.glob("*.pid"), self.state / "munge/munged.pid",
                         self.state / "mysql/mariadbd.pid"):
             pid = _read_pid(pidfile)
             if pid is not None and _is_ours(pid):
-                _kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        for pid in killed:
+            _kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(pid) for pid in killed):
+            time.sleep(0.05)
         for node in NODES:
             sh("ip", "netns", "del", namespace(node), check=False)
             shutil.rmtree(Path("/etc/netns") / namespace(node), ignore_errors=True)
@@ -368,6 +400,14 @@ def _is_ours(pid: int) -> bool:
     return comm in (*DAEMONS, "nsenter", "unshare", "sh", "on-node", "env")
 
 
+def _alive(pid: int) -> bool:
+    """Still a process (a zombie, dead but not yet reaped by its parent, counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _kill(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -375,22 +415,32 @@ def _kill(pid: int, sig: int) -> None:
         pass
 
 
-def install_packages() -> None:
-    """apt-get install slurm-wlm, munge, slurmdbd and mariadb-server when a daemon is missing (Debian, root)."""
-    if all(shutil.which(d) for d in DAEMONS):
+def install_packages(accounting: bool = True) -> None:
+    """apt-get install the cluster's packages when a program of theirs is missing (Debian, root). Any failure
+    raises, with apt's own words: a cluster that cannot be installed is an error, never a skip."""
+    packages = (*PACKAGES, *ACCOUNTING_PACKAGES) if accounting else PACKAGES
+    programs = (*PROGRAMS, *ACCOUNTING_PROGRAMS) if accounting else PROGRAMS
+    if all(shutil.which(p) for p in programs):
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise RuntimeError(f"{', '.join(PACKAGES)} are not all installed, and installing them needs root and apt-get")
+        raise RuntimeError(f"{', '.join(packages)} are not all installed, and installing them needs root and apt-get")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    sh("apt-get", "update", "-q", env=env)
-    sh("apt-get", "install", "-y", "-q", *PACKAGES, env=env)
+    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]):
+        r = sh(*cmd, check=False, env=env)
+        if r.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}")
+    missing = [p for p in programs if not shutil.which(p)]
+    if missing:
+        raise RuntimeError(f"apt-get installed {', '.join(packages)}, yet {', '.join(missing)} is not on PATH")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.testing.cluster", description=__doc__.split("\n\n")[0])
     p.add_argument("action", choices=("up", "down", "status", "env"))
+    p.add_argument("--no-accounting", dest="accounting", action="store_false",
+                   help="up without slurmdbd and MariaDB (no sacct; slurmctld's job completion log stays)")
     args = p.parse_args(argv)
-    cluster = Cluster()
+    cluster = Cluster(accounting=args.accounting)
     if args.action == "up":
         cluster.up()
         print(sh(str(cluster.bin_dir / "sinfo"), "-N").stdout, end="")

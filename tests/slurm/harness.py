@@ -117,8 +117,17 @@ def ranks_on(cluster: Cluster, node: str) -> list[int]:
     return pids
 
 
+def completions(cluster: Cluster, job_id: str) -> list[dict[str, str]]:
+    """slurmctld's job completion log for the job: one line per end of a run of it. A requeue writes one too,
+    with JobState=PENDING (the job is back in the queue) and the ended run's StartTime and EndTime."""
+    return [r for r in cluster.completions() if r.get("JobId") == job_id]
+
+
 def sacct(cluster: Cluster, job_id: str) -> list[dict[str, str]]:
     """slurmdbd's records of the job, one per run of it (--duplicates: a requeued job has one per start)."""
+    assert cluster.accounting, (
+        "sacct needs the cluster's accounting (slurmdbd): this cluster was started with --no-accounting; run this "
+        "test under `make test-slurm`, which starts a cluster with it")
     fields = ["JobID", "JobName", "State", "ExitCode", "Start", "End", "NodeList"]
     out = subprocess.run([str(cluster.bin_dir / "sacct"), "-D", "-X", "-n", "-P", "-j", job_id,
                           "-o", ",".join(fields)], env=cluster.env(), capture_output=True, text=True, check=True,

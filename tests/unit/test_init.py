@@ -7,11 +7,12 @@ import torch
 from torch import nn
 
 from asyncpp.parallel.sharding import ParamSharding
-from asyncpp.pipeline.build import ShardCoords, build_stage, param_slice
+from asyncpp.pipeline.build import ShardCoords, build_stage, build_whole_model, param_slice
 from asyncpp.pipeline.stage import StageSpec
 from model_zoo import build_model, get_model_config
 from model_zoo import init as init_mod
 from model_zoo.init import KeyedInit, ParamSlice, draw_slice
+from tests.dist.workers import make_config
 
 
 def _normal(t, g):
@@ -85,3 +86,20 @@ def test_a_parameter_initialized_around_the_initializer_is_refused():
     model.layers[0].extra = nn.Linear(2, 2)  # a module whose init_weights would call torch.nn.init
     with pytest.raises(RuntimeError, match=r"layers\.0\.extra\.weight"):
         init.check_complete(model.named_parameters())
+
+
+def test_the_single_process_model_is_the_stage_builders_whole_model():
+    """job.run's model (build.build_whole_model, one stage of one) is build_model's, weight for weight, and each
+    layer recomputes as its simulated stage says (train.recompute per stage of parallel.pp, the run's split)."""
+    cfg = make_config(model={"name": "tiny_hybrid"}, parallel={"pp": 2, "stage_layers": [3, 1]},
+                      train={"recompute": ["selective", "full"]})
+    model_cfg = get_model_config("tiny_hybrid")
+    built = build_whole_model(cfg, model_cfg, "cpu")
+    assert built.spec.is_first and built.spec.is_last and list(built.spec.layers) == list(range(model_cfg.num_layers))
+    full = build_model(model_cfg, seed=cfg.seed).state_dict()
+    assert sorted(built.model.state_dict()) == sorted(full)
+    for name, t in built.model.state_dict().items():
+        assert torch.equal(t, full[name]), name
+    wrapped = [(getattr(layer, "_asyncpp_recompute", False), getattr(layer.mixer, "_asyncpp_recompute", False))
+               for layer in built.model.layers]
+    assert wrapped == [(False, True)] * 3 + [(True, False)]

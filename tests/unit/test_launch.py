@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from asyncpp.job import cpu_threads
 from launch import local, slurm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,6 +123,20 @@ def test_overrides_pass_through_quoted_with_a_stable_run_dir_and_cuda():
     assert "--gpus-per-node" not in cpu and "train.device" not in cpu and "--nproc-per-node=4" in cpu
 
 
+def test_a_rank_in_a_slurm_job_keeps_the_scripts_thread_count():
+    """The script exports OMP_NUM_THREADS from the node's allocation (its CPUs / ranks per node); the rank must not
+    replace it by the machine's cores // ranks: on the real cluster (tests/slurm: two 1-CPU nodes on one 2-core
+    machine) each rank then ran 2 threads on its 1 CPU, and a step took 4 s instead of 0.15 s."""
+    script = slurm.render(_job(gpus_per_node=0, nproc_per_node=1, overrides=[]))
+    assert 'CPUS=${SLURM_CPUS_ON_NODE:-1}' in script and "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-" in script
+    in_job = {"SLURM_JOB_ID": "7", "LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}
+    assert cpu_threads(in_job, cores=2) == 1
+    assert cpu_threads({**in_job, "OMP_NUM_THREADS": "6"}, cores=64) == 6
+    # Outside slurm, the machine's cores shared by the node's ranks (torchrun sets OMP_NUM_THREADS=1 for several).
+    assert cpu_threads({"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}, cores=16) == 8
+    assert cpu_threads({"LOCAL_WORLD_SIZE": "4"}, cores=2) == 1 and cpu_threads({}, cores=2) == 2
+
+
 def test_environment_and_preemption_handling():
     script = slurm.render(_job(env=["NCCL_SOCKET_IFNAME=ib0"], extra_sbatch=["--constraint=h100"]))
     for line in (
@@ -155,7 +170,9 @@ def _fake_bin(tmp_path: Path) -> Path:
     scripts = {
         "srun": 'while [[ "$1" == --* ]]; do shift; done\n"$@" &\nchild=$!\n'
         'trap \'echo "srun: forcing job termination" >> "$LOG"; kill -KILL $child\' TERM\n'
-        'while kill -0 $child 2>/dev/null; do wait $child; rc=$?; done\nexit $rc\n',
+        # wait until the child has ended (a trapped SIGTERM interrupts `wait`); a child that ended before the
+        # first `wait` still gives its status (`while kill -0` first exited 0 for it: a flaky rc 0)
+        'while true; do wait $child; rc=$?; kill -0 $child 2>/dev/null || break; done\nexit $rc\n',
         "scancel": 'echo scancel "$@" >> "$LOG"\nkill -TERM "$(cat "$ARGS.pid")"\n',
         # `scontrol requeue` of a running job terminates it: slurm sends the batch shell SIGTERM again.
         "scontrol": 'if [[ "$1" == show ]]; then echo node-a; echo node-b; else echo "$@" >> "$LOG"; fi\n'

@@ -180,8 +180,8 @@ def test_figures_are_written(rendered):
 
 def test_curves_take_the_last_record_of_a_step(study_dir):
     records = report.read_metrics(study_dir / "adamw__sync__seed1" / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(EVAL_STEPS[-1]))
-    assert records[19]["val_loss"] == pytest.approx(3.00 + 0.1 * 10 / 10)
+    assert [r.step for r in records] == list(range(EVAL_STEPS[-1]))
+    assert records[19].val_loss == pytest.approx(3.00 + 0.1 * 10 / 10)
     curves = report.gap_curves(report.load_study([study_dir]), "main", "adamw", "2bw", "sync")
     assert [c[0] for c in curves] == [list(EVAL_STEPS)] * 3
     assert curves[0][1] == pytest.approx([0.30] * 3)  # same per-step offsets: the gap is the final gap

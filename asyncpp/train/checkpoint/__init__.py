@@ -17,6 +17,7 @@ tensor is never written: save() refuses it on every rank before anything touches
 (keep_last) never trades good checkpoints for a bad one.
 
 One module per concern: files.py (the directory, lineage, keep_last), state.py (a StageState as DCP keys),
+parts.py (an executor's Stateful parts assembled into a StageState, saved and resumed: one path for both executors),
 saver.py (writing and committing), restore.py (choosing, checking and loading a checkpoint), rng.py (the
 ranks' RNG states), runtime.py (the process group and DCP). This package re-exports what callers use.
 """
@@ -33,6 +34,7 @@ from asyncpp.train.checkpoint.files import (
     read_manifest,
     step_of,
 )
+from asyncpp.train.checkpoint.parts import Checkpointer, StageParts
 from asyncpp.train.checkpoint.restore import (
     check_data_position,
     damage,
@@ -58,9 +60,11 @@ __all__ = [
     "MANIFEST",
     "TMP_PREFIX",
     "CheckpointWriteError",
+    "Checkpointer",
     "NonFiniteState",
     "Saver",
     "Shard",
+    "StageParts",
     "StageState",
     "all_finite",
     "check_data_position",
