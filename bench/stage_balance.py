@@ -19,7 +19,9 @@ forward). The share of the ideal is (total cost / P) per microbatch over the pre
   time (blocking, on the compute stream); "hidden": they run beside the compute (Yeung et al.'s placement of the
   head's passes; each stage bounded by max(compute, link time)). "ib sim": the head's passes as S and T actions
   in the 2BW schedule, placed by the cost model (asyncpp/schedules/costmodel.place_vocab_passes), the collectives as
-  latencies on the edges they carry, at ib; bounded also by the link's occupancy. "ib sim blk": the same, the
+  latencies on the edges they carry, at ib; bounded also by the link's occupancy. "+emb": the same with the input
+  embedding sharded by the head's rows too (parallel.embedding=vocab; costmodel.place_embedding_passes places its
+  E and G actions, its reduce and broadcast at ib, their bytes on the link). "ib sim blk": the same, the
   collectives blocking (S and T occupy the stage for them too). The engine runs them with parallel.head=vocab (pipeline/vocab_head.py).
 
     .venv/bin/python bench/stage_balance.py                   # paper models at seq 4096 (CUDA), tiny_dense (CPU)
@@ -94,27 +96,32 @@ def vocab_parallel_costed(costs: LayerCosts, model, P: int, tokens: int, device:
 
 
 def vocab_parallel_simulated(costs: LayerCosts, model, P: int, tokens: int, device: str, link: str,
-                             blocking: bool = False) -> dict:
+                             blocking: bool = False, embedding: bool = False) -> dict:
     """The head's S and T as actions in the 2BW schedule (costmodel.place_vocab_passes), its collectives as
     latencies on their own stream at `link`: the simulated share of the ideal, bounded also by the link's
     occupancy (each stage's link carries the head's bytes of every microbatch). blocking: the collectives occupy
     the stage too (S takes the broadcast and the statistics' all-reduces longer, T the reduce), as a blocking
-    implementation on the compute stream would."""
-    comm = vocab_comm_time(tokens, model.hidden_size, P, LINKS[link])
+    implementation on the compute stream would. embedding: the input embedding sharded by the same rows
+    (parallel.embedding=vocab), its E and G actions placed too (costmodel.place_embedding_passes), its reduce and
+    broadcast latencies at `link` and their bytes on the link."""
+    comm = vocab_comm_time(tokens, model.hidden_size, P, LINKS[link], embedding=embedding)
     unit = comm_per_token(comm, tokens, device) / comm.total  # cost-model units per second
-    plan = plan_vocab_split(costs, P, model.vocab_size)
-    body = [c - h for c, h in zip(plan.compute, plan.head)]
+    plan = plan_vocab_split(costs, P, model.vocab_size, embedding=embedding)
+    embed = plan.embed or (0.0,) * P
+    body = [c - h - e for c, h, e in zip(plan.compute, plan.head, embed)]
     held_s = (comm.broadcast + comm.statistics) * unit if blocking else 0.0
     held_t = comm.gradient * unit if blocking else 0.0
     ops = OpCosts(forward=[b / 3 for b in body], backward=[2 * b / 3 for b in body],
                   vocab_forward=[h / 3 + held_s for h in plan.head],
                   vocab_backward=[2 * h / 3 + held_t for h in plan.head],
                   vocab_broadcast=comm.broadcast * unit, vocab_allreduce=comm.statistics * unit,
-                  vocab_reduce=comm.gradient * unit)
+                  vocab_reduce=comm.gradient * unit, embed_forward=plan.embed_lookup,
+                  embed_backward=[e - plan.embed_lookup for e in embed], embed_reduce=comm.embedding / 2 * unit,
+                  embed_broadcast=comm.embedding / 2 * unit)
     m = 4 * P
-    r = predict("2bw", P, m, 6, ops, collective_updates=True, vocab_parallel=True)
+    r = predict("2bw", P, m, 6, ops, collective_updates=True, vocab_parallel=True, sharded_embedding=embedding)
     per_microbatch = max(r["step_time"] / m, comm.total * unit)
-    total = sum(costs.layers) + costs.embedding + costs.head
+    total = sum(costs.layers) + costs.embedding + costs.head  # the unsplit model's work: what the ideal spreads
     return {"share": (total / P) / per_microbatch, "bubble": r["bubble"], "vocab_warmup": r["vocab_warmup"],
             "peak_activations": r["peak_activations"], "split": list(plan.sizes), "shards": list(plan.shards)}
 
@@ -144,12 +151,14 @@ def main() -> None:
                 vp = vocab_parallel_costed(costs, model, P, seq * mb, device, link, overlap)
                 rows[-1][f"vp_{link}_{overlap}"] = vp
             rows[-1]["vp_ib_simulated"] = vocab_parallel_simulated(costs, model, P, seq * mb, device, "ib")
+            rows[-1]["vp_ib_simulated_embedding"] = vocab_parallel_simulated(costs, model, P, seq * mb, device, "ib",
+                                                                             embedding=True)
             rows[-1]["vp_ib_simulated_blocking"] = vocab_parallel_simulated(costs, model, P, seq * mb, device, "ib",
                                                                             blocking=True)
             rows[-1]["vp_ib_exposed_equal_shards"] = vocab_parallel_costed(costs, model, P, seq * mb, device,
                                                                            "ib", "exposed", equal_shards=True)
     head = (f"{'model':15} {'seq':>5} {'P':>3} {'head/layer':>10} {'even':>6} {'auto':>6} {'+tokens':>8} {'VP bound':>9}"
-            f" {'VP nvl':>7} {'VP ib':>6} {'VP ib hid':>9} {'ib sim':>6} {'ib sim blk':>10} {'ib equal':>8}  auto split | +tokens split (helper's share)")
+            f" {'VP nvl':>7} {'VP ib':>6} {'VP ib hid':>9} {'ib sim':>6} {'+emb':>5} {'ib sim blk':>10} {'ib equal':>8}  auto split | +tokens split (helper's share)")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -157,6 +166,7 @@ def main() -> None:
               f"{r['share_auto']:>6.2f} {r['share_head_split_tokens']:>8.2f} {r['share_vocab_parallel']:>9.2f} "
               f"{r['vp_nvlink_exposed']['share']:>7.2f} {r['vp_ib_exposed']['share']:>6.2f} "
               f"{r['vp_ib_hidden']['share']:>9.2f} {r['vp_ib_simulated']['share']:>6.2f} "
+              f"{r['vp_ib_simulated_embedding']['share']:>5.2f} "
               f"{r['vp_ib_simulated_blocking']['share']:>10.2f} "
               f"{r['vp_ib_exposed_equal_shards']['share']:>8.2f}  "
               f"{r['auto']} | {r['head_split_tokens_split']} ({r['head_split_helper_share']:.2f})")
@@ -165,7 +175,8 @@ def main() -> None:
           "VP nvl / VP ib: layers and unequal vocabulary shards chosen together, the head's collectives exposed at "
           f"{LINKS['nvlink'].bandwidth / 1e9:g} / {LINKS['ib'].bandwidth / 1e9:g} GB/s; VP ib hid: hidden beside "
           "the compute (link-bound); ib sim: the head's S and T as actions in the 2BW schedule, its collectives as "
-          "latencies at ib (costmodel.place_vocab_passes); ib sim blk: the same with blocking collectives (they "
+          "latencies at ib (costmodel.place_vocab_passes); +emb: the same with the input embedding sharded by the "
+          "head's rows (parallel.embedding=vocab: E and G actions, their reduce and broadcast at ib); ib sim blk: the same with blocking collectives (they "
           "occupy the stage); ib equal: equal shards, exposed at ib")
     for r in rows:
         vp = r["vp_ib_exposed"]

@@ -57,6 +57,15 @@ class ParallelConfig:
     vocab_shards: tuple[int, ...] | None = None
     """With head=vocab: every stage's rows of the head, in stage order, summing to the vocabulary; None = the
     cost model's (sized together with stage_layers)."""
+    embedding: Literal["first", "vocab"] = "first"
+    """Where the input embedding lives (docs/parallelism.md):
+    - first: whole on the first stage;
+    - vocab (with head=vocab): sharded by the head's rows, stage s holding embedding rows vocab_rows(s) too; each
+      stage looks up the tokens in its rows, the partial embeddings are summed onto the first stage, and the first
+      stage's embedding gradient is broadcast back (the E and G actions, pipeline/vocab_head.VocabEmbedding). The
+      first stage no longer holds the whole [vocab, hidden] table, its gradient and optimizer state; a tied
+      embedding's head and embedding rows are then one tensor on each stage (no cross-stage tied all-reduce).
+      The paper layouts take it where the dry run's largest rank drops (configs/parallel/*.yaml)."""
 
 
 def check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
@@ -130,6 +139,13 @@ def _check_vocab_head(cfg: RunConfig, model: ModelLimits) -> None:
     if p.vocab_shards is not None and p.head not in ("vocab", "auto"):
         raise ConfigError(f"parallel.vocab_shards={list(p.vocab_shards)} needs parallel.head=vocab; set it or leave "
                           "vocab_shards null")
+    if p.embedding == "vocab" and p.head not in ("vocab", "auto"):
+        raise ConfigError(f"parallel.embedding=vocab shards the embedding by the vocabulary-parallel head's rows, but "
+                          f"parallel.head={p.head}; set parallel.head=vocab, or parallel.embedding=first")
+    if p.embedding == "vocab" and p.tp > 1:
+        raise ConfigError(f"parallel.embedding=vocab with parallel.tp={p.tp} is not supported yet (each stage's "
+                          "embedding rows would be split again over TP; no equivalence test covers it); use "
+                          "parallel.embedding=first with tp > 1")
     if p.head != "vocab":
         return
     try:

@@ -50,6 +50,9 @@ class LayerCosts:
     head_fixed: float = 0.0
     """The part of `head` that does not shrink with a vocabulary shard: the final norm, applied once per token
     on the last stage (a vocabulary-parallel head, asyncpp.core.vocab_split, spreads only `head_vocab`)."""
+    embedding_fixed: float = 0.0
+    """The part of `embedding` that does not shrink with a vocabulary shard: the gather and its scatter-add, per
+    token (a sharded embedding runs them on every stage; the dense table gradient's part splits with the rows)."""
 
     @property
     def head_vocab(self) -> float:
@@ -78,7 +81,7 @@ def layer_costs(model, seq_len: int, micro_batch_size: int, device_type: str = "
     # Norm; logits matmul; fp32 cross entropy: max, exp-sum and log-softmax forward, softmax - one-hot backward.
     norm = e * 4 * h
     head = norm + 6 * h * model.vocab_size + e * 6 * model.vocab_size
-    return LayerCosts(layers, embedding, head, norm)
+    return LayerCosts(layers, embedding, head, norm, e * 2 * h)
 
 
 def _block(model, i: int, seq_len: int, device_type: str, e: float) -> float:

@@ -512,7 +512,7 @@ def vocab_head_items(held: VocabHeld, *, tokens: int, rows: int, hidden: int, nu
                    held.input_grads * 4 * tokens * hidden, ESTIMATED),
         MemoryItem(f"vocab head: fp32 shard gradient accumulators [{rows}, {hidden}] ({held.accumulators} steps)",
                    held.accumulators * 4 * rows * hidden, ESTIMATED),
-        MemoryItem("vocab head: T scratch (fp32 logits gradients)",
+        MemoryItem("vocab head: T scratch (the cast logits gradient, the GEMMs' copies, the weight gradient)",
                    vocab_backward_scratch_bytes(tokens=tokens, rows=rows, hidden=hidden, itemsize=c), ESTIMATED),
         MemoryItem("vocab head: S scratch (fp32 logits - max and its exp)", vocab_forward_scratch_bytes(tokens, rows),
                    ESTIMATED),
@@ -526,12 +526,74 @@ def vocab_forward_scratch_bytes(tokens: int, rows: int) -> int:
     return 8 * tokens * rows
 
 
+@dataclass(frozen=True)
+class EmbeddingHeld:
+    """The most of each of a sharded embedding's buffers (pipeline/vocab_head.VocabEmbedding) a stage holds at once,
+    read off its placed schedule (costmodel.place_embedding_passes: the E and G positions the engine runs)."""
+
+    lookups: int
+    """[mb, seq, h] in the compute dtype: the first stage's summed embeddings from E until its F; a later stage's
+    partials from E until UPDATE(t) retires their reduce (an upper bound: they are freed once complete)."""
+    grads: int
+    """The first stage's broadcast input gradients [mb, seq, h], from its B until UPDATE(t) retires the broadcast
+    (an upper bound, as above); a later stage receives each inside its G (1)."""
+    accumulators: int
+    """Steps whose rows' gradient [rows, h] (fp32) waits to join the step's gradient (at the later of
+    UPDATE_START(t) and the step's last G)."""
+
+
+def embedding_held(actions: Sequence[Action], first: bool) -> EmbeddingHeld:
+    """The peaks of EmbeddingHeld's buffers over one stage's action list, each taken on its own."""
+    lookups: set[tuple[int, int]] = set()
+    grads: set[tuple[int, int]] = set()
+    steps: set[int] = set()
+    started: set[int] = set()
+    last_g = {a.step: i for i, a in enumerate(actions) if a.op is Op.EMBED_BACKWARD}
+    peaks = [0, 0 if first else 1, 0]
+    for i, a in enumerate(actions):
+        key = (a.step, a.microbatch)
+        if a.op is Op.EMBED_FORWARD:
+            lookups.add(key)
+        elif a.op is Op.FORWARD and first:
+            lookups.discard(key)
+        elif a.op is Op.BACKWARD and first:
+            grads.add(key)
+        elif a.op is Op.EMBED_BACKWARD:
+            steps.add(a.step)
+        elif a.op is Op.UPDATE_START:
+            started.add(a.step)
+        elif a.op is Op.UPDATE:
+            lookups = {k for k in lookups if first or k[0] > a.step}
+            grads = {k for k in grads if k[0] > a.step}
+        steps = {t for t in steps if not (t in started and last_g.get(t, -1) <= i)}
+        peaks = [max(peaks[0], len(lookups)), max(peaks[1], len(grads)), max(peaks[2], len(steps))]
+    return EmbeddingHeld(*peaks)
+
+
+def embedding_items(held: EmbeddingHeld, *, tokens: int, rows: int, hidden: int,
+                    dtype: torch.dtype) -> list[MemoryItem]:
+    """A stage's buffers of a sharded embedding (`tokens` = micro_batch_size x seq_len, `rows` its shard) and the
+    scratch of its G (the rows' gradient of one microbatch in the weight's dtype, before it joins the fp32 sum)."""
+    c = dtype.itemsize
+    return [
+        MemoryItem(f"sharded embedding: lookups [{tokens}, {hidden}] {_dtype_name(dtype)} ({held.lookups} held)",
+                   held.lookups * c * tokens * hidden, ESTIMATED),
+        MemoryItem(f"sharded embedding: input gradients [{tokens}, {hidden}] {_dtype_name(dtype)} "
+                   f"({held.grads} held)", held.grads * c * tokens * hidden, ESTIMATED),
+        MemoryItem(f"sharded embedding: fp32 row gradient accumulators [{rows}, {hidden}] "
+                   f"({held.accumulators} steps)", held.accumulators * 4 * rows * hidden, ESTIMATED),
+        MemoryItem(f"sharded embedding: G scratch [{rows}, {hidden}]", c * rows * hidden, ESTIMATED),
+    ]
+
+
 def vocab_backward_scratch_bytes(*, tokens: int, rows: int, hidden: int, itemsize: int) -> int:
     """What T (pipeline/vocab_head.VocabHead.backward) allocates for a moment above the held logits: the logits'
-    gradient is formed in the logits' own buffer (logits_gradient(inplace=True): nothing), then the gradient in the
-    compute dtype and the shard's weight gradient (c T R + c R h), and below fp32 the fp32 copies the partial input
-    gradient's GEMM reads (4 T R + 4 R h). The partial input gradient itself is a held buffer."""
-    return itemsize * (tokens * rows + rows * hidden) + (4 * (tokens * rows + rows * hidden) if itemsize != 4 else 0)
+    gradient is formed in place in them (logits_gradient(inplace=True)); then below fp32 its cast to the compute
+    dtype and the fp32 copies the partial input gradient's GEMM reads (4 T R + 4 R h), and the shard's weight
+    gradient [R, h] in the compute dtype. The partial input gradient itself is a held buffer."""
+    if itemsize == 4:
+        return 4 * rows * hidden
+    return itemsize * (tokens * rows + rows * hidden) + 4 * (tokens * rows + rows * hidden)
 
 
 # ---- reports -----------------------------------------------------------------------------------

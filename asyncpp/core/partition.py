@@ -114,6 +114,12 @@ def vocab_shards_of(cfg, model) -> tuple[int, ...] | None:
     return run_vocab_split(cfg, model).shards if head_of(cfg, model) == "vocab" and cfg.parallel.pp > 1 else None
 
 
+def embedding_sharded(cfg, model) -> bool:
+    """parallel.embedding=vocab in effect: the input embedding sharded by the vocabulary-parallel head's rows. Only
+    with the head spread (parallel.head=auto resolving to last keeps the embedding on the first stage too)."""
+    return getattr(cfg.parallel, "embedding", "first") == "vocab" and vocab_shards_of(cfg, model) is not None
+
+
 def stage_split(cfg, model) -> list[int]:
     """cfg.parallel.stage_layers resolved for `model` (a model_zoo.ModelConfig) under `cfg` (a RunConfig): the
     explicit list; `auto`, the cost model's balanced split at cfg.train's work shape on cfg.train.device

@@ -11,6 +11,10 @@ and a partial input gradient, which are summed onto the last stage (a reduce). P
     compute_s = layers_s + [s = 0] embedding + [s = P-1] final norm + v_s x head_vocab
     comm      = broadcast(N h a) + all_reduce(4 N) + all_reduce(8 N) + reduce(N h a)    (N tokens, a bytes)
 
+With the input embedding sharded by the same rows (parallel.embedding=vocab), the first stage's embedding moves into
+every stage's E and G actions (its per-token lookup on each, its table gradient with the rows), and comm gains a
+reduce(N h a) of the partial lookups onto the first stage and a broadcast(N h a) of its input gradient.
+
 Collective times are nccl-tests' bus-bandwidth forms: a (pipelined ring) broadcast or reduce moves the buffer
 once over each rank's link, an all-reduce 2 (P-1)/P of it; plus a fixed latency per collective. Every stage
 takes part in all four, so `comm` is the same on every stage.
@@ -45,7 +49,7 @@ from asyncpp.core.layer_costs import FLOP_RATE, LayerCosts, layer_costs
 from asyncpp.core.layer_split import balanced_split, stage_sizes
 from asyncpp.schedules.actions import Action
 from asyncpp.schedules.build import build_pipeline
-from asyncpp.schedules.costmodel import OpCosts, place_vocab_passes, predict
+from asyncpp.schedules.costmodel import OpCosts, place_embedding_passes, place_vocab_passes, predict
 
 
 @dataclass(frozen=True)
@@ -82,15 +86,19 @@ class VocabComm:
     """The all-reduces of the max, then of the target logit and the sum of exponentials (fp32, per token)."""
     gradient: float
     """The reduce of the head's partial input gradients onto the last stage."""
+    embedding: float = 0.0
+    """A sharded embedding (parallel.embedding=vocab): the reduce of the partial lookups onto the first stage and
+    the broadcast of its input gradient back, [N, h] each."""
 
     @property
     def total(self) -> float:
-        return self.broadcast + self.statistics + self.gradient
+        return self.broadcast + self.statistics + self.gradient + self.embedding
 
 
 def vocab_comm_time(tokens: int, hidden: int, num_stages: int, link: Link,
-                    activation_bytes: int = ACTIVATION_BYTES) -> VocabComm:
-    """The collectives of one microbatch of `tokens` tokens over `num_stages` pipeline ranks (none with one)."""
+                    activation_bytes: int = ACTIVATION_BYTES, embedding: bool = False) -> VocabComm:
+    """The collectives of one microbatch of `tokens` tokens over `num_stages` pipeline ranks (none with one);
+    `embedding`: with the input embedding sharded too."""
     if num_stages < 1 or link.bandwidth <= 0:
         raise ValueError(f"num_stages={num_stages} must be >= 1 and the {link.name} bandwidth {link.bandwidth} "
                          "bytes/s > 0")
@@ -101,7 +109,7 @@ def vocab_comm_time(tokens: int, hidden: int, num_stages: int, link: Link,
     broadcast = hidden_bytes / link.bandwidth + link.latency
     statistics = ring * tokens * 4 / link.bandwidth + ring * tokens * 8 / link.bandwidth + 2 * link.latency
     gradient = hidden_bytes / link.bandwidth + link.latency
-    return VocabComm(broadcast, statistics, gradient)
+    return VocabComm(broadcast, statistics, gradient, 2 * (hidden_bytes / link.bandwidth + link.latency) * embedding)
 
 
 def comm_per_token(comm: VocabComm, tokens: int, device_type: str) -> float:
@@ -122,6 +130,22 @@ class VocabSplit:
     comm: float
     """The head's communication per stage, FLOP-equivalents per token (see vocab_comm_time)."""
     overlap: str
+    embed: tuple[float, ...] = ()
+    """With a sharded embedding (parallel.embedding=vocab): the part of each stage's `compute` that is its E and G
+    actions, the per-token lookup (every stage looks up every token, masked) and its rows' share of the dense table
+    gradient; () when the embedding is whole on the first stage (its cost then in the first stage's body)."""
+    embed_lookup: float = 0.0
+    """Of that, each stage's E (the gather; G is the scatter-add and the table gradient)."""
+
+    def _with_shards(self, shards: Sequence[int], costs: LayerCosts) -> VocabSplit:
+        """The same split with the rows given by hand (parallel.vocab_shards)."""
+        vocab = sum(shards)
+        head = tuple(r / vocab * costs.head_vocab for r in shards)
+        table = costs.embedding - costs.embedding_fixed
+        embed = tuple(costs.embedding_fixed + r / vocab * table for r in shards) if self.embed else ()
+        body = [c - h - e for c, h, e in zip(self.compute, self.head, self.embed or [0.0] * len(shards))]
+        compute = tuple(b + h + e for b, h, e in zip(body, head, embed or [0.0] * len(shards)))
+        return VocabSplit(self.sizes, tuple(shards), compute, head, self.comm, self.overlap, embed, self.embed_lookup)
 
     @property
     def stage_costs(self) -> list[float]:
@@ -169,25 +193,31 @@ def _water_fill(levels: Sequence[float]) -> list[float]:
 
 def plan_vocab_split(costs: LayerCosts, num_stages: int, vocab: int, *, comm: float = 0.0,
                      overlap: str = "exposed", sizes: Sequence[int] | None = None, equal_shards: bool = False,
-                     granule: int = 128) -> VocabSplit:
+                     granule: int = 128, embedding: bool = False) -> VocabSplit:
     """The layer split (given, or the one that minimizes the slowest stage without the head's vocabulary
     part) and each stage's vocabulary rows (water filling; `equal_shards`: vocab / P each, the comparison
     point). `comm`: the head's communication per stage in FLOP-equivalents per token (comm_per_token);
-    it is the same on every stage, so it moves no row."""
+    it is the same on every stage, so it moves no row. `embedding`: the input embedding sharded by the same rows
+    (parallel.embedding=vocab): its per-token lookup on every stage, its table gradient split with the rows, so a
+    row costs the head's and the table's part together."""
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap={overlap!r}; choose one of {OVERLAPS}")
-    body_costs = LayerCosts(costs.layers, costs.embedding, costs.head_fixed)
+    body_costs = LayerCosts(costs.layers, 0.0 if embedding else costs.embedding, costs.head_fixed)
     if sizes is None:
         sizes = balanced_split(body_costs, num_stages)
     body = body_costs.stage_costs(list(sizes))
+    table = costs.embedding - costs.embedding_fixed if embedding else 0.0
+    lookup = [costs.embedding_fixed if embedding else 0.0] * num_stages
     if equal_shards:
         base, extra = divmod(vocab, num_stages)
         shards = [base + (s < extra) for s in range(num_stages)]
     else:
-        shards = shard_rows(body, costs.head_vocab, vocab, granule)
+        shards = shard_rows([b + x for b, x in zip(body, lookup)], costs.head_vocab + table, vocab, granule)
     head = tuple(r / vocab * costs.head_vocab for r in shards)
-    compute = tuple(b + h for b, h in zip(body, head))
-    return VocabSplit(tuple(sizes), tuple(shards), compute, head, comm, overlap)
+    embed = tuple(x + r / vocab * table for x, r in zip(lookup, shards)) if embedding else ()
+    compute = tuple(b + h + e for b, h, e in zip(body, head, embed or [0.0] * num_stages))
+    return VocabSplit(tuple(sizes), tuple(shards), compute, head, comm, overlap, embed,
+                      costs.embedding_fixed / 2 if embedding else 0.0)
 
 
 def shard_granule(vocab: int, num_stages: int, tp: int = 1) -> int:
@@ -205,24 +235,26 @@ def run_vocab_split(cfg, model) -> VocabSplit:
     device_type = str(t.device).split(":")[0]
     costs = layer_costs(model, t.seq_len, t.micro_batch_size, device_type)
     sizes = None if p.stage_layers == "auto" else stage_sizes(model.num_layers, p.pp, p.stage_layers)
+    embedding = getattr(p, "embedding", "first") == "vocab"
     split = plan_vocab_split(costs, p.pp, model.vocab_size, sizes=sizes,
-                             granule=shard_granule(model.vocab_size, p.pp, p.tp))
+                             granule=shard_granule(model.vocab_size, p.pp, p.tp), embedding=embedding)
     shards = p.vocab_shards
     if shards is None:
         return split
-    head = tuple(r / model.vocab_size * costs.head_vocab for r in shards)
-    body = [c - h for c, h in zip(split.compute, split.head)]
-    return VocabSplit(split.sizes, tuple(shards), tuple(b + h for b, h in zip(body, head)), head, split.comm,
-                      split.overlap)
+    return plan_vocab_split(costs, p.pp, model.vocab_size, sizes=split.sizes, embedding=embedding,
+                            equal_shards=True)._with_shards(shards, costs)
 
 
 def vocab_op_costs(split: VocabSplit) -> OpCosts:
     """The schedule's action costs of a vocabulary-parallel split (backward = 2 x forward, as everywhere in the
-    cost model): the body's F and B, the shard's S and T. The collectives are left out: they only move the
-    placement where they are slow, and the engine runs them asynchronously."""
-    body = [c - h for c, h in zip(split.compute, split.head)]
+    cost model): the body's F and B, the shard's S and T, and with a sharded embedding its E (the gather) and G (the
+    scatter-add and the rows' table gradient). The collectives are left out: they only move the placement where
+    they are slow, and the engine runs them asynchronously."""
+    embed = split.embed or (0.0,) * len(split.shards)
+    body = [c - h - e for c, h, e in zip(split.compute, split.head, embed)]
     return OpCosts(forward=[b / 3 for b in body], backward=[2 * b / 3 for b in body],
-                   vocab_forward=[h / 3 for h in split.head], vocab_backward=[2 * h / 3 for h in split.head])
+                   vocab_forward=[h / 3 for h in split.head], vocab_backward=[2 * h / 3 for h in split.head],
+                   embed_forward=split.embed_lookup, embed_backward=[e - split.embed_lookup for e in embed])
 
 
 def vocab_warmup(kind: str, num_microbatches: int, split: VocabSplit) -> int:
@@ -234,7 +266,10 @@ def vocab_warmup(kind: str, num_microbatches: int, split: VocabSplit) -> int:
 def vocab_pipeline(kind: str, num_microbatches: int, step_delays: Sequence[int], split: VocabSplit,
                    warmup: int) -> list[list[Action]]:
     """Every stage's actions with the head's S and T placed (the same delays on every stage: the kinds that
-    serve a vocabulary-parallel head give every stage one delay per step)."""
+    serve a vocabulary-parallel head give every stage one delay per step); with a sharded embedding (split.embed),
+    its E and G placed into those (costmodel.place_embedding_passes)."""
     P = len(split.shards)
     skeleton = build_pipeline(kind, P, num_microbatches, [list(step_delays)] * P, vocab_warmup=warmup)
-    return place_vocab_passes(skeleton, vocab_op_costs(split))
+    costs = vocab_op_costs(split)
+    placed = place_vocab_passes(skeleton, costs)
+    return place_embedding_passes(placed, costs) if split.embed else placed

@@ -111,6 +111,10 @@ class VocabGroups:
     hidden: dist.ProcessGroup
     stats: dist.ProcessGroup
     grad: dist.ProcessGroup
+    embed: dist.ProcessGroup | None = None
+    """parallel.embedding=vocab: the reduce of the partial embeddings onto the first stage, per pipeline."""
+    embed_grad: dist.ProcessGroup | None = None
+    """... and the broadcast of the first stage's embedding gradient back to every stage."""
 
 
 def default_backend(device: torch.device) -> str:
@@ -121,10 +125,11 @@ class Mesh:
     """This rank's view of the job: coordinates and groups along pp / dp / tp."""
 
     def __init__(self, dims: ParallelDims, device: torch.device, *, head_link: bool = False,
-                 vocab_head: bool = False, timeout_s: float | None = None):
+                 vocab_head: bool = False, vocab_embedding: bool = False, timeout_s: float | None = None):
         """head_link: also build the head split's pair of groups (HeadLink); vocab_head: the vocabulary-parallel
         head's three groups (VocabGroups), and the tied-embedding group then spans every stage (each holds rows of
-        the tied weight); every rank must pass the same.
+        the tied weight); vocab_embedding (with vocab_head): a sharded embedding's two more groups (VocabGroups.embed,
+        embed_grad); every rank must pass the same.
         timeout_s: every group's timeout (train.timeout_s); None: the default group's, which init_distributed
         set to train.timeout_s (a process group made by other means keeps torch's default)."""
         self.dims = dims
@@ -162,7 +167,10 @@ class Mesh:
                           if head_link and dims.pp > 1 else None)
         everyone = list(range(dims.pp))
         self.vocab_groups = (VocabGroups(hidden=self._per_pipeline(everyone), stats=self._per_data_replica(),
-                                         grad=self._per_pipeline(everyone))
+                                         grad=self._per_pipeline(everyone),
+                                         # Created after the three, so a run without them makes the same groups.
+                                         **({"embed": self._per_pipeline(everyone),
+                                             "embed_grad": self._per_pipeline(everyone)} if vocab_embedding else {}))
                              if vocab_head and dims.pp > 1 else None)
         # The distributed optimizer's norm (pipeline/reduction.ShardedGradientReduction): each rank holds
         # a distinct piece of the reduced gradient, so the squared norm is summed over the whole job, on

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from asyncpp.core.loss import cross_entropy, logits_loss_for
-from asyncpp.core.partition import head_of, stage_split, vocab_shards_of
+from asyncpp.core.partition import embedding_sharded, head_of, stage_split, vocab_shards_of
 from asyncpp.core.recompute import apply_recompute, modes_per_layer
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import ParamSharding, ShardingPlan, layout_of
@@ -64,8 +64,11 @@ def param_slice(name: str, local_shape: torch.Size, layout: ParamSharding, at: S
     """Where the local piece of parameter `name` sits in the full tensor, from its layout. The plans
     split with torch.chunk into equal parts (they refuse sizes that do not divide), so the global size is
     the local size times the group size and the offset the rank times the local size. `vocab` (this stage's
-    rows of the head under parallel.head=vocab, the vocabulary size): lm_head.weight is those rows."""
+    rows of the head under parallel.head=vocab, the vocabulary size): lm_head.weight is those rows, and so is
+    embed.weight when it is [rows, h] (parallel.embedding=vocab: TP is refused there, so never chunked)."""
     shape, offsets = list(local_shape), [0] * len(local_shape)
+    if vocab is not None and name == "embed.weight" and shape[0] == vocab[0].rows and shape[0] != vocab[1]:
+        return ParamSlice(name, (vocab[1], *shape[1:]), (vocab[0].start, *offsets[1:]))
     if vocab is not None and name == "lm_head.weight":  # the stage's rows, chunked over TP like any TP weight
         shard, vocab_size = vocab
         start = shard.start + (at.tp_rank * shape[0] if layout.is_tp_sharded and at.tp > 1 else 0)
@@ -121,14 +124,16 @@ def stage_spec_of(cfg, model_cfg: ModelConfig, stage: int) -> StageSpec:
     shards = vocab_shards_of(cfg, model_cfg)
     vocab = vocab_shards(shards, model_cfg.vocab_size)[stage] if shards is not None else None
     return StageSpec(stage, p.pp, model_cfg.num_layers, stage_split(cfg, model_cfg),
-                     head_split=head_of(cfg, model_cfg) == "tokens", vocab=vocab)
+                     head_split=head_of(cfg, model_cfg) == "tokens", vocab=vocab,
+                     embedding=embedding_sharded(cfg, model_cfg))
 
 
 def mesh_for(cfg, model_cfg: ModelConfig, dims, device: torch.device | str, timeout_s: float | None = None) -> Mesh:
-    """The mesh of a run: its groups, with the head's (a token split's link, a vocabulary-parallel head's three)."""
+    """The mesh of a run: its groups, with the head's (a token split's link, a vocabulary-parallel head's three, and
+    a sharded embedding's two)."""
     head = head_of(cfg, model_cfg)
     return Mesh(dims, torch.device(device), head_link=head == "tokens", vocab_head=head == "vocab",
-                timeout_s=timeout_s)
+                vocab_embedding=embedding_sharded(cfg, model_cfg), timeout_s=timeout_s)
 
 
 def build_rank_stage(cfg, model_cfg: ModelConfig, mesh, device: torch.device | str) -> BuiltStage:

@@ -31,7 +31,7 @@ from asyncpp.pipeline.p2p import StageComm
 from asyncpp.pipeline.stopping import ActionStream, receives_ahead
 from asyncpp.pipeline.timer import StageTimer
 from asyncpp.pipeline.update import StageUpdate, StepRecord
-from asyncpp.pipeline.vocab_head import VocabHead
+from asyncpp.pipeline.vocab_head import VocabEmbedding, VocabHead
 from asyncpp.schedules.actions import Action, Op
 
 ForwardFn = Callable[[int, int, "Tensor | None"], Tensor]
@@ -55,17 +55,25 @@ def backward_through(output: Tensor, grad: Tensor | None) -> None:
 class StageEngine:
     def __init__(self, *, module: nn.Module, mesh: Mesh, comm: StageComm, update: StageUpdate,
                  forward_fn: ForwardFn, timer: StageTimer, head_comm: HeadComm | None = None,
-                 head_helper: HeadHelper | None = None, vocab_head: VocabHead | None = None):
+                 head_helper: HeadHelper | None = None, vocab_head: VocabHead | None = None,
+                 embedding: VocabEmbedding | None = None):
         """`update` is the stage's update (its weight versions, reductions and rule: update.py);
         `head_comm` (parallel.head=tokens, on the last stage and the helper) and `head_helper` (on the
         helper): pipeline/head.py. The last stage's forward_fn then returns (its loss share, the hidden states
         of the helper's tokens). `vocab_head` (parallel.head=vocab, every stage): pipeline/vocab_head.py; the
-        last stage's forward_fn then returns its normed hidden states."""
+        last stage's forward_fn then returns its normed hidden states. `embedding` (parallel.embedding=vocab, every
+        stage): the E and G actions; the first stage's forward_fn then gets the summed embedding as its input."""
         self.module, self.mesh, self.comm, self.update = module, mesh, comm, update
         self.versions = update.versions
         self.forward_fn = forward_fn
         self.timer = timer  # perf_counter on CPU, CUDA events on CUDA
         self.head_comm, self.head_helper, self.vocab_head = head_comm, head_helper, vocab_head
+        self.embedding = embedding
+        self._deferred: dict[int, list[Tensor]] = {}  # step -> its gradient, waiting for the step's last G
+        self._last_g: dict[int, int] = {}  # step -> index of its last G in `_last_g_of` (the list it indexed)
+        self._last_g_of: tuple[list[Action], int] | None = None
+        self._stream: ActionStream | None = None
+        self._index = 0
         self.inflight: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         self.losses: dict[int, list[Tensor]] = {}
 
@@ -81,8 +89,10 @@ class StageEngine:
         stop, stopping.py); `stream.fixed` tells it how much is executed or posted."""
         handlers = {Op.FORWARD: self._forward, Op.BACKWARD: self._backward, Op.HEAD: self._head,
                     Op.UPDATE_START: self._update_start, Op.UPDATE: self._update,
-                    Op.VOCAB_FORWARD: self._vocab_forward, Op.VOCAB_BACKWARD: self._vocab_backward}
+                    Op.VOCAB_FORWARD: self._vocab_forward, Op.VOCAB_BACKWARD: self._vocab_backward,
+                    Op.EMBED_FORWARD: self._embed_forward, Op.EMBED_BACKWARD: self._embed_backward}
         stream = actions if isinstance(actions, ActionStream) else ActionStream(actions)
+        self._stream = stream
         scan, posted = 0, -1  # the next action to consider for a receive; the last compute action posted
         i = 0
         while i < len(stream.actions):
@@ -90,6 +100,8 @@ class StageEngine:
             self.comm.poll()
             if self.vocab_head is not None:
                 self.vocab_head.poll()
+            if self.embedding is not None:
+                self.embedding.poll()
             self._progress()
             scan = min(scan, stream.fixed)  # after a cut, its tail past the fixed prefix is new: rescan it
             scan, newly = receives_ahead(todo, i, scan, posted)
@@ -97,6 +109,7 @@ class StageEngine:
                 self._post_receive(todo[k])
                 posted = k
             stream.fixed = max(i + 1, posted + 1)
+            self._index = i
             handlers[action.op](action)
             i += 1
             if action.op in (Op.UPDATE_START, Op.UPDATE):
@@ -128,6 +141,8 @@ class StageEngine:
         x = None
         if not self.mesh.is_first_stage:
             x = self.comm.recv_forward(f"the input activation of {a}").requires_grad_()
+        elif self.embedding is not None:  # the sum of every stage's part of the lookup (E)
+            x = self.embedding.input(a.step, a.microbatch, str(a)).requires_grad_()
         if self.update.shards and a.version == self.versions.newest:
             self.versions.sync()  # the broadcast of x_{t+1}: its wait is an event of its own, not forward time
         start = self.timer.now()
@@ -168,7 +183,9 @@ class StageEngine:
         else:
             backward_through(out, grad)
         sent = x.grad if x is not None else None
-        if x is not None:
+        if x is not None and self.mesh.is_first_stage:  # a sharded embedding's input gradient, to every G
+            self.embedding.send_grad(a.step, a.microbatch, sent)
+        elif x is not None:
             self.comm.send_backward(sent, a.step)
             self.comm.release(x)  # the graph that read it is gone; its .grad is in the send's hands
         if grad is not None and grad is not sent:  # a stage without layers may pass `grad` itself on
@@ -208,6 +225,42 @@ class StageEngine:
             self.losses.setdefault(a.step, []).append(loss)
         self.timer.add(a, start, self.timer.now())
 
+    def _embed_forward(self, a: Action) -> None:
+        """E(t, j): this stage's part of (t, j)'s embedding on its version, reduced onto the first stage."""
+        start = self.timer.now()
+        self._use(a)
+        self.embedding.forward(a.step, a.microbatch)
+        self.timer.add(a, start, self.timer.now())
+
+    def _embed_backward(self, a: Action) -> None:
+        """G(t, j): this stage's rows' embedding gradient of (t, j). The step's last G on a stage past its
+        UPDATE_START(t) completes b_t's gradient there and starts its reductions (_start_reductions)."""
+        start = self.timer.now()
+        self.embedding.backward(a.step, a.microbatch, str(a))
+        if a.step in self._deferred and not self._embedding_pending(a.step):
+            self._start_reductions()
+        self.timer.add(a, start, self.timer.now())
+
+    def _embedding_pending(self, step: int) -> bool:
+        """Whether a G of `step` is still ahead of the running action in the stream."""
+        actions = self._stream.actions
+        # A new segment's or a cut stream's list: index its Gs again. Holding the list itself (not its id, which a
+        # later segment's list could reuse once this one is freed) keeps the index tied to it.
+        if self._last_g_of is None or self._last_g_of[0] is not actions or self._last_g_of[1] != len(actions):
+            self._last_g = {x.step: k for k, x in enumerate(actions) if x.op is Op.EMBED_BACKWARD}
+            self._last_g_of = (actions, len(actions))
+        return self._last_g.get(step, -1) > self._index
+
+    def _start_reductions(self) -> None:
+        """Start the deferred steps' reductions whose Gs have all run, in step order (one order of the norm
+        all-reduces on every stage: a later step never starts before an earlier one)."""
+        for step in sorted(self._deferred):
+            if self._embedding_pending(step):
+                break
+            grads = self._deferred.pop(step)
+            self.embedding.add_into(step, grads, self.versions.params)
+            self.update.start(step, grads)
+
     def _use(self, a: Action) -> None:
         """Point the module at the version `a` reads (its weight prediction for delayed steps, if on)."""
         self.versions.use(a.version, predicted=self.update.is_delayed(a.step))
@@ -219,7 +272,11 @@ class StageEngine:
             self.head_helper.add_into(a.step, grads, self.versions.params)
         if self.vocab_head is not None:  # the same for the head rows' part that the Ts kept apart
             self.vocab_head.add_into(a.step, grads, self.versions.params)
-        self.update.start(a.step, grads)
+        if self.embedding is not None:  # the embedding rows' part: complete once the step's last G has run
+            self._deferred[a.step] = grads
+            self._start_reductions()
+        else:
+            self.update.start(a.step, grads)
         self.timer.add(a, start, self.timer.now())
 
     def _progress(self) -> None:
@@ -248,6 +305,8 @@ class StageEngine:
             self.head_comm.retire(step)
         if self.vocab_head is not None:
             self.vocab_head.retire(step)
+        if self.embedding is not None:
+            self.embedding.retire(step)
 
     # ---- end of a run / drain --------------------------------------------------------------
     def finish(self) -> None:
@@ -257,6 +316,11 @@ class StageEngine:
             self.head_comm.flush()
         if self.vocab_head is not None:
             self.vocab_head.flush()
+        if self.embedding is not None:
+            if self._deferred:
+                raise RuntimeError(f"stage {self.mesh.pp_rank}: steps {sorted(self._deferred)} still wait for "
+                                   "their embedding gradients at a drain")
+            self.embedding.flush()
         self.update.drain()
 
     def take_record(self, step: int) -> StepRecord:

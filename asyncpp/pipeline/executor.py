@@ -35,7 +35,7 @@ from asyncpp.pipeline.state import StageCheckpoint
 from asyncpp.pipeline.stopping import ActionStream, StopAgreement, stop_lookahead
 from asyncpp.pipeline.transfer import to_device
 from asyncpp.pipeline.update import StepRecord
-from asyncpp.schedules.actions import Action, Op
+from asyncpp.schedules.actions import MICROBATCH_OPS, Action, Op
 from asyncpp.schedules.build import build_schedule
 from asyncpp.train.metrics import evaluates_after, line_due
 from asyncpp.train.preemption import CheckpointClock, StopFlag
@@ -45,8 +45,8 @@ def segment_actions(kind: str, stage: int, P: int, m: int, delays: Sequence[int]
                     head_split: bool = False, vocab: tuple[VocabSplit, int] | None = None) -> list[Action]:
     """The schedule of steps [t0, t1) as a self-contained stream (drained at both ends), in absolute
     step and version numbers (versions older than t0 were produced by earlier segments). `vocab`: a
-    vocabulary-parallel head's split and warm-up; every stage's lists are built and the head's S and T placed
-    (deterministic: each rank places them alike)."""
+    vocabulary-parallel head's split (with a sharded embedding's costs) and warm-up; every stage's lists are built
+    and the head's S and T (and the embedding's E and G) placed (deterministic: each rank places them alike)."""
     if vocab is not None:
         actions = vocab_pipeline(kind, m, delays[t0:t1], *vocab)[stage]
     else:
@@ -54,7 +54,7 @@ def segment_actions(kind: str, stage: int, P: int, m: int, delays: Sequence[int]
     out = []
     for a in actions:
         t = a.step + t0
-        if a.op in (Op.FORWARD, Op.BACKWARD, Op.HEAD, Op.VOCAB_FORWARD, Op.VOCAB_BACKWARD):
+        if a.op in MICROBATCH_OPS:
             version = max(t - delays[t], 0)
         else:
             version = t + 1 if a.op == Op.UPDATE else a.version
@@ -91,7 +91,8 @@ class PipelineExecutor:
             self.plan, self.spec, self.model, mesh, build_optimizer(self.model, self.sharding), self._forward,
             grad_scale=1.0 / self.m, layouts=[layout_of(self.sharding, n) for n, _ in named],
             tied=tied_parameters(self.model, self.spec),
-            head_labels=self._labels if self.spec.vocab is not None else self._helper_labels, comm_cls=comm_cls)
+            head_labels=self._labels if self.spec.vocab is not None else self._helper_labels,
+            embed_inputs=self._inputs, comm_cls=comm_cls)
         self.report = StageReport(cfg, self.model.config, mesh, self.spec, self.engine, self._naming)
         self.checkpoint = StageCheckpoint(cfg, mesh, self.spec, self.model, self.engine, data, self.batches,
                                           self._naming)
@@ -102,14 +103,16 @@ class PipelineExecutor:
         return to_device(self.data.train_microbatch(index), self.mesh.device)  # CUDA: pinned, no host sync
 
     def _forward(self, step: int, microbatch: int, x: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
-        # The last stage reads the labels here unless a vocabulary-parallel head reads them at S (`_labels`).
-        reads = self.spec.is_first or (self.spec.is_last and self.spec.vocab is None)
+        # The last stage reads the labels here unless a vocabulary-parallel head reads them at S (`_labels`); the
+        # first stage its tokens unless a sharded embedding looked them up at E (x is then their embedding).
+        embedded = self.spec.embed is not None
+        reads = (self.spec.is_first and not embedded) or (self.spec.is_last and self.spec.vocab is None)
         tokens = self._tokens(step, microbatch) if reads else None
         if self.plan.head_split is not None and self.spec.is_last:
             return self._forward_split_head(tokens, x)
         if self.spec.vocab is not None and self.spec.is_last:  # the normed hidden states: the head is every stage's
             return self._head_input(stage_forward(self.model, self.spec, x, head=False))  # P >= 2: never first
-        out = stage_forward(self.model, self.spec, tokens[:, :-1] if self.spec.is_first else x)
+        out = stage_forward(self.model, self.spec, tokens[:, :-1] if self.spec.is_first and not embedded else x)
         if not self.spec.is_last:
             return out
         return self.loss_fn(out, tokens[:, 1:])
@@ -121,6 +124,10 @@ class PipelineExecutor:
         d = self.mesh.dims
         normed = self.model.norm(h)
         return enter_region(normed, self.mesh.tp_group, self.cfg.parallel.sequence_parallel) if d.tp > 1 else normed
+
+    def _inputs(self, step: int, microbatch: int) -> Tensor:
+        """The input token ids of (step, microbatch): every stage's rows of a sharded embedding look them up."""
+        return self._tokens(step, microbatch)[:, :-1]
 
     def _labels(self, step: int, microbatch: int) -> Tensor:
         """The next-token ids of (step, microbatch): every stage's rows of a vocabulary-parallel head need them."""
@@ -148,12 +155,16 @@ class PipelineExecutor:
         receives = not self.spec.is_first
         if receives and batches:
             comm.post_recv_forward()
-        vocab = self.engine.vocab_head
+        vocab, embedding = self.engine.vocab_head, self.engine.embedding
         for i, b in enumerate(batches):
             b = to_device(b, self.mesh.device) if b is not None else None
             if receives and i + 1 < len(batches):
                 comm.post_recv_forward()  # one batch ahead: the next activation lands while this one computes
-            x = b[:, :-1] if self.spec.is_first else comm.recv_forward("a validation activation")
+            embedded = embedding.evaluate(b[:, :-1]) if embedding is not None else None  # every stage's part
+            if self.spec.is_first:
+                x = embedded if embedding is not None else b[:, :-1]
+            else:
+                x = comm.recv_forward("a validation activation")
             out = stage_forward(self.model, self.spec, x, head=vocab is None)
             if vocab is not None:  # every stage joins the head's pass of the batch (its labels: val_batches)
                 if not self.spec.is_last:

@@ -16,6 +16,8 @@ from asyncpp.core.memory import (
     action_loads,
     activation_bytes,
     backward_scratch_bytes,
+    embedding_held,
+    embedding_items,
     error_feedback_scratch_bytes,
     stage_actions,
     versions_report,
@@ -64,6 +66,7 @@ def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, version
     tokens = t.micro_batch_size * t.seq_len
     extra = []
     vocab_items = None
+    embedding_bytes = 0
     if vocab:  # the placed schedule the engine runs: its extra warm-up forwards and the S/T buffers
         actions = vocab_actions(cfg, model_cfg, spec.stage, mesh.num_stages)
 
@@ -73,6 +76,11 @@ def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, version
 
         extra = [dataclasses.replace(i, phase=FORWARD_BACKWARD)
                  for i in vocab_items(vocab_held(actions, spec.is_last))]
+        if spec.embed is not None:  # its E and G buffers, read off the same placed schedule
+            embedding = embedding_items(embedding_held(actions, spec.is_first), tokens=tokens, rows=spec.embed.rows,
+                                        hidden=model_cfg.hidden_size, dtype=dtype)
+            extra += [dataclasses.replace(i, phase=FORWARD_BACKWARD) for i in embedding]
+            embedding_bytes = sum(i.nbytes for i in embedding)  # not walked per action: every action, at its peaks
     else:
         actions = stage_actions(cfg.schedule.name, spec.stage, mesh.num_stages, t.num_microbatches,
                                 head_split=spec.head_split)
@@ -92,7 +100,7 @@ def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, version
     # GradSums under mixed precision) to its UPDATE, so a warm-up's forwards run without one.
     per_set = report.get("gradients") // grad_buffers
     loads = action_loads(actions, spec.is_last, recycled_grads=not versions.mixed and versions.num_buffers > 1)
-    report.peaks = action_peaks(loads, act, per_set, scratch_of, vocab_items)
+    report.peaks = action_peaks(loads, act, per_set, scratch_of, vocab_items, embedding_bytes)
     # The total counts these items action by action now (the peaks): the table shows each at its own peak.
     counted = [i.phase != HELD or i.name.startswith("gradients") for i in report.items]
     report.items = [dataclasses.replace(i, phase=PER_ACTION) if c else i for i, c in zip(report.items, counted)]
@@ -100,11 +108,12 @@ def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, version
 
 
 def action_peaks(loads: list[ActionLoad], per_microbatch: int, per_grad_set: int, scratch_of: dict[Op, int],
-                 vocab_items=None) -> list[ActionPeak]:
+                 vocab_items=None, embedding_bytes: int = 0) -> list[ActionPeak]:
     """The largest share above the held items of each kind of action in the stage's list (core/memory.action_loads):
     its gradient sets and microbatches' activations, the vocabulary head's buffers while it runs
     (`vocab_items(held)`: core/memory.vocab_head_items, whose S and T scratch count only in S and T), and its own
-    scratch (`scratch_of`: the loss backward's, the update's)."""
+    scratch (`scratch_of`: the loss backward's, the update's). A sharded embedding's buffers (parallel.embedding=vocab,
+    `embedding_bytes`) are not walked action by action yet: each action counts all of them at their peaks."""
     best: dict[Op, ActionPeak] = {}
     for load in loads:
         op = load.action.op
@@ -118,6 +127,7 @@ def action_peaks(loads: list[ActionLoad], per_microbatch: int, per_grad_set: int
                 parts.append((f"{op.value} scratch", sum(i.nbytes for i in items if i.name.startswith(scratch[op]))))
         if scratch_of.get(op):
             parts.append(("scratch", scratch_of[op]))
+        parts.append(("sharded embedding buffers", embedding_bytes))
         total = sum(b for _, b in parts)
         if op not in best or total > best[op].nbytes:
             what = " + ".join(n for n, b in parts if b)

@@ -34,7 +34,7 @@ from asyncpp.pipeline.p2p import StageComm
 from asyncpp.pipeline.stage import StageSpec, head_weight, vocab_rows
 from asyncpp.pipeline.timer import stage_timer
 from asyncpp.pipeline.update import StageUpdate
-from asyncpp.pipeline.vocab_head import VocabHead
+from asyncpp.pipeline.vocab_head import VocabEmbedding, VocabHead
 from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
 from asyncpp.schedules.registry import kind_of, step_delay
 
@@ -142,13 +142,15 @@ def build_stage_runtime(
     layouts: Sequence[ParamSharding] | None = None,
     tied: Iterable[nn.Parameter] = (),
     head_labels: Callable | None = None,
+    embed_inputs: Callable | None = None,
     comm_cls: type[StageComm] = StageComm,
 ) -> StageEngine:
     """The engine of `plan`'s stage: `module` is the stage (pruned and sharded), `spec` its place in the
     model_zoo layout (None: a module of its own, e.g. Megatron's GPTModel stage), `optimizer` built over its
     trainable parameters (not stepped yet: the engine retargets it to the masters), `forward_fn` the stage's
     microbatch forward. Under a head split, `head_labels(step, microbatch)` gives the helper its tokens' labels;
-    under a vocabulary-parallel head every stage's the labels of the whole microbatch."""
+    under a vocabulary-parallel head every stage's the labels of the whole microbatch; with a sharded embedding
+    `embed_inputs(step, microbatch)` every stage's the input token ids."""
     if plan.stage != mesh.pp_rank or plan.num_stages != mesh.num_stages or (
             spec is not None and (spec.stage, spec.num_stages) != (plan.stage, plan.num_stages)):
         built = f"stage {spec.stage} of {spec.num_stages}, " if spec is not None else ""
@@ -172,6 +174,9 @@ def build_stage_runtime(
             tied_rows = (spec.vocab.start, sum(plan.vocab.shards))
         piece = split_for_tp(spec.vocab, mesh.dims.tp)[mesh.tp_rank]  # the TP plan chunked the stage's rows
         vocab = VocabHead(mesh, piece, param, row0, head_labels, plan.head_shape, plan.link_dtype, comm.wait)
+    embedding = None
+    if spec is not None and spec.embed is not None:
+        embedding = VocabEmbedding(mesh, spec.embed, module.embed.weight, embed_inputs, comm.wait)
     timer = stage_timer(mesh.pp_rank, mesh.device)
     update = StageUpdate(mesh, versions, optimizer, spec=plan.update, grad_scale=grad_scale,
                          is_delayed=plan.is_delayed, tied_is_delayed=plan.tied_is_delayed,
@@ -182,4 +187,4 @@ def build_stage_runtime(
                          load_stats=RouterLoadStats.of(module, counted=mesh.tp_rank == 0 and mesh.ep_rank == 0),
                          tied_rows=tied_rows)
     return StageEngine(module=module, mesh=mesh, comm=comm, update=update, forward_fn=forward_fn, timer=timer,
-                       head_comm=head_comm, head_helper=head_helper, vocab_head=vocab)
+                       head_comm=head_comm, head_helper=head_helper, vocab_head=vocab, embedding=embedding)

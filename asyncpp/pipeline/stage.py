@@ -18,15 +18,18 @@ from asyncpp.parallel.vocab_parallel import VocabShard
 
 class StageSpec:
     def __init__(self, stage: int, num_stages: int, num_layers: int, sizes: Sequence[int] | None = None,
-                 *, head_split: bool = False, vocab: VocabShard | None = None):
+                 *, head_split: bool = False, vocab: VocabShard | None = None, embedding: bool = False):
         """head_split: parallel.head=tokens; stage 0 then keeps a replica of the LM head weight
         (asyncpp/core/head_split.py). vocab: parallel.head=vocab, this stage's rows of the LM head (every stage
-        holds some: pipeline/vocab_head.py)."""
+        holds some: pipeline/vocab_head.py). embedding (with vocab): parallel.embedding=vocab, the stage holds the
+        same rows of the input embedding instead of the first stage holding all of it (VocabEmbedding)."""
         self.stage = stage
         self.num_stages = num_stages
         self.layers = stage_layer_ranges(num_layers, num_stages, sizes)[stage]
         self.head_split = head_split and num_stages > 1
         self.vocab = vocab if num_stages > 1 else None
+        self.embed = self.vocab if embedding and self.vocab is not None else None
+        """This stage's rows of a sharded input embedding (parallel.embedding=vocab), else None."""
 
     @property
     def is_head_helper(self) -> bool:
@@ -47,7 +50,9 @@ def prune_to_stage(model: nn.Module, spec: StageSpec) -> nn.Module:
     for i in range(len(model.layers)):
         if i not in spec.layers:
             model.layers[i] = nn.Identity()
-    if not spec.is_first:
+    if spec.embed is not None:
+        _keep_embedding_rows(model, spec)
+    elif not spec.is_first:
         del model.embed
     if not spec.is_last:
         del model.norm
@@ -62,7 +67,7 @@ def _keep_head_rows(model: nn.Module, spec: StageSpec) -> None:
     """parallel.head=vocab: the stage's rows of the LM head, still named lm_head.weight (model_zoo/init.py keys
     them by the full head's name and their offset, so they start as those rows of the unsplit head). On the first
     stage of a tied model the rows are the embedding's own (no parameter of their own)."""
-    if spec.is_first and model.config.tie_embeddings:
+    if (spec.is_first or spec.embed is not None) and model.config.tie_embeddings:
         del model.lm_head
         return
     h = model.lm_head.weight.shape[1]
@@ -70,10 +75,19 @@ def _keep_head_rows(model: nn.Module, spec: StageSpec) -> None:
                               dtype=model.lm_head.weight.dtype)
 
 
+def _keep_embedding_rows(model: nn.Module, spec: StageSpec) -> None:
+    """parallel.embedding=vocab: the stage's rows of the input embedding, still named embed.weight (keyed by the
+    full embedding's name and their offset, like the head's rows). A tied model's head rows are these (no
+    lm_head of its own on any stage: _keep_head_rows, vocab_rows)."""
+    w = model.embed.weight
+    model.embed = nn.Embedding(spec.embed.rows, w.shape[1], device=w.device, dtype=w.dtype)
+
+
 def stage_forward(model: nn.Module, spec: StageSpec, x: Tensor, head: bool = True) -> Tensor:
     """tokens (first stage) or activation -> activation, or logits on the last stage (head=False: the last
-    block's output, before the final norm)."""
-    h = model.embed_tokens(x) if spec.is_first else x
+    block's output, before the final norm). With a sharded embedding the first stage is given the summed
+    embedding (VocabEmbedding), not the tokens."""
+    h = model.embed_tokens(x) if spec.is_first and spec.embed is None else x
     for i in spec.layers:
         h = model.layers[i](h)
     return model.head(h) if spec.is_last and head else h
@@ -81,7 +95,10 @@ def stage_forward(model: nn.Module, spec: StageSpec, x: Tensor, head: bool = Tru
 
 def vocab_rows(model: nn.Module, spec: StageSpec) -> tuple[nn.Parameter, int]:
     """parallel.head=vocab: the parameter holding this stage's head rows and the row they start at in it (the
-    embedding and the shard's start on a tied first stage, else the stage's lm_head.weight from row 0)."""
+    embedding and the shard's start on a tied first stage; a tied stage's embedding rows from row 0 when the
+    embedding is sharded too; else the stage's lm_head.weight from row 0)."""
+    if spec.embed is not None and model.config.tie_embeddings:
+        return model.embed.weight, 0
     if spec.is_first and model.config.tie_embeddings:
         return model.embed.weight, spec.vocab.start
     return model.lm_head.weight, 0
@@ -100,8 +117,8 @@ def tied_parameters(model: nn.Module, spec: StageSpec) -> list[nn.Parameter]:
     (first, last) sums its gradient and applies the same update (semantics.md)."""
     if spec.head_split and (spec.is_first or spec.is_last):
         return [head_weight(model, spec)]
-    if spec.num_stages == 1 or not getattr(model.config, "tie_embeddings", False):
-        return []
+    if spec.num_stages == 1 or not getattr(model.config, "tie_embeddings", False) or spec.embed is not None:
+        return []  # (a sharded embedding: each stage's head rows are its own embedding rows, one tensor)
     if spec.vocab is not None:  # every stage holds rows of the tied weight (the first stage all of them)
         return [vocab_rows(model, spec)[0]]
     if spec.is_first:

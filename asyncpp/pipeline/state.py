@@ -44,10 +44,12 @@ class StageCheckpoint(ckpt.Checkpointer):
             rows, _ = vocab_rows(self.model, self.spec)
             params = [p for p in self.model.parameters() if p.requires_grad]
             i = next(k for k, p in enumerate(params) if p is rows)
+            index = self.spec.stage * d.tp + self.mesh.tp_rank  # the statistics group's order: stage, TP rank
+            view = rows_view(self.vocab_layout, index, self.model.config.vocab_size, self.mesh.vocab_groups.stats)
             if not (self.spec.is_first and id(rows) in tied):  # the first stage holds a tied embedding whole
-                index = self.spec.stage * d.tp + self.mesh.tp_rank  # the statistics group's order: stage, TP rank
-                shards[i] = rows_view(self.vocab_layout, index, self.model.config.vocab_size,
-                                      self.mesh.vocab_groups.stats)
+                shards[i] = view
+            if self.spec.embed is not None:  # a sharded embedding: the same rows of embed.weight (tp = 1)
+                shards[next(k for k, p in enumerate(params) if p is self.model.embed.weight)] = view
             # A tied embedding's rows on a later stage equal the first stage's (one update of one gradient):
             # the first stage saves them whole, the others only load theirs.
             mirrors = [k == i and id(rows) in tied and not self.spec.is_first for k in range(len(params))]

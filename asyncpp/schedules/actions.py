@@ -32,6 +32,14 @@ class Op(str, Enum):
     """The shard's loss gradient, weight gradient and partial input gradient of (t, j), on every stage: it needs
     every stage's VOCAB_FORWARD of (t, j) (the all-reduced statistics); the partial input gradients are reduced
     onto the last stage, whose BACKWARD of (t, j) needs every stage's VOCAB_BACKWARD."""
+    EMBED_FORWARD = "E"
+    """A sharded input embedding (parallel.embedding=vocab), on every stage: the lookup of microbatch (t, j)'s tokens
+    that fall in the stage's rows (zeros for the others), on (t, j)'s version; the partials are reduced onto the
+    first stage, whose FORWARD of (t, j) needs every stage's EMBED_FORWARD."""
+    EMBED_BACKWARD = "G"
+    """The stage's rows' embedding gradient of (t, j), on every stage: it needs the first stage's BACKWARD of (t, j)
+    (the embedding output's gradient, broadcast from there), and joins b_t's gradient before the stage's reductions
+    of step t start (UPDATE(t) on any stage needs every stage's last EMBED_BACKWARD of step t)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -40,11 +48,17 @@ class Action:
     step: int
     """t: the minibatch b_t this action belongs to (for updates: the step whose gradient is applied)."""
     microbatch: int = -1
-    """Index within b_t for FORWARD/BACKWARD/HEAD/VOCAB_*; -1 for updates."""
+    """Index within b_t for FORWARD/BACKWARD/HEAD/VOCAB_*/EMBED_*; -1 for updates."""
     version: int = -1
-    """FORWARD/BACKWARD/HEAD/VOCAB_*: the weight version x_v they run on. UPDATE: the version it produces (t+1)."""
+    """FORWARD/BACKWARD/HEAD/VOCAB_*/EMBED_*: the weight version x_v they run on. UPDATE: the version it produces
+    (t+1)."""
 
     def __str__(self) -> str:
-        if self.op in (Op.FORWARD, Op.BACKWARD, Op.HEAD, Op.VOCAB_FORWARD, Op.VOCAB_BACKWARD):
+        if self.op in MICROBATCH_OPS:
             return f"{self.op.value}{self.step}.{self.microbatch}@v{self.version}"
         return f"{self.op.value}{self.step}"
+
+
+MICROBATCH_OPS = (Op.FORWARD, Op.BACKWARD, Op.HEAD, Op.VOCAB_FORWARD, Op.VOCAB_BACKWARD, Op.EMBED_FORWARD,
+                  Op.EMBED_BACKWARD)
+"""The actions of one microbatch (t, j), on a weight version; the others (UPDATE_START, UPDATE) are per step."""

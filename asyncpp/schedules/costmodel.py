@@ -44,7 +44,9 @@ class OpCosts:
     vocab_backward: a vocabulary-parallel head's S and T on each stage, its shard's logits with their statistics,
     and their gradients). The head's collectives are latencies on the edges they carry, beside the compute (their
     own stream and link): vocab_broadcast from the last stage's F to every S, vocab_allreduce from every S to
-    every T, vocab_reduce from every T to the last stage's B (asyncpp.core.vocab_split.vocab_comm_time)."""
+    every T, vocab_reduce from every T to the last stage's B (asyncpp.core.vocab_split.vocab_comm_time). A sharded
+    embedding's E and G on each stage (embed_forward, embed_backward), its collectives' latencies: embed_reduce from
+    every E to the first stage's F, embed_broadcast from the first stage's B to every G."""
 
     forward: Cost
     backward: Cost
@@ -57,6 +59,10 @@ class OpCosts:
     vocab_broadcast: float = 0.0
     vocab_allreduce: float = 0.0
     vocab_reduce: float = 0.0
+    embed_forward: Cost = 0.0
+    embed_backward: Cost = 0.0
+    embed_reduce: float = 0.0
+    embed_broadcast: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):  # lists -> tuples, so a frozen OpCosts really is immutable
@@ -72,10 +78,15 @@ class OpCosts:
         if op is Op.UPDATE_START:
             return 0.0
         return self.at({Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.UPDATE: "update", Op.HEAD: "head",
-                        Op.VOCAB_FORWARD: "vocab_forward", Op.VOCAB_BACKWARD: "vocab_backward"}[op], stage)
+                        Op.VOCAB_FORWARD: "vocab_forward", Op.VOCAB_BACKWARD: "vocab_backward",
+                        Op.EMBED_FORWARD: "embed_forward", Op.EMBED_BACKWARD: "embed_backward"}[op], stage)
 
     def latency(self, consumer: Op, producer: Op, sender: int) -> float:
         """How long what `producer` (on stage `sender`) makes takes to reach `consumer`."""
+        if producer is Op.EMBED_FORWARD:
+            return self.embed_reduce
+        if consumer is Op.EMBED_BACKWARD:
+            return self.embed_broadcast
         if consumer is Op.VOCAB_FORWARD:
             return self.vocab_broadcast
         if consumer is Op.VOCAB_BACKWARD:
@@ -265,6 +276,163 @@ def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts) -> 
     return out
 
 
+EMBED_LOOKAHEAD = 2
+"""How far a stage's E may run ahead of the first stage's forwards (microbatches): E(k) is placed once the first
+stage has run F(k - EMBED_LOOKAHEAD). Enough to hide the reduce behind the first stage's F/B pairs; small, because
+the first stage holds every reduced embedding until its F (one [mb, seq, h] buffer each)."""
+
+
+def place_embedding_passes(schedules: Sequence[Sequence[Action]], costs: OpCosts,
+                           lookahead: int = EMBED_LOOKAHEAD) -> list[list[Action]]:
+    """A sharded embedding's E and G actions placed into complete schedules (F/B/updates, and a vocabulary-parallel
+    head's S and T) by the same kind of list scheduler as place_vocab_passes: every stage, whenever it is free,
+    starts the earliest-ready of its next G, its next E and its next listed action (that priority on ties); E and G
+    in the first stage's microbatch order on every stage. Every listed action keeps its order, except that an
+    UPDATE(v-1) moves up to just before the first E that reads x_v when that E is ready earlier than the UPDATE's
+    place: under 2BW a later stage's UPDATE(t-2) sits just before its F(t, 0), which comes after the first stage's
+    F(t, 0), which needs that stage's E(t, 0) on x_{t-1}. (The UPDATE may run as soon as its reductions are
+    complete; it still follows the stage's UPDATE_START(v-1) and every G of step v-1, so the version bound holds.)
+    Deterministic: every rank derives the same lists from the same costs."""
+    P = len(schedules)
+    base = [list(x) for x in schedules]
+    fwd = [(a.step, a.microbatch, a.version) for a in base[0] if a.op is Op.FORWARD]
+    bwd = [(a.step, a.microbatch, a.version) for a in base[0] if a.op is Op.BACKWARD]
+    per_step: dict[int, int] = {}
+    for t, _, _ in fwd:
+        per_step[t] = per_step.get(t, 0) + 1
+    vocab = any(a.op is Op.VOCAB_BACKWARD for a in base[-1])
+    nxt, e_next, g_next = [0] * P, [0] * P, [0] * P
+    g_done: list[dict[int, int]] = [{} for _ in range(P)]  # stage -> step -> G emitted
+    g_end: list[dict[int, float]] = [{} for _ in range(P)]  # stage -> step -> when its latest G ends
+    pulled: list[set[int]] = [set() for _ in range(P)]  # the UPDATEs moved up (skipped at their listed place)
+    updated: list[set[int]] = [set() for _ in range(P)]  # the UPDATEs emitted
+    free = [0.0] * P
+    done: dict[tuple[Op, int, int, int], float] = {}
+    out: list[list[Action]] = [[] for _ in range(P)]
+    inf = float("inf")
+    comm = [costs.at("comm", r) for r in range(P)]
+
+    def end(op: Op, stage: int, step: int, j: int = -1) -> float:
+        return done.get((op, stage, step, j), inf)
+
+    everyone: dict[tuple[Op, int, int], list[float]] = {}  # (op, step, j) -> [stages done, latest end]
+
+    def all_end(op: Op, step: int, j: int) -> float:
+        """When every stage's `op` of (step, j) has ended (inf until all have run)."""
+        count, latest = everyone.get((op, step, j), (0, 0.0))
+        return latest if count == P else inf
+
+    update_at: dict[tuple[int, int], float] = {}  # (stage, step) -> when its UPDATE may run, once known
+
+    def update_ready(s: int, t: int) -> float:
+        """UPDATE(t) on stage s: its own G of step t all run, every other stage's UPDATE_START(t) and last G."""
+        if (s, t) in update_at:
+            return update_at[(s, t)]
+        if g_done[s].get(t, 0) < per_step.get(t, 0) or end(Op.UPDATE_START, s, t) == inf:
+            return inf
+        ready = 0.0
+        for r in range(P):
+            if r != s:
+                last_g = g_end[r].get(t, inf) if g_done[r].get(t, 0) == per_step[t] else inf
+                ready = max(ready, end(Op.UPDATE_START, r, t) + comm[r], last_g + comm[r])
+        if ready < inf:  # every input has run: it no longer changes
+            update_at[(s, t)] = ready
+        return ready
+
+    def skip_pulled(s: int) -> None:
+        while nxt[s] < len(base[s]) and base[s][nxt[s]].op is Op.UPDATE and base[s][nxt[s]].step in pulled[s]:
+            nxt[s] += 1
+
+    def ready_listed(s: int) -> float:
+        skip_pulled(s)
+        if nxt[s] >= len(base[s]):
+            return inf
+        a = base[s][nxt[s]]
+        t, j = a.step, a.microbatch
+        if a.op is Op.FORWARD and s == 0:
+            return all_end(Op.EMBED_FORWARD, t, j) + costs.embed_reduce
+        if a.op is Op.FORWARD:
+            return end(Op.FORWARD, s - 1, t, j) + comm[s - 1]
+        if a.op is Op.BACKWARD and s == P - 1:
+            return all_end(Op.VOCAB_BACKWARD, t, j) + costs.vocab_reduce if vocab else 0.0
+        if a.op is Op.BACKWARD:
+            return end(Op.BACKWARD, s + 1, t, j) + comm[s + 1]
+        if a.op is Op.VOCAB_FORWARD and s < P - 1:
+            return end(Op.FORWARD, P - 1, t, j) + costs.vocab_broadcast
+        if a.op is Op.VOCAB_BACKWARD:
+            return all_end(Op.VOCAB_FORWARD, t, j) + costs.vocab_allreduce
+        if a.op is Op.UPDATE:
+            return update_ready(s, t)
+        return 0.0
+
+    def version_ready(s: int, v: int) -> tuple[float, bool]:
+        """When x_v is there on stage s, and whether its UPDATE(v-1) must be pulled up to get it."""
+        if v == 0:
+            return 0.0, False
+        if (v - 1) in updated[s]:
+            return end(Op.UPDATE, s, v - 1), False
+        return update_ready(s, v - 1), True
+
+    def ready_e(s: int) -> tuple[float, bool]:
+        k = e_next[s]
+        if k >= len(fwd):
+            return inf, False
+        v = fwd[k][2]
+        gate = end(Op.FORWARD, 0, *fwd[k - lookahead][:2]) if k >= lookahead else 0.0
+        when, pull = version_ready(s, v)
+        return max(gate, when), pull
+
+    def ready_g(s: int) -> float:
+        if g_next[s] >= len(bwd):
+            return inf
+        t, j, _ = bwd[g_next[s]]
+        return end(Op.BACKWARD, 0, t, j) + (costs.embed_broadcast if s > 0 else 0.0)
+
+    def emit(s: int, a: Action, start: float) -> None:
+        free[s] = done[(a.op, s, a.step, a.microbatch)] = start + costs.duration(a.op, s)
+        out[s].append(a)
+        tally = everyone.setdefault((a.op, a.step, a.microbatch), [0, 0.0])
+        tally[0], tally[1] = tally[0] + 1, max(tally[1], free[s])
+        if a.op is Op.UPDATE:
+            updated[s].add(a.step)
+
+    remaining = sum(len(x) for x in base) + 2 * len(fwd) * P
+    while remaining:
+        best = None
+        for s in sorted(range(P), key=free.__getitem__):
+            if best is not None and free[s] > best[0]:  # it cannot start earlier than the best (nor tie it)
+                break
+            e_ready, _ = ready_e(s)
+            for rank, ready in enumerate((ready_g(s), e_ready, ready_listed(s))):
+                if ready < inf:
+                    best = min(best or (inf,), (max(free[s], ready), rank, s))
+        if best is None:
+            raise DeadlockError("embedding placement is stuck: " + ", ".join(
+                f"stage {s} at #{nxt[s]} E#{e_next[s]} G#{g_next[s]}" for s in range(P)))
+        start, rank, s = best
+        if rank == 0:
+            t, j, v = bwd[g_next[s]]
+            g_next[s] += 1
+            g_done[s][t] = g_done[s].get(t, 0) + 1
+            emit(s, Action(Op.EMBED_BACKWARD, t, j, v), start)
+            g_end[s][t] = free[s]
+        elif rank == 1:
+            t, j, v = fwd[e_next[s]]
+            if ready_e(s)[1]:  # x_v's UPDATE first, out of its listed place
+                update = next(a for a in base[s] if a.op is Op.UPDATE and a.step == v - 1)
+                pulled[s].add(v - 1)
+                emit(s, update, start)
+                start = free[s]
+                remaining -= 1
+            e_next[s] += 1
+            emit(s, Action(Op.EMBED_FORWARD, t, j, v), start)
+        else:
+            emit(s, base[s][nxt[s]], start)
+            nxt[s] += 1
+        remaining -= 1
+    return out
+
+
 def _label(a: Action) -> str:
     # Action.__str__ renders UPDATE_START(0) as "U00", too close to UPDATE(0)'s "U0" in a trace viewer.
     if a.op is Op.UPDATE_START:
@@ -288,10 +456,12 @@ def predict(
     collective_updates: bool = False,
     head_split: bool = False,
     vocab_parallel: bool = False,
+    sharded_embedding: bool = False,
 ) -> dict:
     """Build the schedules of a steady run and report its predicted step time, bubble and memory. With
     vocab_parallel, the head's S and T placed by place_vocab_passes into each of VOCAB_WARMUPS' skeletons; the
-    fastest (then the one with less warm-up) is reported, its warm-up as "vocab_warmup"."""
+    fastest (then the one with less warm-up) is reported, its warm-up as "vocab_warmup"; with sharded_embedding (and
+    vocab_parallel), the embedding's E and G placed into those by place_embedding_passes."""
     delays = steady_delays(kind, num_stages, num_steps)
     if not vocab_parallel:
         schedules = build_pipeline(kind, num_stages, num_microbatches, delays, head_split=head_split)
@@ -301,6 +471,8 @@ def predict(
         for warmup in VOCAB_WARMUPS:
             skeleton = build_pipeline(kind, num_stages, num_microbatches, delays, vocab_warmup=warmup)
             schedules = place_vocab_passes(skeleton, costs)
+            if sharded_embedding:
+                schedules = place_embedding_passes(schedules, costs)
             tl = simulate(schedules, costs, collective_updates=collective_updates)
             options.append((tl.step_time(), warmup, tl))
         # The least warm-up unless more is really faster (not by rounding).

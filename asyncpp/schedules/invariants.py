@@ -57,6 +57,7 @@ def check_schedules(
         _check_ready(s, actions, num_microbatches)
     _check_heads(schedules, num_steps, num_microbatches)
     _check_vocab(schedules, num_steps, num_microbatches)
+    _check_embed(schedules, num_steps, num_microbatches)
     _check_versions(schedules, step_delays)
     if max_versions is not None:
         _check_version_bound(schedules, max_versions)
@@ -179,11 +180,52 @@ def _check_vocab(schedules: Sequence[Sequence[Action]], num_steps: int, m: int) 
     check_collective_order(schedules)
 
 
-def check_collective_order(schedules: Sequence[Sequence[Action]]) -> None:
-    """The head's collectives (the broadcast and statistics' all-reduce of S, the reduce of T) each have a
-    communicator of their own, and a communicator's collectives must be issued in one order on every rank (NCCL):
-    every stage runs its S actions in the same microbatch order, and its T actions too."""
-    for op in VOCAB_OPS:
+EMBED_OPS = (Op.EMBED_FORWARD, Op.EMBED_BACKWARD)
+
+
+def has_sharded_embedding(schedules: Sequence[Sequence[Action]]) -> bool:
+    """Whether the input embedding is sharded over the stages (the first stage's list holds EMBED_FORWARD)."""
+    return bool(schedules) and any(a.op is Op.EMBED_FORWARD for a in schedules[0])
+
+
+def _check_embed(schedules: Sequence[Sequence[Action]], num_steps: int, m: int) -> None:
+    """A sharded embedding: every stage runs exactly one E and one G per (t, j), E on F(t, j)'s version (one version
+    per microbatch across all shards, semantics.md) and before the stage's own F(t, j) (the first stage's F needs
+    every E; a later stage's F follows the first's), G after the first stage's B(t, j) (on the first stage: after
+    its own) and before the stage's UPDATE(t) (its rows' gradient belongs to b_t); E and G each in one microbatch
+    order on every stage (check_collective_order). Without one, no stage runs E or G."""
+    if not has_sharded_embedding(schedules):
+        for s, actions in enumerate(schedules):
+            if any(a.op in EMBED_OPS for a in actions):
+                _fail(s, "embedding actions while the first stage runs none", [a for a in actions if a.op in EMBED_OPS])
+        return
+    expected = {(t, j) for t in range(num_steps) for j in range(m)}
+    for s, actions in enumerate(schedules):
+        where = {(a.op, a.step, a.microbatch): (i, a) for i, a in enumerate(actions)}
+        for op in EMBED_OPS:
+            counts = Counter((a.step, a.microbatch) for a in actions if a.op is op)
+            wrong = sorted(f"{op.value}{t}.{j} x{counts[(t, j)]}" for t, j in expected | counts.keys()
+                           if counts[(t, j)] != 1 or (t, j) not in expected)
+            if wrong:
+                _fail(s, f"{op.name} must run once per microbatch", wrong)
+        for t, j in sorted(expected):
+            f, fa = where[(Op.FORWARD, t, j)]
+            e, ea = where[(Op.EMBED_FORWARD, t, j)]
+            g, ga = where[(Op.EMBED_BACKWARD, t, j)]
+            b, _ = where[(Op.BACKWARD, t, j)]
+            u, _ = where[(Op.UPDATE, t, -1)]
+            if not e < f or not g < u or (s == 0 and not b < g) or not ea.version == ga.version == fa.version:
+                _fail(s, f"E{t}.{j} must run before F{t}.{j} and G{t}.{j} before U{t} (on the first stage after "
+                      f"B{t}.{j}), on F's version", [ea, ga])
+    check_collective_order(schedules, EMBED_OPS)
+
+
+def check_collective_order(schedules: Sequence[Sequence[Action]], ops: Sequence[Op] = VOCAB_OPS) -> None:
+    """The head's collectives (the broadcast and statistics' all-reduce of S, the reduce of T), and a sharded
+    embedding's (the reduce of E, the broadcast G joins) each have a communicator of their own, and a
+    communicator's collectives must be issued in one order on every rank (NCCL): every stage runs its S actions in
+    the same microbatch order, and its T, E and G actions too."""
+    for op in ops:
         first = [(a.step, a.microbatch) for a in schedules[0] if a.op is op]
         for s, actions in enumerate(schedules[1:], start=1):
             order = [(a.step, a.microbatch) for a in actions if a.op is op]
@@ -197,7 +239,7 @@ def _check_ready(stage: int, actions: Sequence[Action], m: int) -> None:
     """F/B/H on v >= 1 after UPDATE(v-1); UPDATE_START(t) after all B of b_t; UPDATE(t) after it."""
     newest, backwards, started = 0, Counter[int](), set[int]()
     for i, a in enumerate(actions):
-        if a.op in (Op.FORWARD, Op.BACKWARD, Op.HEAD, *VOCAB_OPS) and a.version > newest:
+        if a.op in (Op.FORWARD, Op.BACKWARD, Op.HEAD, *VOCAB_OPS, *EMBED_OPS) and a.version > newest:
             _fail(stage, f"action #{i} runs on a version not produced yet (newest is v{newest})", [a])
         if a.op is Op.BACKWARD:
             backwards[a.step] += 1
@@ -289,17 +331,35 @@ def dependencies(
     A vocabulary-parallel head: S(t,j) on a stage s < P-1 needs F(t,j) at P-1 (the broadcast hidden states);
     T(t,j) needs S(t,j) on every stage (the statistics' all-reduce); B(t,j) at P-1 needs T(t,j) on every stage
     (the reduce of the input gradient). The collectives' own stage is listed too: the wait is for all.
+    A sharded embedding: F(t,j) at 0 needs E(t,j) on every stage (the reduce of the partial embeddings); G(t,j) at
+    s > 0 needs B(t,j) at 0 (the broadcast of the embedding gradient); a stage's reductions of step t start at its
+    UPDATE_START(t) or its last G of step t, whichever is later, so with collective_updates UPDATE(t) also needs
+    every other stage's G of step t.
     A producer that does not exist maps to (stage, -1): it never runs.
     """
     pos, last = _positions(schedules), len(schedules) - 1
     split = has_head_split(schedules)
     vocab = has_vocab_parallel(schedules)
+    embed = has_sharded_embedding(schedules)
     everyone = range(len(schedules))
+    last_g: list[dict[int, int]] = [{} for _ in schedules]  # stage -> step -> position of its last G of the step
+    for s, actions in enumerate(schedules):
+        for i, a in enumerate(actions):
+            if a.op is Op.EMBED_BACKWARD:
+                last_g[s][a.step] = max(i, last_g[s].get(a.step, -1))
     deps: dict[Node, list[Node]] = {}
     for s, actions in enumerate(schedules):
         for i, a in enumerate(actions):
             key = (a.op, a.step, a.microbatch)
-            if a.op is Op.VOCAB_FORWARD and s < last:
+            if a.op is Op.FORWARD and s == 0 and embed:
+                deps[(s, i)] = [(r, pos[r].get((Op.EMBED_FORWARD, a.step, a.microbatch), -1)) for r in everyone]
+            elif a.op is Op.EMBED_BACKWARD and s > 0:
+                deps[(s, i)] = [(0, pos[0].get((Op.BACKWARD, a.step, a.microbatch), -1))]
+            elif a.op is Op.UPDATE and collective_updates and embed:
+                start = (Op.UPDATE_START, a.step, -1)
+                deps[(s, i)] = [(r, pos[r].get(start, -1)) for r in everyone if r != s] + [
+                    (r, last_g[r].get(a.step, -1)) for r in everyone if r != s]
+            elif a.op is Op.VOCAB_FORWARD and s < last:
                 deps[(s, i)] = [(last, pos[last].get((Op.FORWARD, a.step, a.microbatch), -1))]
             elif a.op is Op.VOCAB_BACKWARD:
                 deps[(s, i)] = [(r, pos[r].get((Op.VOCAB_FORWARD, a.step, a.microbatch), -1)) for r in everyone]

@@ -26,12 +26,14 @@ def pipeline(cfg) -> tuple[dict[int, dict], dict[tuple[int, str], torch.Tensor]]
     return records, {(res["stage"], res["tp"], n): p for res in results for n, p in res["params"].items()}
 
 
-def config(root, pp: int, head: str = "vocab", resume: str | None = None, tp: int = 1, **extra):
+def config(root, pp: int, head: str = "vocab", resume: str | None = None, tp: int = 1, embedding: str = "first",
+           **extra):
     checkpoint = {"enabled": True, "every": 3, "dir": str(root / "ckpt")} if resume is None else {
         "enabled": False, "resume": resume}
     # AdamW at the TP tests' eps: a run continued on another layout differs by reduction order, which AdamW at
     # eps = 1e-8 amplifies without bound on entries whose gradient is near zero (tests/dist/test_head_split.py).
-    return make_config(parallel={"pp": pp, "tp": tp, "sequence_parallel": tp > 1, "head": head, "stage_layers": None},
+    return make_config(parallel={"pp": pp, "tp": tp, "sequence_parallel": tp > 1, "head": head, "stage_layers": None,
+                                 "embedding": embedding},
                        staleness={"ef_lambda": 1.0},
                        checkpoint=checkpoint, optimizer={"eps": ADAMW_EPS}, **extra)
 
@@ -78,3 +80,28 @@ def test_vocab_head_checkpoint_of_tensor_parallel_pieces_continues_without_tp(tm
         assert got[t]["loss"] == pytest.approx(want[t]["loss"], rel=1e-5), t
     for key, p in want_params.items():
         assert params[key].shape == p.shape and relative_error(params[key], p) < 1e-5, key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [UNTIED, {"name": "tiny_dense"}], ids=["untied", "tied"])
+def test_sharded_embedding_resumes_exactly_and_continues_on_four_stages_and_whole(tmp_path, model):
+    """parallel.embedding=vocab: each stage's embedding rows are saved by their offsets under embed.weight. Resumed on
+    its own layout the run is bitwise the same; saved at P=2 it continues at P=4 (other rows) and at P=2 with the
+    embedding whole on the first stage, like the runs that were there all along."""
+    full, full_params = pipeline(config(tmp_path / "a", 2, embedding="vocab", model=model))
+    assert all(p.shape[0] < 8192 for (*_, n), p in full_params.items() if n == "embed.weight")  # rows, spread
+    saved = str(tmp_path / "a" / "ckpt" / "step_00000003")
+    resumed, params = pipeline(config(tmp_path / "b", 2, embedding="vocab", model=model, resume=saved))
+    for t in (3, 4, 5):
+        assert resumed[t]["loss"] == full[t]["loss"] and resumed[t]["grad_norm"] == full[t]["grad_norm"], t
+    for key, p in full_params.items():
+        assert torch.equal(params[key], p), key
+    for pp, embedding in ((4, "vocab"), (2, "first")):
+        want, want_params = pipeline(config(tmp_path / f"w{pp}{embedding}", pp, embedding=embedding, model=model))
+        got, params = pipeline(config(tmp_path / f"r{pp}{embedding}", pp, embedding=embedding, model=model,
+                                      resume=saved))
+        assert sorted(got) == [3, 4, 5]
+        for t in (3, 4, 5):
+            assert got[t]["loss"] == pytest.approx(want[t]["loss"], rel=1e-5), (pp, embedding, t)
+        for key, p in want_params.items():
+            assert params[key].shape == p.shape and relative_error(params[key], p) < 1e-5, (pp, embedding, key)

@@ -100,6 +100,9 @@ def assert_vocab_equivalent(cfg, world: int, loss_fn=None, rel: float = 1e-5) ->
             if name == "lm_head.weight":
                 assert p.shape == (shard.rows, model_cfg.hidden_size) and p.shape[0] < model_cfg.vocab_size
                 want = head[shard.start:shard.end]
+            elif name == "embed.weight" and r.get("embedding") is not None:  # parallel.embedding=vocab: the same rows
+                assert p.shape == (shard.rows, model_cfg.hidden_size) and p.shape[0] < model_cfg.vocab_size
+                want = ref["params"][name][shard.start:shard.end]
             else:
                 want = ref["params"][name]
                 tp_dim, expert = r["layouts"].get(name, (None, False))
@@ -109,7 +112,7 @@ def assert_vocab_equivalent(cfg, world: int, loss_fn=None, rel: float = 1e-5) ->
                     want = want.chunk(tp, dim=tp_dim)[r["tp"]]
             err = relative_error(p, want)
             assert err < rel, (r["stage"], name, err)
-    if tied:  # every stage's head rows are rows of the one tied weight: one update of one reduced gradient
+    if tied and results[0].get("embedding") is None:  # every stage's head rows are rows of the one tied weight: one
         embed = next(r for r in results if r["stage"] == 0 and r["dp"] == 0)["params"]["embed.weight"]
         for r in results:
             if r["stage"] > 0:

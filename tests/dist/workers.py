@@ -111,7 +111,15 @@ def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
             "params": params, "summary": summary, "layouts": {n: (l.tp_dim, l.expert) for n, l in run.sharding.items()},
             "master_bytes": master_bytes, "num_buffers": v.num_buffers,
             "version_bytes": sum(x.numel() * x.element_size() for buffer in v.buffers for x in buffer),
-            "vocab": vocab_report(run.engine.vocab_head)}
+            "vocab": vocab_report(run.engine.vocab_head), "embedding": embedding_report(run.engine.embedding)}
+
+
+def embedding_report(embedding) -> dict | None:
+    """What a sharded embedding's stage did: its rows, its parameter's rows, its E and G passes."""
+    if embedding is None:
+        return None
+    return {"start": embedding.shard.start, "rows": embedding.shard.rows, "param_rows": embedding.param.shape[0],
+            "lookups": embedding.lookups, "gradients": embedding.gradients}
 
 
 def vocab_report(head) -> dict | None:

@@ -123,6 +123,24 @@ def _layouts() -> dict[str, Layout]:
         Layout("2bw-P2-vocab-stop-midsegment", make_config(parallel={"pp": 2, "head": "vocab"},
                                                            train={**short, "steps": 9},
                                                            checkpoint={"enabled": True, "every": 0}), stop=(1, 1)),
+        # parallel.embedding=vocab: two more groups over all the stages (the partial lookups' reduce onto the first
+        # stage, the first stage's input gradient broadcast back), posted at E and G actions the cost model places,
+        # with UPDATEs pulled up ahead of the Es that read their version; a sync start, an evaluation drain (blocking
+        # lookups) and a checkpoint of the embedding's rows.
+        Layout("2bw-P2-vocab-embedding", make_config(model=_UNTIED, parallel={"pp": 2, "head": "vocab",
+                                                                              "embedding": "vocab"},
+                                                     train={**short, "steps": 5, "eval_every": 2},
+                                                     staleness={"sync_start_steps": 1},
+                                                     checkpoint={"enabled": True, "every": 2})),
+        # Tied (one tensor per stage, no tied all-reduce), P=4 with DP=2 and the distributed optimizer, EF.
+        Layout("2bw-P4-DP2-vocab-embedding-zero", make_config(parallel={"pp": 4, "dp": 2, "head": "vocab",
+                                                                        "embedding": "vocab",
+                                                                        "distributed_optimizer": True},
+                                                              train={**short, "num_microbatches": 4, "eval_every": 2},
+                                                              staleness={"ef_lambda": 1.0})),
+        Layout("2bw-P2-vocab-embedding-stop-midsegment",
+               make_config(parallel={"pp": 2, "head": "vocab", "embedding": "vocab"}, train={**short, "steps": 9},
+                           checkpoint={"enabled": True, "every": 0}), stop=(1, 1)),
         Layout("megatron-2bw-P2", make_config(parallel={"pp": 2}, schedule={"name": "2bw"},
                                               train={"steps": 4, "num_microbatches": 2}), megatron=True),
         Layout("megatron-1f1b-P3", make_config(model={"name": "tiny_dense", "overrides": {"num_layers": 3}},
@@ -149,11 +167,11 @@ def _layouts() -> dict[str, Layout]:
 
 LAYOUTS = _layouts()
 FAST = ("2bw-P2-DP2", "1f1b-P3", "megatron-2bw-P2", "megatron-core-example-P2", "2bw-P2-stop-midsegment",
-        "2bw-P2-DP2-zero", "2bw-P2-rampup", "2bw-P2-head-split", "2bw-P2-vocab")
+        "2bw-P2-DP2-zero", "2bw-P2-rampup", "2bw-P2-head-split", "2bw-P2-vocab", "2bw-P2-vocab-embedding")
 """Recorded in the default suite (2BW with DP, tied embeddings, a sync start and an evaluation drain; a
 middle stage; the Megatron loop, with asyncpp's stages and with megatron-core's (the example); a stream cut short
 by a stop; the distributed optimizer; a batch rampup's streams of different m; the head split; the
-vocabulary-parallel head); the rest is `slow`."""
+vocabulary-parallel head, and with the embedding sharded too); the rest is `slow`."""
 
 
 def recorded_pipeline(rank: int, cfg_dict: dict) -> list:
