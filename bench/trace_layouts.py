@@ -35,12 +35,17 @@ LAYOUTS = {  # layout -> (model, world size, pipeline stages)
 WORK = ["train.precision=bf16", "train.seq_len=4096", "train.micro_batch_size=1", "staleness.ef_lambda=1.0"]
 
 
+MICROBATCH_ACTIONS = "FBHSTEG"
+"""The first letter of the per-microbatch actions (schedules/actions.Op): forward, backward, the token head split's
+HEAD, the vocabulary head's S and T, the sharded embedding's E and G."""
+
+
 def reads_split(trace: dict) -> tuple[float, float]:
-    """(host reads per microbatch in FORWARD/BACKWARD, other host reads per step) of a traced stage."""
+    """(host reads per microbatch in its actions, other host reads per step) of a traced stage."""
     steps, m = trace["steps"], trace["microbatches"]
     training = [r for r in trace["host_reads"] if r["action"] not in ("evaluate", "checkpoint state", "drain")]
-    per_mb = sum(1 for r in training if r["action"][0] in "FB") / (steps * m)
-    other = sum(1 for r in training if r["action"][0] not in "FB") / steps
+    per_mb = sum(1 for r in training if r["action"][0] in MICROBATCH_ACTIONS) / (steps * m)
+    other = sum(1 for r in training if r["action"][0] not in MICROBATCH_ACTIONS) / steps
     return per_mb, other
 
 
@@ -51,6 +56,7 @@ def main() -> None:
     ap.add_argument("--stages", default=None, help="comma-separated stages (default: all)")
     ap.add_argument("--m", type=int, default=None, help="microbatches per step (default: P)")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--head", default=None, help="parallel.head (default: the layout's own, vocab for the paper's)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -59,8 +65,9 @@ def main() -> None:
     for layout in args.only:
         model, world, pp = LAYOUTS[layout]
         m = args.m or pp
+        head = [f"parallel.head={args.head}"] if args.head else []
         cfg, model_cfg = job.resolve(job.compose([f"model={model}", f"parallel={layout}", f"train.num_microbatches={m}",
-                                                  *WORK, "logging=disabled", f"out_dir={out / 'trace_runs'}"]))
+                                                  *WORK, *head, "logging=disabled", f"out_dir={out / 'trace_runs'}"]))
         stages = [int(s) for s in args.stages.split(",")] if args.stages else list(range(pp))
         for s in stages:
             started = time.perf_counter()
@@ -73,16 +80,16 @@ def main() -> None:
             d["comm_counts"] = {}
             for c in trace.comms:
                 d["comm_counts"][c.op] = d["comm_counts"].get(c.op, 0) + 1
-            results[f"{layout}/m={m}/stage{s}"] = d
+            results[f"{layout}/head={cfg.parallel.head}/m={m}/stage{s}"] = d
             path.write_text(json.dumps(results, indent=1))
-    print("| layout | stage | plan GiB | traced peak GiB | peak / plan | host reads per step (a*m + b) | kernels |")
-    print("|---|---|---|---|---|---|---|")
+    print("| layout | head | stage | plan GiB | traced peak GiB | peak / plan | host reads per step (a*m + b) | kernels |")
+    print("|---|---|---|---|---|---|---|---|")
     for key, d in sorted(results.items()):
-        layout, m, stage = key.split("/")
+        layout, head, m, stage = key.split("/")
         plan = d["plan"]["total_bytes"]
         a, b = reads_split(d)
         kernels = sorted(set(d["kernels"].values()))
-        print(f"| {layout} ({m}) | {stage[5:]} | {plan / 2**30:.2f} | {d['peak_bytes'] / 2**30:.2f} | "
+        print(f"| {layout} ({m}) | {head[5:]} | {stage[5:]} | {plan / 2**30:.2f} | {d['peak_bytes'] / 2**30:.2f} | "
               f"{d['peak_bytes'] / plan:.3f} | {a:g}*m + {b:g} | {', '.join(kernels) or '-'}; {d['attention']} |")
 
 

@@ -59,6 +59,8 @@ NEEDED = {
     ("asyncpp/pipeline/update.py", "apply"): "the global norm: the skip decision and the clip coefficient are "
                                              "taken on the host, once per step",
     ("asyncpp/pipeline/executor.py", "evaluate"): "the validation loss (evaluation only)",
+    ("asyncpp/pipeline/vocab_head.py", "evaluate"): "the validation loss of the vocabulary-parallel head (evaluation "
+                                                    "only)",
     ("asyncpp/pipeline/reduction.py", "all_reduce_norms"): "the last update norms at a drain (once per segment)",
 }
 """Host reads the step needs, by (file, function) of their call site, with the reason. Every other is a sync

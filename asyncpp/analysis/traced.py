@@ -199,7 +199,10 @@ def fused_kernels_on_meta():
 def marking_actions(executor: PipelineExecutor, tracer: StepTracer):
     """Mark every action's boundaries in the tracer: the engine's handlers, wrapped on this instance only."""
     engine = executor.engine
-    names = ["_forward", "_backward", "_head", "_update_start", "_update"]
+    # Every handler of StageEngine.run, the vocabulary head's S and T and the sharded embedding's E and G included:
+    # an unmarked action's ops and bytes would be booked to the action before it.
+    names = ["_forward", "_backward", "_head", "_update_start", "_update", "_vocab_forward", "_vocab_backward",
+             "_embed_forward", "_embed_backward"]
     originals = {n: getattr(engine, n) for n in names}
 
     def wrap(handler):

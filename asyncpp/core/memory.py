@@ -11,6 +11,16 @@ Two kinds of numbers, and the report says which is which:
   activations come from `activation_bytes_per_token`, a count of the tensors autograd saves in the local
   (PyTorch) layers, checked against a saved-tensor-hook measurement in tests/unit/test_memory.py.
 
+Phases: a stage runs one action at a time, and what lives only inside some actions (the activations of the
+microbatches in flight, the loss's and the vocabulary head's scratch, the update's fp32 copy of x_t and Error
+Feedback's per-parameter temporaries) is tagged with the phase it belongs to. The total is what is held through the
+step plus the largest action's share, not the sum of every item's own maximum: issue 33's traced step showed the
+update scratch is never live at the forward/backward peak (the sum over-counted it by 6-13%), nor the vocabulary
+head's T scratch in a FORWARD. A pipeline stage's plan walks its action list (`action_loads`: the microbatches in
+flight, the gradient sets that exist and the head's buffers during each action), adds each action's own scratch and
+takes the largest action of each kind (`MemoryReport.peaks`, pipeline/memory.py); without an action list (the
+simulator) the larger of the two phases' item sums.
+
 Not counted: the CUDA context and allocator caching (~0.5-1 GiB per GPU), communication buffers,
 temporaries of a single op (a matmul's workspace), the activations a fused kernel saves instead of the
 local ones (TE, FLA: pending a GPU measurement, docs/gpu.md).
@@ -33,6 +43,10 @@ from asyncpp.schedules.invariants import peak_in_flight
 from asyncpp.schedules.registry import kind_of
 
 ALLOCATED, ESTIMATED = "allocated", "estimated"
+HELD, FORWARD_BACKWARD, UPDATE, PER_ACTION = "", "forward/backward", "update", "per action"
+"""An item's phase: held through the step, or live only in the forward/backward actions, or only inside UPDATE; or
+counted action by action (MemoryReport.peaks), the item giving its own peak."""
+PHASES = (FORWARD_BACKWARD, UPDATE)
 _MIB = 1024 * 1024
 
 
@@ -42,16 +56,37 @@ class MemoryItem:
     nbytes: int
     how: str
     """ALLOCATED (measured from existing tensors) or ESTIMATED (see the module docstring)."""
+    phase: str = HELD
+    """HELD, FORWARD_BACKWARD, UPDATE or PER_ACTION (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class ActionPeak:
+    """The largest share of one kind of action (FORWARD, T, UPDATE...) above the held items: `action` is where."""
+
+    kind: str
+    action: str
+    nbytes: int
+    what: str
 
 
 @dataclass
 class MemoryReport:
     title: str
     items: list[MemoryItem] = field(default_factory=list)
+    peaks: list[ActionPeak] = field(default_factory=list)
+    """Per kind of action, the most it holds above the held items (from the stage's action list); empty: the
+    phases' item sums stand in for it."""
 
     @property
     def total(self) -> int:
-        return sum(i.nbytes for i in self.items)
+        """What is held through the step plus the largest action's share (module docstring)."""
+        if self.peaks:
+            return self.phase_bytes(HELD) + max(p.nbytes for p in self.peaks)
+        return self.phase_bytes(HELD) + max(self.phase_bytes(p) for p in PHASES)
+
+    def phase_bytes(self, phase: str) -> int:
+        return sum(i.nbytes for i in self.items if i.phase == phase)
 
     def get(self, name: str) -> int:
         """Bytes of the item whose name starts with `name` (KeyError if none)."""
@@ -61,15 +96,28 @@ class MemoryReport:
         raise KeyError(f"no memory item named {name!r}; items: {[i.name for i in self.items]}")
 
     def table(self) -> str:
-        width = max([len(i.name) for i in self.items] + [len("total")])
+        phased = any(i.phase != HELD for i in self.items)
+        if self.peaks:
+            sums = [(f"+ in {p.kind} ({p.action})", p.nbytes, p.what) for p in self.peaks]
+            how = "held + the largest action's share"
+        else:
+            sums = [(f"+ {p} phase", self.phase_bytes(p), "") for p in PHASES] if phased else []
+            how = "held + the larger phase"
+        width = max([len(i.name) for i in self.items] + [len("total")] + [len(n) for n, _, _ in sums])
         lines = [self.title, f"  {'item':<{width}} {'MiB':>10}  how"]
-        lines += [f"  {i.name:<{width}} {i.nbytes / _MIB:>10.2f}  {i.how}" for i in self.items]
-        lines.append(f"  {'total':<{width}} {self.total / _MIB:>10.2f}")
+        lines += [f"  {i.name:<{width}} {i.nbytes / _MIB:>10.2f}  {i.how}" + _phase_note(i.phase) for i in self.items]
+        if phased:
+            lines.append(f"  {'held':<{width}} {self.phase_bytes(HELD) / _MIB:>10.2f}")
+            lines += [f"  {n:<{width}} {b / _MIB:>10.2f}  {what}".rstrip() for n, b, what in sums]
+        lines.append(f"  {'total':<{width}} {self.total / _MIB:>10.2f}" + (f"  ({how})" if phased else ""))
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return {"title": self.title, "total_bytes": self.total,
-                "items": [{"name": i.name, "bytes": i.nbytes, "how": i.how} for i in self.items]}
+                "phase_bytes": {p or "held": self.phase_bytes(p) for p in (HELD, *PHASES)},
+                "items": [{"name": i.name, "bytes": i.nbytes, "how": i.how, "phase": i.phase or "held"}
+                          for i in self.items],
+                "peaks": [vars(p) for p in self.peaks]}
 
 
 # ---- tensors that exist ------------------------------------------------------------------------
@@ -331,15 +379,27 @@ def measure_saved_activations(fn: Callable[[], Any], exclude: Iterable[Tensor] =
     return sum(saved.values()), result
 
 
+def stage_actions(schedule: str, stage: int, num_stages: int, num_microbatches: int, steps: int = 3,
+                  head_split: bool = False) -> list[Action]:
+    """`stage`'s actions of `steps` steps at its steady delay (the schedule's own list)."""
+    delay = kind_of(schedule).stage_delay(stage, num_stages)  # pipedream: P-1-s, not 1
+    return build_schedule(schedule, stage, num_stages, num_microbatches, [delay] * steps, head_split=head_split)
+
+
 def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_microbatches: int, steps: int = 3,
                            head_split: bool = False) -> int:
     """Most microbatches whose forward ran and backward did not, at once, on `stage` (from the
     schedule's own action list, so it is right for every kind: m for GPipe, P - s for 1F1B/2BW, one more
     with parallel.head=tokens)."""
+    return peak_in_flight(stage_actions(schedule, stage, num_stages, num_microbatches, steps, head_split))
 
-    delay = kind_of(schedule).stage_delay(stage, num_stages)  # pipedream: P-1-s, not 1
-    return peak_in_flight(build_schedule(schedule, stage, num_stages, num_microbatches, [delay] * steps,
-                                         head_split=head_split))
+
+def error_feedback_scratch_bytes(masters: Sequence[Tensor], ef_lambda: float) -> int:
+    """What ErrorFeedback.apply (core/staleness.py) holds above the EF buffer inside UPDATE: it runs one parameter at
+    a time, and for the largest one the new u_t exists next to the u_{t-1} it replaces, plus with λ != 0 the
+    temporary u_t - u_{t-1}: one or two copies of the largest parameter, in the masters' dtype."""
+    largest = max((q.numel() * q.element_size() for q in masters), default=0)
+    return largest * (2 if ef_lambda else 1)
 
 
 @dataclass(frozen=True)
@@ -361,15 +421,60 @@ class VocabHeld:
     """Steps whose shard gradient [rows, h] (fp32) waits for UPDATE_START(t): a T of b_{t+1} may run first."""
 
 
+@dataclass(frozen=True)
+class ActionLoad:
+    """What a stage holds while one of its actions runs, besides the step's held items: the microbatches whose
+    activations are live, the vocabulary head's buffers and the gradient sets. While an action runs it holds what
+    was there before it and what it leaves (a FORWARD's new activations, a BACKWARD's not yet freed ones), except
+    an UPDATE, which retires its step's head buffers before it applies the update (StageEngine._update), but holds
+    the gradient set it consumes."""
+
+    action: Action
+    in_flight: int
+    vocab: VocabHeld
+    grad_sets: int
+    """Steps whose gradient sum exists: from the step's first BACKWARD to the end of its UPDATE (a recycled fp32
+    set, pipeline/weights.WeightVersions.recycle, stays once allocated)."""
+
+
+def action_loads(actions: Sequence[Action], last: bool, recycled_grads: bool = False) -> list[ActionLoad]:
+    """ActionLoad of every action of one stage's list (`last`: the last stage). An UPDATE holds the step's gradient
+    set it consumes but not the head's buffers it retires first."""
+    loads = []
+    before = (0, VocabHeld(0, 0, 0, 0), 0)
+    for a, after in zip(actions, _held_after(actions, last, recycled_grads)):
+        in_flight = max(before[0], after[0])
+        vocab = VocabHeld(*map(max, vars(before[1]).values(), vars(after[1]).values()))
+        if a.op is Op.UPDATE:
+            in_flight, vocab = after[0], after[1]
+        loads.append(ActionLoad(a, in_flight, vocab, max(before[2], after[2])))
+        before = after
+    return loads
+
+
 def vocab_held(actions: Sequence[Action], last: bool) -> VocabHeld:
     """The peaks of VocabHeld's buffers over one stage's action list, each taken on its own (their sum bounds
     the combined peak from above)."""
+    held = [vars(v) for _, v, _ in _held_after(actions, last)] or [vars(VocabHeld(0, 0, 0, 0))]
+    return VocabHeld(**{k: max(h[k] for h in held) for k in held[0]})
+
+
+def _held_after(actions: Sequence[Action], last: bool, recycled_grads: bool = False):
+    """(microbatches in flight, VocabHeld, gradient sets) after each action of the list."""
     passes: set[tuple[int, int]] = set()
     hidden: set[tuple[int, int]] = set()
     grads: set[tuple[int, int]] = set()
     steps: set[int] = set()
-    peaks = [0, 0, 0, 0]
+    summing: set[int] = set()
+    most_sets = 0
+    in_flight = 0
     for a in actions:
+        in_flight += (a.op is Op.FORWARD) - (a.op is Op.BACKWARD)
+        if a.op is Op.BACKWARD:
+            summing.add(a.step)
+        elif a.op is Op.UPDATE:
+            summing.discard(a.step)
+        most_sets = max(most_sets, len(summing))
         key = (a.step, a.microbatch)
         if a.op is Op.VOCAB_FORWARD:
             passes.add(key)
@@ -388,8 +493,8 @@ def vocab_held(actions: Sequence[Action], last: bool) -> VocabHeld:
         elif a.op is Op.UPDATE:
             hidden = {k for k in hidden if not last or k[0] > a.step}
             grads = {k for k in grads if last or k[0] > a.step}
-        peaks = [max(p, len(x)) for p, x in zip(peaks, (passes, hidden, grads, steps))]
-    return VocabHeld(*peaks)
+        yield in_flight, VocabHeld(len(passes), len(hidden), len(grads), len(steps)), \
+            most_sets if recycled_grads else len(summing)
 
 
 def vocab_head_items(held: VocabHeld, *, tokens: int, rows: int, hidden: int, num_stages: int,
@@ -409,7 +514,16 @@ def vocab_head_items(held: VocabHeld, *, tokens: int, rows: int, hidden: int, nu
                    held.accumulators * 4 * rows * hidden, ESTIMATED),
         MemoryItem("vocab head: T scratch (the cast logits gradient, the GEMMs' copies, the weight gradient)",
                    vocab_backward_scratch_bytes(tokens=tokens, rows=rows, hidden=hidden, itemsize=c), ESTIMATED),
+        MemoryItem("vocab head: S scratch (fp32 logits - max and its exp)", vocab_forward_scratch_bytes(tokens, rows),
+                   ESTIMATED),
     ]
+
+
+def vocab_forward_scratch_bytes(tokens: int, rows: int) -> int:
+    """What S (pipeline/vocab_head.VocabHead.forward) allocates for a moment above the logits it keeps: the GEMM's
+    logits in the compute dtype until their fp32 copy exists, then shard_statistics' `logits - max` and its exp,
+    both fp32 [T, R] at once (8 T R, more than the c T R before it)."""
+    return 8 * tokens * rows
 
 
 @dataclass(frozen=True)
@@ -486,10 +600,16 @@ def vocab_backward_scratch_bytes(*, tokens: int, rows: int, hidden: int, itemsiz
 
 def versions_report(versions, optimizer, *, error_feedback: Sequence[Tensor], activation_bytes_per_mb: int,
                     in_flight: int, grad_buffers: int, title: str, backward_scratch: int = 0,
-                    extra: Sequence[MemoryItem] = ()) -> MemoryReport:
+                    extra: Sequence[MemoryItem] = (), ef_lambda: float = 0.0, peaks: Sequence[ActionPeak] = ()
+                    ) -> MemoryReport:
     """One pipeline stage (asyncpp.pipeline.weights.WeightVersions): K versions in the compute dtype, the fp32
     masters if separate, the optimizer state, the EF buffer, the fp32 gradients (`grad_buffers` of them
-    live at once: 2 in 2BW, whose lazy update overlaps the next step's backward) and activations."""
+    live at once: 2 in 2BW, whose lazy update overlaps the next step's backward) and activations.
+
+    Phases (module docstring): `in_flight` microbatches' activations and the backward scratch in the
+    forward/backward phase; the fp32 copy of x_t and Error Feedback's per-parameter scratch (`ef_lambda`) in the
+    update phase; `extra` items carry their own. `peaks`: the largest action of each kind (ActionPeak), which the
+    total takes instead of the phases' sums (pipeline/memory.py computes them from the stage's action list)."""
     counted: set[int] = set()
     buffers = [t for version in versions.buffers for t in version]
     dtype = buffers[0].dtype if buffers else torch.float32
@@ -500,13 +620,17 @@ def versions_report(versions, optimizer, *, error_feedback: Sequence[Tensor], ac
     items.append(MemoryItem("fp32 master weights" + ("" if versions.mixed else " (share the newest version)"),
                             masters, ALLOCATED))
     items += _optimizer_and_rest(optimizer, error_feedback, versions.params, counted, grad_buffers)
-    if versions.mixed:  # begin_update's fp32 copy of x_t (the masters held here), alive during the update
-        items.append(MemoryItem("update scratch (fp32 x_t)", _numel_bytes(held), ESTIMATED))
     items.append(_activation_item(activation_bytes_per_mb, in_flight))
     if backward_scratch:
-        items.append(MemoryItem("loss backward scratch (fp32 logits gradients)", backward_scratch, ESTIMATED))
+        items.append(MemoryItem("loss backward scratch (fp32 logits gradients)", backward_scratch, ESTIMATED,
+                                FORWARD_BACKWARD))
+    if versions.mixed:  # begin_update's fp32 copy of x_t (the masters held here), alive during the update
+        items.append(MemoryItem("update scratch (fp32 x_t)", _numel_bytes(held), ESTIMATED, UPDATE))
+    owned = held if versions.mixed else versions.params
+    items.append(MemoryItem("update scratch: error feedback's u_t of the largest parameter",
+                            error_feedback_scratch_bytes(owned, ef_lambda), ESTIMATED, UPDATE))
     items += extra
-    return MemoryReport(title, items)
+    return MemoryReport(title, items, list(peaks))
 
 
 def simulator_report(sim, *, activation_bytes_per_mb: int, title: str) -> MemoryReport:
@@ -527,8 +651,10 @@ def simulator_report(sim, *, activation_bytes_per_mb: int, title: str) -> Memory
                    storage_bytes(sim.masters, counted), ALLOCATED),
     ]
     items += _optimizer_and_rest(sim.optimizer, sim.error_feedback.prev_update, sim.masters, counted, 1)
-    items.append(MemoryItem("step scratch (fp32 x_t)", _numel_bytes(sim.masters), ESTIMATED))
-    items.append(_activation_item(activation_bytes_per_mb, 1))
+    items.append(MemoryItem("step scratch (fp32 x_t)", _numel_bytes(sim.masters), ESTIMATED, UPDATE))
+    items.append(MemoryItem("update scratch: error feedback's u_t of the largest parameter",
+                            error_feedback_scratch_bytes(sim.masters, sim.error_feedback.lam), ESTIMATED, UPDATE))
+    items.append(_activation_item(activation_bytes_per_mb, 1))  # the step runs after the microbatch's backward
     return MemoryReport(title, items)
 
 
@@ -545,7 +671,13 @@ def _optimizer_and_rest(optimizer, error_feedback: Sequence[Tensor], masters: Se
 
 def _activation_item(per_microbatch: int, in_flight: int) -> MemoryItem:
     return MemoryItem(f"activations ({in_flight} microbatch{'es' if in_flight != 1 else ''} in flight)",
-                      per_microbatch * in_flight, ESTIMATED)
+                      per_microbatch * in_flight, ESTIMATED, FORWARD_BACKWARD)
+
+
+def _phase_note(phase: str) -> str:
+    if phase == PER_ACTION:
+        return "; its peak (counted per action below)"
+    return f"; {phase} only" if phase else ""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

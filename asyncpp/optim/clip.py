@@ -31,20 +31,35 @@ def _sq_sum(x: Tensor) -> Tensor:
     return sum(c.double().pow(2).sum() for c in flat.split(NORM_CHUNK))
 
 
+def grad_sq_sum(grads: Sequence[Tensor], device: torch.device | str) -> Tensor:
+    """Sum of squares of all entries, in fp64 (inf/nan propagate), as a 0-dim tensor on `device`: no host read.
+    The pipeline keeps it on the device until the update's one read of the reduced norms (docs/gpu.md)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return sum(_sq_sum(g) for g in grads)
+
+
 def grad_sq_norm(grads: Sequence[Tensor]) -> float:
-    """Sum of squares of all entries, in fp64 (inf/nan propagate)."""
-    return float(sum(_sq_sum(g) for g in grads)) if grads else 0.0
+    """grad_sq_sum read to the host (the simulator's form): the same fp64 sums in the same order."""
+    return float(grad_sq_sum(grads, "cpu"))
 
 
 @torch.no_grad()
-def diff_sq_norm(new: Sequence[Tensor], old: Sequence[Tensor]) -> float:
-    """||new - old||^2 over all entries, in fp64: the update norm. The fp32 difference is formed one chunk at a
-    time too (no copy of a whole tensor, let alone of the stage)."""
+def diff_sq_sum(new: Sequence[Tensor], old: Sequence[Tensor], device: torch.device | str) -> Tensor:
+    """||new - old||^2 over all entries, in fp64: the update norm, a 0-dim tensor on `device` (no host read).
+    The fp32 difference is formed one chunk at a time too (no copy of a whole tensor, let alone of the stage)."""
     total = 0.0
     for a, b in zip(new, old, strict=True):
         pieces = zip(a.detach().reshape(-1).split(NORM_CHUNK), b.detach().reshape(-1).split(NORM_CHUNK))
         total = total + sum(_sq_sum(x - y) for x, y in pieces)
-    return float(total)
+    if not isinstance(total, Tensor):  # nothing to compare
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return total
+
+
+def diff_sq_norm(new: Sequence[Tensor], old: Sequence[Tensor]) -> float:
+    """diff_sq_sum read to the host (the simulator's form): the same fp64 sums in the same order."""
+    return float(diff_sq_sum(new, old, "cpu"))
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

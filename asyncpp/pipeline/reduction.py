@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from asyncpp.core.balancing import RouterLoadStats
-from asyncpp.optim.clip import grad_sq_norm
+from asyncpp.optim.clip import grad_sq_sum
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import ParamSharding
 from asyncpp.pipeline.buckets import Bucket, start_buckets, start_owner_buckets
@@ -90,7 +90,7 @@ class GradientReduction:
     step's norm all-reduce so the update norm costs no collective of its own."""
 
     def __init__(self, mesh: Mesh, *, grad_scale: float, tied_mask: Sequence[bool], layouts: Sequence[ParamSharding],
-                 count_in_norm: Sequence[bool], correct: Correct, take_update_sq: Callable[[int], float | None],
+                 count_in_norm: Sequence[bool], correct: Correct, take_update_sq: Callable[[int], Tensor | None],
                  wait: Wait, load_stats: RouterLoadStats | None = None, tied_rows: tuple[int, int] | None = None):
         """`tied_rows` (row0, vocab): this stage's tied tensor is those rows of the tied weight (RowsOfTied)."""
         self.mesh = mesh
@@ -209,10 +209,12 @@ class GradientReduction:
         present = [g is not None and not (t and p.tied_work is not None) for g, t in zip(grads, self.tied_mask)]
         torch._foreach_mul_([g for g, f in zip(grads, present) if f], self.grad_scale / self.mesh.dims.dp)
         self.correct(p.step, grads, present)
-        grad_sq = grad_sq_norm([g for g, c in zip(grads, self.count_in_norm) if c and g is not None])
+        # Both squared norms stay on the device as fp64 0-dim tensors (the values a float() and a
+        # torch.tensor([...]) would round-trip exactly): no host read here, the update's .tolist() is the one.
+        grad_sq = grad_sq_sum([g for g, c in zip(grads, self.count_in_norm) if c and g is not None], self.mesh.device)
         lagged = p.step - 2
         update_sq = self.take_update_sq(lagged)
-        reduction = torch.tensor([grad_sq, update_sq or 0.0], dtype=torch.float64, device=self.mesh.device)
+        reduction = torch.stack([grad_sq, update_sq if update_sq is not None else torch.zeros_like(grad_sq)])
         if self.load_stats is not None:  # router loads ride along: one slot per layer of the model
             reduction = torch.cat([reduction, self._load_vector(p.step)])
         p.reduction, p.norm_of_step = reduction, lagged if update_sq is not None else None
@@ -230,9 +232,9 @@ class GradientReduction:
             for bucket in start_buckets(partial, self.mesh.tp_group, "the tensor-parallel gradient all-reduce"):
                 bucket.finish(self.wait)
 
-    def all_reduce_norms(self, values: list[float], what: str) -> list[float]:
-        """Sum per-rank scalars over the norm group (blocking): the last updates' norms at a drain."""
-        reduction = torch.tensor(values, dtype=torch.float64, device=self.mesh.device)
+    def all_reduce_norms(self, values: list[Tensor], what: str) -> list[float]:
+        """Sum per-rank fp64 0-dim tensors over the norm group (blocking): the last updates' norms at a drain."""
+        reduction = torch.stack(values)
         if self.norm_group_size > 1:
             self.wait(dist.all_reduce(reduction, group=self.norm_group, async_op=True), what)
         return reduction.tolist()

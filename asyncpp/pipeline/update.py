@@ -24,7 +24,7 @@ from torch import Tensor
 
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats
 from asyncpp.core.update import UpdateRule
-from asyncpp.optim.clip import diff_sq_norm
+from asyncpp.optim.clip import diff_sq_sum
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import ParamSharding
 from asyncpp.pipeline.reduction import GradientReduction, PendingReduction, ShardedGradientReduction, Wait
@@ -103,7 +103,7 @@ class StageUpdate:
         # ||Δx_t||^2 of this stage's applied updates, waiting to ride along with a later step's
         # gradient-norm all-reduce (no extra collective). Lag 2: in 2BW the last stage starts the
         # reduction of b_{t+1} before it applies x_{t+1}, but always after it applied x_t.
-        self._update_sq: dict[int, float] = {}
+        self._update_sq: dict[int, Tensor] = {}
         counted = [counted_in_norm(mesh, t, lay) for t, lay in zip(self.tied_mask, self.layouts)]
         common = {"grad_scale": grad_scale, "tied_mask": self.tied_mask, "layouts": self.layouts,
                   "count_in_norm": counted, "correct": self._correct,
@@ -151,9 +151,12 @@ class StageUpdate:
             counted = self.shards.select(counted)
         outcome = self.rule.apply(step, grads, record.grad_norm, x_t, delayed, pending.loads)
         record.lr, record.skipped, record.update_finite = outcome.lr, outcome.skipped, outcome.update_finite
-        # Chunk by chunk (clip.diff_sq_norm), not a second copy of the stage; the simulator's fp64 sum order.
-        self._update_sq[step] = 0.0 if outcome.skipped else diff_sq_norm(
-            [q for q, c in zip(self.rule.masters, counted) if c], [x for x, c in zip(x_t, counted) if c])
+        # Chunk by chunk (clip.diff_sq_sum), not a second copy of the stage; the simulator's fp64 sum order. A 0-dim
+        # fp64 tensor on the device (a skipped step's is 0): it rides a later step's norm all-reduce, no host read.
+        if outcome.skipped:
+            counted = [False] * len(counted)
+        self._update_sq[step] = diff_sq_sum([q for q, c in zip(self.rule.masters, counted) if c],
+                                            [x for x, c in zip(x_t, counted) if c], self.mesh.device)
         if self.shards:  # x_{t+1} of the other owners' parameters: waited for at its first read
             self.versions.fill_newest_later(self.shards.start_broadcast(a, self.versions.newest_buffer()))
         self.versions.recycle(pending.grads)  # the next step but one accumulates into them

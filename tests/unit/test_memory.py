@@ -9,17 +9,24 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from asyncpp.analysis.trace import StepTracer
 from asyncpp.config import RunConfig
 from asyncpp.core.loss import cross_entropy, lm_loss
 from asyncpp.core.memory import (
     ALLOCATED,
+    FORWARD_BACKWARD,
+    HELD,
+    UPDATE,
+    action_loads,
     activation_bytes,
     backward_scratch_bytes,
+    error_feedback_scratch_bytes,
     in_flight_microbatches,
     materialize_optimizer_state,
     measure_saved_activations,
     optimizer_state_bytes,
     simulator_report,
+    stage_actions,
     storage_bytes,
     versions_report,
 )
@@ -29,6 +36,7 @@ from asyncpp.optim import build_from_config
 from asyncpp.pipeline.stage import StageSpec, prune_to_stage, stage_forward
 from asyncpp.pipeline.weights import WeightVersions
 from asyncpp.reference.executor import build_simulator
+from asyncpp.schedules.actions import Op
 from model_zoo import build_model, get_model_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -116,7 +124,11 @@ def test_a_dry_run_on_meta_tensors_reports_what_the_real_stage_holds():
     n = numel(stage("meta", BF16)[0].masters)
     assert real.get("weight versions") == 2 * 2 * n and real.get("fp32 master weights") == 4 * n
     assert real.get("activations") == 20 and real.get("gradients") == 2 * 4 * n
-    assert real.total == sum(i.nbytes for i in real.items)
+    # The update's scratch and the forward/backward's activations never overlap: the total takes the larger phase.
+    held = sum(i.nbytes for i in real.items if i.phase == HELD)
+    phases = [sum(i.nbytes for i in real.items if i.phase == p) for p in (FORWARD_BACKWARD, UPDATE)]
+    assert phases[0] == 20 and phases[1] == real.get("update scratch (fp32") + real.get("update scratch: error")
+    assert real.total == held + max(phases) < sum(i.nbytes for i in real.items)
     assert "weight versions (2 x bf16)" in real.table() and "total" in real.table()
 
 
@@ -246,3 +258,35 @@ def test_loss_backward_scratch_matches_live_allocations(seq_len):
     estimate = backward_scratch_bytes(params, grad_itemsize=dtype.itemsize, tokens=b * seq_len,
                                       vocab_size=cfg.vocab_size, last=True)
     assert abs(measured - estimate) <= 0.05 * estimate + 2**19, (measured, estimate)
+
+
+def test_the_update_phase_holds_the_microbatches_in_flight_at_an_update():
+    """2BW places UPDATE(t) after a backward in the 1F1B stream: P - s - 1 microbatches wait across it (the
+    forward/backward phase's peak is P - s); a flushing schedule updates with nothing in flight."""
+    def at(op, kind, s):
+        return max(load.in_flight for load in action_loads(stage_actions(kind, s, 4, 8), s == 3) if load.action.op is op)
+
+    assert [at(Op.UPDATE, "2bw", s) for s in range(4)] == [3, 2, 1, 0]
+    assert [at(Op.UPDATE, "1f1b", s) for s in range(4)] == [0, 0, 0, 0]
+    assert [at(Op.FORWARD, "2bw", s) for s in range(4)] == [4, 3, 2, 1]  # the forward/backward phase's peak
+    assert [at(Op.BACKWARD, "2bw", s) for s in range(4)] == [4, 3, 2, 1]  # its activations are live until it ends
+
+
+@pytest.mark.parametrize("lam", [0.0, 1.0])
+def test_error_feedback_scratch_is_what_its_apply_allocates(lam):
+    """The plan's update-phase EF item against the live storages a StepTracer counts while ErrorFeedback.apply
+    runs on CPU tensors (the largest parameter last, first and in the middle: the bound is the largest's)."""
+    for sizes in ([300, 5000, 700], [5000, 300, 700], [300, 700, 5000]):
+        params = [torch.randn(n) for n in sizes]
+        ef = ErrorFeedback(params, lam)
+        ef.prev_update = [torch.randn(n) for n in sizes]  # a step after the first: u_{t-1} is nonzero
+        before = [p.clone() for p in params]
+        for p in params:
+            p.sub_(0.01)
+        tracer = StepTracer("cpu", sweep_fraction=0.0)  # swept at every op: exact, not an upper bound
+        held = tracer.start()
+        with tracer:
+            tracer.begin("U")
+            ef.apply(before, [True] * len(params))
+            tracer.end()
+        assert tracer.actions[0].peak_bytes - held == error_feedback_scratch_bytes(params, lam), sizes
