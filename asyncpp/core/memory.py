@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
-from asyncpp.schedules.invariants import peak_in_flight
+from asyncpp.schedules.invariants import in_flight_after, peak_in_flight
 from asyncpp.schedules.registry import kind_of
 
 ALLOCATED, ESTIMATED = "allocated", "estimated"
@@ -467,9 +467,7 @@ def _held_after(actions: Sequence[Action], last: bool, recycled_grads: bool = Fa
     steps: set[int] = set()
     summing: set[int] = set()
     most_sets = 0
-    in_flight = 0
-    for a in actions:
-        in_flight += (a.op is Op.FORWARD) - (a.op is Op.BACKWARD)
+    for a, in_flight in zip(actions, in_flight_after(actions)):
         if a.op is Op.BACKWARD:
             summing.add(a.step)
         elif a.op is Op.UPDATE:

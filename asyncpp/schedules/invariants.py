@@ -297,13 +297,19 @@ def peak_versions(actions: Sequence[Action]) -> int:
     return max(versions_held(actions), default=1)
 
 
-def peak_in_flight(actions: Sequence[Action]) -> int:
-    """Most microbatches whose FORWARD ran and BACKWARD has not (stashed activations)."""
-    live = peak = 0
+def in_flight_after(actions: Sequence[Action]) -> list[int]:
+    """After each action: the microbatches whose FORWARD ran and BACKWARD has not (stashed activations). The one
+    count of them: the peak below, and the memory plan's walk over a stage's actions (core/memory.py)."""
+    live, after = 0, []
     for a in actions:
         live += (a.op is Op.FORWARD) - (a.op is Op.BACKWARD)
-        peak = max(peak, live)
-    return peak
+        after.append(live)
+    return after
+
+
+def peak_in_flight(actions: Sequence[Action]) -> int:
+    """Most microbatches in flight at once (in_flight_after's peak)."""
+    return max(in_flight_after(actions), default=0)
 
 
 def _check_version_bound(schedules: Sequence[Sequence[Action]], max_versions: int | Sequence[int]) -> None:
