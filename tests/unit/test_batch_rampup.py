@@ -8,10 +8,10 @@ import torch
 
 from asyncpp.config import ConfigError
 from asyncpp.core.batches import BatchPlan, rampup_global_batch
-from asyncpp.job import build_from_config, build_model, compose, resolve
+from asyncpp.job import build_from_config, compose, resolve
 from asyncpp.reference.executor import ReferenceExecutor
 from asyncpp.train.trainer import Trainer, segment_bounds
-from model_zoo import get_model_config
+from model_zoo import build_model, get_model_config
 from tests.dist.workers import Collect, SyntheticData, make_config
 
 
