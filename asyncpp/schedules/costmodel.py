@@ -282,6 +282,9 @@ stage has run F(k - EMBED_LOOKAHEAD). Enough to hide the reduce behind the first
 the first stage holds every reduced embedding until its F (one [mb, seq, h] buffer each)."""
 
 
+INF = float("inf")
+
+
 def place_embedding_passes(schedules: Sequence[Sequence[Action]], costs: OpCosts,
                            lookahead: int = EMBED_LOOKAHEAD) -> list[list[Action]]:
     """A sharded embedding's E and G actions placed into complete schedules (F/B/updates, and a vocabulary-parallel
@@ -293,144 +296,166 @@ def place_embedding_passes(schedules: Sequence[Sequence[Action]], costs: OpCosts
     F(t, 0), which needs that stage's E(t, 0) on x_{t-1}. (The UPDATE may run as soon as its reductions are
     complete; it still follows the stage's UPDATE_START(v-1) and every G of step v-1, so the version bound holds.)
     Deterministic: every rank derives the same lists from the same costs."""
-    P = len(schedules)
-    base = [list(x) for x in schedules]
-    fwd = [(a.step, a.microbatch, a.version) for a in base[0] if a.op is Op.FORWARD]
-    bwd = [(a.step, a.microbatch, a.version) for a in base[0] if a.op is Op.BACKWARD]
-    per_step: dict[int, int] = {}
-    for t, _, _ in fwd:
-        per_step[t] = per_step.get(t, 0) + 1
-    vocab = any(a.op is Op.VOCAB_BACKWARD for a in base[-1])
-    nxt, e_next, g_next = [0] * P, [0] * P, [0] * P
-    g_done: list[dict[int, int]] = [{} for _ in range(P)]  # stage -> step -> G emitted
-    g_end: list[dict[int, float]] = [{} for _ in range(P)]  # stage -> step -> when its latest G ends
-    pulled: list[set[int]] = [set() for _ in range(P)]  # the UPDATEs moved up (skipped at their listed place)
-    updated: list[set[int]] = [set() for _ in range(P)]  # the UPDATEs emitted
-    free = [0.0] * P
-    done: dict[tuple[Op, int, int, int], float] = {}
-    out: list[list[Action]] = [[] for _ in range(P)]
-    inf = float("inf")
-    comm = [costs.at("comm", r) for r in range(P)]
+    return _EmbeddingPlacer(schedules, costs, lookahead).run()
 
-    def end(op: Op, stage: int, step: int, j: int = -1) -> float:
-        return done.get((op, stage, step, j), inf)
 
-    everyone: dict[tuple[Op, int, int], list[float]] = {}  # (op, step, j) -> [stages done, latest end]
+class _EmbeddingPlacer:
+    """place_embedding_passes' list scheduler: the state of the placement so far and the readiness of each stage's
+    three candidates (its next G, its next E, its next listed action)."""
 
-    def all_end(op: Op, step: int, j: int) -> float:
+    def __init__(self, schedules: Sequence[Sequence[Action]], costs: OpCosts, lookahead: int):
+        P = self.P = len(schedules)
+        self.costs, self.lookahead = costs, lookahead
+        self.base = [list(x) for x in schedules]
+        self.fwd = [(a.step, a.microbatch, a.version) for a in self.base[0] if a.op is Op.FORWARD]
+        self.bwd = [(a.step, a.microbatch, a.version) for a in self.base[0] if a.op is Op.BACKWARD]
+        self.per_step: dict[int, int] = {}
+        for t, _, _ in self.fwd:
+            self.per_step[t] = self.per_step.get(t, 0) + 1
+        self.vocab = any(a.op is Op.VOCAB_BACKWARD for a in self.base[-1])
+        self.nxt, self.e_next, self.g_next = [0] * P, [0] * P, [0] * P
+        self.g_done: list[dict[int, int]] = [{} for _ in range(P)]  # stage -> step -> G emitted
+        self.g_end: list[dict[int, float]] = [{} for _ in range(P)]  # stage -> step -> when its latest G ends
+        self.pulled: list[set[int]] = [set() for _ in range(P)]  # the UPDATEs moved up (skipped at their place)
+        self.updated: list[set[int]] = [set() for _ in range(P)]  # the UPDATEs emitted
+        self.free = [0.0] * P
+        self.done: dict[tuple[Op, int, int, int], float] = {}
+        self.everyone: dict[tuple[Op, int, int], list[float]] = {}  # (op, step, j) -> [stages done, latest end]
+        self.update_at: dict[tuple[int, int], float] = {}  # (stage, step) -> when its UPDATE may run, once known
+        self.out: list[list[Action]] = [[] for _ in range(P)]
+        self.comm = [costs.at("comm", r) for r in range(P)]
+
+    def end(self, op: Op, stage: int, step: int, j: int = -1) -> float:
+        return self.done.get((op, stage, step, j), INF)
+
+    def all_end(self, op: Op, step: int, j: int) -> float:
         """When every stage's `op` of (step, j) has ended (inf until all have run)."""
-        count, latest = everyone.get((op, step, j), (0, 0.0))
-        return latest if count == P else inf
+        count, latest = self.everyone.get((op, step, j), (0, 0.0))
+        return latest if count == self.P else INF
 
-    update_at: dict[tuple[int, int], float] = {}  # (stage, step) -> when its UPDATE may run, once known
-
-    def update_ready(s: int, t: int) -> float:
+    def update_ready(self, s: int, t: int) -> float:
         """UPDATE(t) on stage s: its own G of step t all run, every other stage's UPDATE_START(t) and last G."""
-        if (s, t) in update_at:
-            return update_at[(s, t)]
-        if g_done[s].get(t, 0) < per_step.get(t, 0) or end(Op.UPDATE_START, s, t) == inf:
-            return inf
+        if (s, t) in self.update_at:
+            return self.update_at[(s, t)]
+        if self.g_done[s].get(t, 0) < self.per_step.get(t, 0) or self.end(Op.UPDATE_START, s, t) == INF:
+            return INF
         ready = 0.0
-        for r in range(P):
+        for r in range(self.P):
             if r != s:
-                last_g = g_end[r].get(t, inf) if g_done[r].get(t, 0) == per_step[t] else inf
-                ready = max(ready, end(Op.UPDATE_START, r, t) + comm[r], last_g + comm[r])
-        if ready < inf:  # every input has run: it no longer changes
-            update_at[(s, t)] = ready
+                last_g = self.g_end[r].get(t, INF) if self.g_done[r].get(t, 0) == self.per_step[t] else INF
+                ready = max(ready, self.end(Op.UPDATE_START, r, t) + self.comm[r], last_g + self.comm[r])
+        if ready < INF:  # every input has run: it no longer changes
+            self.update_at[(s, t)] = ready
         return ready
 
-    def skip_pulled(s: int) -> None:
-        while nxt[s] < len(base[s]) and base[s][nxt[s]].op is Op.UPDATE and base[s][nxt[s]].step in pulled[s]:
+    def skip_pulled(self, s: int) -> None:
+        base, nxt = self.base[s], self.nxt
+        while nxt[s] < len(base) and base[nxt[s]].op is Op.UPDATE and base[nxt[s]].step in self.pulled[s]:
             nxt[s] += 1
 
-    def ready_listed(s: int) -> float:
-        skip_pulled(s)
-        if nxt[s] >= len(base[s]):
-            return inf
-        a = base[s][nxt[s]]
-        t, j = a.step, a.microbatch
+    def ready_listed(self, s: int) -> float:
+        self.skip_pulled(s)
+        if self.nxt[s] >= len(self.base[s]):
+            return INF
+        a = self.base[s][self.nxt[s]]
+        t, j, last, costs = a.step, a.microbatch, self.P - 1, self.costs
         if a.op is Op.FORWARD and s == 0:
-            return all_end(Op.EMBED_FORWARD, t, j) + costs.embed_reduce
+            return self.all_end(Op.EMBED_FORWARD, t, j) + costs.embed_reduce
         if a.op is Op.FORWARD:
-            return end(Op.FORWARD, s - 1, t, j) + comm[s - 1]
-        if a.op is Op.BACKWARD and s == P - 1:
-            return all_end(Op.VOCAB_BACKWARD, t, j) + costs.vocab_reduce if vocab else 0.0
+            return self.end(Op.FORWARD, s - 1, t, j) + self.comm[s - 1]
+        if a.op is Op.BACKWARD and s == last:
+            return self.all_end(Op.VOCAB_BACKWARD, t, j) + costs.vocab_reduce if self.vocab else 0.0
         if a.op is Op.BACKWARD:
-            return end(Op.BACKWARD, s + 1, t, j) + comm[s + 1]
-        if a.op is Op.VOCAB_FORWARD and s < P - 1:
-            return end(Op.FORWARD, P - 1, t, j) + costs.vocab_broadcast
+            return self.end(Op.BACKWARD, s + 1, t, j) + self.comm[s + 1]
+        if a.op is Op.VOCAB_FORWARD and s < last:
+            return self.end(Op.FORWARD, last, t, j) + costs.vocab_broadcast
         if a.op is Op.VOCAB_BACKWARD:
-            return all_end(Op.VOCAB_FORWARD, t, j) + costs.vocab_allreduce
+            return self.all_end(Op.VOCAB_FORWARD, t, j) + costs.vocab_allreduce
         if a.op is Op.UPDATE:
-            return update_ready(s, t)
+            return self.update_ready(s, t)
         return 0.0
 
-    def version_ready(s: int, v: int) -> tuple[float, bool]:
+    def version_ready(self, s: int, v: int) -> tuple[float, bool]:
         """When x_v is there on stage s, and whether its UPDATE(v-1) must be pulled up to get it."""
         if v == 0:
             return 0.0, False
-        if (v - 1) in updated[s]:
-            return end(Op.UPDATE, s, v - 1), False
-        return update_ready(s, v - 1), True
+        if (v - 1) in self.updated[s]:
+            return self.end(Op.UPDATE, s, v - 1), False
+        return self.update_ready(s, v - 1), True
 
-    def ready_e(s: int) -> tuple[float, bool]:
-        k = e_next[s]
-        if k >= len(fwd):
-            return inf, False
-        v = fwd[k][2]
-        gate = end(Op.FORWARD, 0, *fwd[k - lookahead][:2]) if k >= lookahead else 0.0
-        when, pull = version_ready(s, v)
+    def ready_e(self, s: int) -> tuple[float, bool]:
+        k = self.e_next[s]
+        if k >= len(self.fwd):
+            return INF, False
+        v = self.fwd[k][2]
+        gate = self.end(Op.FORWARD, 0, *self.fwd[k - self.lookahead][:2]) if k >= self.lookahead else 0.0
+        when, pull = self.version_ready(s, v)
         return max(gate, when), pull
 
-    def ready_g(s: int) -> float:
-        if g_next[s] >= len(bwd):
-            return inf
-        t, j, _ = bwd[g_next[s]]
-        return end(Op.BACKWARD, 0, t, j) + (costs.embed_broadcast if s > 0 else 0.0)
+    def ready_g(self, s: int) -> float:
+        if self.g_next[s] >= len(self.bwd):
+            return INF
+        t, j, _ = self.bwd[self.g_next[s]]
+        return self.end(Op.BACKWARD, 0, t, j) + (self.costs.embed_broadcast if s > 0 else 0.0)
 
-    def emit(s: int, a: Action, start: float) -> None:
-        free[s] = done[(a.op, s, a.step, a.microbatch)] = start + costs.duration(a.op, s)
-        out[s].append(a)
-        tally = everyone.setdefault((a.op, a.step, a.microbatch), [0, 0.0])
-        tally[0], tally[1] = tally[0] + 1, max(tally[1], free[s])
+    def emit(self, s: int, a: Action, start: float) -> None:
+        self.free[s] = self.done[(a.op, s, a.step, a.microbatch)] = start + self.costs.duration(a.op, s)
+        self.out[s].append(a)
+        tally = self.everyone.setdefault((a.op, a.step, a.microbatch), [0, 0.0])
+        tally[0], tally[1] = tally[0] + 1, max(tally[1], self.free[s])
         if a.op is Op.UPDATE:
-            updated[s].add(a.step)
+            self.updated[s].add(a.step)
 
-    remaining = sum(len(x) for x in base) + 2 * len(fwd) * P
-    while remaining:
+    def best(self) -> tuple[float, int, int]:
+        """(start, which: 0 G / 1 E / 2 listed, stage) of the earliest start over the stages, ties by priority."""
         best = None
-        for s in sorted(range(P), key=free.__getitem__):
-            if best is not None and free[s] > best[0]:  # it cannot start earlier than the best (nor tie it)
+        for s in sorted(range(self.P), key=self.free.__getitem__):
+            if best is not None and self.free[s] > best[0]:  # it cannot start earlier than the best (nor tie it)
                 break
-            e_ready, _ = ready_e(s)
-            for rank, ready in enumerate((ready_g(s), e_ready, ready_listed(s))):
-                if ready < inf:
-                    best = min(best or (inf,), (max(free[s], ready), rank, s))
+            e_ready, _ = self.ready_e(s)
+            for rank, ready in enumerate((self.ready_g(s), e_ready, self.ready_listed(s))):
+                if ready < INF:
+                    best = min(best or (INF,), (max(self.free[s], ready), rank, s))
         if best is None:
             raise DeadlockError("embedding placement is stuck: " + ", ".join(
-                f"stage {s} at #{nxt[s]} E#{e_next[s]} G#{g_next[s]}" for s in range(P)))
-        start, rank, s = best
-        if rank == 0:
-            t, j, v = bwd[g_next[s]]
-            g_next[s] += 1
-            g_done[s][t] = g_done[s].get(t, 0) + 1
-            emit(s, Action(Op.EMBED_BACKWARD, t, j, v), start)
-            g_end[s][t] = free[s]
-        elif rank == 1:
-            t, j, v = fwd[e_next[s]]
-            if ready_e(s)[1]:  # x_v's UPDATE first, out of its listed place
-                update = next(a for a in base[s] if a.op is Op.UPDATE and a.step == v - 1)
-                pulled[s].add(v - 1)
-                emit(s, update, start)
-                start = free[s]
+                f"stage {s} at #{self.nxt[s]} E#{self.e_next[s]} G#{self.g_next[s]}" for s in range(self.P)))
+        return best
+
+    def run(self) -> list[list[Action]]:
+        remaining = sum(len(x) for x in self.base) + 2 * len(self.fwd) * self.P
+        while remaining:
+            start, rank, s = self.best()
+            if rank == 0:
+                remaining -= self._emit_g(s, start)
+            elif rank == 1:
+                remaining -= self._emit_e(s, start)
+            else:
+                self.emit(s, self.base[s][self.nxt[s]], start)
+                self.nxt[s] += 1
                 remaining -= 1
-            e_next[s] += 1
-            emit(s, Action(Op.EMBED_FORWARD, t, j, v), start)
-        else:
-            emit(s, base[s][nxt[s]], start)
-            nxt[s] += 1
-        remaining -= 1
-    return out
+        return self.out
+
+    def _emit_g(self, s: int, start: float) -> int:
+        t, j, v = self.bwd[self.g_next[s]]
+        self.g_next[s] += 1
+        self.g_done[s][t] = self.g_done[s].get(t, 0) + 1
+        self.emit(s, Action(Op.EMBED_BACKWARD, t, j, v), start)
+        self.g_end[s][t] = self.free[s]
+        return 1
+
+    def _emit_e(self, s: int, start: float) -> int:
+        """E, after x_v's UPDATE when it has to move up out of its listed place; the actions emitted."""
+        t, j, v = self.fwd[self.e_next[s]]
+        emitted = 1
+        if self.ready_e(s)[1]:
+            update = next(a for a in self.base[s] if a.op is Op.UPDATE and a.step == v - 1)
+            self.pulled[s].add(v - 1)
+            self.emit(s, update, start)
+            start = self.free[s]
+            emitted += 1
+        self.e_next[s] += 1
+        self.emit(s, Action(Op.EMBED_FORWARD, t, j, v), start)
+        return emitted
 
 
 def _label(a: Action) -> str:
