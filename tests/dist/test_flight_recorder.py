@@ -51,6 +51,7 @@ def silent_before_all_reduce(rank: int, dump_dir: str, timeout_s: float) -> dict
     return {"error": None}
 
 
+@pytest.mark.slow  # the default suite's 12-minute budget (2026-11-26); a smaller case of the same mechanism stays default
 def test_a_collective_timeout_writes_the_pending_all_reduce_and_names_the_file(tmp_path):
     results = run_ranks(silent_before_all_reduce, 2, str(tmp_path), 3.0, timeout=60, expect_dead=True)
     assert results[1] == ("died", 17)

@@ -104,6 +104,7 @@ def test_head_split_equals_simulator(schedule: str, optimizer: str) -> None:
     assert "lm_head.weight" in helper["params"]  # the untied head's replica lives on stage 0
 
 
+@pytest.mark.slow  # the default suite's 12-minute budget (2026-11-26); a smaller case of the same mechanism stays default
 def test_head_split_tied_embeddings_with_sync_start_and_eval() -> None:
     """A tied model's helper uses its embedding as the head (no replica); a sync start flushes mid-run; the
     share is set by hand and the split is the cost model's."""

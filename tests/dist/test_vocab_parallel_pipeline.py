@@ -128,6 +128,7 @@ def test_vocab_head_two_stages_untied_2bw_with_eval() -> None:
     assert "lm_head.weight" in next(r for r in results if r["stage"] == 0)["params"]
 
 
+@pytest.mark.slow  # the default suite's 12-minute budget (2026-11-26); a smaller case of the same mechanism stays default
 def test_vocab_head_four_stages_tied_2bw_error_feedback_sync_start() -> None:
     """Tied: the first stage's head rows are its embedding's; the others' are reduced with it over the pipeline."""
     cfg = make_config(parallel={"pp": 4, "head": "vocab", "stage_layers": [1, 1, 1, 1]},

@@ -23,6 +23,7 @@ from asyncpp.train import checkpoint as ckpt
 from asyncpp.train import preflight
 from asyncpp.train.run_identity import derived_name, run_name, sweep_name
 from data.indexed import HEADER_BYTES, MAGIC, IndexedDataError, check_prefix, check_token_ids
+from model_zoo import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["logging=disabled", "logging.progress=false", "model=tiny_dense", "train.steps=6", "train.eval_every=0",
@@ -131,7 +132,7 @@ def test_too_little_disk_for_two_checkpoints_is_refused(tmp_path):
     cfg, model_cfg = config(tmp_path)
     preflight.check_directories(cfg)
     size = preflight.checkpoint_bytes(cfg, model_cfg)
-    n = sum(p.numel() for p in job.build_model(model_cfg, device="meta").parameters())
+    n = sum(p.numel() for p in build_model(model_cfg, device="meta").parameters())
     assert size > 4 * (2 + 2) * n  # 2BW: two weight versions + EF buffers, plus Muon's/AdamW's state
 
     def disk(free):
@@ -149,7 +150,7 @@ def test_the_estimate_matches_a_real_checkpoint(tmp_path):
 
     cfg, model_cfg = config(tmp_path, "optimizer=adamw")
     torch.manual_seed(0)
-    model = job.build_model(model_cfg)
+    model = build_model(model_cfg)
     from asyncpp.reference.executor import ReferenceExecutor
     from asyncpp.train.trainer import Trainer
 

@@ -14,6 +14,7 @@ from asyncpp import job
 from asyncpp.reference.executor import ReferenceExecutor
 from asyncpp.train import checkpoint as ckpt
 from asyncpp.train.trainer import Trainer
+from model_zoo import build_model
 
 BASE = ["logging=disabled", "logging.progress=false", "model=tiny_dense", "train.steps=6", "train.eval_every=0",
         "train.micro_batch_size=2", "train.num_microbatches=2", "train.seq_len=32", "checkpoint.every=3",
@@ -27,7 +28,7 @@ class Stop(Exception):
 def run(out_dir, *overrides, stop_at: int | None = None):
     cfg, model_cfg = job.resolve(job.compose([f"out_dir={out_dir}", *BASE, *overrides]))
     torch.manual_seed(cfg.seed)
-    model = job.build_model(model_cfg)
+    model = build_model(model_cfg)
     executor = ReferenceExecutor(cfg, model, job.build_from_config(model, cfg.optimizer),
                                  job.build_data(cfg, model_cfg))
     trainer = Trainer(cfg, executor, job.make_metrics(cfg, model_cfg))

@@ -81,6 +81,7 @@ def test_meta_trace_runs_the_real_runs_ops_and_peak(model, stage, tmp_path):
     assert "asyncpp/pipeline/update.py" in sites  # the norm's .tolist(): the one host read the update needs
 
 
+@pytest.mark.slow  # the default suite's 12-minute budget (2026-11-26); a smaller case of the same mechanism stays default
 def test_real_size_moe_stage_takes_the_gpu_paths_without_data_dependent_sizes(tmp_path):
     """moe_2b's last stage at the paper's layout (pp=2, ep=4 of 8 ranks, parallel.head=vocab), shortened to 256
     tokens: the grouped-GEMM kernel and CUDA's flash attention are chosen, the expert all-to-all reads its split
@@ -111,6 +112,7 @@ def test_real_size_moe_stage_takes_the_gpu_paths_without_data_dependent_sizes(tm
     assert abs(trace.peak_bytes / trace.plan["total_bytes"] - 1) <= 0.10, (trace.peak_bytes, trace.plan["total_bytes"])
 
 
+@pytest.mark.slow  # the default suite's 12-minute budget (2026-11-26); a smaller case of the same mechanism stays default
 def test_dry_run_trace_prints_the_peak_next_to_the_plan(tmp_path):
     cfg, model_cfg = resolved(["model=tiny_moe", "parallel.pp=2", "dry_run=2", "dry_run_trace=true",
                                "train.num_microbatches=2"], tmp_path)
