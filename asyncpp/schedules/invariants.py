@@ -162,12 +162,7 @@ def _check_vocab(schedules: Sequence[Sequence[Action]], num_steps: int, m: int) 
     expected = {(t, j) for t in range(num_steps) for j in range(m)}
     for s, actions in enumerate(schedules):
         where = {(a.op, a.step, a.microbatch): (i, a) for i, a in enumerate(actions)}
-        for op in VOCAB_OPS:
-            counts = Counter((a.step, a.microbatch) for a in actions if a.op is op)
-            wrong = sorted(f"{op.value}{t}.{j} x{counts[(t, j)]}" for t, j in expected | counts.keys()
-                           if counts[(t, j)] != 1 or (t, j) not in expected)
-            if wrong:
-                _fail(s, f"{op.name} must run once per microbatch", wrong)
+        _check_once_per_microbatch(s, actions, VOCAB_OPS, expected)
         for t, j in sorted(expected):
             f, fa = where[(Op.FORWARD, t, j)]
             i, sa = where[(Op.VOCAB_FORWARD, t, j)]
@@ -178,6 +173,16 @@ def _check_vocab(schedules: Sequence[Sequence[Action]], num_steps: int, m: int) 
                 _fail(s, f"S{t}.{j} and T{t}.{j} must run after F{t}.{j}, in that order, before B{t}.{j} and "
                       f"U0{t}, on F's version", [sa, ta])
     check_collective_order(schedules)
+
+
+def _check_once_per_microbatch(s: int, actions: Sequence[Action], ops, expected: set[tuple[int, int]]) -> None:
+    """Each of `ops` (the head's S/T, the embedding's E/G) runs exactly once per expected (t, j) on stage s."""
+    for op in ops:
+        counts = Counter((a.step, a.microbatch) for a in actions if a.op is op)
+        wrong = sorted(f"{op.value}{t}.{j} x{counts[(t, j)]}" for t, j in expected | counts.keys()
+                       if counts[(t, j)] != 1 or (t, j) not in expected)
+        if wrong:
+            _fail(s, f"{op.name} must run once per microbatch", wrong)
 
 
 EMBED_OPS = (Op.EMBED_FORWARD, Op.EMBED_BACKWARD)
@@ -202,12 +207,7 @@ def _check_embed(schedules: Sequence[Sequence[Action]], num_steps: int, m: int) 
     expected = {(t, j) for t in range(num_steps) for j in range(m)}
     for s, actions in enumerate(schedules):
         where = {(a.op, a.step, a.microbatch): (i, a) for i, a in enumerate(actions)}
-        for op in EMBED_OPS:
-            counts = Counter((a.step, a.microbatch) for a in actions if a.op is op)
-            wrong = sorted(f"{op.value}{t}.{j} x{counts[(t, j)]}" for t, j in expected | counts.keys()
-                           if counts[(t, j)] != 1 or (t, j) not in expected)
-            if wrong:
-                _fail(s, f"{op.name} must run once per microbatch", wrong)
+        _check_once_per_microbatch(s, actions, EMBED_OPS, expected)
         for t, j in sorted(expected):
             f, fa = where[(Op.FORWARD, t, j)]
             e, ea = where[(Op.EMBED_FORWARD, t, j)]
