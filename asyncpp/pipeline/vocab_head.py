@@ -97,6 +97,36 @@ def logits_gradient(logits: Tensor, targets: Tensor, shard: VocabShard, top: Ten
     return grad.scatter_add_(1, local, inside.to(grad.dtype).mul_(-1.0 / n).unsqueeze(-1))
 
 
+class _HeldCollectives:
+    """Buffers of asynchronous collectives their owner does not wait for (a broadcast's sender, a reduce's
+    non-root): kept alive until complete (poll) or until UPDATE(step) (retire: every stage has joined them by
+    then), and all waited for at a drain (flush). One lifecycle for the head's and the embedding's."""
+
+    def __init__(self, wait: Wait, what: str):
+        self.wait, self.what = wait, what
+        self._held: list[tuple[int, Tensor, object]] = []  # (step, buffer, work)
+
+    def add(self, step: int, buffer: Tensor, work) -> None:
+        self._held.append((step, buffer, work))
+
+    def poll(self) -> None:
+        self._held = [h for h in self._held if not h[2].is_completed()]
+
+    def retire(self, step: int) -> None:
+        keep = []
+        for s, buffer, work in self._held:
+            if s <= step:
+                self.wait(work, f"{self.what} of step {s}")
+            else:
+                keep.append((s, buffer, work))
+        self._held = keep
+
+    def flush(self) -> None:
+        for s, _, work in self._held:
+            self.wait(work, f"{self.what} of step {s}")
+        self._held = []
+
+
 class VocabHead:
     """One stage's part of the vocabulary-parallel head: its rows, the three communicators and the passes."""
 
@@ -118,7 +148,7 @@ class VocabHead:
         self._passes: dict[tuple[int, int], _Pass] = {}
         self._hidden_in: dict[tuple[int, int], tuple[Tensor, object]] = {}  # posted broadcasts (not the last stage)
         self._input_grads: dict[tuple[int, int], tuple[Tensor, object]] = {}  # the reduces (last stage: awaited at B)
-        self._held: list[tuple[int, Tensor, object]] = []  # (step, buffer, work) to retire at UPDATE(step)
+        self._held = _HeldCollectives(wait, "the vocabulary-parallel head's collectives")  # retired at UPDATE(step)
         self._grads: dict[int, Tensor] = {}  # step -> the sum of its T's weight gradients (fp32)
         self.passes = 0  # S passes run, and the logits' widths they had: what the report and the tests read
         self.logits_widths: set[int] = set()
@@ -128,7 +158,7 @@ class VocabHead:
         """After the last stage's FORWARD of (t, j): broadcast its normed hidden states (not waited for here)."""
         buffer = hidden.detach().contiguous()
         work = dist.broadcast(buffer, src=self.last, group=self.groups.hidden, async_op=True)
-        self._held.append((step, buffer, work))
+        self._held.add(step, buffer, work)
 
     def input_grad(self, step: int, microbatch: int, what: str) -> Tensor:
         """The last stage's BACKWARD of (t, j): the sum of every stage's partial input gradient."""
@@ -194,7 +224,7 @@ class VocabHead:
         if self.mesh.is_last_stage:
             self._input_grads[(step, microbatch)] = (d_hidden, work)
         else:
-            self._held.append((step, d_hidden, work))
+            self._held.add(step, d_hidden, work)
         return loss
 
     def add_into(self, step: int, grads: list[Tensor], params: list[nn.Parameter]) -> None:
@@ -210,27 +240,19 @@ class VocabHead:
     def poll(self) -> None:
         """Free the buffers of completed broadcasts and reduces at once (the engine calls it at every action
         boundary): under 2BW up to 2m of each would otherwise wait for UPDATE(t)."""
-        self._held = [h for h in self._held if not h[2].is_completed()]
+        self._held.poll()
 
     def retire(self, step: int) -> None:
         """At UPDATE(step): every stage has passed UPDATE_START(step) (the norm all-reduce proves it), so every
         broadcast and reduce of steps <= step has been joined by all: waiting for them returns at once."""
-        keep = []
-        for s, buffer, work in self._held:
-            if s <= step:
-                self.wait(work, f"the vocabulary-parallel head's collectives of step {s}")
-            else:
-                keep.append((s, buffer, work))
-        self._held = keep
+        self._held.retire(step)
 
     def flush(self) -> None:
         """At a drain: everything posted has been used, and what is held completes."""
         if self._passes or self._hidden_in or self._input_grads:
             raise RuntimeError(f"stage {self.mesh.pp_rank}: vocabulary-parallel head passes left at a drain: "
                                f"{sorted(self._passes)} {sorted(self._hidden_in)} {sorted(self._input_grads)}")
-        for s, _, work in self._held:
-            self.wait(work, f"the vocabulary-parallel head's collectives of step {s}")
-        self._held = []
+        self._held.flush()
 
     # ---- evaluation (forward only, blocking: one batch at a time) ------------------------------------------
     def evaluate(self, hidden: Tensor | None, targets: Tensor) -> float:
@@ -282,7 +304,7 @@ class VocabEmbedding:
         self.first = mesh.global_rank(0)
         self._sums: dict[tuple[int, int], tuple[Tensor, object]] = {}  # the first stage: reduces awaited at F
         self._grads_out: dict[tuple[int, int], Tensor] = {}  # the first stage: its broadcast gradients, for its G
-        self._held: list[tuple[int, Tensor, object]] = []  # (step, buffer, work) to retire at UPDATE(step)
+        self._held = _HeldCollectives(wait, "the sharded embedding's collectives")  # retired at UPDATE(step)
         self._acc: dict[int, Tensor] = {}  # step -> the sum of its G's row gradients (fp32)
         self.lookups = self.gradients = 0  # E and G passes run: what the tests read
 
@@ -296,7 +318,7 @@ class VocabEmbedding:
         if self.mesh.is_first_stage:
             self._sums[(step, microbatch)] = (partial, work)
         else:
-            self._held.append((step, partial, work))
+            self._held.add(step, partial, work)
 
     def input(self, step: int, microbatch: int, what: str) -> Tensor:
         """The first stage's FORWARD of (t, j): the summed embedding of its tokens (the layers' input)."""
@@ -309,7 +331,7 @@ class VocabEmbedding:
         """The first stage's BACKWARD of (t, j): broadcast the gradient of its input (not waited for here)."""
         buffer = grad.detach().contiguous()
         work = dist.broadcast(buffer, src=self.first, group=self.groups.embed_grad, async_op=True)
-        self._held.append((step, buffer, work))
+        self._held.add(step, buffer, work)
         self._grads_out[(step, microbatch)] = buffer
 
     def backward(self, step: int, microbatch: int, what: str) -> None:
@@ -339,24 +361,16 @@ class VocabEmbedding:
 
     # ---- retiring ----------------------------------------------------------------------------------------
     def poll(self) -> None:
-        self._held = [h for h in self._held if not h[2].is_completed()]
+        self._held.poll()
 
     def retire(self, step: int) -> None:
-        keep = []
-        for s, buffer, work in self._held:
-            if s <= step:
-                self.wait(work, f"the sharded embedding's collectives of step {s}")
-            else:
-                keep.append((s, buffer, work))
-        self._held = keep
+        self._held.retire(step)
 
     def flush(self) -> None:
         if self._sums or self._grads_out or self._acc:
             raise RuntimeError(f"stage {self.mesh.pp_rank}: sharded-embedding passes left at a drain: "
                                f"{sorted(self._sums)} {sorted(self._grads_out)} {sorted(self._acc)}")
-        for s, _, work in self._held:
-            self.wait(work, f"the sharded embedding's collectives of step {s}")
-        self._held = []
+        self._held.flush()
 
     # ---- evaluation (forward only, blocking) ---------------------------------------------------------------
     @torch.no_grad()
