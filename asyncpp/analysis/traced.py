@@ -62,8 +62,8 @@ class TokenSource:
         self.vocab_size, self.device, self.eval_batches = vocab_size, device, cfg.train.eval_batches
 
     def train_microbatch(self, index: int) -> Tensor:
-        # meta ignores the generator: the same op on meta and the CPU. A CUDA tensor needs a CUDA generator.
-        g = torch.Generator(self.device if self.device.type == "cuda" else "cpu").manual_seed(index)
+        # A generator on the tensor's own device (a CUDA tensor needs a CUDA one); meta has none and ignores it.
+        g = torch.Generator("cpu" if self.device.type == "meta" else self.device).manual_seed(index)
         return torch.empty(self.shape, dtype=torch.int64, device=self.device).random_(0, self.vocab_size, generator=g)
 
     def val_batches(self) -> list[Tensor]:
