@@ -26,7 +26,8 @@ of the run's own processes, over its wall time ("other load", in cores), and /pr
 A split ending in `+tokens` also sets parallel.head=tokens (stage 0 runs the LM head and loss of the
 cost model's share of each microbatch's tokens, asyncpp/core/head_split.py); `+tokens=N` sets the share to N
 tokens (parallel.head_split_tokens). A split ending in `+vocab` sets parallel.head=vocab (the LM head's vocabulary
-spread over both stages, pipeline/vocab_head.py; `+vocab=[r0,r1]` sets the rows, parallel.vocab_shards):
+spread over both stages, pipeline/vocab_head.py; `+vocab=[r0,r1]` sets the rows, parallel.vocab_shards; `@W,S`
+after it the placement of its passes, parallel.vocab_placement: `+vocab@2,1`):
 
     .venv/bin/python bench/peers.py --only 2bw single --m 8 --reps 4 --splits [2,2] auto [2,2]+tokens auto+tokens \
         [2,2]+vocab auto+vocab   # plain 2BW, the token head split and the vocabulary-parallel head
@@ -76,15 +77,23 @@ def children_cpu_s() -> float:
 
 
 def head_overrides(head: str) -> list[str]:
-    """A split's suffix as overrides: "tokens" / "tokens=330" (the token head split, the helper's share by the
-    cost model or by hand), "vocab" / "vocab=[4096,4096]" (the vocabulary-parallel head, parallel.head=vocab,
-    the shards by the cost model or by hand)."""
+    """A split's suffix as overrides: none (the whole head on the last stage, parallel.head=last: plain 2BW; the
+    config's default head=auto would pick the vocabulary-parallel head at pp=2), "auto" (the cost model picks),
+    "tokens" / "tokens=330" (the token head split, the helper's share by the cost model or by hand),
+    "vocab" / "vocab=[4096,4096]" (the vocabulary-parallel head, the shards by the cost model or by hand), with
+    "@W,S" appended its placement (parallel.vocab_placement=[W,S]: warm-up and slack; else the cost model's)."""
+    head, _, placement = head.partition("@")
     kind, _, value = head.partition("=")
+    if placement and kind != "vocab":
+        raise SystemExit(f"split suffix +{head}@{placement}: a placement (@W,S) goes with +vocab only")
+    if kind in ("", "auto"):
+        return [f"parallel.head={kind or 'last'}"]
     if kind == "vocab":
-        return ["parallel.head=vocab"] + ([f"parallel.vocab_shards={value}"] if value else [])
-    if kind not in ("", "tokens"):
-        raise SystemExit(f"split suffix +{head}: expected +tokens[=N] or +vocab[=[r0,r1]]")
-    return ([f"parallel.head_split={kind}"] if kind else []) + ([f"parallel.head_split_tokens={value}"] if value else [])
+        return (["parallel.head=vocab"] + ([f"parallel.vocab_shards={value}"] if value else [])
+                + ([f"parallel.vocab_placement=[{placement}]"] if placement else []))
+    if kind != "tokens":
+        raise SystemExit(f"split suffix +{head}: expected +auto, +tokens[=N] or +vocab[=[r0,r1]][@W,S]")
+    return ["parallel.head=tokens"] + ([f"parallel.head_split_tokens={value}"] if value else [])
 
 
 def run_one(impl: str, schedule: str, m: int, args, split: str = "") -> dict:
@@ -92,7 +101,7 @@ def run_one(impl: str, schedule: str, m: int, args, split: str = "") -> dict:
     layers, _, head = split.partition("+")
     head_args = head_overrides(head)
     extra = [f"parallel.stage_layers={layers}", *head_args, *args.overrides] if impl == "asyncpp" else []
-    out = Path(args.scratch) / f"{impl}-{schedule}-{m}-{split.replace('+', '_')}.json"
+    out = Path(args.scratch) / f"{impl}-{schedule}-{m}-{split.replace('+', '_').replace('@', '_at_')}.json"
     steps = args.steps
     if impl == "single":  # its rate is steady after the warm-up: half the measured steps keep the bench short
         steps = args.warmup + max(2, (args.steps - args.warmup) // 2)
@@ -142,7 +151,7 @@ def label(impl: str, schedule: str, split: str = "") -> str:
     layers = f" layers={split}" if split and split != EVEN else ""
     if head.startswith("vocab"):
         return f"{impl} {schedule}{chunks}{layers} head=vocab" + head[len("vocab"):]
-    return f"{impl} {schedule}{chunks}{layers}" + (f" head split={head}" if head else "")
+    return f"{impl} {schedule}{chunks}{layers}" + (f" head={head}" if head else " head=last")
 
 
 def table(rows: list[dict], reps: int) -> str:
