@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import time
 import traceback
 from queue import Empty
@@ -14,14 +13,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_store(world_size: int) -> dist.TCPStore:
+    """The ranks' rendezvous, hosted by the parent on a port the OS picks and held until every rank is done. A
+    port found free by binding and closing a socket could be taken by another process (another test session on
+    the machine) before rank 0 bound it again: a case of the matrix once failed so at rendezvous (TCPStore
+    connection reset). The ranks join it as torchrun's workers join their agent's store
+    (TORCHELASTIC_USE_AGENT_STORE: every rank a client)."""
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), TORCHELASTIC_USE_AGENT_STORE="True",
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # N processes share 2 cores: oversubscribed OpenMP threads spin for seconds
     try:
@@ -45,8 +47,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, expect_dead: b
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    store = rendezvous_store(world_size)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, store.port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
     results, errors, deadline = {}, [], time.monotonic() + timeout
