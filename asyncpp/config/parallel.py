@@ -57,6 +57,11 @@ class ParallelConfig:
     vocab_shards: tuple[int, ...] | None = None
     """With head=vocab: every stage's rows of the head, in stage order, summing to the vocabulary; None = the
     cost model's (sized together with stage_layers)."""
+    vocab_placement: tuple[int, int] | None = None
+    """With head=vocab: [warm-up, slack] of the head's S and T in the schedule (asyncpp.schedules.costmodel
+    VocabPlacement: the extra warm-up forwards, and how many of its own S passes a stage runs between S(i) and
+    T(i)); None = the cost model's choice. [2, 1] trades one more microbatch of activations on every stage for
+    collectives that never make the stages wait in lock step (bench/peers.py measures both)."""
     embedding: Literal["first", "vocab"] = "first"
     """Where the input embedding lives (docs/parallelism.md):
     - first: whole on the first stage;
@@ -139,6 +144,15 @@ def _check_vocab_head(cfg: RunConfig, model: ModelLimits) -> None:
     if p.vocab_shards is not None and p.head not in ("vocab", "auto"):
         raise ConfigError(f"parallel.vocab_shards={list(p.vocab_shards)} needs parallel.head=vocab; set it or leave "
                           "vocab_shards null")
+    if p.vocab_placement is not None:
+        pair = list(p.vocab_placement)
+        if p.head not in ("vocab", "auto"):
+            raise ConfigError(f"parallel.vocab_placement={pair} needs parallel.head=vocab; set it or leave "
+                              "vocab_placement null")
+        if len(pair) != 2 or pair[0] < 1 or pair[1] < 0:
+            raise ConfigError(f"parallel.vocab_placement={pair} must be [warm-up, slack] with warm-up >= 1 (the extra "
+                              "forwards before the first backward) and slack >= 0 (S passes between a stage's S and "
+                              "T of a microbatch), e.g. [2, 1]; or null (the cost model's choice)")
     if p.embedding == "vocab" and p.head not in ("vocab", "auto"):
         raise ConfigError(f"parallel.embedding=vocab shards the embedding by the vocabulary-parallel head's rows, but "
                           f"parallel.head={p.head}; set parallel.head=vocab, or parallel.embedding=first")

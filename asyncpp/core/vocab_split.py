@@ -49,7 +49,15 @@ from asyncpp.core.layer_costs import FLOP_RATE, LayerCosts, layer_costs
 from asyncpp.core.layer_split import balanced_split, stage_sizes
 from asyncpp.schedules.actions import Action
 from asyncpp.schedules.build import build_pipeline
-from asyncpp.schedules.costmodel import OpCosts, place_embedding_passes, place_vocab_passes, predict
+from asyncpp.schedules.costmodel import (
+    OpCosts,
+    VocabPlacement,
+    place_embedding_passes,
+    place_vocab_passes,
+    predict,
+)
+from asyncpp.schedules.invariants import check_schedules, max_versions_for
+from asyncpp.schedules.registry import kind_of
 
 
 @dataclass(frozen=True)
@@ -257,19 +265,34 @@ def vocab_op_costs(split: VocabSplit) -> OpCosts:
                    embed_forward=split.embed_lookup, embed_backward=[e - split.embed_lookup for e in embed])
 
 
-def vocab_warmup(kind: str, num_microbatches: int, split: VocabSplit) -> int:
-    """The extra warm-up forwards the placement needs (costmodel.VOCAB_WARMUPS: the fewest that is fastest)."""
+def vocab_placement(kind: str, num_microbatches: int, split: VocabSplit) -> VocabPlacement:
+    """The warm-up and slack the head's passes are placed with (costmodel.VOCAB_PLACEMENTS: the first that is
+    fastest in the cost model)."""
     return predict(kind, len(split.shards), num_microbatches, 4, vocab_op_costs(split),
-                   vocab_parallel=True)["vocab_warmup"]
+                   vocab_parallel=True)["vocab_placement"]
+
+
+def run_vocab_placement(cfg, split: VocabSplit) -> VocabPlacement:
+    """parallel.vocab_placement resolved: the explicit [warm-up, slack], or the cost model's choice. An explicit one
+    must give a valid schedule at the run's pp and m (else ScheduleError: more warm-up than m leaves room for puts
+    a forward on a version not made yet); train/preflight.py checks it before anything is built."""
+    kind, m = cfg.schedule.name, cfg.train.num_microbatches
+    if cfg.parallel.vocab_placement is None:
+        return vocab_placement(kind, m, split)
+    placement = VocabPlacement(*cfg.parallel.vocab_placement)
+    P, steps = len(split.shards), 4
+    lists = vocab_pipeline(kind, m, [kind_of(kind).stage_delay(0, P)] * steps, split, placement)
+    check_schedules(lists, m, [max_versions_for(kind, s, P) for s in range(P)], num_steps=steps)
+    return placement
 
 
 def vocab_pipeline(kind: str, num_microbatches: int, step_delays: Sequence[int], split: VocabSplit,
-                   warmup: int) -> list[list[Action]]:
+                   placement: VocabPlacement) -> list[list[Action]]:
     """Every stage's actions with the head's S and T placed (the same delays on every stage: the kinds that
     serve a vocabulary-parallel head give every stage one delay per step); with a sharded embedding (split.embed),
     its E and G placed into those (costmodel.place_embedding_passes)."""
     P = len(split.shards)
-    skeleton = build_pipeline(kind, P, num_microbatches, [list(step_delays)] * P, vocab_warmup=warmup)
+    skeleton = build_pipeline(kind, P, num_microbatches, [list(step_delays)] * P, vocab_warmup=placement.warmup)
     costs = vocab_op_costs(split)
-    placed = place_vocab_passes(skeleton, costs)
+    placed = place_vocab_passes(skeleton, costs, placement.slack)
     return place_embedding_passes(placed, costs) if split.embed else placed

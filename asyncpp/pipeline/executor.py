@@ -37,15 +37,16 @@ from asyncpp.pipeline.transfer import to_device
 from asyncpp.pipeline.update import StepRecord
 from asyncpp.schedules.actions import MICROBATCH_OPS, Action, Op
 from asyncpp.schedules.build import build_schedule
+from asyncpp.schedules.costmodel import VocabPlacement
 from asyncpp.train.metrics import evaluates_after, line_due
 from asyncpp.train.preemption import CheckpointClock, StopFlag
 
 
 def segment_actions(kind: str, stage: int, P: int, m: int, delays: Sequence[int], t0: int, t1: int,
-                    head_split: bool = False, vocab: tuple[VocabSplit, int] | None = None) -> list[Action]:
+                    head_split: bool = False, vocab: tuple[VocabSplit, VocabPlacement] | None = None) -> list[Action]:
     """The schedule of steps [t0, t1) as a self-contained stream (drained at both ends), in absolute
     step and version numbers (versions older than t0 were produced by earlier segments). `vocab`: a
-    vocabulary-parallel head's split (with a sharded embedding's costs) and warm-up; every stage's lists are built
+    vocabulary-parallel head's split (with a sharded embedding's costs) and placement; every stage's lists are built
     and the head's S and T (and the embedding's E and G) placed (deterministic: each rank places them alike)."""
     if vocab is not None:
         actions = vocab_pipeline(kind, m, delays[t0:t1], *vocab)[stage]
@@ -254,7 +255,7 @@ class PipelineExecutor:
 
     def actions_of(self, t0: int, t1: int) -> list[Action]:
         """This stage's actions for steps [t0, t1) as one stream (segment_actions with the plan's delays, head and m)."""
-        vocab = (self.plan.vocab, self.plan.vocab_warmup) if self.plan.vocab is not None else None
+        vocab = (self.plan.vocab, self.plan.vocab_placement) if self.plan.vocab is not None else None
         return segment_actions(self.cfg.schedule.name, self.spec.stage, self.mesh.num_stages, self.m,
                                self.plan.delays, t0, t1, head_split=self.plan.head_split is not None, vocab=vocab)
 

@@ -26,7 +26,7 @@ from asyncpp.core.memory import (
 )
 from asyncpp.core.partition import stage_split
 from asyncpp.core.recompute import modes_per_layer
-from asyncpp.core.vocab_split import run_vocab_split, vocab_pipeline, vocab_warmup
+from asyncpp.core.vocab_split import run_vocab_placement, run_vocab_split, vocab_pipeline
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.pipeline.stage import StageSpec
 from asyncpp.pipeline.weights import compute_dtype_of
@@ -137,10 +137,10 @@ def action_peaks(loads: list[ActionLoad], per_microbatch: int, per_grad_set: int
 
 def vocab_actions(cfg: RunConfig, model_cfg, stage: int, num_stages: int, steps: int = 4) -> list[Action]:
     """Stage `stage`'s actions under parallel.head=vocab over `steps` steps at the steady delay: the split, the
-    warm-up and the S/T placement StagePlan.of and the executor use (core/vocab_split.py), so the peaks read off
+    warm-up, the slack and the S/T placement StagePlan.of and the executor use (core/vocab_split.py), so the peaks read off
     it are the run's (steps 1 and 2 are the steady state between the warm-up and the drain)."""
     t = cfg.train
     split = run_vocab_split(cfg, model_cfg)
-    warmup = vocab_warmup(cfg.schedule.name, t.num_microbatches, split)
+    placement = run_vocab_placement(cfg, split)
     delay = kind_of(cfg.schedule.name).stage_delay(stage, num_stages)
-    return vocab_pipeline(cfg.schedule.name, t.num_microbatches, [delay] * steps, split, warmup)[stage]
+    return vocab_pipeline(cfg.schedule.name, t.num_microbatches, [delay] * steps, split, placement)[stage]

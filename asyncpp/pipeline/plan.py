@@ -24,7 +24,7 @@ from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced
 from asyncpp.core.head_split import HeadSplit
 from asyncpp.core.partition import head_split_plan
 from asyncpp.core.update import NO_CORRECTIONS, Corrections, lr_multiplier_for
-from asyncpp.core.vocab_split import VocabSplit, run_vocab_split, vocab_warmup
+from asyncpp.core.vocab_split import VocabSplit, run_vocab_placement, run_vocab_split
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
 from asyncpp.parallel.vocab_parallel import split_for_tp
@@ -36,6 +36,7 @@ from asyncpp.pipeline.timer import stage_timer
 from asyncpp.pipeline.update import StageUpdate
 from asyncpp.pipeline.vocab_head import VocabEmbedding, VocabHead
 from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
+from asyncpp.schedules.costmodel import VocabPlacement
 from asyncpp.schedules.registry import kind_of, step_delay
 
 
@@ -73,8 +74,8 @@ class StagePlan:
     head_split: HeadSplit | None = None
     vocab: VocabSplit | None = None
     """parallel.head=vocab: every stage's layers and head rows (asyncpp/core/vocab_split.py)."""
-    vocab_warmup: int = 0
-    """The extra warm-up forwards of the schedule the head's S and T are placed into (vocab_split.vocab_warmup)."""
+    vocab_placement: VocabPlacement | None = None
+    """The warm-up and slack the head's S and T are placed with (vocab_split.run_vocab_placement)."""
     timeout_s: float = 300.0
     update: UpdateSpec = field(default_factory=UpdateSpec)
 
@@ -89,14 +90,14 @@ class StagePlan:
         dtype = compute_dtype_of(t.precision)
         seq = t.seq_len // dims.tp if cfg.parallel.sequence_parallel else t.seq_len
         vocab = run_vocab_split(cfg, model_cfg) if spec.vocab is not None else None
-        warmup = vocab_warmup(cfg.schedule.name, t.num_microbatches, vocab) if vocab is not None else 0
+        placement = run_vocab_placement(cfg, vocab) if vocab is not None else None
         return cls(
             stage=spec.stage, num_stages=spec.num_stages, schedule=cfg.schedule.name, delays=delays(spec.stage),
             tied_delays=delays(0), weight_prediction=s.weight_prediction, compute_dtype=dtype,
             activation_shape=(t.micro_batch_size, seq, model_cfg.hidden_size),
             head_shape=(t.micro_batch_size, t.seq_len, model_cfg.hidden_size),
             link_dtype=dtype if dtype is not None else torch.float32,
-            head_split=head_split_plan(cfg, model_cfg), vocab=vocab, vocab_warmup=warmup, timeout_s=t.timeout_s,
+            head_split=head_split_plan(cfg, model_cfg), vocab=vocab, vocab_placement=placement, timeout_s=t.timeout_s,
             update=UpdateSpec(grad_clip=t.grad_clip, corrections=Corrections.of(s), lr_multiplier=lr_multiplier_for(cfg),
                               distributed_optimizer=cfg.parallel.distributed_optimizer))
 

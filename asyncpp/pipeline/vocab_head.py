@@ -152,6 +152,7 @@ class VocabHead:
         self._grads: dict[int, Tensor] = {}  # step -> the sum of its T's weight gradients (fp32)
         self.passes = 0  # S passes run, and the logits' widths they had: what the report and the tests read
         self.logits_widths: set[int] = set()
+        self.held_peak = 0  # the most S->T passes held at once (1 + the placement's slack in the steady state)
 
     # ---- the last stage's FORWARD and BACKWARD ------------------------------------------------------------
     def send_hidden(self, step: int, microbatch: int, hidden: Tensor) -> None:
@@ -194,6 +195,7 @@ class VocabHead:
         self.passes += 1
         self.logits_widths.add(logits.shape[-1])
         self._passes[(step, microbatch)] = _Pass(flat, logits, targets, gathered, work)
+        self.held_peak = max(self.held_peak, len(self._passes))
 
     @torch.no_grad()
     def _start_statistics(self, flat: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, object]:

@@ -26,8 +26,11 @@ from asyncpp.schedules.build import build_pipeline
 from asyncpp.schedules.events import TimelineEvent
 from asyncpp.schedules.invariants import (
     DeadlockError,
+    ScheduleError,
+    check_schedules,
     dependencies,
     execution_order,
+    max_versions_for,
     peak_in_flight,
     peak_versions,
 )
@@ -198,16 +201,37 @@ def simulate(
     return Timeline(tuple(tuple(s) for s in schedules), tuple(events), tuple(comm))
 
 
-VOCAB_WARMUPS = (1, 2)
-"""Extra forwards of warm-up tried for a vocabulary-parallel head (the fewest that gives the best step time wins):
-one leaves a slot between the last stage's F and B of a microbatch for the head's chain; two when the chain's
-collectives or a small head leave it too short."""
+@dataclass(frozen=True)
+class VocabPlacement:
+    """How a vocabulary-parallel head's S and T go into a pipeline: `warmup` extra forwards of warm-up in the
+    skeleton (build_pipeline's vocab_warmup), and `slack`: how many of its own S passes a stage runs between S(i)
+    and T(i) (place_vocab_passes)."""
+
+    warmup: int
+    slack: int = 0
 
 
-def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts) -> list[list[Action]]:
+VOCAB_PLACEMENTS = (VocabPlacement(1, 1), VocabPlacement(1, 0), VocabPlacement(2, 1), VocabPlacement(2, 0))
+"""The placements predict() tries, in order of preference: the first as fast as the fastest wins. Less warm-up first
+(each extra forward holds one more microbatch's activations on every stage); then a slack of one S pass over none.
+One warm-up forward leaves a slot between the last stage's F and B of a microbatch for the head's chain; two when
+the chain's collectives or a small head leave it too short.
+
+Why the slack: T(i) waits for the all-gather of every stage's S(i) statistics. Placed right after the stage's own
+S(i), as a cost model without jitter places it, every T waits for the slowest stage's S of the same microbatch, and
+the stages' head passes march in lock step: measured on CPU (bench/peers.py, tiny_dense P=2 M=8, gloo), 31 ms per
+step of such waits on stage 0, 7% of its step. With one S of slack the all-gather has a whole pass to complete
+before anyone waits for it. It costs one more S->T pass held per stage (fp32 [N, rows] logits, counted by the memory
+plan from the action list), and in the cost model it needs the second warm-up forward to add no bubble (with one,
+a 20-30% bubble at P = 2-16 for the paper's models), so it is taken only where it is free in the model: at the
+warm-up the schedule needs anyway."""
+
+
+def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts, slack: int = 0) -> list[list[Action]]:
     """A vocabulary-parallel head's S and T actions placed into F/B lists (built with vocab_warmup > 0) by the cost
     model: an event-driven list scheduler in which every stage, whenever it is free, starts the earliest-ready of
-    its next T, its next S and its next F/B/update action (in that priority on ties), S and T in microbatch order.
+    its next T, its next S and its next F/B/update action (in that priority on ties), S and T in microbatch order,
+    T(i) not before the stage's S(i + slack) unless that would deadlock (VOCAB_PLACEMENTS says why).
     Work-conserving, so the head's passes fill the time a stage would wait; deterministic, so every rank derives
     the same lists from the same costs. Each stage keeps its skeleton's order of F, B and updates, and S(i) and T(i)
     go in ascending i on every stage (one order per communicator). The result is checked like any schedule
@@ -217,11 +241,19 @@ def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts) -> 
     nxt, heads, tails = [0] * P, [0] * P, [0] * P
     free = [0.0] * P
     done: dict[tuple[Op, int, int, int], float] = {}  # (op, stage, step, microbatch) -> end
+    everyone: dict[tuple[Op, int, int], list] = {}  # (op, step, microbatch) -> [stages done, latest end]
     out: list[list[Action]] = [[] for _ in range(P)]
     inf = float("inf")
+    max_comm = max(costs.at("comm", r) for r in range(P))
 
     def end(op: Op, stage: int, step: int, j: int) -> float:
         return done.get((op, stage, step, j), inf)
+
+    def all_end(op: Op, step: int, j: int) -> float:
+        """When every stage's `op` of (step, j) has ended (inf until all have run): a tally, not a scan of the
+        stages, so a placement costs O(actions) rather than O(actions x P)."""
+        count, latest = everyone.get((op, step, j), (0, 0.0))
+        return latest if count == P else inf
 
     def ready_skeleton(s: int) -> float:
         if nxt[s] >= len(skeleton[s]):
@@ -230,12 +262,11 @@ def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts) -> 
         if a.op is Op.FORWARD and s > 0:
             return end(Op.FORWARD, s - 1, a.step, a.microbatch) + costs.at("comm", s - 1)
         if a.op is Op.BACKWARD and s == P - 1:
-            return max(end(Op.VOCAB_BACKWARD, r, a.step, a.microbatch) for r in range(P)) + costs.vocab_reduce
+            return all_end(Op.VOCAB_BACKWARD, a.step, a.microbatch) + costs.vocab_reduce
         if a.op is Op.BACKWARD:
             return end(Op.BACKWARD, s + 1, a.step, a.microbatch) + costs.at("comm", s + 1)
         if a.op is Op.UPDATE:  # the strictest engine: every stage's UPDATE_START(t) first
-            return max(end(Op.UPDATE_START, r, a.step, -1) for r in range(P)) + max(costs.at("comm", r)
-                                                                                     for r in range(P))
+            return all_end(Op.UPDATE_START, a.step, -1) + max_comm
         return 0.0
 
     def ready_head(s: int) -> float:
@@ -245,19 +276,25 @@ def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts) -> 
         own = end(Op.FORWARD, s, t, j)  # after the stage's own F of the item, in list order too
         return max(own, end(Op.FORWARD, P - 1, t, j) + (costs.vocab_broadcast if s < P - 1 else 0.0))
 
-    def ready_tail(s: int) -> float:
-        if tails[s] >= heads[s]:
-            return inf
+    def ready_tail(s: int, slack: int) -> float:
+        if tails[s] >= heads[s] or (tails[s] + slack >= heads[s] and heads[s] < len(items)):
+            return inf  # T(i) after the stage's own S(i + slack), while there is one
         t, j, _ = items[tails[s]]
-        return max(end(Op.VOCAB_FORWARD, r, t, j) for r in range(P)) + costs.vocab_allreduce
+        return all_end(Op.VOCAB_FORWARD, t, j) + costs.vocab_allreduce
+
+    def earliest(slack: int) -> tuple[float, int, int] | None:
+        best = None
+        for s in range(P):
+            for rank, ready in enumerate((ready_tail(s, slack), ready_head(s), ready_skeleton(s))):
+                if ready < inf:
+                    best = min(best or (inf,), (max(free[s], ready), rank, s))
+        return best
 
     remaining = sum(len(x) for x in skeleton) + 2 * len(items) * P
     while remaining:
-        best = None
-        for s in range(P):
-            for rank, ready in enumerate((ready_tail(s), ready_head(s), ready_skeleton(s))):
-                if ready < inf:
-                    best = min(best or (inf,), (max(free[s], ready), rank, s))
+        # Without the slack where it would deadlock: where S(i + 1) needs T(i) first (a flush between steps,
+        # 1F1B's last microbatch of a step), T(i) goes when nothing else can.
+        best = earliest(slack) or earliest(0)
         if best is None:
             raise DeadlockError("vocabulary-parallel placement is stuck: " + ", ".join(
                 f"stage {s} at #{nxt[s]}" for s in range(P)))
@@ -271,6 +308,8 @@ def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts) -> 
             counter[s] += 1
             a = Action(Op.VOCAB_BACKWARD if rank == 0 else Op.VOCAB_FORWARD, t, j, v)
         free[s] = done[(a.op, s, a.step, a.microbatch)] = start + costs.duration(a.op, s)
+        tally = everyone.setdefault((a.op, a.step, a.microbatch), [0, 0.0])
+        tally[0], tally[1] = tally[0] + 1, max(tally[1], free[s])
         out[s].append(a)
         remaining -= 1
     return out
@@ -484,25 +523,33 @@ def predict(
     sharded_embedding: bool = False,
 ) -> dict:
     """Build the schedules of a steady run and report its predicted step time, bubble and memory. With
-    vocab_parallel, the head's S and T placed by place_vocab_passes into each of VOCAB_WARMUPS' skeletons; the
-    fastest (then the one with less warm-up) is reported, its warm-up as "vocab_warmup"; with sharded_embedding (and
+    vocab_parallel, the head's S and T placed by place_vocab_passes at each of VOCAB_PLACEMENTS; the fastest (the
+    first of them on ties) is reported as "vocab_placement" (its warm-up also as "vocab_warmup"); with sharded_embedding (and
     vocab_parallel), the embedding's E and G placed into those by place_embedding_passes."""
     delays = steady_delays(kind, num_stages, num_steps)
     if not vocab_parallel:
         schedules = build_pipeline(kind, num_stages, num_microbatches, delays, head_split=head_split)
-        tl, warmup = simulate(schedules, costs, collective_updates=collective_updates), 0
+        tl, placement = simulate(schedules, costs, collective_updates=collective_updates), VocabPlacement(0)
     else:
-        options = []
-        for warmup in VOCAB_WARMUPS:
-            skeleton = build_pipeline(kind, num_stages, num_microbatches, delays, vocab_warmup=warmup)
-            schedules = place_vocab_passes(skeleton, costs)
+        options, refused = [], []
+        for placement in VOCAB_PLACEMENTS:
+            skeleton = build_pipeline(kind, num_stages, num_microbatches, delays, vocab_warmup=placement.warmup)
+            schedules = place_vocab_passes(skeleton, costs, placement.slack)
             if sharded_embedding:
                 schedules = place_embedding_passes(schedules, costs)
+            try:  # with more warm-up than m leaves room for, a forward would run on a version not made yet
+                check_schedules(schedules, num_microbatches,
+                                [max_versions_for(kind, s, num_stages) for s in range(num_stages)], num_steps=num_steps)
+            except ScheduleError as e:
+                refused.append(f"{placement}: {e}")
+                continue
             tl = simulate(schedules, costs, collective_updates=collective_updates)
-            options.append((tl.step_time(), warmup, tl))
-        # The least warm-up unless more is really faster (not by rounding).
+            options.append((tl.step_time(), placement, tl))
+        if not options:
+            raise ScheduleError("no placement of the vocabulary-parallel head is valid: " + "; ".join(refused))
+        # The first in VOCAB_PLACEMENTS' order unless a later one is really faster (not by rounding).
         best = min(o[0] for o in options)
-        _, warmup, tl = next(o for o in options if o[0] <= best * (1 + 1e-9))
+        _, placement, tl = next(o for o in options if o[0] <= best * (1 + 1e-9))
     return {
         "kind": kind,
         "num_stages": num_stages,
@@ -516,5 +563,6 @@ def predict(
         "dp_comm": max(costs.at("dp_comm", s) for s in range(num_stages)),
         "peak_activations": tl.peak_activations(),
         "weight_versions": tl.weight_versions(),
-        "vocab_warmup": warmup,
+        "vocab_warmup": placement.warmup,
+        "vocab_placement": placement,
     }

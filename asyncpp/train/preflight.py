@@ -23,7 +23,10 @@ import torch
 from asyncpp.config import ConfigError, RunConfig, parse_blend
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.memory import activation_bytes, optimizer_state_bytes
+from asyncpp.core.partition import head_of
+from asyncpp.core.vocab_split import run_vocab_placement, run_vocab_split
 from asyncpp.optim import build_from_config
+from asyncpp.schedules.invariants import ScheduleError
 from asyncpp.schedules.registry import kind_of
 from asyncpp.train import checkpoint as ckpt
 from asyncpp.train.run_identity import EXIT_CONFIG_ERROR
@@ -47,6 +50,7 @@ def _stderr(text: str) -> None:
 def check(cfg: RunConfig, model_cfg, *, rank: int = 0, local_world_size: int = 1, warn: Warn = _stderr) -> None:
     """All pre-flight checks of this rank (see the module docstring). Raises ConfigError."""
     check_device(cfg, local_world_size)
+    check_vocab_placement(cfg, model_cfg)
     check_memory(cfg, model_cfg, local_world_size)
     if rank != 0:
         return
@@ -62,6 +66,21 @@ def check(cfg: RunConfig, model_cfg, *, rank: int = 0, local_world_size: int = 1
     check_data(cfg, model_cfg)
     if point is None:  # last: only a run that passed every check moves anything
         keep_an_earlier_run(cfg, warn)
+
+
+def check_vocab_placement(cfg: RunConfig, model_cfg) -> None:
+    """An explicit parallel.vocab_placement must give a valid schedule at the run's pp and m (the config validator
+    checks its shape; this needs the model's costs)."""
+    p = cfg.parallel
+    if p.vocab_placement is None or p.pp < 2 or head_of(cfg, model_cfg) != "vocab":
+        return
+    try:
+        run_vocab_placement(cfg, run_vocab_split(cfg, model_cfg))
+    except ScheduleError as e:
+        raise ConfigError(f"parallel.vocab_placement={list(p.vocab_placement)}: with schedule={cfg.schedule.name}, "
+                          f"parallel.pp={p.pp} and train.num_microbatches={cfg.train.num_microbatches} the head's "
+                          f"passes cannot be placed so ({e}); lower the warm-up (its first entry), raise "
+                          "train.num_microbatches, or leave it null for the cost model's choice") from None
 
 
 EARLIER_RUN_FILES = ("metrics.jsonl", "summary.json", "timeline.json", "timeline.png")

@@ -122,10 +122,13 @@ def assert_vocab_equivalent(cfg, world: int, loss_fn=None, rel: float = 1e-5) ->
 
 
 def test_vocab_head_two_stages_untied_2bw_with_eval() -> None:
-    cfg = make_config(model=UNTIED, parallel={"pp": 2, "head": "vocab"}, train={"eval_every": 3},
-                      optimizer={"eps": ADAMW_EPS})
+    """With the head's passes placed with one S of slack (parallel.vocab_placement=[2, 1]: T(i) after the stage's
+    S(i + 1)): two passes held at once on every stage."""
+    cfg = make_config(model=UNTIED, parallel={"pp": 2, "head": "vocab", "vocab_placement": [2, 1]},
+                      train={"eval_every": 3}, optimizer={"eps": ADAMW_EPS})
     results, _, _ = assert_vocab_equivalent(cfg, 2)
     assert "lm_head.weight" in next(r for r in results if r["stage"] == 0)["params"]
+    assert {r["vocab"]["held_peak"] for r in results} == {2}
 
 
 @pytest.mark.slow  # the default suite's 12-minute budget (2026-11-26); a smaller case of the same mechanism stays default

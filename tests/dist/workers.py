@@ -127,7 +127,7 @@ def vocab_report(head) -> dict | None:
     if head is None:
         return None
     return {"start": head.shard.start, "rows": head.shard.rows, "widths": sorted(head.logits_widths),
-            "passes": head.passes, "param_rows": head.param.shape[0]}
+            "passes": head.passes, "param_rows": head.param.shape[0], "held_peak": head.held_peak}
 
 
 def reference_run(cfg: RunConfig, loss_fn: LossFn = lm_loss) -> dict:

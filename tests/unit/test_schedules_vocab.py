@@ -6,10 +6,20 @@ from __future__ import annotations
 
 import pytest
 
+from asyncpp.core.layer_costs import layer_costs
+from asyncpp.core.vocab_split import plan_vocab_split, vocab_op_costs
 from asyncpp.schedules import ScheduleError, build_pipeline
 from asyncpp.schedules.actions import Op
-from asyncpp.schedules.costmodel import OpCosts, place_vocab_passes, predict, simulate, steady_delays
+from asyncpp.schedules.costmodel import (
+    OpCosts,
+    VocabPlacement,
+    place_vocab_passes,
+    predict,
+    simulate,
+    steady_delays,
+)
 from asyncpp.schedules.invariants import check_collective_order, check_schedules, has_vocab_parallel
+from model_zoo import get_model_config
 
 SLOT = 3.0
 
@@ -98,3 +108,42 @@ def test_the_simulator_runs_every_placed_pass():
     tl = simulate(schedules, c, collective_updates=True)
     heads = [e for e in tl.events if e.kind in ("S", "T")]
     assert len(heads) == 2 * P * m * 4
+
+
+@pytest.mark.parametrize("kind,versions", [("2bw", 2), ("1f1b", 1)])
+@pytest.mark.parametrize("P", [2, 4])
+def test_a_slack_puts_every_t_after_the_stages_next_s(kind, versions, P):
+    """VocabPlacement's slack: T(i) after the stage's own S(i + 1) wherever that cannot deadlock; where S(i + 1)
+    needs T(i) first (1F1B's flush: the next step's forwards wait for this step's update), T(i) goes without it.
+    The placed lists pass every invariant, and a stage holds two S->T passes at once in the steady state."""
+    m, steps = 2 * P, 3
+    lists = place_vocab_passes(build_pipeline(kind, P, m, steady_delays(kind, P, steps), vocab_warmup=2),
+                               costs(0.25, 0.05), slack=1)
+    check_schedules(lists, m, versions, num_steps=steps)
+    for actions in lists:
+        items = [(a.step, a.microbatch) for a in actions if a.op is Op.VOCAB_FORWARD]
+        held = peak = 0
+        for a in actions:
+            if a.op is Op.VOCAB_FORWARD:
+                held += 1
+                peak = max(peak, held)
+            elif a.op is Op.VOCAB_BACKWARD:
+                i = items.index((a.step, a.microbatch))
+                flush = kind == "1f1b" and a.microbatch == m - 1  # the step's last: its next S follows the update
+                assert held >= 2 or i == len(items) - 1 or flush, (a, held)
+                held -= 1
+        assert peak == 2
+
+
+def test_the_cost_model_takes_a_slack_only_where_it_is_free():
+    """predict() tries VOCAB_PLACEMENTS in order (less warm-up, then a slack) and keeps the first as fast as the
+    fastest: the paper's moe_2b at P=4 keeps one warm-up forward and no slack (a slack would need the second
+    forward, one more microbatch of activations on every stage, for no time the model can see); equal stages whose
+    head's collectives take 0.3 of a slot need the second forward anyway, and take the slack with it."""
+    model = get_model_config("moe_2b")
+    split = plan_vocab_split(layer_costs(model, 4096, 1, "cuda"), 4, model.vocab_size)
+    assert predict("2bw", 4, 16, 4, vocab_op_costs(split), vocab_parallel=True)["vocab_placement"] == \
+        VocabPlacement(1, 0)
+    slow_collectives = predict("2bw", 2, 4, 6, costs(0.25, 0.3), collective_updates=True, vocab_parallel=True)
+    assert slow_collectives["vocab_placement"] == VocabPlacement(2, 1)
+    assert slow_collectives["bubble"] == pytest.approx(0.0, abs=1e-9)

@@ -22,7 +22,7 @@ from asyncpp.pipeline.stage import tied_parameters, vocab_rows
 from asyncpp.pipeline.stopping import ActionStream, stop_lookahead
 from asyncpp.schedules import ScheduleError
 from asyncpp.schedules.actions import Op
-from asyncpp.schedules.costmodel import simulate
+from asyncpp.schedules.costmodel import VocabPlacement, simulate
 from asyncpp.schedules.invariants import (
     check_collective_order,
     check_fifo,
@@ -40,7 +40,7 @@ def lists_of(schedule: str, P: int, m: int, steps: int, embedding: bool = True):
     model = get_model_config("moe_2b")
     split = plan_vocab_split(layer_costs(model, 4096, 1, "cuda"), P, model.vocab_size, embedding=embedding)
     delays = [1 if schedule == "2bw" else 0] * steps
-    return split, vocab_pipeline(schedule, m, delays, split, 1)
+    return split, vocab_pipeline(schedule, m, delays, split, VocabPlacement(1))
 
 
 @pytest.mark.parametrize("schedule", ["2bw", "1f1b", "sync"])
@@ -146,12 +146,14 @@ def test_the_run_split_costs_the_embedding_with_the_rows():
     assert whole.embed == () and sum(whole.compute) < sum(split.compute)  # each stage looks up every token
 
 
+@pytest.mark.parametrize("placement", [VocabPlacement(1), VocabPlacement(1, 1)])
 @pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
 @pytest.mark.parametrize("P,m", [(2, 2), (3, 4)])
-def test_a_stop_mid_segment_cuts_the_embedding_passes_cleanly(schedule, P, m):
+def test_a_stop_mid_segment_cuts_the_embedding_passes_cleanly(schedule, P, m, placement):
     """stopping.py: a rank learns of a stop at UPDATE(t) and continues with what the [t0, s) stream has left. With
     the E and G actions (and the UPDATEs they pull up) the executed prefix still belongs to the shorter stream, and
-    the stages' streams together stay deadlock-free, FIFO and in one collective order per communicator."""
+    the stages' streams together stay deadlock-free, FIFO and in one collective order per communicator. With the
+    head's slack too (a T after the next S, but not where the shorter stream ends)."""
     cfg, model_cfg = check(["model=tiny_dense", f"parallel.pp={P}", "parallel.head=vocab", "parallel.embedding=vocab",
                             f"schedule={schedule}", f"train.num_microbatches={m}"])
     split = run_vocab_split(cfg, model_cfg)
@@ -161,9 +163,9 @@ def test_a_stop_mid_segment_cuts_the_embedding_passes_cleanly(schedule, P, m):
         s = t + lookahead
         streams = []
         for stage in range(P):
-            stream = ActionStream(segment_actions(schedule, stage, P, m, delays, 0, steps, vocab=(split, 1)))
+            stream = ActionStream(segment_actions(schedule, stage, P, m, delays, 0, steps, vocab=(split, placement)))
             stream.fixed = fixed_at_update(stream.actions, t)
-            shorter = segment_actions(schedule, stage, P, m, delays, 0, s, vocab=(split, 1))
+            shorter = segment_actions(schedule, stage, P, m, delays, 0, s, vocab=(split, placement))
             stream.cut(shorter)
             assert sorted(stream.actions, key=repr) == sorted(shorter, key=repr)
             streams.append(stream.actions)

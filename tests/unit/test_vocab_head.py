@@ -9,12 +9,14 @@ import torch.nn.functional as F
 
 from asyncpp.config import ConfigError
 from asyncpp.core.partition import vocab_shards_of
-from asyncpp.core.vocab_split import run_vocab_split, vocab_pipeline
+from asyncpp.core.vocab_split import run_vocab_placement, run_vocab_split, vocab_pipeline, vocab_placement
 from asyncpp.job import compose, resolve
 from asyncpp.parallel.vocab_parallel import VocabShard, vocab_shards
 from asyncpp.pipeline.vocab_head import logits_gradient, mean_loss, shard_statistics
 from asyncpp.schedules.actions import Op
+from asyncpp.schedules.costmodel import VocabPlacement
 from asyncpp.schedules.invariants import check_schedules
+from asyncpp.train.preflight import check_vocab_placement
 
 
 def check(overrides: list[str]):
@@ -75,9 +77,26 @@ def test_accepted_layouts_place_the_head_passes_on_every_stage(schedule):
                             "train.num_microbatches=4"])
     split = run_vocab_split(cfg, model_cfg)
     assert sum(split.shards) == model_cfg.vocab_size == sum(vocab_shards_of(cfg, model_cfg))
-    lists = vocab_pipeline(schedule, 4, [1 if schedule == "2bw" else 0] * 3, split, 1)
+    placement = vocab_placement(schedule, 4, split)
+    lists = vocab_pipeline(schedule, 4, [1 if schedule == "2bw" else 0] * 3, split, placement)
     check_schedules(lists, 4, None)
     for stage in lists:
         assert sum(a.op is Op.VOCAB_FORWARD for a in stage) == sum(a.op is Op.VOCAB_BACKWARD for a in stage) == 12
-    assert vocab_pipeline(schedule, 4, [1 if schedule == "2bw" else 0] * 3, split, 1) == lists
+    assert vocab_pipeline(schedule, 4, [1 if schedule == "2bw" else 0] * 3, split, placement) == lists
     assert VocabShard(0, split.shards[0]) == vocab_shards(split.shards, model_cfg.vocab_size)[0]
+
+
+def test_an_explicit_placement_is_refused_with_its_reason_before_anything_is_built():
+    """parallel.vocab_placement: its shape and its head by the config validator; its validity at the run's pp and m
+    by the preflight (it needs the model's costs), each naming the key, the value and the fix."""
+    base = ["model=tiny_dense", "parallel.pp=2"]
+    with pytest.raises(ConfigError, match=r"parallel.vocab_placement=\[0, 1\] must be \[warm-up, slack\]"):
+        check([*base, "parallel.head=vocab", "parallel.vocab_placement=[0,1]"])
+    with pytest.raises(ConfigError, match=r"parallel.vocab_placement=\[2, 1\] needs parallel.head=vocab"):
+        check([*base, "parallel.head=last", "parallel.vocab_placement=[2,1]"])
+    cfg, model_cfg = check([*base, "parallel.head=vocab", "parallel.vocab_placement=[2,1]", "train.num_microbatches=2"])
+    with pytest.raises(ConfigError, match="version not produced yet.*raise train.num_microbatches"):
+        check_vocab_placement(cfg, model_cfg)  # three forwards ahead on stage 0 with two microbatches a step
+    cfg, model_cfg = check([*base, "parallel.head=vocab", "parallel.vocab_placement=[2,1]", "train.num_microbatches=4"])
+    check_vocab_placement(cfg, model_cfg)
+    assert run_vocab_placement(cfg, run_vocab_split(cfg, model_cfg)) == VocabPlacement(2, 1)

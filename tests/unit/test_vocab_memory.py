@@ -13,7 +13,7 @@ from asyncpp import job
 from asyncpp.config import RunConfig
 from asyncpp.core.memory import activation_bytes, vocab_held
 from asyncpp.core.partition import vocab_shards_of
-from asyncpp.core.vocab_split import run_vocab_split, vocab_warmup
+from asyncpp.core.vocab_split import run_vocab_split, vocab_placement
 from asyncpp.pipeline.memory import vocab_actions
 from asyncpp.schedules.actions import Op
 from asyncpp.schedules.invariants import peak_in_flight
@@ -46,7 +46,7 @@ def live_between(actions, opens, closes) -> int:
 def test_held_buffers_follow_the_placed_schedule(pp, kind):
     model = get_model_config("tiny_dense")
     cfg = vocab_cfg(pp, kind)
-    warmup = vocab_warmup(kind, M, run_vocab_split(cfg, model))
+    warmup = vocab_placement(kind, M, run_vocab_split(cfg, model)).warmup
     assert warmup >= 1  # the placement needs extra warm-up forwards here: the count below must include them
     for s in range(pp):
         actions = vocab_actions(cfg, model, s, pp)
@@ -92,7 +92,7 @@ def test_dry_run_of_a_two_stage_vocab_layout_counts_the_head_rows_and_its_buffer
     assert run_vocab_split(cfg, model).sizes == (2, 2)  # the same layers as the head=last run's
     V, h = model.vocab_size, model.hidden_size
     assert sum(shards) == V and all(0 < r < V for r in shards)  # really split
-    warmup = vocab_warmup(cfg.schedule.name, M, run_vocab_split(cfg, model))
+    warmup = vocab_placement(cfg.schedule.name, M, run_vocab_split(cfg, model)).warmup
     for s, (r, rows) in enumerate(zip(vocab, shards)):
         assert r["shards"]["lm_head.weight"]["shape"] == [rows, h]  # built on meta with the real shard shape
         held = vocab_held(vocab_actions(cfg, model, s, 2), s == 1)
