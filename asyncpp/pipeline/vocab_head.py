@@ -26,6 +26,7 @@ accumulator and joins the step's gradient at UPDATE_START(t), as the token head 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,7 +58,8 @@ def shard_statistics(logits: Tensor, targets: Tensor, shard: VocabShard) -> Tens
     if shard.rows == 0:
         return torch.stack((logits.new_full((n,), float("-inf")), logits.new_zeros(n), logits.new_zeros(n)))
     local_max = logits.max(dim=-1).values
-    sum_exp = torch.exp(logits - local_max.unsqueeze(-1)).sum(dim=-1)
+    # One [N, rows] temporary (exp in place in the difference), not two: the head's largest transient in S.
+    sum_exp = torch.sub(logits, local_max.unsqueeze(-1)).exp_().sum(dim=-1)
     inside = (targets >= shard.start) & (targets < shard.end)
     local = (targets - shard.start).clamp(0, shard.rows - 1)
     target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
@@ -85,9 +87,11 @@ def logits_gradient(logits: Tensor, targets: Tensor, shard: VocabShard, top: Ten
     the logits' own buffer (T's use: they are not needed after it, and a second [N, rows] fp32 buffer would be the
     largest transient of the head, 3 GiB at moe_2b's P=2)."""
     n = logits.shape[0]
-    # As autograd's log_softmax backward forms it: exp(log_softmax) / N, then the target's -1 / N.
+    # As autograd's log_softmax backward forms it, exp(log_softmax) / N, then the target's -1 / N; the per-token
+    # shift and the 1/N folded into one subtraction: exp(x - top - log(total) - log N), two passes over [N, rows]
+    # instead of four.
     grad = logits if inplace else logits.clone()
-    grad.sub_(top.unsqueeze(-1)).sub_(torch.log(total).unsqueeze(-1)).exp_().mul_(1.0 / n)
+    grad.sub_((top + torch.log(total) + math.log(n)).unsqueeze(-1)).exp_()
     if shard.rows == 0:
         return grad
     # The target's -1/N as a scatter of a masked column (0 where the target is another shard's row: x + 0 == x):
