@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from asyncpp.core.layer_costs import FLOP_RATE, LayerCosts, layer_costs
 from asyncpp.core.layer_split import balanced_split, stage_sizes
@@ -265,9 +266,11 @@ def vocab_op_costs(split: VocabSplit) -> OpCosts:
                    embed_forward=split.embed_lookup, embed_backward=[e - split.embed_lookup for e in embed])
 
 
+@cache
 def vocab_placement(kind: str, num_microbatches: int, split: VocabSplit) -> VocabPlacement:
     """The warm-up and slack the head's passes are placed with (costmodel.VOCAB_PLACEMENTS: the first that is
-    fastest in the cost model)."""
+    fastest in the cost model). Cached (a pure function of frozen values): the placements it tries cost seconds at
+    P=16, and a dry run's memory plan asks once per stage."""
     return predict(kind, len(split.shards), num_microbatches, 4, vocab_op_costs(split),
                    vocab_parallel=True)["vocab_placement"]
 
