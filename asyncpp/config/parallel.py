@@ -45,7 +45,7 @@ class ParallelConfig:
     - last: on the last stage;
     - vocab: its vocabulary spread over every stage, each holding rows sized with its layers by the cost model
       (asyncpp/core/vocab_split.py, pipeline/vocab_head.py), so a 128k-wide head no longer makes the last stage
-      the pipeline's slowest;
+      the pipeline's slowest; pp >= 2 (refused at one stage, where it would change nothing);
     - tokens: stage 0 also runs the head and loss of a share of every microbatch's tokens (a replica of the head
       weight, reduced like a tied embedding: asyncpp/core/head_split.py); dp=1, tp=1 only;
     - auto (configs/parallel/default.yaml): vocab where the cost model predicts it faster and the layout allows
@@ -65,7 +65,7 @@ class ParallelConfig:
     embedding: Literal["first", "vocab"] = "first"
     """Where the input embedding lives (docs/parallelism.md):
     - first: whole on the first stage;
-    - vocab (with head=vocab): sharded by the head's rows, stage s holding embedding rows vocab_rows(s) too; each
+    - vocab (with head=vocab, pp >= 2): sharded by the head's rows, stage s holding embedding rows vocab_rows(s) too; each
       stage looks up the tokens in its rows, the partial embeddings are summed onto the first stage, and the first
       stage's embedding gradient is broadcast back (the E and G actions, pipeline/vocab_head.VocabEmbedding). The
       first stage no longer holds the whole [vocab, hidden] table, its gradient and optimizer state; a tied
@@ -141,6 +141,15 @@ def _check_vocab_head(cfg: RunConfig, model: ModelLimits) -> None:
     p = cfg.parallel
     if p.head not in ("last", "vocab", "tokens", "auto"):
         raise ConfigError(f"parallel.head={p.head!r} is not one of last, vocab, tokens, auto")
+    # At one stage both would be accepted and do nothing (vocab_shards_of is None at pp=1): refuse them instead.
+    if p.head == "vocab" and p.pp == 1:
+        raise ConfigError("parallel.head=vocab spreads the LM head's vocabulary over the pipeline stages, but "
+                          "parallel.pp=1 has one stage (with parallel.tp > 1 the head is already vocabulary-parallel "
+                          "over the TP ranks); use parallel.head=last or auto, or parallel.pp >= 2")
+    if p.embedding == "vocab" and p.pp == 1:
+        raise ConfigError("parallel.embedding=vocab shards the input embedding over the pipeline stages by the "
+                          "vocabulary-parallel head's rows, but parallel.pp=1 has one stage; use "
+                          "parallel.embedding=first, or parallel.pp >= 2 with parallel.head=vocab")
     if p.vocab_shards is not None and p.head not in ("vocab", "auto"):
         raise ConfigError(f"parallel.vocab_shards={list(p.vocab_shards)} needs parallel.head=vocab; set it or leave "
                           "vocab_shards null")

@@ -14,9 +14,10 @@ no cross-stage tied tensor (each stage's head rows are its embedding rows, one p
 from __future__ import annotations
 
 import pytest
+import torch
 
 from asyncpp.core.partition import vocab_shards_of
-from asyncpp.parallel.vocab_parallel import vocab_shards
+from asyncpp.parallel.vocab_parallel import VocabShard, vocab_shards
 from model_zoo import get_model_config
 from tests.dist.test_vocab_parallel_pipeline import UNTIED, assert_vocab_equivalent, head_in_vocab_blocks
 from tests.dist.tp_workers import ADAMW_EPS
@@ -32,19 +33,30 @@ def assert_embedding_equivalent(cfg, world: int, loss_fn=None) -> list[dict]:
     shards = vocab_shards(vocab_shards_of(resolved, model_cfg), model_cfg.vocab_size)
     m, steps = resolved.train.num_microbatches, cfg.train.steps
     for r in results:
-        e, shard = r["embedding"], shards[r["stage"]]
         if r["dp"] > 0:  # the distributed optimizer's other replicas: the same rows and passes
-            assert e["rows"] == shard.rows
+            assert r["embedding"]["rows"] == shards[r["stage"]].rows
             continue
-        assert e is not None, r["stage"]
-        assert (e["start"], e["rows"]) == (shard.start, shard.rows) == (r["vocab"]["start"], r["vocab"]["rows"])
-        assert e["lookups"] == e["gradients"] == steps * m, (r["stage"], e)
-        embed = r["params"]["embed.weight"]
-        assert embed.shape == (shard.rows, model_cfg.hidden_size) and shard.rows < model_cfg.vocab_size
-        assert e["param_rows"] == shard.rows
-        if model_cfg.tie_embeddings:  # one tensor: no lm_head of its own on any stage
-            assert "lm_head.weight" not in r["params"], r["stage"]
+        assert_embedding_split(r, shards[r["stage"]], model_cfg, steps * m)
     return results
+
+
+def assert_embedding_split(r: dict, shard: VocabShard, model_cfg, passes: int) -> torch.Tensor:
+    """One rank of a parallel.embedding=vocab run (pipeline_rank's result `r`): its embedding really is split. Its
+    embed.weight is its stage's rows [rows, h] (not the whole table), the same rows as its head's, it ran `passes` E
+    and as many G (one of each per microbatch), and a tied model has no lm_head.weight of its own (each stage's head
+    rows are its embedding rows, one parameter: no cross-stage tied tensor). Returns its embed.weight rows."""
+    e = r["embedding"]
+    assert e is not None, f"stage {r['stage']}: no sharded embedding ran"
+    assert (e["start"], e["rows"]) == (shard.start, shard.rows) == (r["vocab"]["start"], r["vocab"]["rows"]), (
+        r["stage"], e)
+    assert e["lookups"] == e["gradients"] == passes > 0, (r["stage"], e, passes)
+    embed = r["params"]["embed.weight"]
+    assert embed.shape == (shard.rows, model_cfg.hidden_size) and shard.rows < model_cfg.vocab_size, (
+        r["stage"], embed.shape)
+    assert e["param_rows"] == shard.rows, (r["stage"], e)
+    if model_cfg.tie_embeddings:  # one tensor: no lm_head of its own on any stage
+        assert "lm_head.weight" not in r["params"], r["stage"]
+    return embed
 
 
 def test_sharded_embedding_two_stages_untied_2bw_with_eval() -> None:

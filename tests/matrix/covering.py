@@ -100,8 +100,9 @@ class Cover:
     """Accepted cases; together they hold every pair of `covered`."""
     covered: set[Pair]
     refused: dict[Pair, Case]
-    """Pairs no accepted case was found for (refused with every other dimension at its default, and on every
-    accepted case built before), each with that default completion (refused)."""
+    """Pairs no accepted case was found for (refused with every other dimension at its default, on every
+    accepted case of the cover, and on every such case with one more dimension changed), each with that default
+    completion (refused)."""
     excluded: list[Pair]
     """Pairs no feasible case can hold (the machine's limit)."""
 
@@ -133,6 +134,16 @@ def _repair(case: Case, keep: Sequence[str], dims: Mapping[str, Sequence], feasi
         if accepts(case):
             return case
     return None
+
+
+def _one_change(case: Case, keep: Sequence[str], dims: Mapping[str, Sequence], feasible, accepts) -> Case | None:
+    """An accepted case at most one dimension (not in `keep`) away from `case`, set to any of its values; None if
+    there is none. _repair only walks toward the defaults, which can walk away from what a pair needs (ep=2 needs
+    dp=2 and an MoE model, head=tokens needs pp >= 2; none of them is a default)."""
+    if feasible(case) and accepts(case):
+        return case
+    trials = ({**case, d: v} for d in dims if d not in keep for v in dims[d] if v != case[d])
+    return next((t for t in trials if feasible(t) and accepts(t)), None)
 
 
 def _improve(case: Case, todo: set[Pair], dims: Mapping[str, Sequence], feasible, accepts,
@@ -186,11 +197,17 @@ def accepted_greedy(dims: Mapping[str, Sequence], seed: int, feasible: Callable[
             cases.append(best)
             todo -= pairs_of(best, dims)
     # A pair given up early (no accepted background yet held the other values it needs, e.g. an MoE model for
-    # ep=2) gets a second try: on every case of the finished cover, repaired toward the defaults.
+    # ep=2) gets a second try: on every case of the finished cover, repaired toward the defaults, then, failing
+    # that, with one more dimension changed to any value (the pairs still refused after it cost the most: ~0.5 s
+    # of validator calls each).
     covered = set().union(*(pairs_of(c, dims) for c in cases)) & set(ok)
     for a, va, b, vb in [p for p in ok if p in refused and p not in covered]:
-        late = next((r for r in (_repair({**c, a: va, b: vb}, (a, b), dims, feasible, accepts, rng) for c in cases)
+        backgrounds = [{**c, a: va, b: vb} for c in cases]
+        late = next((r for r in (_repair(c, (a, b), dims, feasible, accepts, rng) for c in backgrounds)
                      if r is not None), None)
+        if late is None:
+            late = next((r for r in (_one_change(c, (a, b), dims, feasible, accepts) for c in backgrounds)
+                         if r is not None), None)
         if late is not None:
             cases.append(late)
             covered |= pairs_of(late, dims) & set(ok)

@@ -15,12 +15,13 @@ import itertools
 import torch
 
 from asyncpp.config import RunConfig
-from asyncpp.core.partition import vocab_shards_of
+from asyncpp.core.partition import embedding_sharded, vocab_shards_of
 from asyncpp.parallel.vocab_parallel import vocab_shards
 from model_zoo import get_model_config
 from tests.dist.harness import run_ranks
 from tests.dist.test_pipeline_equivalence import assemble, relative_error
 from tests.dist.test_stop_midsegment import stopped_rank
+from tests.dist.test_vocab_parallel_embedding import assert_embedding_split
 from tests.dist.workers import pipeline_rank, reference_run
 from tests.matrix.space import container, world
 from tests.nccl.recorder import record
@@ -75,37 +76,59 @@ def writer_records(results: list[dict]) -> list[dict]:
     return next((r["records"] for r in results if r["records"]), [])
 
 
-def vocab_head_weight(cfg: RunConfig, results: list[dict]) -> torch.Tensor | None:
-    """parallel.head=vocab (or auto resolved to it): the whole LM head assembled from every stage's rows by their
-    offsets, after checking the vocabulary really was split: each rank's piece (its TP rank's part of its stage's
-    rows) is the plan's, no rank holds the whole head, every logits block it computed had its piece's width, and
-    (tied) every later stage's rows are the first stage's embedding rows bit for bit (one weight, one update).
-    None when the head is not vocabulary-parallel (then no rank may have run a shard of it)."""
+def by_offset(pieces: list[tuple[int, torch.Tensor]], vocab: int) -> torch.Tensor:
+    """The whole [vocab, h] tensor from row pieces (start, rows) put at their offsets; a NaN sentinel catches rows
+    that no piece supplied."""
+    whole = None
+    for start, piece in pieces:
+        whole = torch.full((vocab, piece.shape[1]), float("nan"), dtype=piece.dtype) if whole is None else whole
+        whole[start:start + piece.shape[0]] = piece
+    assert whole is not None and not whole.isnan().any(), "some rows of the vocabulary are on no stage"
+    return whole
+
+
+def vocab_parallel_weights(cfg: RunConfig, results: list[dict]) -> dict[str, torch.Tensor]:
+    """The weights whose vocabulary rows are spread over the stages, whole, after checking they really were split.
+
+    parallel.head=vocab (or auto resolved to it): the LM head from every stage's rows by their offsets. Each rank's
+    piece (its TP rank's part of its stage's rows) is the plan's, no rank holds the whole head, every logits block it
+    computed had its piece's width, and (tied) every later stage's rows are the first stage's embedding rows bit for
+    bit (one weight, one update).
+    parallel.embedding=vocab in effect as well: the input embedding from every stage's rows by their offsets, each
+    rank's embedding checked to be split (tests/dist/test_vocab_parallel_embedding.assert_embedding_split: its rows,
+    the head's, one E and one G per S it ran, tied: no lm_head of its own, its head rows are these rows).
+    Empty when the head is not vocabulary-parallel (then no rank may have run a shard of the head or the embedding)."""
     model_cfg = get_model_config(cfg.model.name, **(cfg.model.overrides or {}))
     resolved = cfg.validate(model_cfg)
     rows = vocab_shards_of(resolved, model_cfg)
     if rows is None:
-        assert all(r["vocab"] is None for r in results), "a vocabulary shard ran with the head on the last stage"
-        return None
-    vocab, tp = model_cfg.vocab_size, cfg.parallel.tp
+        assert all(r["vocab"] is None and r["embedding"] is None for r in results), \
+            "a vocabulary shard ran with the head on the last stage"
+        return {}
+    vocab, tp, sharded = model_cfg.vocab_size, cfg.parallel.tp, embedding_sharded(resolved, model_cfg)
     shards = vocab_shards(rows, vocab)
     replica = [r for r in results if r["dp"] == r["ep"]]  # edp index 0, as assemble()
-    embed = next(r for r in replica if r["stage"] == 0)["params"]["embed.weight"]
-    head = None
+    first_embed = next(r for r in replica if r["stage"] == 0)["params"]["embed.weight"]
+    heads, embeds = [], []
     for r in replica:
         v, stage = r["vocab"], shards[r["stage"]]
         assert v is not None and v["rows"] * tp == stage.rows and v["rows"] < vocab, (r["stage"], v)
         assert v["widths"] == [v["rows"]] and v["passes"] > 0, (r["stage"], v)
+        if sharded:
+            embeds.append((v["start"], assert_embedding_split(r, stage, model_cfg, v["passes"])))
+        else:
+            assert r["embedding"] is None, (r["stage"], r["embedding"])
         piece = r["params"].get("lm_head.weight")
+        if piece is None and sharded:  # tied and sharded: the head rows are the embedding rows above, one tensor
+            continue
         if piece is None:  # a tied first stage: its rows are its embedding's own
-            piece = embed[v["start"]:v["start"] + v["rows"]]
+            piece = first_embed[v["start"]:v["start"] + v["rows"]]
         elif model_cfg.tie_embeddings:
-            assert torch.equal(piece, embed[v["start"]:v["start"] + v["rows"]]), r["stage"]
+            assert torch.equal(piece, first_embed[v["start"]:v["start"] + v["rows"]]), r["stage"]
         assert piece.shape[0] == v["rows"], (r["stage"], piece.shape)
-        head = torch.full((vocab, piece.shape[1]), float("nan"), dtype=piece.dtype) if head is None else head
-        head[v["start"]:v["start"] + v["rows"]] = piece
-    assert not head.isnan().any(), "some rows of the head are on no stage"
-    return head
+        heads.append((v["start"], piece))
+    return {**({"lm_head.weight": by_offset(heads, vocab)} if heads else {}),
+            **({"embed.weight": by_offset(embeds, vocab)} if sharded else {})}
 
 
 def run_case(case: dict, tmp_path) -> dict:
@@ -136,10 +159,9 @@ def run_case(case: dict, tmp_path) -> dict:
             got, want = r[key], getattr(s, key)
             bound = FP32_REL * abs(want) if noise is None else max(BF16_REL * abs(want), BF16_NOISE_FACTOR * noise[key][t])
             assert abs(got - want) <= bound, (key, t, got, want, bound)
-    params = assemble(results)
-    head = vocab_head_weight(cfg, results)
-    if head is not None:  # assemble() knows whole tensors and TP/EP slices; the head's rows are by offset
-        params["lm_head.weight"] = head
+    vocab_weights = vocab_parallel_weights(cfg, results)
+    # assemble() knows whole tensors and TP/EP slices; the vocabulary-parallel rows are by offset
+    params = {**assemble(results), **vocab_weights}
     worst = (0.0, 0.0, "")
     for name, p in params.items():
         ref_name = "embed.weight" if name == "lm_head.weight" and name not in ref["params"] else name
@@ -150,5 +172,6 @@ def run_case(case: dict, tmp_path) -> dict:
         worst = max(worst, (err, bound, name))
     assert set(ref["params"]) <= set(params)
     return {"stopped_at": stop, "worst_weight_error": worst,  # (error, its bound, the tensor)
-            "vocab_rows": None if head is None else [r["vocab"]["rows"] for r in results if r["dp"] == 0],
+            "vocab_rows": [r["vocab"]["rows"] for r in results if r["dp"] == 0] if results[0]["vocab"] else None,
+            "embedding_sharded": "embed.weight" in vocab_weights,
             "ops": sum(len(r["nccl_log"]) for r in results)}

@@ -32,6 +32,9 @@ DIMENSIONS: dict[str, tuple] = {
     # The LM head's placement, parallel.head: on the last stage, a token share on stage 0 (the head split), its
     # vocabulary spread over every stage (issue 28), or the cost model's choice between last and vocab.
     "head": ("last", "tokens", "vocab", "auto"),
+    # The input embedding's placement, parallel.embedding: whole on the first stage, or sharded by the vocabulary-
+    # parallel head's rows (with head=vocab, or auto resolved to it).
+    "embedding": ("first", "vocab"),
     "rampup": (False, True),
     "m": ("P", "P+1", "2P"),  # microbatches per replica: the pipeline's depth, one more, or twice it
     "resume": (False, True),  # a stop requested mid-run (checkpointed), then the same command resumes it
@@ -82,7 +85,7 @@ def container(case: dict, checkpoint_dir: str = "checkpoints") -> dict:
         "parallel": {"pp": case["pp"], "tp": case["tp"], "dp": case["dp"], "ep": case["ep"],
                      "sequence_parallel": case["sequence_parallel"],
                      "distributed_optimizer": case["distributed_optimizer"],
-                     "head": case["head"]},
+                     "head": case["head"], "embedding": case["embedding"]},
         "logging": {"wandb_mode": "disabled", "progress": False},
         # A case with a stop checkpoints only where the stop lands (every=0, timed saves off) and resumes from it.
         "checkpoint": ({"enabled": True, "every": 0, "every_minutes": 0.0, "dir": checkpoint_dir}

@@ -128,6 +128,9 @@ def test_the_partial_lookups_sum_to_the_unsplit_lookup():
       "parallel.head=vocab", "parallel.embedding=vocab"], ["parallel.embedding=vocab", "parallel.tp=2",
                                                            "parallel.embedding=first"]),
     (["parallel.embedding=sideways"], ["parallel.embedding='sideways'", "'first', 'vocab'"]),
+    # One stage (head=auto resolves to last there): the embedding would stay whole without a word.
+    (["model=tiny_dense", "parallel.pp=1", "parallel.head=auto", "parallel.embedding=vocab"],
+     ["parallel.embedding=vocab", "parallel.pp=1", "parallel.embedding=first"]),
 ])
 def test_refusals_name_the_field_and_the_fix(overrides, must_contain):
     with pytest.raises(ConfigError) as e:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncpp.config import ConfigError
-from asyncpp.core.partition import vocab_shards_of
+from asyncpp.core.partition import head_of, vocab_shards_of
 from asyncpp.core.vocab_split import run_vocab_placement, run_vocab_split, vocab_pipeline, vocab_placement
 from asyncpp.job import compose, resolve
 from asyncpp.parallel.vocab_parallel import VocabShard, vocab_shards
@@ -60,12 +60,22 @@ def test_shard_math_equals_the_unsplit_cross_entropy(rows):
       "parallel.head=vocab", "parallel.vocab_shards=[4095,4097]"], ["multiple of parallel.tp=2"]),
     (["parallel.head=last", "parallel.vocab_shards=[4096,4096]"], ["needs parallel.head=vocab"]),
     (["parallel.head=sideways"], ["parallel.head='sideways'", "'last', 'vocab', 'tokens', 'auto'"]),
+    # One stage: nothing to spread the vocabulary over (accepted, it would run the head whole without a word).
+    (["model=tiny_dense", "parallel.pp=1", "parallel.head=vocab"], ["parallel.head=vocab", "parallel.pp=1",
+                                                                    "use parallel.head=last or auto"]),
+    (["model=tiny_dense", "+model.overrides.tie_embeddings=false", "parallel.pp=1", "parallel.tp=2",
+      "parallel.head=vocab"], ["parallel.head=vocab", "parallel.pp=1", "vocabulary-parallel over the TP ranks"]),
 ])
 def test_refusals_name_the_field_and_the_fix(overrides, must_contain):
     with pytest.raises(ConfigError) as e:
         check(overrides)
     for text in must_contain:
         assert text in str(e.value), (text, str(e.value))
+
+
+def test_auto_at_one_stage_is_accepted_and_keeps_the_head_last():
+    cfg, model_cfg = check(["model=tiny_dense", "parallel.pp=1", "parallel.head=auto"])
+    assert head_of(cfg, model_cfg) == "last" and vocab_shards_of(cfg, model_cfg) is None
 
 
 @pytest.mark.parametrize("schedule", ["2bw", "1f1b", "sync"])
