@@ -227,6 +227,24 @@ a 20-30% bubble at P = 2-16 for the paper's models), so it is taken only where i
 warm-up the schedule needs anyway."""
 
 
+class _EveryStage:
+    """When every one of P stages has ended an action (op, step, microbatch): a running count and the latest end per
+    key, so the list schedulers' "after every stage's X" costs O(1) rather than a scan of the stages."""
+
+    def __init__(self, num_stages: int):
+        self.num_stages = num_stages
+        self._seen: dict[tuple[Op, int, int], list] = {}  # (op, step, microbatch) -> [stages done, latest end]
+
+    def add(self, a: Action, end: float) -> None:
+        tally = self._seen.setdefault((a.op, a.step, a.microbatch), [0, 0.0])
+        tally[0], tally[1] = tally[0] + 1, max(tally[1], end)
+
+    def end(self, op: Op, step: int, j: int) -> float:
+        """When every stage's `op` of (step, j) has ended (inf until all have run)."""
+        count, latest = self._seen.get((op, step, j), (0, 0.0))
+        return latest if count == self.num_stages else float("inf")
+
+
 def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts, slack: int = 0) -> list[list[Action]]:
     """A vocabulary-parallel head's S and T actions placed into F/B lists (built with vocab_warmup > 0) by the cost
     model: an event-driven list scheduler in which every stage, whenever it is free, starts the earliest-ready of
@@ -241,19 +259,13 @@ def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts, sla
     nxt, heads, tails = [0] * P, [0] * P, [0] * P
     free = [0.0] * P
     done: dict[tuple[Op, int, int, int], float] = {}  # (op, stage, step, microbatch) -> end
-    everyone: dict[tuple[Op, int, int], list] = {}  # (op, step, microbatch) -> [stages done, latest end]
+    everyone = _EveryStage(P)
     out: list[list[Action]] = [[] for _ in range(P)]
     inf = float("inf")
     max_comm = max(costs.at("comm", r) for r in range(P))
 
     def end(op: Op, stage: int, step: int, j: int) -> float:
         return done.get((op, stage, step, j), inf)
-
-    def all_end(op: Op, step: int, j: int) -> float:
-        """When every stage's `op` of (step, j) has ended (inf until all have run): a tally, not a scan of the
-        stages, so a placement costs O(actions) rather than O(actions x P)."""
-        count, latest = everyone.get((op, step, j), (0, 0.0))
-        return latest if count == P else inf
 
     def ready_skeleton(s: int) -> float:
         if nxt[s] >= len(skeleton[s]):
@@ -262,11 +274,11 @@ def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts, sla
         if a.op is Op.FORWARD and s > 0:
             return end(Op.FORWARD, s - 1, a.step, a.microbatch) + costs.at("comm", s - 1)
         if a.op is Op.BACKWARD and s == P - 1:
-            return all_end(Op.VOCAB_BACKWARD, a.step, a.microbatch) + costs.vocab_reduce
+            return everyone.end(Op.VOCAB_BACKWARD, a.step, a.microbatch) + costs.vocab_reduce
         if a.op is Op.BACKWARD:
             return end(Op.BACKWARD, s + 1, a.step, a.microbatch) + costs.at("comm", s + 1)
         if a.op is Op.UPDATE:  # the strictest engine: every stage's UPDATE_START(t) first
-            return all_end(Op.UPDATE_START, a.step, -1) + max_comm
+            return everyone.end(Op.UPDATE_START, a.step, -1) + max_comm
         return 0.0
 
     def ready_head(s: int) -> float:
@@ -280,7 +292,7 @@ def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts, sla
         if tails[s] >= heads[s] or (tails[s] + slack >= heads[s] and heads[s] < len(items)):
             return inf  # T(i) after the stage's own S(i + slack), while there is one
         t, j, _ = items[tails[s]]
-        return all_end(Op.VOCAB_FORWARD, t, j) + costs.vocab_allreduce
+        return everyone.end(Op.VOCAB_FORWARD, t, j) + costs.vocab_allreduce
 
     def earliest(slack: int) -> tuple[float, int, int] | None:
         best = None
@@ -308,8 +320,7 @@ def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts, sla
             counter[s] += 1
             a = Action(Op.VOCAB_BACKWARD if rank == 0 else Op.VOCAB_FORWARD, t, j, v)
         free[s] = done[(a.op, s, a.step, a.microbatch)] = start + costs.duration(a.op, s)
-        tally = everyone.setdefault((a.op, a.step, a.microbatch), [0, 0.0])
-        tally[0], tally[1] = tally[0] + 1, max(tally[1], free[s])
+        everyone.add(a, free[s])
         out[s].append(a)
         remaining -= 1
     return out
@@ -359,18 +370,13 @@ class _EmbeddingPlacer:
         self.updated: list[set[int]] = [set() for _ in range(P)]  # the UPDATEs emitted
         self.free = [0.0] * P
         self.done: dict[tuple[Op, int, int, int], float] = {}
-        self.everyone: dict[tuple[Op, int, int], list[float]] = {}  # (op, step, j) -> [stages done, latest end]
+        self.everyone = _EveryStage(P)
         self.update_at: dict[tuple[int, int], float] = {}  # (stage, step) -> when its UPDATE may run, once known
         self.out: list[list[Action]] = [[] for _ in range(P)]
         self.comm = [costs.at("comm", r) for r in range(P)]
 
     def end(self, op: Op, stage: int, step: int, j: int = -1) -> float:
         return self.done.get((op, stage, step, j), INF)
-
-    def all_end(self, op: Op, step: int, j: int) -> float:
-        """When every stage's `op` of (step, j) has ended (inf until all have run)."""
-        count, latest = self.everyone.get((op, step, j), (0, 0.0))
-        return latest if count == self.P else INF
 
     def update_ready(self, s: int, t: int) -> float:
         """UPDATE(t) on stage s: its own G of step t all run, every other stage's UPDATE_START(t) and last G."""
@@ -399,17 +405,17 @@ class _EmbeddingPlacer:
         a = self.base[s][self.nxt[s]]
         t, j, last, costs = a.step, a.microbatch, self.P - 1, self.costs
         if a.op is Op.FORWARD and s == 0:
-            return self.all_end(Op.EMBED_FORWARD, t, j) + costs.embed_reduce
+            return self.everyone.end(Op.EMBED_FORWARD, t, j) + costs.embed_reduce
         if a.op is Op.FORWARD:
             return self.end(Op.FORWARD, s - 1, t, j) + self.comm[s - 1]
         if a.op is Op.BACKWARD and s == last:
-            return self.all_end(Op.VOCAB_BACKWARD, t, j) + costs.vocab_reduce if self.vocab else 0.0
+            return self.everyone.end(Op.VOCAB_BACKWARD, t, j) + costs.vocab_reduce if self.vocab else 0.0
         if a.op is Op.BACKWARD:
             return self.end(Op.BACKWARD, s + 1, t, j) + self.comm[s + 1]
         if a.op is Op.VOCAB_FORWARD and s < last:
             return self.end(Op.FORWARD, last, t, j) + costs.vocab_broadcast
         if a.op is Op.VOCAB_BACKWARD:
-            return self.all_end(Op.VOCAB_FORWARD, t, j) + costs.vocab_allreduce
+            return self.everyone.end(Op.VOCAB_FORWARD, t, j) + costs.vocab_allreduce
         if a.op is Op.UPDATE:
             return self.update_ready(s, t)
         return 0.0
@@ -440,8 +446,7 @@ class _EmbeddingPlacer:
     def emit(self, s: int, a: Action, start: float) -> None:
         self.free[s] = self.done[(a.op, s, a.step, a.microbatch)] = start + self.costs.duration(a.op, s)
         self.out[s].append(a)
-        tally = self.everyone.setdefault((a.op, a.step, a.microbatch), [0, 0.0])
-        tally[0], tally[1] = tally[0] + 1, max(tally[1], self.free[s])
+        self.everyone.add(a, self.free[s])
         if a.op is Op.UPDATE:
             self.updated[s].add(a.step)
 
