@@ -55,10 +55,10 @@ from asyncpp.schedules.costmodel import (
     VocabPlacement,
     place_embedding_passes,
     place_vocab_passes,
+    placed_vocab_pipeline,
     predict,
+    steady_delays,
 )
-from asyncpp.schedules.invariants import check_schedules, max_versions_for
-from asyncpp.schedules.registry import kind_of
 
 
 @dataclass(frozen=True)
@@ -276,17 +276,19 @@ def vocab_placement(kind: str, num_microbatches: int, split: VocabSplit) -> Voca
 
 
 def run_vocab_placement(cfg, split: VocabSplit) -> VocabPlacement:
-    """parallel.vocab_placement resolved: the explicit [warm-up, slack], or the cost model's choice. An explicit one
-    must give a valid schedule at the run's pp and m (else ScheduleError: more warm-up than m leaves room for puts
-    a forward on a version not made yet); train/preflight.py checks it before anything is built."""
-    kind, m = cfg.schedule.name, cfg.train.num_microbatches
+    """parallel.vocab_placement resolved: the explicit [warm-up, slack] (train/preflight.py has checked it with
+    validate_vocab_placement before anything is built), or the cost model's choice."""
     if cfg.parallel.vocab_placement is None:
-        return vocab_placement(kind, m, split)
-    placement = VocabPlacement(*cfg.parallel.vocab_placement)
-    P, steps = len(split.shards), 4
-    lists = vocab_pipeline(kind, m, [kind_of(kind).stage_delay(0, P)] * steps, split, placement)
-    check_schedules(lists, m, [max_versions_for(kind, s, P) for s in range(P)], num_steps=steps)
-    return placement
+        return vocab_placement(cfg.schedule.name, cfg.train.num_microbatches, split)
+    return VocabPlacement(*cfg.parallel.vocab_placement)
+
+
+def validate_vocab_placement(cfg, split: VocabSplit) -> None:
+    """ScheduleError unless the run's placement gives a valid schedule at its pp and m (costmodel.
+    placed_vocab_pipeline, as predict() checks each placement it tries)."""
+    kind, P = cfg.schedule.name, len(split.shards)
+    placed_vocab_pipeline(kind, cfg.train.num_microbatches, steady_delays(kind, P, 4), vocab_op_costs(split),
+                          run_vocab_placement(cfg, split), bool(split.embed))
 
 
 def vocab_pipeline(kind: str, num_microbatches: int, step_delays: Sequence[int], split: VocabSplit,

@@ -326,6 +326,22 @@ def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts, sla
     return out
 
 
+def placed_vocab_pipeline(kind: str, num_microbatches: int, step_delays: Sequence[Sequence[int]], costs: OpCosts,
+                          placement: VocabPlacement, sharded_embedding: bool = False) -> list[list[Action]]:
+    """Every stage's actions with a vocabulary-parallel head's S and T placed at `placement` (and a sharded
+    embedding's E and G), checked like any schedule: ScheduleError where the placement is invalid (with more warm-up
+    than m leaves room for, a forward would run on a version not made yet). What predict() tries for each of
+    VOCAB_PLACEMENTS, and the preflight's check of an explicit one (parallel.vocab_placement)."""
+    P = len(step_delays)
+    skeleton = build_pipeline(kind, P, num_microbatches, step_delays, vocab_warmup=placement.warmup)
+    schedules = place_vocab_passes(skeleton, costs, placement.slack)
+    if sharded_embedding:
+        schedules = place_embedding_passes(schedules, costs)
+    check_schedules(schedules, num_microbatches, [max_versions_for(kind, s, P) for s in range(P)],
+                    num_steps=len(step_delays[0]))
+    return schedules
+
+
 EMBED_LOOKAHEAD = 2
 """How far a stage's E may run ahead of the first stage's forwards (microbatches): E(k) is placed once the first
 stage has run F(k - EMBED_LOOKAHEAD). Enough to hide the reduce behind the first stage's F/B pairs; small, because
@@ -538,13 +554,8 @@ def predict(
     else:
         options, refused = [], []
         for placement in VOCAB_PLACEMENTS:
-            skeleton = build_pipeline(kind, num_stages, num_microbatches, delays, vocab_warmup=placement.warmup)
-            schedules = place_vocab_passes(skeleton, costs, placement.slack)
-            if sharded_embedding:
-                schedules = place_embedding_passes(schedules, costs)
-            try:  # with more warm-up than m leaves room for, a forward would run on a version not made yet
-                check_schedules(schedules, num_microbatches,
-                                [max_versions_for(kind, s, num_stages) for s in range(num_stages)], num_steps=num_steps)
+            try:
+                schedules = placed_vocab_pipeline(kind, num_microbatches, delays, costs, placement, sharded_embedding)
             except ScheduleError as e:
                 refused.append(f"{placement}: {e}")
                 continue

@@ -24,7 +24,7 @@ from asyncpp.config import ConfigError, RunConfig, parse_blend
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.memory import activation_bytes, optimizer_state_bytes
 from asyncpp.core.partition import head_of
-from asyncpp.core.vocab_split import run_vocab_placement, run_vocab_split
+from asyncpp.core.vocab_split import run_vocab_split, validate_vocab_placement
 from asyncpp.optim import build_from_config
 from asyncpp.schedules.invariants import ScheduleError
 from asyncpp.schedules.registry import kind_of
@@ -72,10 +72,10 @@ def check_vocab_placement(cfg: RunConfig, model_cfg) -> None:
     """An explicit parallel.vocab_placement must give a valid schedule at the run's pp and m (the config validator
     checks its shape; this needs the model's costs)."""
     p = cfg.parallel
-    if p.vocab_placement is None or p.pp < 2 or head_of(cfg, model_cfg) != "vocab":
+    if p.vocab_placement is None or head_of(cfg, model_cfg) != "vocab":  # (head=vocab at pp=1 is refused)
         return
     try:
-        run_vocab_placement(cfg, run_vocab_split(cfg, model_cfg))
+        validate_vocab_placement(cfg, run_vocab_split(cfg, model_cfg))
     except ScheduleError as e:
         raise ConfigError(f"parallel.vocab_placement={list(p.vocab_placement)}: with schedule={cfg.schedule.name}, "
                           f"parallel.pp={p.pp} and train.num_microbatches={cfg.train.num_microbatches} the head's "
