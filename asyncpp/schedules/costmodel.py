@@ -227,6 +227,9 @@ a 20-30% bubble at P = 2-16 for the paper's models), so it is taken only where i
 warm-up the schedule needs anyway."""
 
 
+INF = float("inf")
+
+
 class _EveryStage:
     """When every one of P stages has ended an action (op, step, microbatch): a running count and the latest end per
     key, so the list schedulers' "after every stage's X" costs O(1) rather than a scan of the stages."""
@@ -242,7 +245,7 @@ class _EveryStage:
     def end(self, op: Op, step: int, j: int) -> float:
         """When every stage's `op` of (step, j) has ended (inf until all have run)."""
         count, latest = self._seen.get((op, step, j), (0, 0.0))
-        return latest if count == self.num_stages else float("inf")
+        return latest if count == self.num_stages else INF
 
 
 def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts, slack: int = 0) -> list[list[Action]]:
@@ -261,15 +264,14 @@ def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts, sla
     done: dict[tuple[Op, int, int, int], float] = {}  # (op, stage, step, microbatch) -> end
     everyone = _EveryStage(P)
     out: list[list[Action]] = [[] for _ in range(P)]
-    inf = float("inf")
     max_comm = max(costs.at("comm", r) for r in range(P))
 
     def end(op: Op, stage: int, step: int, j: int) -> float:
-        return done.get((op, stage, step, j), inf)
+        return done.get((op, stage, step, j), INF)
 
     def ready_skeleton(s: int) -> float:
         if nxt[s] >= len(skeleton[s]):
-            return inf
+            return INF
         a = skeleton[s][nxt[s]]
         if a.op is Op.FORWARD and s > 0:
             return end(Op.FORWARD, s - 1, a.step, a.microbatch) + costs.at("comm", s - 1)
@@ -283,14 +285,14 @@ def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts, sla
 
     def ready_head(s: int) -> float:
         if heads[s] >= len(items):
-            return inf
+            return INF
         t, j, _ = items[heads[s]]
         own = end(Op.FORWARD, s, t, j)  # after the stage's own F of the item, in list order too
         return max(own, end(Op.FORWARD, P - 1, t, j) + (costs.vocab_broadcast if s < P - 1 else 0.0))
 
     def ready_tail(s: int, slack: int) -> float:
         if tails[s] >= heads[s] or (tails[s] + slack >= heads[s] and heads[s] < len(items)):
-            return inf  # T(i) after the stage's own S(i + slack), while there is one
+            return INF  # T(i) after the stage's own S(i + slack), while there is one
         t, j, _ = items[tails[s]]
         return everyone.end(Op.VOCAB_FORWARD, t, j) + costs.vocab_allreduce
 
@@ -298,8 +300,8 @@ def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts, sla
         best = None
         for s in range(P):
             for rank, ready in enumerate((ready_tail(s, slack), ready_head(s), ready_skeleton(s))):
-                if ready < inf:
-                    best = min(best or (inf,), (max(free[s], ready), rank, s))
+                if ready < INF:
+                    best = min(best or (INF,), (max(free[s], ready), rank, s))
         return best
 
     remaining = sum(len(x) for x in skeleton) + 2 * len(items) * P
@@ -347,8 +349,6 @@ EMBED_LOOKAHEAD = 2
 stage has run F(k - EMBED_LOOKAHEAD). Enough to hide the reduce behind the first stage's F/B pairs; small, because
 the first stage holds every reduced embedding until its F (one [mb, seq, h] buffer each)."""
 
-
-INF = float("inf")
 
 
 def place_embedding_passes(schedules: Sequence[Sequence[Action]], costs: OpCosts,
