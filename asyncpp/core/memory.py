@@ -512,16 +512,16 @@ def vocab_head_items(held: VocabHeld, *, tokens: int, rows: int, hidden: int, nu
                    held.accumulators * 4 * rows * hidden, ESTIMATED),
         MemoryItem("vocab head: T scratch (the cast logits gradient, the GEMMs' copies, the weight gradient)",
                    vocab_backward_scratch_bytes(tokens=tokens, rows=rows, hidden=hidden, itemsize=c), ESTIMATED),
-        MemoryItem("vocab head: S scratch (fp32 exp(logits - max))", vocab_forward_scratch_bytes(tokens, rows),
-                   ESTIMATED),
+        MemoryItem("vocab head: S scratch (the GEMM's logits below fp32)",
+                   vocab_forward_scratch_bytes(tokens=tokens, rows=rows, itemsize=c), ESTIMATED),
     ]
 
 
-def vocab_forward_scratch_bytes(tokens: int, rows: int) -> int:
-    """What S (pipeline/vocab_head.VocabHead.forward) allocates for a moment above the logits it keeps: the GEMM's
-    logits in the compute dtype until their fp32 copy exists, then shard_statistics' `logits - max`, exponentiated in
-    place: one fp32 [T, R] (4 T R, at least the c T R before it)."""
-    return 4 * tokens * rows
+def vocab_forward_scratch_bytes(*, tokens: int, rows: int, itemsize: int) -> int:
+    """What S (pipeline/vocab_head.VocabHead.forward) allocates for a moment above the logits it keeps: below fp32
+    the GEMM's logits in the compute dtype until their fp32 copy exists (c T R); in fp32 the GEMM's output is the
+    kept buffer, and shard_statistics_ exponentiates it in place (only [T]-sized statistics beside it)."""
+    return itemsize * tokens * rows if itemsize < 4 else 0
 
 
 @dataclass(frozen=True)

@@ -210,14 +210,18 @@ class StageEngine:
 
     def _vocab_forward(self, a: Action) -> None:
         """S(t, j): this stage's logits and softmax statistics of (t, j) on its version (pipeline/vocab_head.py)."""
-        own = self.inflight[(a.step, a.microbatch)][1] if self.mesh.is_last_stage else None
+        if self.mesh.is_last_stage:
+            hidden = self.inflight[(a.step, a.microbatch)][1]
+        else:
+            hidden = self.vocab_head.received_hidden(a.step, a.microbatch, str(a))
         start = self.timer.now()
         self._use(a)
-        self.vocab_head.forward(a.step, a.microbatch, own, str(a))
+        self.vocab_head.forward(a.step, a.microbatch, hidden)
         self.timer.add(a, start, self.timer.now())
 
     def _vocab_backward(self, a: Action) -> None:
         """T(t, j): the loss of (t, j), this shard's gradients, the reduce of the partial input gradient."""
+        self.vocab_head.await_statistics(a.step, a.microbatch, str(a))
         start = self.timer.now()
         self._use(a)
         loss = self.vocab_head.backward(a.step, a.microbatch, str(a))

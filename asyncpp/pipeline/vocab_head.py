@@ -12,9 +12,10 @@ issues each communicator's ops in the same order, the microbatch order, as NCCL 
   the sum of exponentials below it and the target's logit when the target is one of the rows (0 otherwise); they
   are all-gathered (`stats`), asynchronously. One all-gather instead of the building block's two all-reduces
   (asyncpp/parallel/vocab_parallel.py: the max, then the sums): the global max and the rescaled sum come from
-  the gathered pairs (the online softmax), so S never waits inside its own pass;
+  the gathered pairs (the online softmax), so S never waits inside its own pass. S keeps exp(logit - its max)
+  in the logits' buffer;
 - T(t, j) waits for the statistics, forms the loss of the whole vocabulary (the same on every stage) and the
-  gradient of its logits (softmax - onehot) / N, then its shard's weight gradient and its partial input gradient,
+  gradient of its logits (softmax - onehot) / N, S's exponentials times one factor per token, then its shard's weight gradient and its partial input gradient,
   which is summed onto the last stage (`grad` communicator: a reduce, asynchronous);
 - the last stage's BACKWARD waits for that sum and back-propagates it through the final norm and its layers.
 
@@ -45,24 +46,28 @@ class _Pass:
     """What S(t, j) leaves for T(t, j)."""
 
     hidden: Tensor
-    logits: Tensor  # fp32 [N, rows]
+    exps: Tensor  # fp32 [N, rows]: exp(logit - the shard's max), shard_statistics_'s
+    stats: Tensor  # [3, N]: the shard's own statistics (its max scales exps in T)
     targets: Tensor  # [N], full-vocabulary ids
     gathered: Tensor  # [P x 3, N] once the all-gather has completed
-    work: object
+    work: object  # the all-gather; None once waited for
 
 
-def shard_statistics(logits: Tensor, targets: Tensor, shard: VocabShard) -> Tensor:
+def shard_statistics_(logits: Tensor, targets: Tensor, shard: VocabShard) -> Tensor:
     """[3, N]: this shard's max logit per token, the sum of exp(logit - max) and the target's logit when the target
-    is one of its rows (else 0). An empty shard gives (-inf, 0, 0), which the combination ignores."""
+    is one of its rows (else 0). An empty shard gives (-inf, 0, 0), which the combination ignores.
+
+    In place (the trailing underscore): `logits` [N, rows] is left holding exp(logit - the shard's max), which T
+    turns into the gradient with one multiplication (logits_gradient): the exponential is taken once per pass, not
+    once in S and again in T, and S needs no [N, rows] temporary."""
     n = logits.shape[0]
     if shard.rows == 0:
         return torch.stack((logits.new_full((n,), float("-inf")), logits.new_zeros(n), logits.new_zeros(n)))
-    local_max = logits.max(dim=-1).values
-    # One [N, rows] temporary (exp in place in the difference), not two: the head's largest transient in S.
-    sum_exp = torch.sub(logits, local_max.unsqueeze(-1)).exp_().sum(dim=-1)
+    local_max = logits.amax(dim=-1)
     inside = (targets >= shard.start) & (targets < shard.end)
     local = (targets - shard.start).clamp(0, shard.rows - 1)
     target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+    sum_exp = logits.sub_(local_max.unsqueeze(-1)).exp_().sum(dim=-1)
     return torch.stack((local_max, sum_exp, target_logit))
 
 
@@ -81,17 +86,18 @@ def mean_loss(gathered: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return top, total, (torch.log(total) + top - target_logit).mean()
 
 
-def logits_gradient(logits: Tensor, targets: Tensor, shard: VocabShard, top: Tensor, total: Tensor, *,
-                    inplace: bool = False) -> Tensor:
-    """d(mean cross entropy)/d(this shard's logits), fp32 [N, rows]: (softmax - onehot) / N. `inplace`: formed in
-    the logits' own buffer (T's use: they are not needed after it, and a second [N, rows] fp32 buffer would be the
-    largest transient of the head, 3 GiB at moe_2b's P=2)."""
-    n = logits.shape[0]
-    # As autograd's log_softmax backward forms it, exp(log_softmax) / N, then the target's -1 / N; the per-token
-    # shift and the 1/N folded into one subtraction: exp(x - top - log(total) - log N), two passes over [N, rows]
-    # instead of four.
-    grad = logits if inplace else logits.clone()
-    grad.sub_((top + torch.log(total) + math.log(n)).unsqueeze(-1)).exp_()
+def logits_gradient(exps: Tensor, stats: Tensor, targets: Tensor, shard: VocabShard, top: Tensor, total: Tensor,
+                    *, inplace: bool = False) -> Tensor:
+    """d(mean cross entropy)/d(this shard's logits), fp32 [N, rows]: (softmax - onehot) / N, from `exps` and `stats`
+    as shard_statistics_ left them (exp(logit - the shard's max) and the shard's [3, N] statistics). `inplace`:
+    formed in the exps' own buffer (T's use: they are not needed after it, and a second [N, rows] fp32 buffer would
+    be the largest transient of the head, 3 GiB at moe_2b's P=2)."""
+    n = exps.shape[0]
+    # softmax = exp(logit - shard max) * exp(shard max - global max) / sum: the per-token factor, with the 1/N,
+    # is one multiplication over [N, rows]. An empty shard's -inf max gives a factor of 0 over no columns.
+    scale = torch.exp(stats[0] - top - torch.log(total) - math.log(n))
+    grad = exps if inplace else exps.clone()
+    grad.mul_(scale.unsqueeze(-1))
     if shard.rows == 0:
         return grad
     # The target's -1/N as a scatter of a masked column (0 where the target is another shard's row: x + 0 == x):
@@ -184,40 +190,51 @@ class VocabHead:
         """[rows, h]: the stage's head rows on the weight version the parameters point at."""
         return self.param.narrow(0, self.row0, self.shard.rows)
 
-    def forward(self, step: int, microbatch: int, own_hidden: Tensor | None, what: str) -> None:
-        """S(t, j): this shard's logits and statistics; starts their all-gather. `own_hidden`: the last stage's
-        FORWARD output of (t, j) (None elsewhere: received)."""
-        if own_hidden is not None:
-            hidden = own_hidden.detach()
-        else:
-            self.post_hidden(step, microbatch)
-            hidden, work = self._hidden_in.pop((step, microbatch))
-            self.wait(work, f"the vocabulary-parallel head's broadcast of the hidden states of {what}")
-        flat = hidden.reshape(-1, hidden.shape[-1])
+    def received_hidden(self, step: int, microbatch: int, what: str) -> Tensor:
+        """A stage other than the last, before its S(t, j): the broadcast hidden states of (t, j), waited for (the
+        engine waits outside S's timed compute, as it does for a FORWARD's receive)."""
+        self.post_hidden(step, microbatch)
+        hidden, work = self._hidden_in.pop((step, microbatch))
+        self.wait(work, f"the vocabulary-parallel head's broadcast of the hidden states of {what}")
+        return hidden
+
+    def forward(self, step: int, microbatch: int, hidden: Tensor) -> None:
+        """S(t, j): this shard's logits and statistics of `hidden` (the last stage's own FORWARD output of (t, j),
+        or received_hidden's); starts their all-gather."""
+        flat = hidden.detach().reshape(-1, hidden.shape[-1])
         targets = self.labels(step, microbatch).reshape(-1)
-        logits, gathered, work = self._start_statistics(flat, targets)
+        exps, stats, gathered, work = self._start_statistics(flat, targets)
         self.passes += 1
-        self.logits_widths.add(logits.shape[-1])
-        self._passes[(step, microbatch)] = _Pass(flat, logits, targets, gathered, work)
+        self.logits_widths.add(exps.shape[-1])
+        self._passes[(step, microbatch)] = _Pass(flat, exps, stats, targets, gathered, work)
         self.held_peak = max(self.held_peak, len(self._passes))
 
     @torch.no_grad()
-    def _start_statistics(self, flat: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, object]:
-        """This shard's fp32 logits of `flat` [N, h] and the start of their statistics' all-gather over every
-        holder of head rows: (logits, the gathered buffer [holders x 3, N], the work)."""
-        logits = nn.functional.linear(flat, self.weight()).float()
-        stats = shard_statistics(logits, targets, self.shard)
+    def _start_statistics(self, flat: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor, object]:
+        """This shard's fp32 logits of `flat` [N, h], exponentiated (shard_statistics_), and the start of their
+        statistics' all-gather over every holder of head rows: (exps, the shard's statistics [3, N], the gathered
+        buffer [holders x 3, N], the work)."""
+        exps = nn.functional.linear(flat, self.weight()).float()
+        stats = shard_statistics_(exps, targets, self.shard)
         gathered = stats.new_empty((self.holders * stats.shape[0], stats.shape[1]))  # gloo: stacked on dim 0
-        return logits, gathered, dist.all_gather_into_tensor(gathered, stats, group=self.groups.stats, async_op=True)
+        work = dist.all_gather_into_tensor(gathered, stats, group=self.groups.stats, async_op=True)
+        return exps, stats, gathered, work
+
+    def await_statistics(self, step: int, microbatch: int, what: str) -> None:
+        """Before T(t, j): wait for its statistics' all-gather (the engine waits outside T's timed compute)."""
+        p = self._passes[(step, microbatch)]
+        if p.work is not None:
+            self.wait(p.work, f"the vocabulary-parallel head's all-gather of the softmax statistics of {what}")
+            p.work = None
 
     def backward(self, step: int, microbatch: int, what: str) -> Tensor:
-        """T(t, j): waits for the statistics; returns the microbatch's mean loss (every stage has it), keeps the
-        shard's weight gradient for UPDATE_START(t) and starts the reduce of the partial input gradient."""
+        """T(t, j): returns the microbatch's mean loss (every stage has it), keeps the shard's weight gradient for
+        UPDATE_START(t) and starts the reduce of the partial input gradient."""
+        self.await_statistics(step, microbatch, what)
         p = self._passes.pop((step, microbatch))
-        self.wait(p.work, f"the vocabulary-parallel head's all-gather of the softmax statistics of {what}")
         top, total, loss = mean_loss(p.gathered)
         with torch.no_grad():
-            grad = logits_gradient(p.logits, p.targets, self.shard, top, total, inplace=True).to(self.dtype)
+            grad = logits_gradient(p.exps, p.stats, p.targets, self.shard, top, total, inplace=True).to(self.dtype)
             weight = self.weight()
             d_weight = grad.t() @ p.hidden  # [rows, h]
             # The partial input gradients in fp32 (exact products of the compute dtype's values), summed in fp32
@@ -268,7 +285,7 @@ class VocabHead:
         hidden = hidden.contiguous()
         self.wait(dist.broadcast(hidden, src=self.last, group=self.groups.hidden, async_op=True),
                   "the vocabulary-parallel head's broadcast of a validation batch")
-        _, gathered, work = self._start_statistics(hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1))
+        _, _, gathered, work = self._start_statistics(hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1))
         self.wait(work, "the vocabulary-parallel head's all-gather of a validation batch's statistics")
         return float(mean_loss(gathered)[2])
 

@@ -26,7 +26,7 @@ import torch
 
 from asyncpp.core.partition import vocab_shards_of
 from asyncpp.parallel.vocab_parallel import VocabShard, split_for_tp, vocab_shards
-from asyncpp.pipeline.vocab_head import logits_gradient, mean_loss, shard_statistics
+from asyncpp.pipeline.vocab_head import logits_gradient, mean_loss, shard_statistics_
 from model_zoo import get_model_config
 from tests.dist.harness import run_ranks
 from tests.dist.test_pipeline_equivalence import relative_error
@@ -45,18 +45,19 @@ class _HeadInBlocks(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, shards):
         flat, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         logits = [torch.nn.functional.linear(flat, weight[s.start:s.end]).float() for s in shards]
-        stats = torch.cat([shard_statistics(x, targets, s) for x, s in zip(logits, shards)])
-        top, total, loss = mean_loss(stats)
-        ctx.save_for_backward(flat, weight, targets, top, total, *logits)
+        stats = [shard_statistics_(x, targets, s) for x, s in zip(logits, shards)]  # logits: now exp(l - max)
+        top, total, loss = mean_loss(torch.cat(stats))
+        ctx.save_for_backward(flat, weight, targets, top, total, *logits, *stats)
         ctx.shards, ctx.shape = shards, hidden.shape
         return loss
 
     @staticmethod
     def backward(ctx, grad_out):
-        flat, weight, targets, top, total, *logits = ctx.saved_tensors
+        flat, weight, targets, top, total, *saved = ctx.saved_tensors
+        exps, stats = saved[:len(ctx.shards)], saved[len(ctx.shards):]
         d_weight, d_hidden = torch.zeros_like(weight), None
-        for x, s in zip(logits, ctx.shards):
-            g = logits_gradient(x, targets, s, top, total).to(flat.dtype)
+        for x, st, s in zip(exps, stats, ctx.shards):
+            g = logits_gradient(x, st, targets, s, top, total).to(flat.dtype)
             d_weight[s.start:s.end] = g.t() @ flat
             part = g.float() @ weight[s.start:s.end].float()
             d_hidden = part if d_hidden is None else d_hidden + part

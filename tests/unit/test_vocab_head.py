@@ -12,7 +12,7 @@ from asyncpp.core.partition import head_of, vocab_shards_of
 from asyncpp.core.vocab_split import run_vocab_placement, run_vocab_split, vocab_pipeline, vocab_placement
 from asyncpp.job import compose, resolve
 from asyncpp.parallel.vocab_parallel import VocabShard, vocab_shards
-from asyncpp.pipeline.vocab_head import logits_gradient, mean_loss, shard_statistics
+from asyncpp.pipeline.vocab_head import logits_gradient, mean_loss, shard_statistics_
 from asyncpp.schedules.actions import Op
 from asyncpp.schedules.costmodel import VocabPlacement
 from asyncpp.schedules.invariants import check_schedules
@@ -38,10 +38,11 @@ def test_shard_math_equals_the_unsplit_cross_entropy(rows):
     loss.backward()
     shards = vocab_shards(rows, vocab)
     parts = [F.linear(x, w[s.start:s.end]) for s in shards]
-    top, total, mine = mean_loss(torch.cat([shard_statistics(p, t, s) for p, s in zip(parts, shards)]))
+    stats = [shard_statistics_(p, t, s) for p, s in zip(parts, shards)]  # parts now hold the exponentials
+    top, total, mine = mean_loss(torch.cat(stats))
     u = 2.0 ** -24
     assert abs(float(mine) - float(loss.detach())) <= 8 * u * float(loss.detach())
-    grad = torch.cat([logits_gradient(p, t, s, top, total) for p, s in zip(parts, shards)], dim=1)
+    grad = torch.cat([logits_gradient(p, st, t, s, top, total) for p, st, s in zip(parts, stats, shards)], dim=1)
     # Each entry exp(l - max - log Z) / N: Z summed in another order (|dZ| <= vocab u Z, so a relative
     # difference of at most vocab u in every softmax entry, the log's and exp's own rounding on top).
     bound = (vocab + 8) * u * logits.grad.abs() + u / n
