@@ -32,6 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 from asyncpp.analysis.dryrun import dry_run
 from asyncpp.analysis.traced import trace_stage
 from asyncpp.config import ConfigError, RunConfig, check_pipeline_options, parse_blend
+from asyncpp.config.parallel import TOKEN_SPLIT_REMOVED
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.memory import simulator_run_report
 from asyncpp.core.partition import with_head_resolved
@@ -120,9 +121,10 @@ def _config_keys(tree: dict, prefix: str = "") -> list[str]:
     return out
 
 
-RENAMED = {"parallel.head_split": "the head's placement is one key now: parallel.head=tokens (was "
-                                  "parallel.head_split=tokens), or last, vocab, auto"}
-"""Keys a release renamed: what the command line should say instead."""
+RENAMED = {"parallel.head_split": "the head's placement is one key now: parallel.head=last, vocab or auto (the "
+                                  "token head split parallel.head_split=tokens was removed: use vocab)",
+           "parallel.head_split_tokens": f"it set the token head split's share; {TOKEN_SPLIT_REMOVED}"}
+"""Keys a release renamed or removed: what the command line should say instead."""
 
 
 def composition_error(e: BaseException, overrides: list[str]) -> str:

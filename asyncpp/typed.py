@@ -16,6 +16,10 @@ from typing import Any, Literal, TypeVar, Union
 
 T = TypeVar("T")
 
+REMOVED = "removed"
+"""A dataclass field's metadata key: {value: why it was removed and what to use instead}, for values a release took
+out of a Literal (field(metadata={REMOVED: {...}}))."""
+
 
 class ConfigError(ValueError):
     """A configuration value is wrong. The message names the field, the value and the fix."""
@@ -93,6 +97,9 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
             raise ConfigError(
                 f"unknown config key '{dotted}'; {hint}known keys here: {', '.join(sorted(fields))}"
             )
+        removed = fields[key].metadata.get(REMOVED, {})
+        if isinstance(value, str) and value in removed:  # a value a release took out: say why and what instead
+            raise ConfigError(f"{dotted}={value}: {removed[value]}")
         kwargs[key] = _convert(value, hints[key], dotted)
     return cls(**kwargs)
 

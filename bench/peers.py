@@ -21,16 +21,14 @@ of the run's own processes, over its wall time ("other load", in cores), and /pr
                                                    # defaults, the fixed 128 KiB mmap threshold and the retained
                                                    # heap, torch 1F1B (about 10 minutes, quiet)
     .venv/bin/python bench/peers.py --only 2bw single --m 8 --splits [2,2] auto   # auto split vs the even one
-    .venv/bin/python bench/peers.py --only 2bw 1f1b single --splits [2,2] [2,2]+tokens auto+tokens   # head split
+    .venv/bin/python bench/peers.py --only 2bw 1f1b single --splits [2,2] [2,2]+vocab auto+vocab   # vocab head
 
-A split ending in `+tokens` also sets parallel.head=tokens (stage 0 runs the LM head and loss of the
-cost model's share of each microbatch's tokens, asyncpp/core/head_split.py); `+tokens=N` sets the share to N
-tokens (parallel.head_split_tokens). A split ending in `+vocab` sets parallel.head=vocab (the LM head's vocabulary
+A split ending in `+vocab` sets parallel.head=vocab (the LM head's vocabulary
 spread over both stages, pipeline/vocab_head.py; `+vocab=[r0,r1]` sets the rows, parallel.vocab_shards; `@W,S`
 after it the placement of its passes, parallel.vocab_placement: `+vocab@2,1`):
 
-    .venv/bin/python bench/peers.py --only 2bw single --m 8 --reps 4 --splits [2,2] auto [2,2]+tokens auto+tokens \
-        [2,2]+vocab auto+vocab   # plain 2BW, the token head split and the vocabulary-parallel head
+    .venv/bin/python bench/peers.py --only 2bw single --m 4 8 --reps 4 --splits auto [2,2]+vocab \
+        "[2,2]+vocab@2,1"   # plain 2BW and the vocabulary-parallel head at the cost model's placement and at [2,1]
 
 Writes bench_results/peers.json and bench_results/peers.png (bars: median tokens/s, whiskers: min-max).
 """
@@ -79,7 +77,6 @@ def children_cpu_s() -> float:
 def head_overrides(head: str) -> list[str]:
     """A split's suffix as overrides: none (the whole head on the last stage, parallel.head=last: plain 2BW; the
     config's default head=auto would pick the vocabulary-parallel head at pp=2), "auto" (the cost model picks),
-    "tokens" / "tokens=330" (the token head split, the helper's share by the cost model or by hand),
     "vocab" / "vocab=[4096,4096]" (the vocabulary-parallel head, the shards by the cost model or by hand), with
     "@W,S" appended its placement (parallel.vocab_placement=[W,S]: warm-up and slack; else the cost model's)."""
     head, _, placement = head.partition("@")
@@ -91,9 +88,8 @@ def head_overrides(head: str) -> list[str]:
     if kind == "vocab":
         return (["parallel.head=vocab"] + ([f"parallel.vocab_shards={value}"] if value else [])
                 + ([f"parallel.vocab_placement=[{placement}]"] if placement else []))
-    if kind != "tokens":
-        raise SystemExit(f"split suffix +{head}: expected +auto, +tokens[=N] or +vocab[=[r0,r1]][@W,S]")
-    return ["parallel.head=tokens"] + ([f"parallel.head_split_tokens={value}"] if value else [])
+    raise SystemExit(f"split suffix +{head}: expected +auto or +vocab[=[r0,r1]][@W,S] (the token head split, "
+                     "+tokens, was removed: the vocabulary-parallel head matched or beat it)")
 
 
 def run_one(impl: str, schedule: str, m: int, args, split: str = "") -> dict:
@@ -207,12 +203,12 @@ def _median_kinds(per_run: list[dict | None]) -> dict[str, float] | None:
     return {k: statistics.median(d.get(k, 0.0) for d in per_run) for k in kinds}
 
 
-BREAKDOWN_KINDS = ("F", "B", "H", "S", "T", "U", "idle", "untimed")
+BREAKDOWN_KINDS = ("F", "B", "S", "T", "U", "idle", "untimed")
 
 
 def breakdown_table(rows: list[dict]) -> str:
     """asyncpp's runs: where each rank's step goes (ms per step, medians), against the single process's whole
-    step; `compute / single` is the stages' F + B + H + S + T summed over ranks over the single process's step time."""
+    step; `compute / single` is the stages' F + B + S + T summed over ranks over the single process's step time."""
     head = f"{'schedule':38} {'M':>2} {'rank':>4} " + " ".join(f"{k:>8}" for k in BREAKDOWN_KINDS) + \
         f" {'wall':>8} {'compute / single':>16}"
     lines = [head, "-" * len(head)]
@@ -220,14 +216,14 @@ def breakdown_table(rows: list[dict]) -> str:
     for r in rows:
         if r["impl"] != "asyncpp" or not r["ms_per_step_per_rank"] or None in r["ms_per_step_per_rank"]:
             continue
-        compute = sum(d.get(k, 0.0) for d in r["ms_per_step_per_rank"] for k in ("F", "B", "H", "S", "T"))
+        compute = sum(d.get(k, 0.0) for d in r["ms_per_step_per_rank"] for k in ("F", "B", "S", "T"))
         ratio = f"{compute / single[r['m']]:.2f}" if r["m"] in single else ""
         for rank, d in enumerate(r["ms_per_step_per_rank"]):
             cells = " ".join(f"{d.get(k, 0.0):>8.1f}" for k in BREAKDOWN_KINDS)
             lines.append(f"{label(r['impl'], r['schedule'], r['split']):38} {r['m']:>2} {rank:>4} {cells} "
                          f"{sum(d.values()):>8.1f} {ratio if rank == 0 else '':>16}")
-    lines.append("\nms per measured step, medians over the repetitions: F, B, H (the head split's helper), U (the "
-                 "update, U0 + U), idle (timed waits for a reduction), untimed (the rest of the wall time: waiting "
+    lines.append("\nms per measured step, medians over the repetitions: F, B, S and T (the vocabulary-parallel "
+                 "head's passes, without their waits), U (the update, U0 + U), idle (timed waits for a reduction), untimed (the rest of the wall time: waiting "
                  "for or posting a transfer, the engine's bookkeeping). single process: "
                  + ", ".join(f"M={m} {v:.1f} ms per step" for m, v in sorted(single.items())) + ".")
     return "\n".join(lines)

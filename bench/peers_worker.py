@@ -249,8 +249,8 @@ def run_ours(args) -> dict:
 
 
 def time_per_step(events, first: int, last: int, wall_s: float) -> dict[str, float]:
-    """Where a rank's measured steps went, in ms per step: each kind of timed action (F, B, H for the head
-    split's helper, U0 + U the update), `idle` (waits for a reduction the timer records) and `untimed`, the
+    """Where a rank's measured steps went, in ms per step: each kind of timed action (F, B, the vocabulary-parallel
+    head's S and T, U0 + U the update), `idle` (waits for a reduction the timer records) and `untimed`, the
     rest of the wall time: waiting for a transfer, posting one, the engine's own bookkeeping. Events count
     in the step they belong to, so the sums are per step of work, not per wall-clock window."""
     steps, sums = last - first, {}

@@ -7,9 +7,6 @@ forward). The share of the ideal is (total cost / P) per microbatch over the pre
 
 - even: Megatron's near-even split (core/partition.default_split);
 - auto: parallel.stage_layers=auto (the split minimizing the slowest stage, at least one layer per stage);
-- auto + tokens: parallel.head=tokens (implemented): stage 0 runs the head and loss of the cost model's
-  share of the tokens, the split chosen with it (asyncpp/core/head_split.py), in the schedule with HEAD
-  actions (the cost model simulates it; p2p of the token share not costed);
 - VP bound: the head and its loss spread evenly over all P stages (Yeung et al., 2024), the layers split by auto
   without the head; no communication. The upper bound the issue quoted.
 - VP costed (asyncpp/core/vocab_split.py): the layer split and unequal vocabulary shards chosen together, plus
@@ -38,7 +35,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncpp.core.head_split import plan_head_split
 from asyncpp.core.layer_costs import LayerCosts, layer_costs
 from asyncpp.core.layer_split import balanced_split, default_split
 from asyncpp.core.vocab_split import LINKS, comm_per_token, plan_vocab_split, vocab_comm_time
@@ -63,19 +59,6 @@ def share_of_ideal(stage_costs: list[float], P: int, total: float | None = None)
     costs = OpCosts(forward=[c / 3 for c in stage_costs], backward=[2 * c / 3 for c in stage_costs])
     step = predict("2bw", P, m, 12, costs)["step_time"]
     return ((sum(stage_costs) if total is None else total) / P) / (step / m)
-
-
-def share_of_ideal_head_split(costs: LayerCosts, P: int, tokens: int) -> tuple[float, list[int], float]:
-    """parallel.head=tokens at auto: (share of the ideal, the split, the helper's share of the tokens)."""
-    plan = plan_head_split(costs, P, tokens)
-    x = plan.helper_tokens / tokens
-    body = costs.stage_costs(list(plan.sizes))
-    body[-1] -= x * costs.head  # the last stage keeps (1 - x) of the head; stage 0's H runs the rest
-    ops = OpCosts(forward=[c / 3 for c in body], backward=[2 * c / 3 for c in body], head=x * costs.head)
-    m = 4 * P
-    step = predict("2bw", P, m, 12, ops, head_split=True)["step_time"]
-    total = sum(costs.layers) + costs.embedding + costs.head
-    return (total / P) / (step / m), list(plan.sizes), x
 
 
 def vocab_parallel_costs(costs: LayerCosts, P: int) -> list[float]:
@@ -135,15 +118,12 @@ def main() -> None:
         costs = layer_costs(get_model_config(name), seq, mb, device)
         for P in depths:
             even, auto = default_split(len(costs.layers), P), balanced_split(costs, P)
-            tokens_share, tokens_split, helper_share = share_of_ideal_head_split(costs, P, seq * mb)
             rows.append({
                 "model": name, "seq_len": seq, "micro_batch": mb, "device": device, "P": P,
                 "head_over_mean_layer": costs.head / (sum(costs.layers) / len(costs.layers)),
                 "even": even, "auto": auto,
                 "share_even": share_of_ideal(costs.stage_costs(even), P),
                 "share_auto": share_of_ideal(costs.stage_costs(auto), P),
-                "share_head_split_tokens": tokens_share, "head_split_tokens_split": tokens_split,
-                "head_split_helper_share": helper_share,
                 "share_vocab_parallel": share_of_ideal(vocab_parallel_costs(costs, P), P),
             })
             model = get_model_config(name)
@@ -157,21 +137,20 @@ def main() -> None:
                                                                             blocking=True)
             rows[-1]["vp_ib_exposed_equal_shards"] = vocab_parallel_costed(costs, model, P, seq * mb, device,
                                                                            "ib", "exposed", equal_shards=True)
-    head = (f"{'model':15} {'seq':>5} {'P':>3} {'head/layer':>10} {'even':>6} {'auto':>6} {'+tokens':>8} {'VP bound':>9}"
-            f" {'VP nvl':>7} {'VP ib':>6} {'VP ib hid':>9} {'ib sim':>6} {'+emb':>5} {'ib sim blk':>10} {'ib equal':>8}  auto split | +tokens split (helper's share)")
+    head = (f"{'model':15} {'seq':>5} {'P':>3} {'head/layer':>10} {'even':>6} {'auto':>6} {'VP bound':>9}"
+            f" {'VP nvl':>7} {'VP ib':>6} {'VP ib hid':>9} {'ib sim':>6} {'+emb':>5} {'ib sim blk':>10} {'ib equal':>8}  auto split")
     print(head)
     print("-" * len(head))
     for r in rows:
         print(f"{r['model']:15} {r['seq_len']:>5} {r['P']:>3} {r['head_over_mean_layer']:>10.1f} {r['share_even']:>6.2f} "
-              f"{r['share_auto']:>6.2f} {r['share_head_split_tokens']:>8.2f} {r['share_vocab_parallel']:>9.2f} "
+              f"{r['share_auto']:>6.2f} {r['share_vocab_parallel']:>9.2f} "
               f"{r['vp_nvlink_exposed']['share']:>7.2f} {r['vp_ib_exposed']['share']:>6.2f} "
               f"{r['vp_ib_hidden']['share']:>9.2f} {r['vp_ib_simulated']['share']:>6.2f} "
               f"{r['vp_ib_simulated_embedding']['share']:>5.2f} "
               f"{r['vp_ib_simulated_blocking']['share']:>10.2f} "
               f"{r['vp_ib_exposed_equal_shards']['share']:>8.2f}  "
-              f"{r['auto']} | {r['head_split_tokens_split']} ({r['head_split_helper_share']:.2f})")
-    print("\nshare of the ideal throughput predicted for 2BW (m = 4P); +tokens: parallel.head=tokens at auto "
-          "(stage 0 helps the last stage); VP bound: the head spread evenly over all stages, no communication; "
+              f"{r['auto']}")
+    print("\nshare of the ideal throughput predicted for 2BW (m = 4P); VP bound: the head spread evenly over all stages, no communication; "
           "VP nvl / VP ib: layers and unequal vocabulary shards chosen together, the head's collectives exposed at "
           f"{LINKS['nvlink'].bandwidth / 1e9:g} / {LINKS['ib'].bandwidth / 1e9:g} GB/s; VP ib hid: hidden beside "
           "the compute (link-bound); ib sim: the head's S and T as actions in the 2BW schedule, its collectives as "

@@ -35,9 +35,9 @@ LAYOUTS = {  # layout -> (model, world size, pipeline stages)
 WORK = ["train.precision=bf16", "train.seq_len=4096", "train.micro_batch_size=1", "staleness.ef_lambda=1.0"]
 
 
-MICROBATCH_ACTIONS = "FBHSTEG"
-"""The first letter of the per-microbatch actions (schedules/actions.Op): forward, backward, the token head split's
-HEAD, the vocabulary head's S and T, the sharded embedding's E and G."""
+MICROBATCH_ACTIONS = "FBSTEG"
+"""The first letter of the per-microbatch actions (schedules/actions.Op): forward, backward, the vocabulary head's
+S and T, the sharded embedding's E and G."""
 
 
 def reads_split(trace: dict) -> tuple[float, float]:

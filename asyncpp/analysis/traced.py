@@ -201,7 +201,7 @@ def marking_actions(executor: PipelineExecutor, tracer: StepTracer):
     engine = executor.engine
     # Every handler of StageEngine.run, the vocabulary head's S and T and the sharded embedding's E and G included:
     # an unmarked action's ops and bytes would be booked to the action before it.
-    names = ["_forward", "_backward", "_head", "_update_start", "_update", "_vocab_forward", "_vocab_backward",
+    names = ["_forward", "_backward", "_update_start", "_update", "_vocab_forward", "_vocab_backward",
              "_embed_forward", "_embed_backward"]
     originals = {n: getattr(engine, n) for n in names}
 

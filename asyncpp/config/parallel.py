@@ -4,16 +4,22 @@ divisibility rules among them."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from asyncpp.config.base import ModelLimits, positive
-from asyncpp.schedules.build import check_head_split, check_vocab_parallel
+from asyncpp.schedules.build import check_vocab_parallel
 from asyncpp.schedules.registry import ScheduleKindError, kind_of
-from asyncpp.typed import ConfigError
+from asyncpp.typed import REMOVED, ConfigError
 
 if TYPE_CHECKING:  # annotations only: run.py imports this module
     from asyncpp.config.run import RunConfig
+
+
+TOKEN_SPLIT_REMOVED = ("the token head split was removed: the vocabulary-parallel head spreads the head over every "
+                       "stage in every layout (dp, tp, the distributed optimizer) and measured as fast or faster "
+                       "(docs/parallelism.md); use parallel.head=vocab, or auto (the cost model's choice)")
+"""Why parallel.head=tokens and parallel.head_split_tokens are refused (issue 28 removed the token split)."""
 
 
 @dataclass(kw_only=True)
@@ -40,20 +46,15 @@ class ParallelConfig:
     their optimizer state and Error-Feedback buffer, receives their reduced gradient and broadcasts their
     new weights (asyncpp/optim/distributed.py, pipeline/sharded.py). Pipeline runs only; with dp=1 it is a
     no-op, as in Megatron. Not with the gradient corrections (staleness.dc_lambda, grad_ef_lambda)."""
-    head: Literal["last", "vocab", "tokens", "auto"] = "last"
+    head: Literal["last", "vocab", "auto"] = field(default="last", metadata={REMOVED: {"tokens": TOKEN_SPLIT_REMOVED}})
     """Where the LM head and its loss run (docs/parallelism.md), the one key for it:
     - last: on the last stage;
     - vocab: its vocabulary spread over every stage, each holding rows sized with its layers by the cost model
       (asyncpp/core/vocab_split.py, pipeline/vocab_head.py), so a 128k-wide head no longer makes the last stage
       the pipeline's slowest; pp >= 2 (refused at one stage, where it would change nothing);
-    - tokens: stage 0 also runs the head and loss of a share of every microbatch's tokens (a replica of the head
-      weight, reduced like a tied embedding: asyncpp/core/head_split.py); dp=1, tp=1 only;
     - auto (configs/parallel/default.yaml): vocab where the cost model predicts it faster and the layout allows
       it, else last (asyncpp.core.partition.head_of). The simulator ignores it: the mathematics is the unsplit
       model's."""
-    head_split_tokens: int | None = None
-    """With head=tokens: how many of the micro_batch_size x seq_len tokens the helper takes; None = the cost
-    model's balance (chosen with stage_layers=auto's split)."""
     vocab_shards: tuple[int, ...] | None = None
     """With head=vocab: every stage's rows of the head, in stage order, summing to the vocabulary; None = the
     cost model's (sized together with stage_layers)."""
@@ -131,7 +132,6 @@ def check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
         kind_of(cfg.schedule.name).check(p.pp, m)
     except ScheduleKindError as e:
         raise ConfigError(str(e)) from None
-    _check_head_split(cfg)
     _check_vocab_head(cfg, model)
 
 
@@ -139,8 +139,8 @@ def _check_vocab_head(cfg: RunConfig, model: ModelLimits) -> None:
     """parallel.head=vocab: the layouts it is proven in (tests/dist/test_vocab_parallel_pipeline.py) and the ones
     it refuses, each with its reason (the note of issue 28 lists them)."""
     p = cfg.parallel
-    if p.head not in ("last", "vocab", "tokens", "auto"):
-        raise ConfigError(f"parallel.head={p.head!r} is not one of last, vocab, tokens, auto")
+    if p.head not in ("last", "vocab", "auto"):
+        raise ConfigError(f"parallel.head={p.head!r} is not one of last, vocab, auto")
     # At one stage both would be accepted and do nothing (vocab_shards_of is None at pp=1): refuse them instead.
     if p.head == "vocab" and p.pp == 1:
         raise ConfigError("parallel.head=vocab spreads the LM head's vocabulary over the pipeline stages, but "
@@ -188,28 +188,6 @@ def _check_vocab_head(cfg: RunConfig, model: ModelLimits) -> None:
                               f"multiple of parallel.tp={p.tp} (its TP ranks split a stage's rows equally), summing "
                               f"to model '{model.name}''s vocab_size={model.vocab_size}; or be null (the cost model's "
                               "shards)")
-
-
-def _check_head_split(cfg: RunConfig) -> None:
-    p = cfg.parallel
-    if p.head != "tokens":
-        if p.head_split_tokens is not None:
-            raise ConfigError(f"parallel.head_split_tokens={p.head_split_tokens} needs parallel.head=tokens; "
-                              "set it or leave head_split_tokens null")
-        return
-    try:
-        check_head_split(cfg.schedule.name, p.pp)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if p.tp > 1:  # (sequence parallelism needs tp > 1: check_parallel refused it at tp=1 before)
-        raise ConfigError(f"parallel.head=tokens with parallel.tp={p.tp}: the TP head is vocabulary-parallel "
-                          "already (its shards are split over TP ranks); use parallel.head=last with tp > 1")
-    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
-    n = p.head_split_tokens
-    if n is not None and not 1 <= n < tokens:
-        raise ConfigError(f"parallel.head_split_tokens={n} must be in [1, {tokens - 1}] (the helper takes a share of "
-                          f"train.micro_batch_size x train.seq_len = {tokens} tokens, the last stage keeps the rest); "
-                          "or null for the cost model's share")
 
 
 def check_tp_ep(cfg: RunConfig, model: ModelLimits) -> None:

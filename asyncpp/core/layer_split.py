@@ -1,6 +1,6 @@
 """How many layers each pipeline stage gets: the near-even default, an explicit list, and the cost model's
 balanced split. Pure functions of counts and costs; `asyncpp.core.partition` resolves them from a config, and
-the head split (asyncpp/core/head_split.py) chooses its layer split with them."""
+the vocabulary-parallel head (asyncpp/core/vocab_split.py) sizes its layer split with them."""
 
 from __future__ import annotations
 

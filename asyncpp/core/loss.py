@@ -25,13 +25,6 @@ def lm_loss(model: nn.Module, tokens: Tensor) -> Tensor:
     return cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
 
 
-def token_share_loss(logits: Tensor, labels: Tensor, total_tokens: int) -> Tensor:
-    """A share of a microbatch's tokens (parallel.head=tokens): their summed fp32 cross entropy / the
-    microbatch's token count, so the shares' sum is `cross_entropy` of the whole microbatch (up to the order of
-    the sum). logits [n, vocab], labels [n]."""
-    return nn.functional.cross_entropy(logits.float(), labels, reduction="sum") / total_tokens
-
-
 def logits_loss_for(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
     """The loss (logits, labels) -> scalar the last stage must use for `model`'s logits: the
     vocab-parallel cross entropy over the head's TP group when a plan left them sharded, otherwise

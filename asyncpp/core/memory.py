@@ -379,19 +379,18 @@ def measure_saved_activations(fn: Callable[[], Any], exclude: Iterable[Tensor] =
     return sum(saved.values()), result
 
 
-def stage_actions(schedule: str, stage: int, num_stages: int, num_microbatches: int, steps: int = 3,
-                  head_split: bool = False) -> list[Action]:
+def stage_actions(schedule: str, stage: int, num_stages: int, num_microbatches: int, steps: int = 3
+                  ) -> list[Action]:
     """`stage`'s actions of `steps` steps at its steady delay (the schedule's own list)."""
     delay = kind_of(schedule).stage_delay(stage, num_stages)  # pipedream: P-1-s, not 1
-    return build_schedule(schedule, stage, num_stages, num_microbatches, [delay] * steps, head_split=head_split)
+    return build_schedule(schedule, stage, num_stages, num_microbatches, [delay] * steps)
 
 
-def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_microbatches: int, steps: int = 3,
-                           head_split: bool = False) -> int:
+def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_microbatches: int, steps: int = 3
+                           ) -> int:
     """Most microbatches whose forward ran and backward did not, at once, on `stage` (from the
-    schedule's own action list, so it is right for every kind: m for GPipe, P - s for 1F1B/2BW, one more
-    with parallel.head=tokens)."""
-    return peak_in_flight(stage_actions(schedule, stage, num_stages, num_microbatches, steps, head_split))
+    schedule's own action list, so it is right for every kind: m for GPipe, P - s for 1F1B/2BW)."""
+    return peak_in_flight(stage_actions(schedule, stage, num_stages, num_microbatches, steps))
 
 
 def error_feedback_scratch_bytes(masters: Sequence[Tensor], ef_lambda: float) -> int:

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from asyncpp.core.head_split import HeadSplit, plan_head_split
 from asyncpp.core.layer_costs import LayerCosts, layer_costs
 from asyncpp.core.layer_split import balanced_split, stage_sizes
 from asyncpp.core.vocab_split import run_vocab_split
@@ -68,18 +67,6 @@ def stage_balance(sizes: Sequence[int], busy_s: Sequence[float], layer_weights: 
     return out
 
 
-def head_split_plan(cfg, model) -> HeadSplit | None:
-    """cfg.parallel.head=tokens resolved for `model` under `cfg`: the layer split (auto: chosen together
-    with the share, asyncpp.core.head_split.plan_head_split) and the helper's tokens; None without a split."""
-    p, t = cfg.parallel, cfg.train
-    if p.head != "tokens":
-        return None
-    device_type = str(t.device).split(":")[0]
-    costs = layer_costs(model, t.seq_len, t.micro_batch_size, device_type)
-    sizes = None if p.stage_layers == "auto" else stage_sizes(model.num_layers, p.pp, p.stage_layers)
-    return plan_head_split(costs, p.pp, t.micro_batch_size * t.seq_len, sizes, p.head_split_tokens)
-
-
 AUTO_HEAD_GAIN = 0.05
 """parallel.head=auto takes the vocabulary-parallel head when its slowest stage is at least this much cheaper than
 the head-on-last split's (cost model): below that the head's collectives, which the compute cost leaves out, can
@@ -87,7 +74,7 @@ eat the gain."""
 
 
 def head_of(cfg, model) -> str:
-    """Where the LM head runs: "last", "vocab" (spread over every stage) or "tokens" (a token share on stage 0);
+    """Where the LM head runs: "last" or "vocab" (spread over every stage);
     parallel.head=auto resolved by the cost model (deterministic: every rank and the simulator agree)."""
     p = cfg.parallel
     if p.head != "auto":
@@ -123,11 +110,9 @@ def embedding_sharded(cfg, model) -> bool:
 def stage_split(cfg, model) -> list[int]:
     """cfg.parallel.stage_layers resolved for `model` (a model_zoo.ModelConfig) under `cfg` (a RunConfig): the
     explicit list; `auto`, the cost model's balanced split at cfg.train's work shape on cfg.train.device
-    (asyncpp.core.layer_costs), with a head split the one chosen together with its share; None (a config built
+    (asyncpp.core.layer_costs), with a vocabulary-parallel head the one sized together with its shards; None (a config built
     without one), the near-even `default_split`."""
     p, t = cfg.parallel, cfg.train
-    if p.stage_layers == "auto" and p.head == "tokens":
-        return list(head_split_plan(cfg, model).sizes)
     if p.stage_layers == "auto" and head_of(cfg, model) == "vocab":
         return list(run_vocab_split(cfg, model).sizes)
     if p.stage_layers == "auto":

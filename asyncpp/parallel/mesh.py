@@ -92,16 +92,6 @@ class PipelineLinks:
 
 
 @dataclass(frozen=True)
-class HeadLink:
-    """parallel.head=tokens: the two 2-rank groups between the last stage and its helper, stage 0, of
-    each pipeline (pipeline/head.py). One direction each, like PipelineLinks: hidden states last -> helper,
-    their gradients and losses helper -> last. None on the middle stages."""
-
-    hidden: dist.ProcessGroup | None
-    grad: dist.ProcessGroup | None
-
-
-@dataclass(frozen=True)
 class VocabGroups:
     """parallel.head=vocab: three groups, one kind of traffic each (pipeline/vocab_head.py): the last stage's
     broadcast of the normed hidden states and the reduce of the partial input gradients onto the last stage, over
@@ -124,9 +114,9 @@ def default_backend(device: torch.device) -> str:
 class Mesh:
     """This rank's view of the job: coordinates and groups along pp / dp / tp."""
 
-    def __init__(self, dims: ParallelDims, device: torch.device, *, head_link: bool = False,
-                 vocab_head: bool = False, vocab_embedding: bool = False, timeout_s: float | None = None):
-        """head_link: also build the head split's pair of groups (HeadLink); vocab_head: the vocabulary-parallel
+    def __init__(self, dims: ParallelDims, device: torch.device, *, vocab_head: bool = False,
+                 vocab_embedding: bool = False, timeout_s: float | None = None):
+        """vocab_head: the vocabulary-parallel
         head's three groups (VocabGroups), and the tied-embedding group then spans every stage (each holds rows of
         the tied weight); vocab_embedding (with vocab_head): a sharded embedding's two more groups (VocabGroups.embed,
         embed_grad); every rank must pass the same.
@@ -162,9 +152,6 @@ class Mesh:
         self.embedding_group = (self._per_pipeline(list(range(dims.pp)) if vocab_head else [0, dims.pp - 1])
                                 if dims.pp > 1 else None)
         self.links = self._build_links()
-        # After the links, so a run without a head split creates exactly the groups it did before.
-        self.head_link = (HeadLink(self._per_pipeline([dims.pp - 1, 0]), self._per_pipeline([0, dims.pp - 1]))
-                          if head_link and dims.pp > 1 else None)
         everyone = list(range(dims.pp))
         self.vocab_groups = (VocabGroups(hidden=self._per_pipeline(everyone), stats=self._per_data_replica(),
                                          grad=self._per_pipeline(everyone),
@@ -229,7 +216,6 @@ class Mesh:
             self.norm_group = (ps.get_model_parallel_group() if dims.ep == 1
                                else ps.get_expert_tensor_model_pipeline_parallel_group())
         self.links = self._build_links()
-        self.head_link = None
         self.vocab_groups = None  # a megatron-core model keeps its output layer; parallel.head is asyncpp's stages'
         # Only the distributed optimizer (parallel.distributed_optimizer) posts on it; the Megatron front-end
         # has none, so no world-spanning group is made for it.
@@ -273,8 +259,6 @@ class Mesh:
                  ("gradient-norm", self.norm_group), ("tied-embedding", self.embedding_group),
                  ("distributed-optimizer norm", self.replica_norm_group),
                  *((f"pipeline link ({field})", g) for field, g in vars(self.links).items()),
-                 *((f"head-split link ({field})", g) for field, g in
-                   (vars(self.head_link).items() if self.head_link is not None else ())),
                  *((f"vocabulary-parallel head ({field})", g) for field, g in
                    (vars(self.vocab_groups).items() if self.vocab_groups is not None else ()))]
         for role, group in named:

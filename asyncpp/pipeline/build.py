@@ -118,21 +118,20 @@ def tp_ep_plan(mesh, sequence_parallel: bool = False) -> Parallelize | None:
 
 
 def stage_spec_of(cfg, model_cfg: ModelConfig, stage: int) -> StageSpec:
-    """Stage `stage`'s place in the model under run config `cfg`: its layers, and its part of the head (a head
-    split's helper, or its rows of a vocabulary-parallel head)."""
+    """Stage `stage`'s place in the model under run config `cfg`: its layers, and its rows of a
+    vocabulary-parallel head."""
     p = cfg.parallel
     shards = vocab_shards_of(cfg, model_cfg)
     vocab = vocab_shards(shards, model_cfg.vocab_size)[stage] if shards is not None else None
     return StageSpec(stage, p.pp, model_cfg.num_layers, stage_split(cfg, model_cfg),
-                     head_split=head_of(cfg, model_cfg) == "tokens", vocab=vocab,
+                     vocab=vocab,
                      embedding=embedding_sharded(cfg, model_cfg))
 
 
 def mesh_for(cfg, model_cfg: ModelConfig, dims, device: torch.device | str, timeout_s: float | None = None) -> Mesh:
-    """The mesh of a run: its groups, with the head's (a token split's link, a vocabulary-parallel head's three, and
-    a sharded embedding's two)."""
-    head = head_of(cfg, model_cfg)
-    return Mesh(dims, torch.device(device), head_link=head == "tokens", vocab_head=head == "vocab",
+    """The mesh of a run: its groups, with the head's (a vocabulary-parallel head's three, and a sharded
+    embedding's two)."""
+    return Mesh(dims, torch.device(device), vocab_head=head_of(cfg, model_cfg) == "vocab",
                 vocab_embedding=embedding_sharded(cfg, model_cfg), timeout_s=timeout_s)
 
 

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from asyncpp.parallel.mesh import Mesh
-from asyncpp.pipeline.head import HeadComm, HeadHelper, unpack
 from asyncpp.pipeline.p2p import StageComm
 from asyncpp.pipeline.stopping import ActionStream, receives_ahead
 from asyncpp.pipeline.timer import StageTimer
@@ -54,20 +53,17 @@ def backward_through(output: Tensor, grad: Tensor | None) -> None:
 
 class StageEngine:
     def __init__(self, *, module: nn.Module, mesh: Mesh, comm: StageComm, update: StageUpdate,
-                 forward_fn: ForwardFn, timer: StageTimer, head_comm: HeadComm | None = None,
-                 head_helper: HeadHelper | None = None, vocab_head: VocabHead | None = None,
+                 forward_fn: ForwardFn, timer: StageTimer, vocab_head: VocabHead | None = None,
                  embedding: VocabEmbedding | None = None):
         """`update` is the stage's update (its weight versions, reductions and rule: update.py);
-        `head_comm` (parallel.head=tokens, on the last stage and the helper) and `head_helper` (on the
-        helper): pipeline/head.py. The last stage's forward_fn then returns (its loss share, the hidden states
-        of the helper's tokens). `vocab_head` (parallel.head=vocab, every stage): pipeline/vocab_head.py; the
+        `vocab_head` (parallel.head=vocab, every stage): pipeline/vocab_head.py; the
         last stage's forward_fn then returns its normed hidden states. `embedding` (parallel.embedding=vocab, every
         stage): the E and G actions; the first stage's forward_fn then gets the summed embedding as its input."""
         self.module, self.mesh, self.comm, self.update = module, mesh, comm, update
         self.versions = update.versions
         self.forward_fn = forward_fn
         self.timer = timer  # perf_counter on CPU, CUDA events on CUDA
-        self.head_comm, self.head_helper, self.vocab_head = head_comm, head_helper, vocab_head
+        self.vocab_head = vocab_head
         self.embedding = embedding
         self._deferred: dict[int, list[Tensor]] = {}  # step -> its gradient, waiting for the step's last G
         self._last_g: dict[int, int] = {}  # step -> index of its last G in `_last_g_of` (the list it indexed)
@@ -87,7 +83,7 @@ class StageEngine:
         posts and reads the stop agreement there, and collects what is complete (control stays with the
         caller; nothing is called back). Given an ActionStream, the caller may cut it at an UPDATE's yield (a
         stop, stopping.py); `stream.fixed` tells it how much is executed or posted."""
-        handlers = {Op.FORWARD: self._forward, Op.BACKWARD: self._backward, Op.HEAD: self._head,
+        handlers = {Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
                     Op.UPDATE_START: self._update_start, Op.UPDATE: self._update,
                     Op.VOCAB_FORWARD: self._vocab_forward, Op.VOCAB_BACKWARD: self._vocab_backward,
                     Op.EMBED_FORWARD: self._embed_forward, Op.EMBED_BACKWARD: self._embed_backward}
@@ -125,17 +121,8 @@ class StageEngine:
             self.comm.post_recv_forward()
         elif a.op is Op.BACKWARD and not self.mesh.is_last_stage:
             self.comm.post_recv_backward()
-        elif a.op is Op.HEAD:
-            self.head_comm.post_recv_forward()
         elif a.op is Op.VOCAB_FORWARD:
             self.vocab_head.post_hidden(a.step, a.microbatch)
-        if a.op is Op.BACKWARD and self._splits_head:
-            self.head_comm.post_recv_backward()
-
-    @property
-    def _splits_head(self) -> bool:
-        """The last stage of a head split: its forward sends the helper's share, its backward receives it."""
-        return self.head_comm is not None and self.mesh.is_last_stage
 
     def _forward(self, a: Action) -> None:
         x = None
@@ -156,9 +143,7 @@ class StageEngine:
             balancing.record(a.step)
         if load_stats is not None:
             load_stats.record(a.step)
-        if self._splits_head:  # (own loss share, the helper's hidden states): the loss is complete at B
-            self.head_comm.send_hidden(out[1], a.step)
-        elif self.vocab_head is not None and self.mesh.is_last_stage:  # the normed hidden states, to every S
+        if self.vocab_head is not None and self.mesh.is_last_stage:  # the normed hidden states, to every S
             self.vocab_head.send_hidden(a.step, a.microbatch, out)
         elif self.mesh.is_last_stage:
             self.losses.setdefault(a.step, []).append(out.detach())
@@ -175,13 +160,9 @@ class StageEngine:
             grad = self.vocab_head.input_grad(a.step, a.microbatch, str(a))
         else:
             grad = None
-        message = self.head_comm.recv_backward(f"the head's gradient of {a}") if self._splits_head else None
         start = self.timer.now()
         self._use(a)
-        if message is not None:
-            self._backward_split_head(a, out, message)
-        else:
-            backward_through(out, grad)
+        backward_through(out, grad)
         sent = x.grad if x is not None else None
         if x is not None and self.mesh.is_first_stage:  # a sharded embedding's input gradient, to every G
             self.embedding.send_grad(a.step, a.microbatch, sent)
@@ -190,22 +171,6 @@ class StageEngine:
             self.comm.release(x)  # the graph that read it is gone; its .grad is in the send's hands
         if grad is not None and grad is not sent:  # a stage without layers may pass `grad` itself on
             self.comm.release(grad)  # (a no-op for the head's reduced gradient: the comm did not allocate it)
-        self.timer.add(a, start, self.timer.now())
-
-    def _backward_split_head(self, a: Action, out: tuple[Tensor, Tensor], message: Tensor) -> None:
-        """The last stage's loss of (t, j) is its own share plus the helper's; both shares back-propagate."""
-        own_loss, shared = out
-        grad, helper_loss = unpack(message, self.head_comm.split, shared.dtype)
-        self.losses.setdefault(a.step, []).append(own_loss.detach() + helper_loss)
-        torch.autograd.backward((own_loss, shared), (None, grad))
-        self.head_comm.release(message)
-
-    def _head(self, a: Action) -> None:
-        """The helper's HEAD(t, j): the head and loss of its token share on (t, j)'s version (pipeline/head.py)."""
-        hidden = self.head_comm.recv_forward(f"the head's hidden states of {a}")
-        start = self.timer.now()
-        self._use(a)
-        self.head_helper.run(a.step, a.microbatch, hidden)
         self.timer.add(a, start, self.timer.now())
 
     def _vocab_forward(self, a: Action) -> None:
@@ -272,9 +237,7 @@ class StageEngine:
     def _update_start(self, a: Action) -> None:
         start = self.timer.now()
         grads = self.versions.take_grads()  # in the masters' dtype (fp32 sums under bf16 compute)
-        if self.head_helper is not None:  # the head weight's part of b_t that the HEADs kept apart
-            self.head_helper.add_into(a.step, grads, self.versions.params)
-        if self.vocab_head is not None:  # the same for the head rows' part that the Ts kept apart
+        if self.vocab_head is not None:  # the head rows' part of b_t that the Ts kept apart
             self.vocab_head.add_into(a.step, grads, self.versions.params)
         if self.embedding is not None:  # the embedding rows' part: complete once the step's last G has run
             self._deferred[a.step] = grads
@@ -305,8 +268,6 @@ class StageEngine:
         """Free the sends of steps <= step: the norm all-reduce that `reduction.finish(step)` completed spans
         every stage, which proves they were received (StageComm.retire)."""
         self.comm.retire(step)
-        if self.head_comm is not None:
-            self.head_comm.retire(step)
         if self.vocab_head is not None:
             self.vocab_head.retire(step)
         if self.embedding is not None:
@@ -316,8 +277,6 @@ class StageEngine:
     def finish(self) -> None:
         """Complete outstanding sends and reduce the last update's norm (all stages call this)."""
         self.comm.flush()
-        if self.head_comm is not None:
-            self.head_comm.flush()
         if self.vocab_head is not None:
             self.vocab_head.flush()
         if self.embedding is not None:

@@ -19,7 +19,6 @@ from torch import Tensor
 
 from asyncpp.config import RunConfig
 from asyncpp.core.batches import BatchPlan
-from asyncpp.core.loss import token_share_loss
 from asyncpp.core.records import DataSource, PipelineBubble, StepResult
 from asyncpp.core.vocab_split import VocabSplit, vocab_pipeline
 from asyncpp.parallel.mesh import Mesh
@@ -43,7 +42,7 @@ from asyncpp.train.preemption import CheckpointClock, StopFlag
 
 
 def segment_actions(kind: str, stage: int, P: int, m: int, delays: Sequence[int], t0: int, t1: int,
-                    head_split: bool = False, vocab: tuple[VocabSplit, VocabPlacement] | None = None) -> list[Action]:
+                    vocab: tuple[VocabSplit, VocabPlacement] | None = None) -> list[Action]:
     """The schedule of steps [t0, t1) as a self-contained stream (drained at both ends), in absolute
     step and version numbers (versions older than t0 were produced by earlier segments). `vocab`: a
     vocabulary-parallel head's split (with a sharded embedding's costs) and placement; every stage's lists are built
@@ -51,7 +50,7 @@ def segment_actions(kind: str, stage: int, P: int, m: int, delays: Sequence[int]
     if vocab is not None:
         actions = vocab_pipeline(kind, m, delays[t0:t1], *vocab)[stage]
     else:
-        actions = build_schedule(kind, stage, P, m, delays[t0:t1], head_split=head_split)
+        actions = build_schedule(kind, stage, P, m, delays[t0:t1])
     out = []
     for a in actions:
         t = a.step + t0
@@ -92,7 +91,7 @@ class PipelineExecutor:
             self.plan, self.spec, self.model, mesh, build_optimizer(self.model, self.sharding), self._forward,
             grad_scale=1.0 / self.m, layouts=[layout_of(self.sharding, n) for n, _ in named],
             tied=tied_parameters(self.model, self.spec),
-            head_labels=self._labels if self.spec.vocab is not None else self._helper_labels,
+            head_labels=self._labels,
             embed_inputs=self._inputs, comm_cls=comm_cls)
         self.report = StageReport(cfg, self.model.config, mesh, self.spec, self.engine, self._naming)
         self.checkpoint = StageCheckpoint(cfg, mesh, self.spec, self.model, self.engine, data, self.batches,
@@ -103,14 +102,12 @@ class PipelineExecutor:
         index = self.batches.microbatch_index(step, self.mesh.dp_rank, microbatch)
         return to_device(self.data.train_microbatch(index), self.mesh.device)  # CUDA: pinned, no host sync
 
-    def _forward(self, step: int, microbatch: int, x: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
+    def _forward(self, step: int, microbatch: int, x: Tensor | None) -> Tensor:
         # The last stage reads the labels here unless a vocabulary-parallel head reads them at S (`_labels`); the
         # first stage its tokens unless a sharded embedding looked them up at E (x is then their embedding).
         embedded = self.spec.embed is not None
         reads = (self.spec.is_first and not embedded) or (self.spec.is_last and self.spec.vocab is None)
         tokens = self._tokens(step, microbatch) if reads else None
-        if self.plan.head_split is not None and self.spec.is_last:
-            return self._forward_split_head(tokens, x)
         if self.spec.vocab is not None and self.spec.is_last:  # the normed hidden states: the head is every stage's
             return self._head_input(stage_forward(self.model, self.spec, x, head=False))  # P >= 2: never first
         out = stage_forward(self.model, self.spec, tokens[:, :-1] if self.spec.is_first and not embedded else x)
@@ -133,20 +130,6 @@ class PipelineExecutor:
     def _labels(self, step: int, microbatch: int) -> Tensor:
         """The next-token ids of (step, microbatch): every stage's rows of a vocabulary-parallel head need them."""
         return self._tokens(step, microbatch)[:, 1:]
-
-    def _forward_split_head(self, tokens: Tensor, x: Tensor | None) -> tuple[Tensor, Tensor]:
-        """The last stage under a head split: the final norm on every token, the head and loss of its own
-        (first) tokens; returns (its loss share, the normed hidden states of the helper's tokens)."""
-        split, model = self.plan.head_split, self.model
-        h = stage_forward(model, self.spec, tokens[:, :-1] if self.spec.is_first else x, head=False)
-        normed = model.norm(h).reshape(split.tokens, -1)
-        labels = tokens[:, 1:].reshape(-1)
-        own = token_share_loss(model.lm_head(normed[:split.own_tokens]), labels[:split.own_tokens], split.tokens)
-        return own, normed[split.own_tokens:]
-
-    def _helper_labels(self, step: int, microbatch: int) -> Tensor:
-        """The labels of the helper's tokens of (step, microbatch): the last of its flattened tokens."""
-        return self._tokens(step, microbatch)[:, 1:].reshape(-1)[self.plan.head_split.own_tokens:]
 
     @torch.no_grad()
     def evaluate(self, batches: list[Tensor]) -> float:
@@ -257,7 +240,7 @@ class PipelineExecutor:
         """This stage's actions for steps [t0, t1) as one stream (segment_actions with the plan's delays, head and m)."""
         vocab = (self.plan.vocab, self.plan.vocab_placement) if self.plan.vocab is not None else None
         return segment_actions(self.cfg.schedule.name, self.spec.stage, self.mesh.num_stages, self.m,
-                               self.plan.delays, t0, t1, head_split=self.plan.head_split is not None, vocab=vocab)
+                               self.plan.delays, t0, t1, vocab=vocab)
 
     def _ready(self, todo: list[int], drained: bool = False) -> Iterator[StepResult]:
         """The results of the steps at the head of `todo` that are complete, in order. Collective over the

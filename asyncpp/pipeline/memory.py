@@ -82,8 +82,7 @@ def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, version
             extra += [dataclasses.replace(i, phase=FORWARD_BACKWARD) for i in embedding]
             embedding_bytes = sum(i.nbytes for i in embedding)  # not walked per action: every action, at its peaks
     else:
-        actions = stage_actions(cfg.schedule.name, spec.stage, mesh.num_stages, t.num_microbatches,
-                                head_split=spec.head_split)
+        actions = stage_actions(cfg.schedule.name, spec.stage, mesh.num_stages, t.num_microbatches)
     # A lazy update (2BW): b_{t+1}'s backward accumulates while b_t's gradient waits for U(t).
     grad_buffers = 2 if kind_of(cfg.schedule.name).lazy_update else 1
     scratch = backward_scratch_bytes(versions.params, grad_itemsize=dtype.itemsize, tokens=tokens,

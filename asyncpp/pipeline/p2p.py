@@ -128,7 +128,7 @@ class StageComm:
         self.dtype = dtype
         self.prev = mesh.global_rank(mesh.pp_rank - 1) if not mesh.is_first_stage else None
         self.next = mesh.global_rank(mesh.pp_rank + 1) if not mesh.is_last_stage else None
-        self.links = mesh.links  # the head link (pipeline/head.py) points these at its own pair of groups
+        self.links = mesh.links  # one group per direction between each pair of neighbours (Mesh._build_links)
         # One switch for the GPU path: stream-ordered waits watched from the host (see the docstring).
         self.stream_waits = mesh.device.type == "cuda"
         self.watchdog = Watchdog(mesh, timeout_s) if self.stream_waits else None

@@ -21,17 +21,14 @@ from torch import nn
 
 from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
-from asyncpp.core.head_split import HeadSplit
-from asyncpp.core.partition import head_split_plan
 from asyncpp.core.update import NO_CORRECTIONS, Corrections, lr_multiplier_for
 from asyncpp.core.vocab_split import VocabSplit, run_vocab_placement, run_vocab_split
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
 from asyncpp.parallel.vocab_parallel import split_for_tp
 from asyncpp.pipeline.engine import ForwardFn, StageEngine
-from asyncpp.pipeline.head import HeadComm, HeadHelper
 from asyncpp.pipeline.p2p import StageComm
-from asyncpp.pipeline.stage import StageSpec, head_weight, vocab_rows
+from asyncpp.pipeline.stage import StageSpec, vocab_rows
 from asyncpp.pipeline.timer import stage_timer
 from asyncpp.pipeline.update import StageUpdate
 from asyncpp.pipeline.vocab_head import VocabEmbedding, VocabHead
@@ -71,7 +68,6 @@ class StagePlan:
     """What a stage boundary carries, [micro batch, sequence (this TP rank's shard under SP), hidden]; (0,) when
     the caller sets it per call (the Megatron front-end)."""
     link_dtype: torch.dtype = torch.float32
-    head_split: HeadSplit | None = None
     vocab: VocabSplit | None = None
     """parallel.head=vocab: every stage's layers and head rows (asyncpp/core/vocab_split.py)."""
     vocab_placement: VocabPlacement | None = None
@@ -97,7 +93,7 @@ class StagePlan:
             activation_shape=(t.micro_batch_size, seq, model_cfg.hidden_size),
             head_shape=(t.micro_batch_size, t.seq_len, model_cfg.hidden_size),
             link_dtype=dtype if dtype is not None else torch.float32,
-            head_split=head_split_plan(cfg, model_cfg), vocab=vocab, vocab_placement=placement, timeout_s=t.timeout_s,
+            vocab=vocab, vocab_placement=placement, timeout_s=t.timeout_s,
             update=UpdateSpec(grad_clip=t.grad_clip, corrections=Corrections.of(s), lr_multiplier=lr_multiplier_for(cfg),
                               distributed_optimizer=cfg.parallel.distributed_optimizer))
 
@@ -149,25 +145,21 @@ def build_stage_runtime(
     """The engine of `plan`'s stage: `module` is the stage (pruned and sharded), `spec` its place in the
     model_zoo layout (None: a module of its own, e.g. Megatron's GPTModel stage), `optimizer` built over its
     trainable parameters (not stepped yet: the engine retargets it to the masters), `forward_fn` the stage's
-    microbatch forward. Under a head split, `head_labels(step, microbatch)` gives the helper its tokens' labels;
-    under a vocabulary-parallel head every stage's the labels of the whole microbatch; with a sharded embedding
+    microbatch forward. Under a vocabulary-parallel head `head_labels(step, microbatch)` gives every stage the
+    labels of the whole microbatch; with a sharded embedding
     `embed_inputs(step, microbatch)` every stage's the input token ids."""
     if plan.stage != mesh.pp_rank or plan.num_stages != mesh.num_stages or (
             spec is not None and (spec.stage, spec.num_stages) != (plan.stage, plan.num_stages)):
         built = f"stage {spec.stage} of {spec.num_stages}, " if spec is not None else ""
         raise ValueError(f"the stage was built as {built}planned as stage {plan.stage} of {plan.num_stages}, but "
                          f"this rank is stage {mesh.pp_rank} of {mesh.num_stages}")
-    if (plan.head_split is not None or plan.vocab is not None) and spec is None:
-        raise ValueError("a head split needs the stage's StageSpec (a model_zoo stage): it places the head")
+    if plan.vocab is not None and spec is None:
+        raise ValueError("a vocabulary-parallel head needs the stage's StageSpec (a model_zoo stage): it places the "
+                         "head")
     params = [p for p in module.parameters() if p.requires_grad]
     tied_ids = {id(p) for p in tied}
     versions = plan.weight_versions(params)
     comm = comm_cls(mesh, plan.activation_shape, plan.link_dtype, plan.timeout_s)
-    head_comm = head_helper = None
-    if plan.head_split is not None and (spec.is_head_helper or spec.is_last):
-        head_comm = HeadComm(mesh, plan.head_split, plan.activation_shape[-1], plan.link_dtype, plan.timeout_s)
-    if head_comm is not None and spec.is_head_helper:
-        head_helper = HeadHelper(head_comm, head_weight(module, spec), head_labels)
     vocab = tied_rows = None
     if plan.vocab is not None:
         param, row0 = vocab_rows(module, spec)
@@ -188,4 +180,4 @@ def build_stage_runtime(
                          load_stats=RouterLoadStats.of(module, counted=mesh.tp_rank == 0 and mesh.ep_rank == 0),
                          tied_rows=tied_rows)
     return StageEngine(module=module, mesh=mesh, comm=comm, update=update, forward_fn=forward_fn, timer=timer,
-                       head_comm=head_comm, head_helper=head_helper, vocab_head=vocab, embedding=embedding)
+                       vocab_head=vocab, embedding=embedding)

@@ -18,23 +18,16 @@ from asyncpp.parallel.vocab_parallel import VocabShard
 
 class StageSpec:
     def __init__(self, stage: int, num_stages: int, num_layers: int, sizes: Sequence[int] | None = None,
-                 *, head_split: bool = False, vocab: VocabShard | None = None, embedding: bool = False):
-        """head_split: parallel.head=tokens; stage 0 then keeps a replica of the LM head weight
-        (asyncpp/core/head_split.py). vocab: parallel.head=vocab, this stage's rows of the LM head (every stage
+                 *, vocab: VocabShard | None = None, embedding: bool = False):
+        """vocab: parallel.head=vocab, this stage's rows of the LM head (every stage
         holds some: pipeline/vocab_head.py). embedding (with vocab): parallel.embedding=vocab, the stage holds the
         same rows of the input embedding instead of the first stage holding all of it (VocabEmbedding)."""
         self.stage = stage
         self.num_stages = num_stages
         self.layers = stage_layer_ranges(num_layers, num_stages, sizes)[stage]
-        self.head_split = head_split and num_stages > 1
         self.vocab = vocab if num_stages > 1 else None
         self.embed = self.vocab if embedding and self.vocab is not None else None
         """This stage's rows of a sharded input embedding (parallel.embedding=vocab), else None."""
-
-    @property
-    def is_head_helper(self) -> bool:
-        """Stage 0 of a head split: it runs the LM head and loss of a share of the tokens (Op.HEAD)."""
-        return self.head_split and self.stage == 0
 
     @property
     def is_first(self) -> bool:
@@ -58,8 +51,8 @@ def prune_to_stage(model: nn.Module, spec: StageSpec) -> nn.Module:
         del model.norm
     if spec.vocab is not None:
         _keep_head_rows(model, spec)
-    elif not spec.is_last and not (spec.is_head_helper and not model.config.tie_embeddings):
-        del model.lm_head  # a tied helper's head is its embed
+    elif not spec.is_last:
+        del model.lm_head
     return model
 
 
@@ -104,19 +97,9 @@ def vocab_rows(model: nn.Module, spec: StageSpec) -> tuple[nn.Parameter, int]:
     return model.lm_head.weight, 0
 
 
-def head_weight(model: nn.Module, spec: StageSpec) -> nn.Parameter:
-    """The LM head's weight on the last stage or a head split's helper (its embedding, if tied)."""
-    if spec.is_head_helper and getattr(model.config, "tie_embeddings", False):
-        return model.embed.weight
-    return model.lm_head.weight
-
-
 def tied_parameters(model: nn.Module, spec: StageSpec) -> list[nn.Parameter]:
-    """The embedding/head weight when it is tied *across* stages (first and last hold a copy), or the head
-    weight's replica of a head split (the helper, stage 0, and the last stage hold one): either way the pair
-    (first, last) sums its gradient and applies the same update (semantics.md)."""
-    if spec.head_split and (spec.is_first or spec.is_last):
-        return [head_weight(model, spec)]
+    """The embedding/head weight when it is tied *across* stages (first and last hold a copy): the pair (first,
+    last) sums its gradient and applies the same update (semantics.md)."""
     if spec.num_stages == 1 or not getattr(model.config, "tie_embeddings", False) or spec.embed is not None:
         return []  # (a sharded embedding: each stage's head rows are its own embedding rows, one tensor)
     if spec.vocab is not None:  # every stage holds rows of the tied weight (the first stage all of them)

@@ -72,7 +72,7 @@ class ActionStream:
 
 
 def is_compute(a: Action) -> bool:
-    return a.op in (Op.FORWARD, Op.BACKWARD, Op.HEAD)
+    return a.op in (Op.FORWARD, Op.BACKWARD)
 
 
 def receives_ahead(actions: Sequence[Action], i: int, scan: int, posted: int) -> tuple[int, list[int]]:

@@ -22,7 +22,7 @@ issues each communicator's ops in the same order, the microbatch order, as NCCL 
 Each pass runs on the weight version of its action (the engine switches first): one version per microbatch across
 all shards (semantics.md). The gradients are formed here rather than by autograd because a stage may run T of
 b_{t+1} before its UPDATE_START(t) (the placement's steady state): each step's shard gradient waits in its own
-accumulator and joins the step's gradient at UPDATE_START(t), as the token head split's helper does (head.py).
+accumulator and joins the step's gradient at UPDATE_START(t).
 """
 
 from __future__ import annotations

@@ -19,11 +19,6 @@ class Op(str, Enum):
     """The stage finished its part of b_t: start the global reductions (DP, tied embedding, norm)."""
     UPDATE = "U"
     """Wait for those reductions and write x_{t+1}; placed just before the first use of x_{t+1}."""
-    HEAD = "H"
-    """parallel.head=tokens, on the helper stage (stage 0) only: the LM head and the loss of the
-    helper's token share of microbatch (t, j), forward and backward in one action. Its input (the last
-    stage's normed hidden states of those tokens) comes from the last stage's FORWARD of (t, j); its output
-    (their input gradient and loss) feeds the last stage's BACKWARD of (t, j)."""
     VOCAB_FORWARD = "S"
     """A vocabulary-parallel head (asyncpp/parallel/vocab_parallel.py), on every stage: the logits of the stage's
     vocabulary shard for microbatch (t, j) and their softmax statistics. Its input (the last stage's normed hidden
@@ -48,9 +43,9 @@ class Action:
     step: int
     """t: the minibatch b_t this action belongs to (for updates: the step whose gradient is applied)."""
     microbatch: int = -1
-    """Index within b_t for FORWARD/BACKWARD/HEAD/VOCAB_*/EMBED_*; -1 for updates."""
+    """Index within b_t for FORWARD/BACKWARD/VOCAB_*/EMBED_*; -1 for updates."""
     version: int = -1
-    """FORWARD/BACKWARD/HEAD/VOCAB_*/EMBED_*: the weight version x_v they run on. UPDATE: the version it produces
+    """FORWARD/BACKWARD/VOCAB_*/EMBED_*: the weight version x_v they run on. UPDATE: the version it produces
     (t+1)."""
 
     def __str__(self) -> str:
@@ -59,6 +54,6 @@ class Action:
         return f"{self.op.value}{self.step}"
 
 
-MICROBATCH_OPS = (Op.FORWARD, Op.BACKWARD, Op.HEAD, Op.VOCAB_FORWARD, Op.VOCAB_BACKWARD, Op.EMBED_FORWARD,
+MICROBATCH_OPS = (Op.FORWARD, Op.BACKWARD, Op.VOCAB_FORWARD, Op.VOCAB_BACKWARD, Op.EMBED_FORWARD,
                   Op.EMBED_BACKWARD)
 """The actions of one microbatch (t, j), on a weight version; the others (UPDATE_START, UPDATE) are per step."""

@@ -17,15 +17,6 @@ Every kind is built the same way, which keeps them comparable:
    buffers, and sync steps are eager because a flush completes the step, its update included.
 
 Every FORWARD/BACKWARD of b_t runs on version max(t - d_t, 0).
-
-With `head_split` (parallel.head=tokens) stage 0 is also the helper that runs the LM head and loss of
-a share of every microbatch's tokens (Op.HEAD, asyncpp/core/head_split.py). The chain of a microbatch is
-then F_0 .. F_{P-1}, H (on stage 0), B_{P-1} .. B_0: a pipeline of P+1 virtual stages whose last one lives
-on stage 0, so each stage warms up with one forward more (P-s instead of P-1-s), and stage 0 runs, in the
-steady state, F(k+P), H(k+d), B(k) with d = head_lag(P): H(k+d) must come late enough for its input to have
-crossed the P-1 stages forward, and early enough for its output to cross them backward before B_0(k+d);
-the cost model finds the window of d bubble-free (tests/unit/test_head_split.py, P = 2..16). An H of b_{t+1} may run before UPDATE_START(t): its weight gradient goes
-to the step's own accumulator (pipeline/head.py), not into b_t's.
 """
 
 from __future__ import annotations
@@ -46,53 +37,23 @@ def build_schedule(
     step_delays: Sequence[int],
     *,
     first_step: int = 0,
-    head_split: bool = False,
     vocab_warmup: int = 0,
 ) -> list[Action]:
     """The actions of `stage` for len(step_delays) steps; step_delays[i] is its d_t, t = first_step + i.
 
     first_step > 0 builds a later segment of a run (e.g. after a drain for evaluation) in absolute step
     and version numbers; the segment starts drained, and versions <= first_step count as already produced.
-    head_split: stage 0 also runs the LM head on a token share of every microbatch (module docstring).
     vocab_warmup: with a vocabulary-parallel head, the F/B skeleton its passes are placed into: every stage warms
     up with this many more forwards, the room the head's chain (broadcast, S on every stage, all-reduce, T, reduce)
     needs between the last stage's F and B of a microbatch. The S and T actions themselves are placed by the cost
     model (asyncpp.schedules.costmodel.place_vocab_passes).
     """
-    _validate(kind, stage, num_stages, num_microbatches, step_delays, head_split, vocab_warmup > 0)
+    _validate(kind, stage, num_stages, num_microbatches, step_delays, vocab_warmup > 0)
     delays = {first_step + i: d for i, d in enumerate(step_delays)}
     body: list[Action] = []
     for steps in _streams(kind, delays):
-        body.extend(_stream_actions(kind, stage, num_stages, num_microbatches, steps, delays, head_split,
-                                    vocab_warmup))
+        body.extend(_stream_actions(kind, stage, num_stages, num_microbatches, steps, delays, vocab_warmup))
     return _place_updates(kind, body, delays)
-
-
-HEAD_SPLIT_KINDS = ("sync", "1f1b", "2bw")
-"""The kinds a head split serves: 1F1B order (GPipe's all-forwards-first would hold every token share's
-hidden states at once; pipedream's per-stage delays would make the helper read the head at stage 0's delay,
-not the last stage's)."""
-
-
-def head_lag(num_stages: int) -> int:
-    """d of the helper's steady unit F(k+P), H(k+d), B(k): floor(2P/3) (1 at P=2).
-
-    Found with the cost model, not derived: over P = 2..16, stages of equal cost with backward = 2 x forward
-    and any share of the head on the helper (H from 0.1 to 2/3 of stage 0's work), the placements H(k+d)
-    before B(k) that keep 2BW's step at m x the stage cost form a window of one or two values of d, and
-    floor(2P/3) is in each (the backward's 2/3 of a unit sets the slope). Other cost ratios may shift the
-    window at large P; P=2 has d=1 for any costs."""
-    return (2 * num_stages) // 3
-
-
-def check_head_split(kind: str, num_stages: int) -> None:
-    """Raise ValueError unless `kind` at P=num_stages can split the head (HEAD_SPLIT_KINDS, P >= 2)."""
-    if kind not in HEAD_SPLIT_KINDS:
-        raise ValueError(f"parallel.head=tokens with schedule={kind}: only {HEAD_SPLIT_KINDS} are supported "
-                         "(1F1B order, one delay for every stage); use one of them or parallel.head=last")
-    if num_stages < 2:
-        raise ValueError(f"parallel.head=tokens needs parallel.pp >= 2 (stage 0 helps the last stage), got "
-                         f"parallel.pp={num_stages}; set parallel.head=last")
 
 
 VOCAB_PARALLEL_KINDS = ("sync", "1f1b", "2bw")
@@ -109,16 +70,12 @@ def check_vocab_parallel(kind: str) -> None:
                          "the head on the last stage")
 
 
-def _validate(kind: str, stage: int, num_stages: int, m: int, step_delays: Sequence[int], head_split: bool,
+def _validate(kind: str, stage: int, num_stages: int, m: int, step_delays: Sequence[int],
               vocab_parallel: bool = False) -> None:
     k = kind_of(kind)
     k.check(num_stages, m)
-    if head_split:
-        check_head_split(kind, num_stages)
     if vocab_parallel:
         check_vocab_parallel(kind)
-        if head_split:
-            raise ValueError("parallel.head=tokens and a vocabulary-parallel head both move the head; choose one")
     allowed = k.allowed_delays(stage, num_stages)
     bad = [(t, d) for t, d in enumerate(step_delays) if d not in allowed]
     if bad:
@@ -166,28 +123,20 @@ def all_f_then_all_b(num_items: int) -> Iterator[tuple[Op, int]]:
 
 def _stream_actions(
     kind: str, stage: int, num_stages: int, m: int, steps: list[int], delays: dict[int, int],
-    head_split: bool = False, vocab_warmup: int = 0,
+    vocab_warmup: int = 0,
 ) -> list[Action]:
-    """F/B (and, on a head split's helper, H) of one stream plus UPDATE_START(t) after each step's last backward."""
+    """F/B of one stream plus UPDATE_START(t) after each step's last backward."""
     n = len(steps) * m
-    # A head split appends a virtual stage (the helper's H) to the chain: one more forward of warm-up.
-    warmup = (num_stages - stage if head_split else num_stages - 1 - stage) + vocab_warmup
+    warmup = num_stages - 1 - stage + vocab_warmup
     order = all_f_then_all_b(n) if kind_of(kind).all_forwards_first else one_f_one_b(n, warmup)
-    helper = head_split and stage == 0
 
     def action(op: Op, k: int) -> Action:
         t = steps[k // m]
         return Action(op, t, k % m, version_of(t, delays[t]))
 
     out: list[Action] = []
-    heads, lag = 0, head_lag(num_stages)  # H(0..heads-1) are placed
     for op, k in order:
         t, j = steps[k // m], k % m
-        if helper and op is Op.BACKWARD:
-            # Every H(i), i <= k + lag, right before B(k): the steady unit F(k+P), H(k+lag), B(k).
-            while heads < min(k + lag + 1, n):
-                out.append(action(Op.HEAD, heads))
-                heads += 1
         out.append(action(op, k))
         # Backwards run in ascending k, so j == m-1 is the step's last backward on this stage.
         if op is Op.BACKWARD and j == m - 1:
@@ -231,11 +180,10 @@ def _place_updates(kind: str, body: list[Action], delays: dict[int, int]) -> lis
 
 def build_pipeline(
     kind: str, num_stages: int, num_microbatches: int, step_delays: Sequence[Sequence[int]],
-    *, head_split: bool = False, vocab_warmup: int = 0,
+    *, vocab_warmup: int = 0,
 ) -> list[list[Action]]:
     """All stages' schedules; step_delays[s][t] is stage s's delay at step t."""
     if len(step_delays) != num_stages:
         raise ValueError(f"step_delays has {len(step_delays)} rows, expected one per stage ({num_stages})")
-    return [build_schedule(kind, s, num_stages, num_microbatches, step_delays[s], head_split=head_split,
-                           vocab_warmup=vocab_warmup)
+    return [build_schedule(kind, s, num_stages, num_microbatches, step_delays[s], vocab_warmup=vocab_warmup)
             for s in range(num_stages)]

@@ -42,8 +42,7 @@ Cost = float | Sequence[float]
 @dataclass(frozen=True)
 class OpCosts:
     """Durations per action; each a scalar or one value per stage (comm: per sending stage; dp_comm:
-    the stage's gradient all-reduce over its DP replicas, see dp_allreduce_time; head: a head split's HEAD
-    action on the helper, the forward and backward of its token share's LM head and loss; vocab_forward and
+    the stage's gradient all-reduce over its DP replicas, see dp_allreduce_time; vocab_forward and
     vocab_backward: a vocabulary-parallel head's S and T on each stage, its shard's logits with their statistics,
     and their gradients). The head's collectives are latencies on the edges they carry, beside the compute (their
     own stream and link): vocab_broadcast from the last stage's F to every S, vocab_allreduce from every S to
@@ -56,7 +55,6 @@ class OpCosts:
     comm: Cost = 0.0
     update: Cost = 0.0
     dp_comm: Cost = 0.0
-    head: Cost = 0.0
     vocab_forward: Cost = 0.0
     vocab_backward: Cost = 0.0
     vocab_broadcast: float = 0.0
@@ -80,7 +78,7 @@ class OpCosts:
     def duration(self, op: Op, stage: int) -> float:
         if op is Op.UPDATE_START:
             return 0.0
-        return self.at({Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.UPDATE: "update", Op.HEAD: "head",
+        return self.at({Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.UPDATE: "update",
                         Op.VOCAB_FORWARD: "vocab_forward", Op.VOCAB_BACKWARD: "vocab_backward",
                         Op.EMBED_FORWARD: "embed_forward", Op.EMBED_BACKWARD: "embed_backward"}[op], stage)
 
@@ -539,7 +537,6 @@ def predict(
     costs: OpCosts,
     *,
     collective_updates: bool = False,
-    head_split: bool = False,
     vocab_parallel: bool = False,
     sharded_embedding: bool = False,
 ) -> dict:
@@ -549,7 +546,7 @@ def predict(
     vocab_parallel), the embedding's E and G placed into those by place_embedding_passes."""
     delays = steady_delays(kind, num_stages, num_steps)
     if not vocab_parallel:
-        schedules = build_pipeline(kind, num_stages, num_microbatches, delays, head_split=head_split)
+        schedules = build_pipeline(kind, num_stages, num_microbatches, delays)
         tl, placement = simulate(schedules, costs, collective_updates=collective_updates), VocabPlacement(0)
     else:
         options, refused = [], []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("F", "B", "H", "S", "T", "U0", "U", "comm", "idle")
+KINDS = ("F", "B", "S", "T", "E", "G", "U0", "U", "comm", "idle")
 
 
 @dataclass(frozen=True)

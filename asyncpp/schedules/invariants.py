@@ -55,7 +55,6 @@ def check_schedules(
     for s, actions in enumerate(schedules):
         _check_complete(s, actions, num_steps, num_microbatches)
         _check_ready(s, actions, num_microbatches)
-    _check_heads(schedules, num_steps, num_microbatches)
     _check_vocab(schedules, num_steps, num_microbatches)
     _check_embed(schedules, num_steps, num_microbatches)
     _check_versions(schedules, step_delays)
@@ -108,36 +107,6 @@ def _check_complete(stage: int, actions: Sequence[Action], num_steps: int, m: in
     bad = [str(a) for a in actions if a.op is Op.UPDATE and a.version != a.step + 1]
     if bad:
         _fail(stage, "UPDATE(t) must produce version t+1", bad)
-
-
-def has_head_split(schedules: Sequence[Sequence[Action]]) -> bool:
-    """Whether stage 0 is a head split's helper (its list holds HEAD actions; asyncpp/schedules/build.py)."""
-    return bool(schedules) and any(a.op is Op.HEAD for a in schedules[0])
-
-
-def _check_heads(schedules: Sequence[Sequence[Action]], num_steps: int, m: int) -> None:
-    """A head split: stage 0 runs exactly one H per (t, j), between its F and B of (t, j) on that microbatch's
-    version, before UPDATE_START(t) (its weight gradient belongs to b_t); no other stage runs H."""
-    for s, actions in enumerate(schedules[1:], start=1):
-        if any(a.op is Op.HEAD for a in actions):
-            _fail(s, "HEAD actions run on the helper, stage 0, only", [a for a in actions if a.op is Op.HEAD])
-    if not has_head_split(schedules):
-        return
-    actions = schedules[0]
-    where = {(a.op, a.step, a.microbatch): (i, a) for i, a in enumerate(actions)}
-    heads = Counter((a.step, a.microbatch) for a in actions if a.op is Op.HEAD)
-    expected = {(t, j) for t in range(num_steps) for j in range(m)}
-    wrong = sorted(f"H{t}.{j} x{heads[(t, j)]}" for t, j in expected | heads.keys()
-                   if heads[(t, j)] != 1 or (t, j) not in expected)
-    if wrong:
-        _fail(0, "HEAD must run once per microbatch", wrong)
-    for t, j in sorted(expected):
-        i, h = where[(Op.HEAD, t, j)]
-        f, fa = where[(Op.FORWARD, t, j)]
-        b, _ = where[(Op.BACKWARD, t, j)]
-        u, _ = where[(Op.UPDATE_START, t, -1)]
-        if not f < i < b < u or h.version != fa.version:
-            _fail(0, f"H{t}.{j} must run after F{t}.{j}, before B{t}.{j} and U0{t}, on F's version", [h])
 
 
 VOCAB_OPS = (Op.VOCAB_FORWARD, Op.VOCAB_BACKWARD)
@@ -239,7 +208,7 @@ def _check_ready(stage: int, actions: Sequence[Action], m: int) -> None:
     """F/B/H on v >= 1 after UPDATE(v-1); UPDATE_START(t) after all B of b_t; UPDATE(t) after it."""
     newest, backwards, started = 0, Counter[int](), set[int]()
     for i, a in enumerate(actions):
-        if a.op in (Op.FORWARD, Op.BACKWARD, Op.HEAD, *VOCAB_OPS, *EMBED_OPS) and a.version > newest:
+        if a.op in (Op.FORWARD, Op.BACKWARD, *VOCAB_OPS, *EMBED_OPS) and a.version > newest:
             _fail(stage, f"action #{i} runs on a version not produced yet (newest is v{newest})", [a])
         if a.op is Op.BACKWARD:
             backwards[a.step] += 1
@@ -332,8 +301,6 @@ def dependencies(
 
     F(t,j) at s > 0 needs F(t,j) at s-1 (activation); B(t,j) at s < P-1 needs B(t,j) at s+1
     (gradient); with collective_updates, UPDATE(t) needs UPDATE_START(t) on every other stage.
-    A head split (stage 0 runs HEAD): H(t,j) needs F(t,j) at P-1 (the token share's hidden states) and
-    B(t,j) at P-1 needs H(t,j) (their gradient and loss).
     A vocabulary-parallel head: S(t,j) on a stage s < P-1 needs F(t,j) at P-1 (the broadcast hidden states);
     T(t,j) needs S(t,j) on every stage (the statistics' all-reduce); B(t,j) at P-1 needs T(t,j) on every stage
     (the reduce of the input gradient). The collectives' own stage is listed too: the wait is for all.
@@ -344,7 +311,6 @@ def dependencies(
     A producer that does not exist maps to (stage, -1): it never runs.
     """
     pos, last = _positions(schedules), len(schedules) - 1
-    split = has_head_split(schedules)
     vocab = has_vocab_parallel(schedules)
     embed = has_sharded_embedding(schedules)
     everyone = range(len(schedules))
@@ -373,10 +339,6 @@ def dependencies(
                 deps[(s, i)] = [(r, pos[r].get((Op.VOCAB_BACKWARD, a.step, a.microbatch), -1)) for r in everyone]
             elif a.op is Op.FORWARD and s > 0:
                 deps[(s, i)] = [(s - 1, pos[s - 1].get(key, -1))]
-            elif a.op is Op.HEAD:
-                deps[(s, i)] = [(last, pos[last].get((Op.FORWARD, a.step, a.microbatch), -1))]
-            elif a.op is Op.BACKWARD and s == last and split:
-                deps[(s, i)] = [(0, pos[0].get((Op.HEAD, a.step, a.microbatch), -1))]
             elif a.op is Op.BACKWARD and s < last:
                 deps[(s, i)] = [(s + 1, pos[s + 1].get(key, -1))]
             elif a.op is Op.UPDATE and collective_updates:
@@ -429,9 +391,6 @@ def _channels(schedules: Sequence[Sequence[Action]]) -> list[tuple[int, Op, int,
     out = []
     for s in range(len(schedules) - 1):
         out += [(s, Op.FORWARD, s + 1, Op.FORWARD, "activation"), (s + 1, Op.BACKWARD, s, Op.BACKWARD, "gradient")]
-    if has_head_split(schedules):  # the head link between the last stage and the helper, its own two channels
-        last = len(schedules) - 1
-        out += [(last, Op.FORWARD, 0, Op.HEAD, "head hidden-state"), (0, Op.HEAD, last, Op.BACKWARD, "head gradient")]
     return out
 
 

@@ -1,6 +1,7 @@
 """Pipeline timelines, predicted (asyncpp.schedules.costmodel) or measured (the engine), on one format.
 
-The engine records `(stage, label, start_s, end_s, kind)` tuples with kind in F/B/U0/U/comm/idle;
+The engine records `(stage, label, start_s, end_s, kind)` tuples with kind one of events.KINDS (an action's
+letter, comm or idle);
 the cost model produces the same events in its own time unit. Both render to a Chrome trace
 (chrome://tracing, Perfetto) and to a Gantt PNG. Times are seconds for measured runs; predicted
 runs use the cost unit, and the trace treats it as seconds too.
@@ -59,8 +60,9 @@ def write_chrome_trace(
 
 
 # Two shades per compute kind: alternate steps differ, so a continuous 2BW stream shows its steps.
-_COLOURS = {"F": ("#4C72B0", "#8DB0DD"), "B": ("#DD8452", "#F2B98F"), "H": ("#55A868", "#98D1A6"),
-            "S": ("#8172B3", "#B6AEDB"), "T": ("#937860", "#C9B29D"), "comm": ("#9A9A9A",) * 2}
+_COLOURS = {"F": ("#4C72B0", "#8DB0DD"), "B": ("#DD8452", "#F2B98F"), "S": ("#8172B3", "#B6AEDB"),
+            "T": ("#937860", "#C9B29D"), "E": ("#55A868", "#98D1A6"), "G": ("#DA8BC3", "#EDC4E1"),
+            "comm": ("#9A9A9A",) * 2}
 
 
 def _bar_colour(e: TimelineEvent) -> str:
@@ -98,9 +100,10 @@ def plot_gantt(
     legend = [
         Patch(color=_COLOURS["F"][0], label="forward"),
         Patch(color=_COLOURS["B"][0], label="backward"),
-        Patch(color=_COLOURS["H"][0], label="head share (H)"),
         Patch(color=_COLOURS["S"][0], label="vocab shard fwd (S)"),
         Patch(color=_COLOURS["T"][0], label="vocab shard bwd (T)"),
+        Patch(color=_COLOURS["E"][0], label="embedding shard fwd (E)"),
+        Patch(color=_COLOURS["G"][0], label="embedding shard bwd (G)"),
         Patch(color="#EEEEEE", label="idle"),
         Patch(color="black", label="update start (U0)"),
         Patch(color="#C44E52", label="update (U)"),
@@ -135,7 +138,7 @@ def _draw_stage(ax: object, evs: list[TimelineEvent], y: float) -> None:
         linewidth=0,
     )
     for e in bars:
-        if e.kind in ("F", "B", "H", "S", "T") and e.microbatch >= 0:
+        if e.kind in ("F", "B", "S", "T", "E", "G") and e.microbatch >= 0:
             ax.text(e.start + e.duration / 2, y, str(e.microbatch), ha="center", va="center", fontsize=6)
     for e in evs:
         if e.kind == "U0":

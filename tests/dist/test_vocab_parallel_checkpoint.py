@@ -31,7 +31,8 @@ def config(root, pp: int, head: str = "vocab", resume: str | None = None, tp: in
     checkpoint = {"enabled": True, "every": 3, "dir": str(root / "ckpt")} if resume is None else {
         "enabled": False, "resume": resume}
     # AdamW at the TP tests' eps: a run continued on another layout differs by reduction order, which AdamW at
-    # eps = 1e-8 amplifies without bound on entries whose gradient is near zero (tests/dist/test_head_split.py).
+    # eps = 1e-8 amplifies without bound on entries whose gradient is near zero (test_vocab_parallel_pipeline.py's
+    # docstring derives it).
     return make_config(parallel={"pp": pp, "tp": tp, "sequence_parallel": tp > 1, "head": head, "stage_layers": None,
                                  "embedding": embedding},
                        staleness={"ef_lambda": 1.0},

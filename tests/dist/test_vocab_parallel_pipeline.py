@@ -7,9 +7,19 @@ sum of exponentials (per shard, then over the shards), the loss's log-sum-exp as
 statistics, the input gradient (P partial products summed by the reduce) and, tied, the embedding rows' gradient
 (the head rows' part and the lookup's part summed in another order). Each is within a few u = 2^-24 of the sum of
 its terms' magnitudes, the same size as the reduction-order differences the other layouts' equivalence tests bound:
-semantics.md's 1e-5 on losses, gradient norms and weights holds with the margin measured there (Muon and AdamW at
-the TP tests' eps, tests/dist/test_head_split.py derives the amplification over 6 steps: at most ~45 d per step
-for Muon, 200 d for AdamW, d ~ 1e-7 here). Measured on this CPU: losses 8e-8, weights 5.5e-6 (Muon, o_proj).
+semantics.md's 1e-5 on losses, gradient norms and weights holds, with the amplification over 6 steps bounded so:
+- AdamW (the embedding and the head also under "muon") turns a gradient difference dg into at most lr / eps * dg
+  per entry (tests/dist/tp_workers._step_lipschitz). At eps = 1e-8 that is 2e6: an entry whose gradient is near
+  zero moves by O(lr) on rounding alone, which no reduction order bounds; so AdamW runs at the TP tests' eps = 1e-4
+  (ADAMW_EPS), an amplification of lr / eps = 200, while real entries still move by ~lr: the weights differ by at
+  most 200 d per step, d ~ 1e-7 the relative size of the reordered sums here.
+- Muon's Newton-Schulz divides the momentum by its Frobenius norm and raises a small singular value by up to
+  a = 3.4445 per iteration, so its 5 iterations amplify a relative input difference d by at most a^5 = 490,
+  against an output of norm sqrt(128) = 11 (orthogonalized, 128 wide): at most 45 d of the update per step. The
+  weights it moves are dominated by their 6 updates (o_proj starts at 0.9 in norm, an update is ~0.5), so they
+  differ by at most 6 * 0.5 / 0.9 * 45 d = 150 d = 1.5e-5 if every difference fell on the smallest singular
+  directions; it spreads over all of them, so the expected size is several times smaller.
+Measured on this CPU: losses 8e-8, weights 5.5e-6 (Muon, o_proj).
 
 bf16 is compared with the unsplit model whose head is evaluated in the pipeline's row blocks by the same functions
 (`head_in_vocab_blocks`): in bf16 every 1e-7 difference of an fp32 intermediate flips the rounding of a few bf16

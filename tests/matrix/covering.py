@@ -139,7 +139,7 @@ def _repair(case: Case, keep: Sequence[str], dims: Mapping[str, Sequence], feasi
 def _one_change(case: Case, keep: Sequence[str], dims: Mapping[str, Sequence], feasible, accepts) -> Case | None:
     """An accepted case at most one dimension (not in `keep`) away from `case`, set to any of its values; None if
     there is none. _repair only walks toward the defaults, which can walk away from what a pair needs (ep=2 needs
-    dp=2 and an MoE model, head=tokens needs pp >= 2; none of them is a default)."""
+    dp=2 and an MoE model, head=vocab needs pp >= 2; none of them is a default)."""
     if feasible(case) and accepts(case):
         return case
     trials = ({**case, d: v} for d in dims if d not in keep for v in dims[d] if v != case[d])

@@ -29,9 +29,9 @@ DIMENSIONS: dict[str, tuple] = {
     "distributed_optimizer": (False, True),
     "precision": ("fp32", "bf16"),
     "recompute": ("none", "selective", "full"),
-    # The LM head's placement, parallel.head: on the last stage, a token share on stage 0 (the head split), its
-    # vocabulary spread over every stage (issue 28), or the cost model's choice between last and vocab.
-    "head": ("last", "tokens", "vocab", "auto"),
+    # The LM head's placement, parallel.head: on the last stage, its vocabulary spread over every stage (issue 28),
+    # or the cost model's choice between last and vocab.
+    "head": ("last", "vocab", "auto"),
     # The input embedding's placement, parallel.embedding: whole on the first stage, or sharded by the vocabulary-
     # parallel head's rows (with head=vocab, or auto resolved to it).
     "embedding": ("first", "vocab"),

@@ -85,18 +85,6 @@ def _layouts() -> dict[str, Layout]:
         # A batch rampup: m = 2, 2, 3, 3, 4 (segments cut at steps 2 and 4, each stream with its own m).
         Layout("2bw-P2-rampup", make_config(parallel={"pp": 2}, train={"steps": 5, "micro_batch_size": 2,
                                                                      "num_microbatches": 4, "batch_rampup": [4, 2, 16]})),
-        # parallel.head=tokens: the head link's own pair of groups between the last stage and stage 0
-        # (neighbours at P=2, not at P=3 and 4), with a sync start, an evaluation drain and a checkpoint.
-        Layout("2bw-P2-head-split", make_config(model=_UNTIED, parallel={"pp": 2, "head": "tokens"},
-                                                train={**short, "steps": 5, "eval_every": 2},
-                                                staleness={"sync_start_steps": 1},
-                                                checkpoint={"enabled": True, "every": 2})),
-        Layout("1f1b-P3-head-split", make_config(model=_UNTIED, parallel={"pp": 3, "head": "tokens",
-                                                                          "stage_layers": [2, 1, 1]},
-                                                 schedule={"name": "1f1b"}, train={**short, "num_microbatches": 3})),
-        Layout("2bw-P4-head-split", make_config(parallel={"pp": 4, "head": "tokens"},
-                                                train={**short, "num_microbatches": 4},
-                                                staleness={"sync_cooldown_steps": 1})),
         # parallel.head=vocab: three groups over all the stages (the hidden states' broadcast, the statistics'
         # all-gather, the input gradient's reduce), posted at S and T actions the cost model places; with a sync
         # start, an evaluation drain (blocking head passes) and a checkpoint of the head's rows.

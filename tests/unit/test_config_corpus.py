@@ -29,7 +29,7 @@ CORPUS: dict[str, Bad] = {
     "unknown-depth-3": Bad(
         ["+optimizer.schedule.warmup=5"], "'optimizer.schedule.warmup'", "did you mean 'warmup_steps'"
     ),
-    "unknown-parallel-key": Bad(["+parallel.vpp=2"], "'parallel.vpp'", "known keys here: distributed_optimizer, dp, embedding, ep, head, head_split_tokens, pp"),
+    "unknown-parallel-key": Bad(["+parallel.vpp=2"], "'parallel.vpp'", "known keys here: distributed_optimizer, dp, embedding, ep, head, pp"),
     "model-field-not-in-run-config": Bad(
         ["+model.hidden_size=256"], "'model.hidden_size'", "known keys here: name"
     ),

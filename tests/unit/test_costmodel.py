@@ -8,6 +8,7 @@ import json
 import pytest
 
 from asyncpp.schedules import DeadlockError, build_pipeline
+from asyncpp.schedules.actions import Op
 from asyncpp.schedules.costmodel import OpCosts, dp_allreduce_time, predict, simulate, steady_delays
 from asyncpp.train.timeline import TimelineEvent, as_events, plot_gantt, write_chrome_trace
 
@@ -154,3 +155,11 @@ def test_timeline_files(tmp_path) -> None:
 def test_timeline_rejects_unknown_kind() -> None:
     with pytest.raises(ValueError, match=r"kind='X' is not one of"):
         as_events([TimelineEvent(0, "x", 0.0, 1.0, "X")])
+
+
+def test_every_action_the_timer_records_is_a_timeline_kind(tmp_path) -> None:
+    """The stage timer records an action under its op's letter (pipeline/timer.StageTimer.add): every op, the
+    sharded embedding's E and G included, must render (they were refused by as_events until 2026-11-26)."""
+    events = [TimelineEvent(0, f"{op.value}0.0", float(i), i + 0.5, op.value, 0, 0) for i, op in enumerate(Op)]
+    assert {e.kind for e in as_events(events)} == {op.value for op in Op}
+    plot_gantt(events, tmp_path / "ops.png")

@@ -44,33 +44,31 @@ def delays_of(kind: str, stage: int, P: int, sync: tuple[int, int]) -> list[int]
     return [0 if t < start or t >= T - cooldown else stage_delay(kind, stage, P) for t in range(T)]
 
 
-def stop_streams(kind, P, m, sync, t0, t, s, head_split=False):
+def stop_streams(kind, P, m, sync, t0, t, s):
     """Every stage's stream after learning of a stop at UPDATE(t) and cutting to [t0, s); raises RuntimeError
     if a stage's executed prefix cannot be cut there."""
     out = []
     for stage in range(P):
         delays = delays_of(kind, stage, P, sync)
-        stream = ActionStream(segment_actions(kind, stage, P, m, delays, t0, T, head_split=head_split))
+        stream = ActionStream(segment_actions(kind, stage, P, m, delays, t0, T))
         stream.fixed = fixed_at_update(stream.actions, t)
-        shorter = segment_actions(kind, stage, P, m, delays, t0, s, head_split=head_split)
+        shorter = segment_actions(kind, stage, P, m, delays, t0, s)
         stream.cut(shorter)
         assert sorted(stream.actions, key=repr) == sorted(shorter, key=repr)  # the same work, to the action
         out.append(stream.actions)
     return out
 
 
-def violations(lookahead_for, kinds=KINDS, head_split=False) -> list:
+def violations(lookahead_for, kinds=KINDS) -> list:
     bad = []
     for kind, P, m, sync in cases(kinds):
-        if head_split and P < 2:
-            continue
         for t0 in (0, 2):
             for t in range(t0, T):
                 s = t + lookahead_for(kind, P)
                 if s >= T:
                     continue
                 try:
-                    streams = stop_streams(kind, P, m, sync, t0, t, s, head_split)
+                    streams = stop_streams(kind, P, m, sync, t0, t, s)
                     execution_order(streams)
                     check_fifo(streams)
                 except (RuntimeError, ScheduleError) as e:

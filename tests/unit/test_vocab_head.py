@@ -52,7 +52,12 @@ def test_shard_math_equals_the_unsplit_cross_entropy(rows):
 @pytest.mark.parametrize("overrides, must_contain", [
     (["parallel.pp=2", "parallel.head=vocab", "schedule=pipedream"], ["parallel.head=vocab", "pipedream"]),
     (["parallel.pp=2", "parallel.head=vocab", "schedule=gpipe"], ["parallel.head=vocab", "gpipe"]),
-    (["parallel.pp=2", "parallel.head_split=tokens"], ["parallel.head_split", "parallel.head=tokens"]),
+    (["parallel.pp=2", "parallel.head_split=tokens"], ["parallel.head_split", "parallel.head=last, vocab or auto"]),
+    # The token head split was removed (the vocabulary-parallel head matched or beat it where measured): its two
+    # keys name the replacement.
+    (["parallel.pp=2", "parallel.head=tokens"], ["parallel.head=tokens", "removed", "use parallel.head=vocab"]),
+    (["parallel.pp=2", "parallel.head_split_tokens=100"], ["parallel.head_split_tokens", "removed",
+                                                           "use parallel.head=vocab"]),
     (["model=tiny_dense", "parallel.pp=2", "parallel.tp=2", "parallel.head=vocab"], ["parallel.tp=2", "tied",
                                                                                    "tie_embeddings=false"]),
     (["model=tiny_dense", "parallel.pp=2", "parallel.head=vocab", "parallel.vocab_shards=[100,100]"],
@@ -60,7 +65,7 @@ def test_shard_math_equals_the_unsplit_cross_entropy(rows):
     (["model=tiny_dense", "+model.overrides.tie_embeddings=false", "parallel.pp=2", "parallel.tp=2",
       "parallel.head=vocab", "parallel.vocab_shards=[4095,4097]"], ["multiple of parallel.tp=2"]),
     (["parallel.head=last", "parallel.vocab_shards=[4096,4096]"], ["needs parallel.head=vocab"]),
-    (["parallel.head=sideways"], ["parallel.head='sideways'", "'last', 'vocab', 'tokens', 'auto'"]),
+    (["parallel.head=sideways"], ["parallel.head='sideways'", "'last', 'vocab', 'auto'"]),
     # One stage: nothing to spread the vocabulary over (accepted, it would run the head whole without a word).
     (["model=tiny_dense", "parallel.pp=1", "parallel.head=vocab"], ["parallel.head=vocab", "parallel.pp=1",
                                                                     "use parallel.head=last or auto"]),
