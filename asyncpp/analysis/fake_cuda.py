@@ -11,8 +11,9 @@ meta instead: traced.py.) A StepTracer on top records every op; this module chec
   stand-in, so one run finds all of them),
 
 and records which MoE kernel and which attention kernel ran. The stage is the run's: built by
-`build_rank_stage` on the fake process group (dryrun.py), its forward is `stage_forward` and the stage's loss,
-as the executor's microbatch forward and its evaluation call them.
+`build_rank_stage` on the fake process group (dryrun.py); its forward is `stage_forward` and the stage's loss, as
+the executor's microbatch forward and its evaluation call them, or, with a vocabulary-parallel head and a sharded
+embedding, the layers with every stage's S and E (stage_microbatch_forward).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
@@ -31,8 +32,10 @@ from asyncpp.analysis.trace import AttentionPath, HostRead, StandIns, StepTracer
 from asyncpp.analysis.traced import H100, balanced_stand_ins, pin_gpu_kernels
 from asyncpp.config import RunConfig
 from asyncpp.parallel.mesh import ParallelDims
+from asyncpp.parallel.vocab_parallel import embedding_partial, split_for_tp
 from asyncpp.pipeline.build import build_rank_stage, mesh_for
-from asyncpp.pipeline.stage import stage_forward
+from asyncpp.pipeline.stage import StageSpec, stage_forward, vocab_rows
+from asyncpp.pipeline.vocab_head import shard_statistics_
 
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention": "flash", "aten::_scaled_dot_product_cudnn_attention": "cudnn",
                  "aten::_scaled_dot_product_efficient_attention": "efficient",
@@ -67,6 +70,11 @@ class FakeCudaReport:
     host_reads: list[HostRead] = field(default_factory=list)
     ops: int = 0
     wall_s: float = 0.0
+    logits_width: int | None = None
+    """The width of the logits this stage's forward made: a vocabulary-parallel head's rows on every stage, the whole
+    vocabulary on the last stage otherwise (None on the other stages)."""
+    embedding_rows: int | None = None
+    """A sharded embedding's rows the stage's E looked up (None: the embedding whole on the first stage)."""
 
     @property
     def unneeded_reads(self) -> list[HostRead]:
@@ -79,6 +87,7 @@ class FakeCudaReport:
             by_site[key] = by_site.get(key, 0) + 1
         lines = [f"fake-CUDA forward of {self.model} stage {self.stage}: {self.ops} ops in {self.wall_s:.1f} s",
                  f"  kernels run: {self.ops_run}",
+                 f"  logits width {self.logits_width}, embedding rows looked up {self.embedding_rows}",
                  f"  MoE kernel per layer: {sorted(set(self.kernels.values())) or 'no MoE layer'}",
                  f"  device mixes: {len(self.mixes)}" + "".join(f"\n    {m}" for m in self.mixes[:20]),
                  f"  host reads (element reads): {len(self.host_reads)}, not needed: {len(self.unneeded_reads)}"]
@@ -107,6 +116,35 @@ def on_device(model: nn.Module, device: torch.device, dtype: torch.dtype) -> Non
                 m._buffers[name] = torch.empty(b.shape, device=device, dtype=b.dtype)
 
 
+def stage_microbatch_forward(model: nn.Module, spec: StageSpec, loss_fn, tokens: Tensor, x: Tensor, tp: int
+                             ) -> tuple[int | None, int | None]:
+    """The forward work of one microbatch on `spec`'s stage (TP rank 0), as the engine's actions do it: the
+    layers, and on the last stage the loss; with a vocabulary-parallel head every stage's S instead of the loss (its
+    rows' logits and their statistics, shard_statistics_, of the last stage's normed hidden states; elsewhere `x`
+    stands for the broadcast ones); with a sharded embedding every stage's E (its rows' partial lookup; on the
+    first stage it stands for the reduced sum, same shape and dtype). `x`: what a later stage receives. Returns
+    (the logits' width, the embedding rows looked up), each None where the stage made none."""
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    if spec.vocab is None:
+        out = stage_forward(model, spec, ids if spec.is_first else x)
+        if spec.is_last:
+            loss_fn(out, labels)
+        return (out.shape[-1] if spec.is_last else None), None
+    if spec.embed is not None:
+        partial = embedding_partial(ids, model.embed.weight, spec.embed)
+        inputs = partial if spec.is_first else x
+    else:
+        inputs = ids if spec.is_first else x
+    h = stage_forward(model, spec, inputs, head=False)
+    hidden = model.norm(h) if spec.is_last else x
+    param, row0 = vocab_rows(model, spec)
+    piece = split_for_tp(spec.vocab, tp)[0]  # the TP plan chunked the stage's rows; TP rank 0's piece
+    weight = param.narrow(0, row0, piece.rows)
+    exps = nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]), weight).float()
+    shard_statistics_(exps, labels.reshape(-1), piece)
+    return exps.shape[-1], (spec.embed.rows if spec.embed is not None else None)
+
+
 def fake_cuda_forward(cfg: RunConfig, model_cfg, world_size: int, stage: int,
                       capability: tuple[int, int] = H100) -> FakeCudaReport:
     """One training forward (with its loss on the last stage) and one evaluation forward of `stage`, bf16,
@@ -130,16 +168,14 @@ def fake_cuda_forward(cfg: RunConfig, model_cfg, world_size: int, stage: int,
         with FakeTensorMode(allow_non_fake_inputs=True):
             on_device(model, device, torch.bfloat16)
             tokens = torch.randint(0, model_cfg.vocab_size, (t.micro_batch_size, t.seq_len + 1), device=device)
-            x = None if spec.is_first else torch.randn(t.micro_batch_size, t.seq_len, model_cfg.hidden_size,
-                                                       device=device, dtype=torch.bfloat16, requires_grad=True)
+            x = torch.randn(t.micro_batch_size, t.seq_len, model_cfg.hidden_size, device=device, dtype=torch.bfloat16,
+                            requires_grad=True)  # what the stage receives: the previous stage's output, or a broadcast
             attention = AttentionPath(gpu=True, tracer=checks)  # SDPA's own choice needs a real GPU (trace.py)
             with attention, checks:
                 for label, grad in (("forward", True), ("evaluate", False)):
                     checks.begin(label)
                     with torch.set_grad_enabled(grad):
-                        out = stage_forward(model, spec, tokens[:, :-1] if spec.is_first else x)
-                        if spec.is_last:
-                            built.loss_fn(out, tokens[:, 1:])
+                        widths = stage_microbatch_forward(model, spec, built.loss_fn, tokens, x, mesh.dims.tp)
                     checks.end()
         ops_run: dict[str, int] = {}
         for op in checks.ops:
@@ -148,6 +184,6 @@ def fake_cuda_forward(cfg: RunConfig, model_cfg, world_size: int, stage: int,
             if name is not None:
                 ops_run[name] = ops_run.get(name, 0) + 1
         return FakeCudaReport(stage, model_cfg.name, kernels, ops_run, checks.mixes, checks.host_reads,
-                              len(checks.ops), time.perf_counter() - started)
+                              len(checks.ops), time.perf_counter() - started, *widths)
     finally:
         dist.destroy_process_group()

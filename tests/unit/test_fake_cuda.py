@@ -19,11 +19,13 @@ import json, sys
 from asyncpp import job
 from asyncpp.analysis.fake_cuda import fake_cuda_forward
 cfg, model_cfg = job.resolve(job.compose(["model=tiny_moe", "parallel.pp=2", "parallel.ep=2", "train.precision=bf16",
+                                          "parallel.head=vocab", "parallel.embedding=vocab",
                                           "train.num_microbatches=2", "logging=disabled", "out_dir=" + sys.argv[1]]))
 out = []
 for s in (0, 1):
     r = fake_cuda_forward(cfg, model_cfg, 4, s)
     out.append({"ops_run": r.ops_run, "kernels": sorted(set(r.kernels.values())), "mixes": len(r.mixes),
+                "widths": [r.logits_width, r.embedding_rows], "vocab": model_cfg.vocab_size,
                 "unneeded": [h.site for h in r.unneeded_reads], "reads": [h.site for h in r.host_reads]})
 print("RESULT" + json.dumps(out))
 """
@@ -42,4 +44,8 @@ def test_fake_cuda_forward_of_a_tiny_moe_stage_with_expert_parallelism(tmp_path)
         assert s["ops_run"].get("flash", 0) > 0, s
         assert s["mixes"] == 0 and s["unneeded"] == [], s
         assert s["reads"] and all(r.startswith("asyncpp/parallel/experts.py") for r in s["reads"]), s  # the split sizes
+    # The vocabulary-parallel head's S and the sharded embedding's E ran on both stages, each on its own rows.
+    widths = [s["widths"] for s in stages]
+    assert all(0 < w < s["vocab"] and w == e for (w, e), s in zip(widths, stages)), widths
+    assert sum(w for w, _ in widths) == stages[0]["vocab"], widths
     assert sys.executable != str(CUDA_PY)  # the suite itself runs on the CPU build
