@@ -67,11 +67,17 @@ def test_an_accepted_case_equals_the_simulator(index, tmp_path):
     print(f"{label(CASES[index])}: {measured}")
 
 
-BF16_BEYOND_4N: dict[str, str] = {}
+BF16_BEYOND_4N: dict[str, str] = {
+    "model=tiny_moe,sync_start_steps=1,grad_ef_lambda=0.5,tp=2,sequence_parallel=True,dp=2,ep=2,precision=bf16,"
+    "head=auto,rampup=True":
+        "bf16 reordering through TP+SP x DP x EP and gradient EF: layers.3.mlp.shared_gate.weight 1.36e-2 against the "
+        "bf16 bound 9.1e-3 (2026-11-26); its fp32 twin passes (worst weight 4.3e-6, layers.0.mlp.w_down)",
+}
 """Cases whose bf16 run lands past the bf16 bound while their fp32 twin passes at the fp32 tolerance (issue 30's
 note): expected failures, strict, so a change in either shows. (The one entry of 2026-11-25, the random case
 tiny_moe,ef,grad_ef,dc,wp,pp=2,tp=2,bf16,selective,rampup,m=2P,resume at 1.46e-2 against 1.35e-2, left the
-random sample when parallel.head gained vocab and auto: the seeded draw changed.)"""
+random sample when parallel.head gained vocab and auto: the seeded draw changed; the entry of 2026-11-26 came in
+when the token split left parallel.head and the draw changed again.)"""
 
 
 def test_every_expected_bf16_failure_names_a_random_case():
