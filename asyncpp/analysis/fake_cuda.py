@@ -32,10 +32,10 @@ from asyncpp.analysis.trace import AttentionPath, HostRead, StandIns, StepTracer
 from asyncpp.analysis.traced import H100, balanced_stand_ins, pin_gpu_kernels
 from asyncpp.config import RunConfig
 from asyncpp.parallel.mesh import ParallelDims
-from asyncpp.parallel.vocab_parallel import embedding_partial, split_for_tp
+from asyncpp.parallel.vocab_parallel import embedding_partial
 from asyncpp.pipeline.build import build_rank_stage, mesh_for
-from asyncpp.pipeline.stage import StageSpec, stage_forward, vocab_rows
-from asyncpp.pipeline.vocab_head import shard_statistics_
+from asyncpp.pipeline.stage import StageSpec, stage_forward, vocab_head_rows
+from asyncpp.pipeline.vocab_head import shard_logits_statistics
 
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention": "flash", "aten::_scaled_dot_product_cudnn_attention": "cudnn",
                  "aten::_scaled_dot_product_efficient_attention": "efficient",
@@ -137,11 +137,9 @@ def stage_microbatch_forward(model: nn.Module, spec: StageSpec, loss_fn, tokens:
         inputs = ids if spec.is_first else x
     h = stage_forward(model, spec, inputs, head=False)
     hidden = model.norm(h) if spec.is_last else x
-    param, row0 = vocab_rows(model, spec)
-    piece = split_for_tp(spec.vocab, tp)[0]  # the TP plan chunked the stage's rows; TP rank 0's piece
-    weight = param.narrow(0, row0, piece.rows)
-    exps = nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]), weight).float()
-    shard_statistics_(exps, labels.reshape(-1), piece)
+    param, row0, piece = vocab_head_rows(model, spec, tp, 0)
+    exps, _ = shard_logits_statistics(hidden.reshape(-1, hidden.shape[-1]), param.narrow(0, row0, piece.rows),
+                                      labels.reshape(-1), piece)
     return exps.shape[-1], (spec.embed.rows if spec.embed is not None else None)
 
 

@@ -25,10 +25,9 @@ from asyncpp.core.update import NO_CORRECTIONS, Corrections, lr_multiplier_for
 from asyncpp.core.vocab_split import VocabSplit, run_vocab_placement, run_vocab_split
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
-from asyncpp.parallel.vocab_parallel import split_for_tp
 from asyncpp.pipeline.engine import ForwardFn, StageEngine
 from asyncpp.pipeline.p2p import StageComm
-from asyncpp.pipeline.stage import StageSpec, vocab_rows
+from asyncpp.pipeline.stage import StageSpec, vocab_head_rows
 from asyncpp.pipeline.timer import stage_timer
 from asyncpp.pipeline.update import StageUpdate
 from asyncpp.pipeline.vocab_head import VocabEmbedding, VocabHead
@@ -162,10 +161,9 @@ def build_stage_runtime(
     comm = comm_cls(mesh, plan.activation_shape, plan.link_dtype, plan.timeout_s)
     vocab = tied_rows = None
     if plan.vocab is not None:
-        param, row0 = vocab_rows(module, spec)
+        param, row0, piece = vocab_head_rows(module, spec, mesh.dims.tp, mesh.tp_rank)
         if tied_ids and not spec.is_first:  # its head rows are rows of the tied weight the first stage holds whole
             tied_rows = (spec.vocab.start, sum(plan.vocab.shards))
-        piece = split_for_tp(spec.vocab, mesh.dims.tp)[mesh.tp_rank]  # the TP plan chunked the stage's rows
         vocab = VocabHead(mesh, piece, param, row0, head_labels, plan.head_shape, plan.link_dtype, comm.wait)
     embedding = None
     if spec is not None and spec.embed is not None:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 
 from asyncpp.core.partition import stage_layer_ranges
-from asyncpp.parallel.vocab_parallel import VocabShard
+from asyncpp.parallel.vocab_parallel import VocabShard, split_for_tp
 
 
 class StageSpec:
@@ -95,6 +95,13 @@ def vocab_rows(model: nn.Module, spec: StageSpec) -> tuple[nn.Parameter, int]:
     if spec.is_first and model.config.tie_embeddings:
         return model.embed.weight, spec.vocab.start
     return model.lm_head.weight, 0
+
+
+def vocab_head_rows(model: nn.Module, spec: StageSpec, tp: int, tp_rank: int) -> tuple[nn.Parameter, int, VocabShard]:
+    """parallel.head=vocab on one TP rank: (the parameter holding its head rows, the row they start at in it, its
+    piece of the stage's rows: the TP plan chunked them, split_for_tp)."""
+    param, row0 = vocab_rows(model, spec)
+    return param, row0, split_for_tp(spec.vocab, tp)[tp_rank]
 
 
 def tied_parameters(model: nn.Module, spec: StageSpec) -> list[nn.Parameter]:

@@ -71,6 +71,14 @@ def shard_statistics_(logits: Tensor, targets: Tensor, shard: VocabShard) -> Ten
     return torch.stack((local_max, sum_exp, target_logit))
 
 
+def shard_logits_statistics(flat: Tensor, weight: Tensor, targets: Tensor, shard: VocabShard
+                            ) -> tuple[Tensor, Tensor]:
+    """S's computation on one shard: the fp32 logits of `flat` [N, h] against the shard's rows `weight` [rows, h],
+    exponentiated in place, and their statistics [3, N] (shard_statistics_)."""
+    exps = nn.functional.linear(flat, weight).float()
+    return exps, shard_statistics_(exps, targets, shard)
+
+
 def combine_statistics(gathered: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """[P x 3, N] -> (global max, sum of exp(logit - global max) over the vocabulary, the target's logit), per token."""
     maxes, sums, targets = gathered.view(-1, 3, gathered.shape[-1]).unbind(1)
@@ -214,8 +222,7 @@ class VocabHead:
         """This shard's fp32 logits of `flat` [N, h], exponentiated (shard_statistics_), and the start of their
         statistics' all-gather over every holder of head rows: (exps, the shard's statistics [3, N], the gathered
         buffer [holders x 3, N], the work)."""
-        exps = nn.functional.linear(flat, self.weight()).float()
-        stats = shard_statistics_(exps, targets, self.shard)
+        exps, stats = shard_logits_statistics(flat, self.weight(), targets, self.shard)
         gathered = stats.new_empty((self.holders * stats.shape[0], stats.shape[1]))  # gloo: stacked on dim 0
         work = dist.all_gather_into_tensor(gathered, stats, group=self.groups.stats, async_op=True)
         return exps, stats, gathered, work

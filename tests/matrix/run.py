@@ -74,11 +74,16 @@ def assert_no_nccl_deadlock(results: list[dict], what: str) -> None:
 def bf16_noise(cfg: RunConfig, ref: dict) -> dict:
     """How far the bf16 simulator lands from the fp32 simulator on this case: per step the largest |loss| and
     |grad norm| difference so far, per weight tensor the relative error (BF16_NOISE_FACTOR above)."""
-    fp32 = reference_run(cfg.replace(train=dataclasses.replace(cfg.train, precision="fp32")))
-    pairs = list(zip(ref["stats"], fp32["stats"], strict=True))
+    return simulator_distance(ref, reference_run(cfg.replace(train=dataclasses.replace(cfg.train, precision="fp32"))))
+
+
+def simulator_distance(run: dict, other: dict) -> dict:
+    """How far one simulator run lands from another of the same case: per step the largest |loss| and |grad norm|
+    difference so far (the noise grows with the steps), per weight tensor `run`'s relative error against `other`'s."""
+    pairs = list(zip(run["stats"], other["stats"], strict=True))
     return {"loss": list(itertools.accumulate((abs(a.loss - b.loss) for a, b in pairs), max)),
             "grad_norm": list(itertools.accumulate((abs(a.grad_norm - b.grad_norm) for a, b in pairs), max)),
-            "params": {n: relative_error(p.float(), fp32["params"][n]) for n, p in ref["params"].items()}}
+            "params": {n: relative_error(p.float(), other["params"][n]) for n, p in run["params"].items()}}
 
 
 def head_order_noise(cfg: RunConfig, ref: dict) -> dict | None:
@@ -88,11 +93,8 @@ def head_order_noise(cfg: RunConfig, ref: dict) -> dict | None:
     shards = vocab_shards_of(cfg.validate(model_cfg), model_cfg)
     if shards is None:
         return None
-    blocks = reference_run(cfg, head_in_vocab_blocks(vocab_shards(shards, model_cfg.vocab_size)))
-    pairs = list(zip(ref["stats"], blocks["stats"], strict=True))
-    return {"loss": list(itertools.accumulate((abs(a.loss - b.loss) for a, b in pairs), max)),
-            "grad_norm": list(itertools.accumulate((abs(a.grad_norm - b.grad_norm) for a, b in pairs), max)),
-            "params": {n: relative_error(blocks["params"][n], p) for n, p in ref["params"].items()}}
+    return simulator_distance(reference_run(cfg, head_in_vocab_blocks(vocab_shards(shards, model_cfg.vocab_size))),
+                              ref)
 
 
 def writer_records(results: list[dict]) -> list[dict]:
