@@ -154,9 +154,8 @@ def grouped_swiglu(rows: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w
     return _swiglu_padded_bmm(rows, counts, w_gate, w_up, w_down)
 
 
-def _padded_positions(counts: Tensor, group_sizes: Tensor, num_rows: int) -> Tensor:
-    """Row i of the expert-sorted input -> its row in a buffer where group e occupies group_sizes[e] rows."""
-    group_starts = torch.cumsum(group_sizes, 0) - group_sizes
+def _padded_positions(counts: Tensor, group_starts: Tensor, num_rows: int) -> Tensor:
+    """Row i of the expert-sorted input -> its row in a buffer where group e starts at row group_starts[e]."""
     row_starts = torch.cumsum(counts, 0) - counts
     shift = torch.repeat_interleave(group_starts - row_starts, counts, output_size=num_rows)
     return shift + torch.arange(num_rows, device=counts.device)
@@ -165,7 +164,9 @@ def _padded_positions(counts: Tensor, group_sizes: Tensor, num_rows: int) -> Ten
 def _swiglu_padded_bmm(rows: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
     E, (M, d) = counts.numel(), rows.shape
     cap = int(counts.max()) if M else 0  # host sync: the buffer is [E, busiest expert's rows, d]
-    pos = _padded_positions(counts, torch.full_like(counts, cap), M)
+    # Group e starts at e * cap. Not as the cumsum of a tensor full of cap: under torch.compile cap is a
+    # value read from the device, and Inductor's rewrite of cumsum(full(v)) fails on such a v.
+    pos = _padded_positions(counts, torch.arange(E, device=counts.device) * cap, M)
     buf = rows.new_zeros(E * cap, d).index_copy(0, pos, rows).view(E, cap, d)
     h = F.silu(torch.bmm(buf, w_gate.transpose(1, 2))) * torch.bmm(buf, w_up.transpose(1, 2))
     return torch.bmm(h, w_down.transpose(1, 2)).reshape(E * cap, d).index_select(0, pos)
@@ -181,8 +182,9 @@ def _swiglu_grouped_mm(rows: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tenso
     total = M + E * (align - 1)
     sizes = (counts + align - 1) // align * align
     sizes = torch.cat([sizes[:-1], (total - sizes[:-1].sum()).reshape(1)])
-    pos = _padded_positions(counts, sizes, M)
-    offs = torch.cumsum(sizes, 0).to(torch.int32)
+    ends = torch.cumsum(sizes, 0)
+    pos = _padded_positions(counts, ends - sizes, M)
+    offs = ends.to(torch.int32)
     buf = rows.new_zeros(total, d).index_copy(0, pos, rows)
     gmm = torch._grouped_mm
     h = F.silu(gmm(buf, w_gate.transpose(1, 2), offs=offs)) * gmm(buf, w_up.transpose(1, 2), offs=offs)
@@ -264,15 +266,19 @@ class MoE(nn.Module):
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [N, d] -> (probs [N, E] float32, topk_weight [N, k] float32, topk_idx [N, k])."""
         probs = torch.softmax(self.router(x).float(), dim=-1)
-        if self.expert_bias is None:
-            weight, idx = probs.topk(self.top_k, dim=-1)
-        else:
-            # The bias steers which experts are chosen, never how much they weigh (DeepSeek-V3).
-            idx = (probs + self.expert_bias.float()).topk(self.top_k, dim=-1).indices
-            weight = probs.gather(-1, idx)
+        idx = self.choose(probs)
+        weight = probs.gather(-1, idx)  # the chosen experts weigh their own probability, bias or not
         if self.normalize_topk:
             weight = weight / weight.sum(dim=-1, keepdim=True)
         return probs, weight, idx
+
+    def choose(self, probs: Tensor) -> Tensor:
+        """The experts of each token [N, k] from its probabilities [N, E]: the top_k, steered by the expert
+        bias when enabled (it steers which experts are chosen, never how much they weigh: DeepSeek-V3). The
+        only discrete decision of the layer: a comparison of two implementations pins it (tests/routing.py)."""
+        if self.expert_bias is None:
+            return probs.topk(self.top_k, dim=-1).indices
+        return (probs + self.expert_bias.float()).topk(self.top_k, dim=-1).indices
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape

@@ -341,3 +341,21 @@ def test_expert_counts_equal_bincount() -> None:
     idx[idx == 5] = 4  # an expert with no assignment
     assert torch.equal(expert_counts(idx, 9), torch.bincount(idx.flatten(), minlength=9))
     assert expert_counts(idx, 9).dtype == torch.int64
+
+
+def test_the_bmm_expert_kernel_compiles_and_matches_eager() -> None:
+    """train.compile with the bmm kernel (the CPU's, and CUDA's without grouped_mm): the buffer's group starts
+    were the cumsum of a tensor full of the busiest expert's count; from the second call on, torch.compile
+    makes that count symbolic, and Inductor's rewrite of cumsum(full(v)) failed on a symbolic v
+    (InductorError in every MoE block from the second step on)."""
+    moe = _moe(seed=6)
+    kernel = torch.compile(grouped_swiglu)
+    for n in (17, 29, 41):  # different busiest experts: the count becomes symbolic after the first call
+        _, idx = _skewed_routing(n)
+        x = torch.randn(n, D, generator=torch.Generator().manual_seed(n))
+        _, token_of, counts = sort_assignments(idx, E)
+        rows = x.index_select(0, token_of)
+        got = kernel(rows, counts, moe.w_gate, moe.w_up, moe.w_down, "bmm")
+        want = grouped_swiglu(rows, counts, moe.w_gate, moe.w_up, moe.w_down, "bmm")
+        assert got.shape == (n * K, D)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
