@@ -34,7 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout's asyncpp and data, not bench/data.py
 
 import torch
-import torch.distributed as dist
 
 from asyncpp import job
 from asyncpp.analysis import trace as trace_mod
@@ -82,39 +81,6 @@ class AllocatorPeak:
                 "max_reserved_bytes": torch.cuda.max_memory_reserved(self.device)}
 
 
-class FilledCollectives:
-    """The fake process group completes a collective at once and writes nothing into its output. On meta that is
-    harmless (no values); on a real device an all-to-all's output would be uninitialized memory, and the expert
-    dispatcher reads its split sizes from the exchanged token counts (garbage sizes, seen on an H200). So, as
-    traced.FilledComm does for the stage links: each peer is taken to send what this rank sends (an all-to-all
-    returns its input, the symmetric balanced exchange) and an all-gather returns its input repeated."""
-
-    def __init__(self):
-        self.saved = dist.all_to_all_single, dist.all_gather_into_tensor
-
-    def __enter__(self):
-        a2a, gather = self.saved
-
-        def all_to_all_single(output, input, *args, **kwargs):
-            work = a2a(output, input, *args, **kwargs)
-            if output.shape == input.shape:
-                output.copy_(input)
-            else:
-                output.fill_(0 if not output.is_floating_point() else 0.01)
-            return work
-
-        def all_gather_into_tensor(output, input, *args, **kwargs):
-            work = gather(output, input, *args, **kwargs)
-            output.view(-1, *input.shape).copy_(input.unsqueeze(0).expand(output.numel() // input.numel(), *input.shape))
-            return work
-
-        dist.all_to_all_single, dist.all_gather_into_tensor = all_to_all_single, all_gather_into_tensor
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_to_all_single, dist.all_gather_into_tensor = self.saved
-
-
 def config_of(layout: str, model: str, m: int, head: str | None, out: Path, smoke: bool):
     overrides = [f"model={model}", f"train.num_microbatches={m}", "logging=disabled", f"out_dir={out / 'real_stage_runs'}"]
     if smoke:
@@ -128,7 +94,7 @@ def config_of(layout: str, model: str, m: int, head: str | None, out: Path, smok
 
 def run_stage(cfg, model_cfg, world: int, stage: int, device: torch.device, steps: int) -> dict:
     started = time.perf_counter()
-    with AllocatorPeak(device) as peak, FilledCollectives():
+    with AllocatorPeak(device) as peak:  # trace_stage fills the fake group's collectives on a real device
         trace = trace_stage(cfg, model_cfg, world, stage,
                             lambda st, plan, mesh, c=cfg: job.optimizer_for(c, mesh)(st, plan),
                             device=device.type, steps=steps, as_gpu=None)

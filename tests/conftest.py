@@ -1,6 +1,8 @@
 import os
 
 import pytest
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tests.threads import single_thread
 
@@ -16,3 +18,15 @@ def one_thread():
     `pytestmark = pytest.mark.usefixtures("one_thread")`."""
     with single_thread():
         yield
+
+
+@pytest.fixture
+def fake_world():
+    """A 4-rank fake process group seen from rank 3 (what a dry run uses); torn down afterwards."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -58,6 +58,10 @@ NEEDED = {
     ("asyncpp/parallel/experts.py", "dispatch"): "the expert all-to-all's split sizes: NCCL takes them on the host",
     ("asyncpp/pipeline/update.py", "apply"): "the global norm: the skip decision and the clip coefficient are "
                                              "taken on the host, once per step",
+    ("asyncpp/core/update.py", "_restore_if_not_finite"): "whether x_{t+1} is finite: the contract skips a "
+                                                           "non-finite update on every stage, and the host decides "
+                                                           "the restore, the router bias and the stop before the "
+                                                           "next forward reads x_{t+1}",
     ("asyncpp/pipeline/executor.py", "evaluate"): "the validation loss (evaluation only)",
     ("asyncpp/pipeline/vocab_head.py", "evaluate"): "the validation loss of the vocabulary-parallel head (evaluation "
                                                     "only)",
@@ -203,7 +207,9 @@ class StorageLedger:
         first: an earlier stage's tensors in unreachable cycles would still be listed, and counted."""
         gc.collect()
         for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor):
+            # Not a FakeTensor: torch.compile keeps those in its caches, they hold no memory, and once a graph
+            # is dynamic their sizes are symbols (a sum with one made the tracer's peak a SymInt).
+            if isinstance(obj, torch.Tensor) and not is_fake(obj):
                 self.enter(obj)
         return self.sweep()
 

@@ -54,6 +54,50 @@ class FilledComm(StageComm):
         return buf.fill_(0.01)
 
 
+class FilledCollectives:
+    """The fake process group completes a collective at once and writes nothing into its output. On meta that is
+    harmless (no values); on a real device an all-to-all's output would be uninitialized memory, and the expert
+    dispatcher reads its split sizes from the exchanged token counts (garbage sizes, seen on an H200). So, as
+    FilledComm does for the stage links: each peer is taken to send what this rank sends (an all-to-all
+    returns its input, the symmetric balanced exchange) and an all-gather returns its input repeated. A broadcast
+    fills a receiver's buffer with a small constant: left as allocated, the vocabulary head's hidden states and the
+    distributed optimizer's weight shards were garbage on the H200, and the steps they fed were skipped as
+    non-finite (two of three, so the update ran once per stage in the traced window; on the CPU, now and then, so the
+    tiny runs' op sequences differed from the meta trace's: a flaky test_traced_step)."""
+
+    def __init__(self):
+        self.saved = dist.all_to_all_single, dist.all_gather_into_tensor, dist.broadcast
+
+    def __enter__(self):
+        a2a, gather, bcast = self.saved
+
+        def all_to_all_single(output, input, *args, **kwargs):
+            work = a2a(output, input, *args, **kwargs)
+            if output.shape == input.shape:
+                output.copy_(input)
+            else:
+                output.fill_(0 if not output.is_floating_point() else 0.01)
+            return work
+
+        def all_gather_into_tensor(output, input, *args, **kwargs):
+            work = gather(output, input, *args, **kwargs)
+            output.view(-1, *input.shape).copy_(input.unsqueeze(0).expand(output.numel() // input.numel(), *input.shape))
+            return work
+
+        def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+            work = bcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
+            source = group_src if group_src is not None else dist.get_group_rank(group, src) if group else src
+            if dist.get_rank(group) != source:
+                tensor.fill_(0 if not tensor.is_floating_point() else 0.01)
+            return work
+
+        dist.all_to_all_single, dist.all_gather_into_tensor, dist.broadcast = all_to_all_single, all_gather_into_tensor, broadcast
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single, dist.all_gather_into_tensor, dist.broadcast = self.saved
+
+
 class TokenSource:
     """Token blocks on the stage's device: random on the CPU and CUDA (seeded by index), shapes only on meta."""
 
@@ -93,6 +137,9 @@ class StageTrace:
     scalars: list = field(default_factory=list)
     host_copies: set[int] = field(default_factory=set)
     wall_s: float = 0.0
+    updates: list[dict] = field(default_factory=list)
+    """Per step whose update ran in the window: its gradient norm and whether it was skipped (a step that
+    skips measures no optimizer step: on a real device, unfilled receive buffers make non-finite steps)."""
 
     def reads_per_step(self) -> dict[str, float]:
         """Host reads by call site, per training step (the reads of training actions / steps; evaluation
@@ -113,6 +160,9 @@ class StageTrace:
                  f"({self.peak_bytes / max(self.plan['total_bytes'], 1):.3f} of the plan)",
                  f"  MoE kernels: {self._kernel_summary()}; attention: {self.attention or 'no attention layer'}"]
         lines.append(f"  held only by reference cycles at an action's end (freed by gc): {self.cyclic_bytes / mib:.2f} MiB")
+        skipped = [u["step"] for u in self.updates if u["skipped"]]
+        lines.append(f"  updates in the window: {len(self.updates) - len(skipped)} applied"
+                     + (f", skipped at steps {skipped} (non-finite)" if skipped else ", none skipped"))
         worst = max(self.actions, key=lambda a: a.peak_bytes) if self.actions else None
         if worst is not None:
             lines.append(f"  the peak is reached in {worst.action}")
@@ -147,7 +197,7 @@ class StageTrace:
                 "attention": self.attention,
                 "plan": self.plan, "steps": self.steps, "microbatches": self.microbatches,
                 "peak_bytes": self.peak_bytes, "start_bytes": self.start_bytes, "cyclic_bytes": self.cyclic_bytes,
-                "wall_s": self.wall_s,
+                "wall_s": self.wall_s, "updates": self.updates,
                 "actions": [vars(a) for a in self.actions], "reads_per_step": self.reads_per_step(),
                 "host_reads": [r.to_dict() for r in self.host_reads], "comms": [c.to_dict() for c in self.comms]}
 
@@ -242,7 +292,8 @@ def trace_stage(cfg: RunConfig, model_cfg, world_size: int, stage: int, build_op
     target = torch.device(device)
     fake_group(rank, world_size)
     try:
-        with fused_kernels_on_meta():
+        # Filled on meta too (nothing to fill there): the meta trace then runs the real run's op sequence.
+        with fused_kernels_on_meta(), FilledCollectives():
             return _trace(cfg, model_cfg, dims, stage, rank, target, build_optimizer, steps, stand_ins, record,
                           as_gpu, evaluate)
     finally:
@@ -284,7 +335,12 @@ def _trace(cfg, model_cfg, dims, stage, rank, target, build_optimizer, steps, st
                       plan.table(), steps, executor.m, tracer.peak_bytes, start_bytes, tracer.cyclic_bytes,
                       tracer.actions,
                       tracer.host_reads, tracer.comms, tracer.ops, tracer.op_actions, tracer.scalars, tracer.host_copies,
-                      time.perf_counter() - started)
+                      time.perf_counter() - started, update_records(executor))
+
+
+def update_records(executor: PipelineExecutor) -> list[dict]:
+    records = sorted(executor.engine.records.values(), key=lambda r: r.step)
+    return [{"step": r.step, "grad_norm": r.grad_norm, "skipped": r.skipped} for r in records]
 
 
 def op_sequence(trace: StageTrace) -> list[tuple[str, str]]:

@@ -225,20 +225,6 @@ def test_moe_stats_per_layer() -> None:
 
 # ---- parallelize_moe without real processes ----------------------------------------------------
 
-@pytest.fixture
-def fake_world():
-    """A 4-rank fake process group seen from rank 3 (what a dry run uses); torn down afterwards."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_parallelize_on_meta_shapes_the_shards(fake_world) -> None:
     tp, ep = dist.new_group([2, 3]), dist.new_group([1, 3])
     moe = build_model(get_model_config("tiny_moe"), device="meta").layers[0].mlp
