@@ -48,22 +48,27 @@ def _fla() -> tuple[Callable | None, str]:
         return None, why or "no chunk_gated_delta_rule"
     if torch.cuda.is_available():
         try:
-            _probe(fused)
+            _probe(fused, torch.device("cuda", torch.cuda.current_device()))
         except Exception as e:  # noqa: BLE001 - the reason is reported by fla_status() and the GPU tests
             return None, (f"its kernel failed a forward+backward probe on {torch.cuda.get_device_name()}: "
                           f"{type(e).__name__}: {str(e)[:300]}")
     return fused, ""
 
 
-def _probe(fused: Callable) -> None:
-    device = torch.device("cuda", torch.cuda.current_device())
-    b, t, h, d = 1, 64, 1, 64  # one chunk of FLA's fixed size 64
-    q, k, v = (torch.randn(b, t, h, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    g = -torch.rand(b, t, h, device=device)
-    beta = torch.rand(b, t, h, device=device)
-    o, _ = fused(q, torch.nn.functional.normalize(k.float(), dim=-1).to(k.dtype), v, g, beta, output_final_state=False)
-    o.float().sum().backward()
-    torch.cuda.synchronize(device)
+def _probe(fused: Callable, device: torch.device) -> None:
+    # The first GDN forward may run under no_grad or inference mode (an evaluation first, a test's forward):
+    # the probe's backward needs autograd whatever its caller's mode (seen on the H200: "element 0 of tensors
+    # does not require grad" reported as the kernel's failure).
+    with torch.inference_mode(False), torch.enable_grad():
+        b, t, h, d = 1, 64, 1, 64  # one chunk of FLA's fixed size 64
+        q, k, v = (torch.randn(b, t, h, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        g = -torch.rand(b, t, h, device=device)
+        beta = torch.rand(b, t, h, device=device)
+        o, _ = fused(q, torch.nn.functional.normalize(k.float(), dim=-1).to(k.dtype), v, g, beta,
+                     output_final_state=False)
+        o.float().sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def fla_chunk_gated_delta_rule() -> Callable | None:

@@ -176,17 +176,35 @@ def test_fla_kernel_that_fails_its_probe_falls_back_with_the_reason(monkeypatch)
     monkeypatch.setattr(kernels, "try_import", lambda module: (fake, ""))
     monkeypatch.setattr(kernels.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(kernels.torch.cuda, "get_device_name", lambda *a: "a Hopper GPU")
-    monkeypatch.setattr(kernels, "_probe", lambda fused: fused())
+    monkeypatch.setattr(kernels.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(kernels, "_probe", lambda fused, device: fused())
     kernels._fla.cache_clear()
     try:
         assert kernels.fla_chunk_gated_delta_rule() is None
         assert "failed a forward+backward probe on a Hopper GPU" in kernels.fla_status()
         assert "Triton >= 3.4.0" in kernels.fla_status()
-        monkeypatch.setattr(kernels, "_probe", lambda fused: None)  # a kernel that passes is used
+        monkeypatch.setattr(kernels, "_probe", lambda fused, device: None)  # a kernel that passes is used
         kernels._fla.cache_clear()
         assert kernels.fla_chunk_gated_delta_rule() is refuse
     finally:
         kernels._fla.cache_clear()
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_fla_probe_runs_its_backward_whatever_the_callers_autograd_mode(mode):
+    """The probe runs at the first GDN forward, which may be under no_grad (an evaluation first, the GPU tests'
+    forward): its backward failed there and FLA was reported broken for that reason (seen on the H200)."""
+    from model_zoo.backends import kernels
+
+    calls = []
+
+    def fused(q, k, v, g, beta, output_final_state):  # a differentiable stand-in with FLA's signature
+        calls.append(torch.is_grad_enabled())
+        return q * beta.unsqueeze(-1).to(q.dtype) + k + v, None
+
+    with mode():
+        kernels._probe(fused, torch.device("cpu"))
+    assert calls == [True]
 
 
 def test_local_backend_changes_nothing():
