@@ -20,38 +20,45 @@ from model_zoo.moe import MoE
 
 
 @contextlib.contextmanager
-def same_routing(reference: nn.Module, other: nn.Module) -> Iterator[list[int]]:
-    """Within the block, each MoE layer of `other` takes the experts its namesake in `reference` chose in
-    the matching call (call `reference` first, then `other`, on the same input). Yields a list that
-    receives, per pinned call, how many tokens `other` would have sent elsewhere: the proof that pinning
-    mattered (or not)."""
+def same_routing(reference: nn.Module, *others: nn.Module) -> Iterator[list[int]]:
+    """Within the block, each MoE layer of every model in `others` takes the experts its namesake in
+    `reference` chose in the matching call (call `reference` first, then the others, on the same input).
+    Yields a list that receives, per pinned call of the first other model, how many tokens it would have
+    sent elsewhere: the proof that pinning mattered (or not)."""
     ref_layers = {n: m for n, m in reference.named_modules() if isinstance(m, MoE)}
-    other_layers = {n: m for n, m in other.named_modules() if isinstance(m, MoE)}
-    assert ref_layers and set(ref_layers) == set(other_layers), "both models need the same MoE layers"
-    queues: dict[str, list[torch.Tensor]] = {n: [] for n in ref_layers}
+    assert ref_layers, "the reference has no MoE layer"
+    queues: list[dict[str, list[torch.Tensor]]] = [{n: [] for n in ref_layers} for _ in others]
     flipped: list[int] = []
+    patched: list[MoE] = list(ref_layers.values())
 
     def recording(name: str, layer: MoE):
         def choose(probs: torch.Tensor) -> torch.Tensor:
             idx = MoE.choose(layer, probs)
-            queues[name].append(idx.detach())
+            for queue in queues:
+                queue[name].append(idx.detach())
             return idx
         return choose
 
-    def pinned(name: str, layer: MoE):
+    def pinned(name: str, layer: MoE, queue: dict[str, list[torch.Tensor]], count: bool):
         def choose(probs: torch.Tensor) -> torch.Tensor:
-            idx = queues[name].pop(0)
-            own = MoE.choose(layer, probs)
-            flipped.append(int((own.sort(-1).values != idx.sort(-1).values).any(-1).sum()))
+            idx = queue[name].pop(0)
+            if count:
+                own = MoE.choose(layer, probs)
+                flipped.append(int((own.sort(-1).values != idx.sort(-1).values).any(-1).sum()))
             return idx
         return choose
 
     for name, layer in ref_layers.items():
         layer.choose = recording(name, layer)
-        other_layers[name].choose = pinned(name, other_layers[name])
+    for i, (other, queue) in enumerate(zip(others, queues)):
+        layers = {n: m for n, m in other.named_modules() if isinstance(m, MoE)}
+        assert set(layers) == set(ref_layers), "every model needs the reference's MoE layers"
+        for name, layer in layers.items():
+            layer.choose = pinned(name, layer, queue, count=i == 0)
+            patched.append(layer)
     try:
         yield flipped
     finally:
-        for layer in (*ref_layers.values(), *other_layers.values()):
+        for layer in patched:
             del layer.choose
-    assert not any(queues.values()), "a reference call was not matched by a call of the other model"
+    assert not any(any(q.values()) for q in queues), "a reference call was not matched by another model's"

@@ -53,23 +53,38 @@ def loss_and_grads(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[float,
 
 
 def assert_same_model_function(local: torch.nn.Module, other: torch.nn.Module, grad_tol: float = 5e-2) -> None:
-    """Forward, loss and every gradient within bf16 tolerance, with the MoE layers' expert choice pinned to
-    local's (tests/routing.py: a token whose experts are within rounding of each other may flip, and that
-    is the routing's discontinuity, not an error of the implementation)."""
+    """Forward, loss and every gradient of two bf16 implementations agree, with the MoE layers' expert choice
+    pinned to local's (tests/routing.py: a token whose experts are within rounding of each other may flip,
+    and that is the routing's discontinuity, not an error of the implementation).
+
+    A gradient's bound is max(grad_tol, 3 e), e = local's own distance from the same model in fp64: two bf16
+    implementations each at most ~e from the truth are at most ~2e apart (triangle inequality), and 3e
+    leaves room for the other's error being the larger. Most gradients have e well below 1e-2; those that
+    are sums with heavy cancellation (GDN's A_log and dt_bias, 4 entries each, summed over every token and
+    position) have e of several percent, and a fixed 5% there fails on rounding alone (measured on the H200:
+    compiled blocks' A_log gradient 6.5% from eager's)."""
     vocab = local.config.vocab_size
     tokens = torch.randint(0, vocab, (2, 129), device=CUDA, generator=torch.Generator(CUDA).manual_seed(1))
+    truth = copy.deepcopy(local).double()
     moe_layers = sum(isinstance(m, MoE) for m in local.modules())
-    with same_routing(local, other) if moe_layers else contextlib.nullcontext([]) as flipped:
-        with torch.no_grad():
-            assert rel(other(tokens[:, :-1]).float(), local(tokens[:, :-1]).float()) < 2e-2
+    with same_routing(local, other, truth) if moe_layers else contextlib.nullcontext([]) as flipped:
+        with torch.no_grad():  # local first: it makes the choice the others take
+            out_local = local(tokens[:, :-1]).float()
+            assert rel(other(tokens[:, :-1]).float(), out_local) < 2e-2
+            truth(tokens[:, :-1])
         loss_local, grads_local = loss_and_grads(local, tokens)
         loss_other, grads_other = loss_and_grads(other, tokens)
+        _, grads_truth = loss_and_grads(truth, tokens)
     assert len(flipped) == 2 * moe_layers  # every MoE call of both passes was pinned
     print(f"tokens the other implementation would have routed elsewhere, per MoE call: {flipped}")
     assert loss_other == pytest.approx(loss_local, rel=1e-2)
     assert set(grads_other) == set(grads_local)  # the same parameter names
+    worst = []
     for name, g in grads_local.items():
-        assert rel(grads_other[name], g) < grad_tol, name
+        bound = max(grad_tol, 3 * rel(g, grads_truth[name]))
+        worst.append((rel(grads_other[name], g) / bound, name, bound))
+        assert rel(grads_other[name], g) < bound, (name, bound)
+    print("largest gradient distances over their bounds:", sorted(worst, reverse=True)[:4])
 
 
 @pytest.mark.parametrize("name, overrides", MODELS)
