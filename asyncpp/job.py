@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from asyncpp.analysis.dryrun import dry_run
-from asyncpp.analysis.traced import trace_stage
+from asyncpp.analysis.traced import TRACED_STEPS, trace_stage
 from asyncpp.config import ConfigError, RunConfig, check_pipeline_options, parse_blend
 from asyncpp.config.parallel import TOKEN_SPLIT_REMOVED
 from asyncpp.core.batches import BatchPlan
@@ -340,7 +340,7 @@ def run_dry(cfg: RunConfig, model_cfg: ModelConfig, echo=print) -> list[dict]:
         stage = cfg.dry_run_stage
         if stage is None:
             stage = max(reports, key=lambda r: r["memory"]["total_bytes"])["stage"]
-        echo(f"dry run trace: stage {stage}, 3 steps on meta tensors (asyncpp/analysis/traced.py)")
+        echo(f"dry run trace: stage {stage}, {TRACED_STEPS} steps on meta tensors (asyncpp/analysis/traced.py)")
         trace = trace_stage(cfg, model_cfg, cfg.dry_run, stage, build_optimizer)
         echo(trace.report())
         out = Path(cfg.out_dir) / "dry_run_trace.json"

@@ -37,7 +37,7 @@ import torch
 
 from asyncpp import job
 from asyncpp.analysis import trace as trace_mod
-from asyncpp.analysis.traced import trace_stage
+from asyncpp.analysis.traced import TRACED_STEPS, trace_stage
 
 LAYOUTS = {  # layout -> (model, world size, pipeline stages); the same as bench/trace_layouts.py
     "moe_2b_8gpu": ("moe_2b", 8, 2),
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--stages", default=None, help="comma-separated stages (default: all)")
     ap.add_argument("--head", nargs="*", default=[None], help="parallel.head values (default: the layout's own)")
     ap.add_argument("--m", type=int, default=None, help="microbatches per step (default: P, as trace_layouts)")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=TRACED_STEPS)
     ap.add_argument("--smoke", action="store_true", help="CPU: a tiny model, to check the harness")
     args = ap.parse_args(argv)
     layouts = SMOKE if args.smoke else LAYOUTS

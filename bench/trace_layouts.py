@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout's asyncpp and data, not bench/data.py
 
 from asyncpp import job
-from asyncpp.analysis.traced import trace_stage
+from asyncpp.analysis.traced import TRACED_STEPS, trace_stage
 
 LAYOUTS = {  # layout -> (model, world size, pipeline stages)
     "moe_2b_8gpu": ("moe_2b", 8, 2),
@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=list(LAYOUTS))
     ap.add_argument("--stages", default=None, help="comma-separated stages (default: all)")
     ap.add_argument("--m", type=int, default=None, help="microbatches per step (default: P)")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=TRACED_STEPS)
     ap.add_argument("--head", default=None, help="parallel.head (default: the layout's own, vocab for the paper's)")
     args = ap.parse_args()
     out = Path(args.out)

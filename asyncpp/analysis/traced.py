@@ -273,13 +273,20 @@ def marking_actions(executor: PipelineExecutor, tracer: StepTracer):
             delattr(engine, n)
 
 
+TRACED_STEPS = 4
+"""The steps a trace runs by default: the first list in which a steady-state UPDATE comes before the drain. The
+optimizer's state appears at UPDATE(0), which 2BW places after step 1's forwards; with the vocabulary-parallel
+head, UPDATE(t) for t >= 1 sits after step t+1's last forward, where two microbatches are in flight next to two
+gradient sets and the update's scratch (the memory plan's UPDATE share), and UPDATE(1) is there only if step 2 is
+not the last: at 3 steps it falls into the drain, and hybrid_moe_10b_8gpu's last stage traced 0.90 of its plan."""
+
+
 def trace_stage(cfg: RunConfig, model_cfg, world_size: int, stage: int, build_optimizer: BuildOptimizer, *,
-                device: str = "meta", steps: int = 3, stand_ins: StandIns | None = None, record: bool = False,
+                device: str = "meta", steps: int = TRACED_STEPS, stand_ins: StandIns | None = None, record: bool = False,
                 as_gpu: tuple[int, int] | None = H100, evaluate: bool = True) -> StageTrace:
     """Run `steps` steps of `stage`'s schedule (drained at both ends) on `device` under a StepTracer.
 
-    Three steps by default: the optimizer's state appears at UPDATE(0), which 2BW places after step 1's
-    forwards, so step 2 is the first with everything a running step holds (two gradient buffers, the state).
+    TRACED_STEPS by default (why: its docstring).
 
     device="meta": the real size, nothing allocated. device="cpu" with record=True: a real run of the same stage
     on the same fake group (the tests run a tiny model both ways). as_gpu: the MoE kernel of a GPU of that

@@ -229,6 +229,7 @@ def test_compile_blocks_runs_on_cpu_with_the_same_results_and_names():
     assert all(p.grad is not None for p in compiled.layers.parameters())
 
 
+@pytest.mark.slow  # ~20 s of Inductor on CI's 2 cores; the bmm kernel's compile stays default (test_moe.py)
 def test_compiled_moe_blocks_match_eager_in_bf16_with_the_same_routing():
     """train.compile on an MoE model in bf16 (the bmm expert kernel under Inductor; tests/gpu runs the same
     comparison on CUDA): forward, loss and every gradient within bf16 tolerance once the expert choice is
