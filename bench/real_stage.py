@@ -94,7 +94,7 @@ def config_of(layout: str, model: str, m: int, head: str | None, out: Path, smok
 
 def run_stage(cfg, model_cfg, world: int, stage: int, device: torch.device, steps: int) -> dict:
     started = time.perf_counter()
-    with AllocatorPeak(device) as peak:  # trace_stage fills the fake group's collectives on a real device
+    with AllocatorPeak(device) as peak:  # trace_stage fills the fake group's collectives (traced.FilledCollectives)
         trace = trace_stage(cfg, model_cfg, world, stage,
                             lambda st, plan, mesh, c=cfg: job.optimizer_for(c, mesh)(st, plan),
                             device=device.type, steps=steps, as_gpu=None)

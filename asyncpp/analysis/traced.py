@@ -36,6 +36,7 @@ from asyncpp.config import RunConfig
 from asyncpp.parallel.mesh import ParallelDims
 from asyncpp.pipeline.build import build_rank_stage, mesh_for
 from asyncpp.pipeline.executor import PipelineExecutor
+from asyncpp.pipeline.memory import STEADY_STEPS
 from asyncpp.pipeline.p2p import StageComm
 from asyncpp.pipeline.weights import compute_dtype_of
 from asyncpp.schedules.actions import Action
@@ -46,12 +47,17 @@ H100 = (9, 0)
 """The compute capability the trace stands for by default (the paper's GPUs)."""
 
 
+def fill_received(buf: Tensor) -> Tensor:
+    """What a fake group's receive leaves in `buf`, made finite: a small constant (0 for integers)."""
+    return buf.fill_(0.01 if buf.is_floating_point() else 0)
+
+
 class FilledComm(StageComm):
     """The stage links on a fake process group: a receive completes at once and writes nothing, so each
     received buffer is filled with a small constant (finite activations and gradients in a real CPU run)."""
 
     def _arrived(self, buf: Tensor) -> Tensor:
-        return buf.fill_(0.01)
+        return fill_received(buf)
 
 
 class FilledCollectives:
@@ -76,7 +82,7 @@ class FilledCollectives:
             if output.shape == input.shape:
                 output.copy_(input)
             else:
-                output.fill_(0 if not output.is_floating_point() else 0.01)
+                fill_received(output)
             return work
 
         def all_gather_into_tensor(output, input, *args, **kwargs):
@@ -88,7 +94,7 @@ class FilledCollectives:
             work = bcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
             source = group_src if group_src is not None else dist.get_group_rank(group, src) if group else src
             if dist.get_rank(group) != source:
-                tensor.fill_(0 if not tensor.is_floating_point() else 0.01)
+                fill_received(tensor)
             return work
 
         dist.all_to_all_single, dist.all_gather_into_tensor, dist.broadcast = all_to_all_single, all_gather_into_tensor, broadcast
@@ -273,12 +279,10 @@ def marking_actions(executor: PipelineExecutor, tracer: StepTracer):
             delattr(engine, n)
 
 
-TRACED_STEPS = 4
-"""The steps a trace runs by default: the first list in which a steady-state UPDATE comes before the drain. The
-optimizer's state appears at UPDATE(0), which 2BW places after step 1's forwards; with the vocabulary-parallel
-head, UPDATE(t) for t >= 1 sits after step t+1's last forward, where two microbatches are in flight next to two
-gradient sets and the update's scratch (the memory plan's UPDATE share), and UPDATE(1) is there only if step 2 is
-not the last: at 3 steps it falls into the drain, and hybrid_moe_10b_8gpu's last stage traced 0.90 of its plan."""
+TRACED_STEPS = STEADY_STEPS
+"""The steps a trace runs by default: the plan's own list length (pipeline/memory.STEADY_STEPS says why), so the
+trace holds what the plan counts. At 3 steps the steady-state UPDATE(1) fell into the drain, and hybrid_moe_10b_8gpu's
+last stage traced 0.90 of its plan."""
 
 
 def trace_stage(cfg: RunConfig, model_cfg, world_size: int, stage: int, build_optimizer: BuildOptimizer, *,

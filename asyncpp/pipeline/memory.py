@@ -134,10 +134,18 @@ def action_peaks(loads: list[ActionLoad], per_microbatch: int, per_grad_set: int
     return list(best.values())
 
 
-def vocab_actions(cfg: RunConfig, model_cfg, stage: int, num_stages: int, steps: int = 4) -> list[Action]:
+STEADY_STEPS = 4
+"""The steps of a list that holds a steady-state step between the warm-up and the drain (steps 1 and 2): with the
+vocabulary-parallel head, UPDATE(t) for t >= 1 sits after step t+1's last forward, where two microbatches are in
+flight next to two gradient sets and the update's scratch, and UPDATE(1) is there only if step 2 is not the last (at
+3 steps it falls into the drain). The plan's UPDATE share is read off such a list, and a trace runs one
+(analysis/traced.TRACED_STEPS)."""
+
+
+def vocab_actions(cfg: RunConfig, model_cfg, stage: int, num_stages: int, steps: int = STEADY_STEPS) -> list[Action]:
     """Stage `stage`'s actions under parallel.head=vocab over `steps` steps at the steady delay: the split, the
     warm-up, the slack and the S/T placement StagePlan.of and the executor use (core/vocab_split.py), so the peaks read off
-    it are the run's (steps 1 and 2 are the steady state between the warm-up and the drain)."""
+    it are the run's (STEADY_STEPS: why the default)."""
     t = cfg.train
     split = run_vocab_split(cfg, model_cfg)
     placement = run_vocab_placement(cfg, split)

@@ -81,9 +81,9 @@ def assert_same_model_function(local: torch.nn.Module, other: torch.nn.Module, g
     assert set(grads_other) == set(grads_local)  # the same parameter names
     worst = []
     for name, g in grads_local.items():
-        bound = max(grad_tol, 3 * rel(g, grads_truth[name]))
-        worst.append((rel(grads_other[name], g) / bound, name, bound))
-        assert rel(grads_other[name], g) < bound, (name, bound)
+        bound, distance = max(grad_tol, 3 * rel(g, grads_truth[name])), rel(grads_other[name], g)
+        worst.append((distance / bound, name, bound))
+        assert distance < bound, (name, bound)
     print("largest gradient distances over their bounds:", sorted(worst, reverse=True)[:4])
 
 

@@ -21,4 +21,3 @@ def test_real_stage_smoke_runs_a_vocab_head_stage_and_restores_the_collectives(t
     assert [u["skipped"] for u in d["updates"]] == [False] * TRACED_STEPS  # every step's update ran: none fed garbage
     assert (dist.all_to_all_single, dist.all_gather_into_tensor, dist.broadcast) == saved
     assert (tmp_path / "real_stage.json").exists()
-

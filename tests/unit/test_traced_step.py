@@ -167,16 +167,17 @@ def test_the_default_trace_reaches_the_plans_steady_state_update(stage, tmp_path
     sets) only if step 2 is not the last, so a 3-step trace measured less than a running step holds (hybrid_moe_10b_8gpu
     stage 3: 0.90 of its plan)."""
     from asyncpp.core.memory import action_loads
-    from asyncpp.pipeline.memory import vocab_actions
+    from asyncpp.pipeline.memory import STEADY_STEPS, vocab_actions
+    from asyncpp.schedules.actions import Op
 
     cfg, model_cfg = resolved(["model=hybrid_moe_10b", "parallel=hybrid_moe_10b_8gpu", "train.num_microbatches=4"], tmp_path)
     assert cfg.parallel.head == "vocab"
 
     def worst_update(steps):
         loads = action_loads(vocab_actions(cfg, model_cfg, stage, 4, steps=steps), stage == 3)
-        return max((ld.in_flight, ld.grad_sets) for ld in loads if ld.action.op.name == "UPDATE")
+        return max((ld.in_flight, ld.grad_sets) for ld in loads if ld.action.op is Op.UPDATE)
 
-    assert worst_update(TRACED_STEPS) == worst_update(4) == worst_update(6)
+    assert worst_update(TRACED_STEPS) == worst_update(STEADY_STEPS) == worst_update(6)
     if stage == 3:
-        assert worst_update(3) < worst_update(4)  # why three steps were not enough
+        assert worst_update(3) < worst_update(STEADY_STEPS)  # why three steps were not enough
 
