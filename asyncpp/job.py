@@ -289,8 +289,7 @@ def _run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | No
         # Layers swapped and compiled before the optimizer is built on the stage's Parameters.
         prepare_model(stage.model, backend=cfg.train.backend, compile=cfg.train.compile, device=device,
                       log=metrics.message if metrics is not None else (lambda text: None))
-        executor = PipelineExecutor(cfg, stage, mesh, data, optimizer_for(cfg, mesh))
-        executor.report.process_baseline_bytes = baseline
+        executor = PipelineExecutor(cfg, stage, mesh, data, optimizer_for(cfg, mesh), process_baseline_bytes=baseline)
         _print_stage_memory(mesh, executor, metrics)
         trainer = Trainer(cfg, executor, metrics, stop=stop)
         trainer.resume()

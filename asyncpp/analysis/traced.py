@@ -40,6 +40,7 @@ from asyncpp.pipeline.memory import STEADY_STEPS
 from asyncpp.pipeline.p2p import StageComm
 from asyncpp.pipeline.weights import compute_dtype_of
 from asyncpp.schedules.actions import Action
+from model_zoo import ModelConfig
 from model_zoo.moe import MoE, grouped_mm_unsupported
 
 TRACED_WINDOW = "asyncpp.traced_step"
@@ -208,7 +209,7 @@ class StageTrace:
                 "host_reads": [r.to_dict() for r in self.host_reads], "comms": [c.to_dict() for c in self.comms]}
 
 
-def balanced_stand_ins(cfg: RunConfig, model_cfg, dims: ParallelDims) -> StandIns:
+def balanced_stand_ins(cfg: RunConfig, model_cfg: ModelConfig, dims: ParallelDims) -> StandIns:
     """Host-read stand-ins of a balanced router (the memory plan's moe_imbalance=1): every expert gets
     tokens * top_k / experts rows of each rank's microbatch, every EP peer tokens * top_k / ep of them."""
     moe = model_cfg.moe
@@ -251,32 +252,29 @@ def fused_kernels_on_meta():
         torch_optimizer._get_fused_kernels_supported_devices, optim_build._get_fused_kernels_supported_devices = saved
 
 
+class MarkingActions:
+    """The engine's observer (engine.ActionObserver): every action's boundaries marked in the tracer, so that an
+    action's ops and bytes are booked to it (the parts' S, T, E and G included)."""
+
+    def __init__(self, tracer: StepTracer):
+        self.tracer = tracer
+
+    def begin(self, a: Action) -> None:
+        self.tracer.begin(str(a))
+
+    def end(self, a: Action) -> None:
+        self.tracer.end()
+
+
 @contextmanager
 def marking_actions(executor: PipelineExecutor, tracer: StepTracer):
-    """Mark every action's boundaries in the tracer: the engine's handlers, wrapped on this instance only."""
+    """Mark every action's boundaries in the tracer while the block runs (the engine's observer)."""
     engine = executor.engine
-    # Every handler of StageEngine.run, the vocabulary head's S and T and the sharded embedding's E and G included:
-    # an unmarked action's ops and bytes would be booked to the action before it.
-    names = ["_forward", "_backward", "_update_start", "_update", "_vocab_forward", "_vocab_backward",
-             "_embed_forward", "_embed_backward"]
-    originals = {n: getattr(engine, n) for n in names}
-
-    def wrap(handler):
-        def run(a: Action):
-            tracer.begin(str(a))
-            try:
-                handler(a)
-            finally:
-                tracer.end()
-        return run
-
-    for n in names:
-        setattr(engine, n, wrap(originals[n]))
+    saved, engine.observer = engine.observer, MarkingActions(tracer)
     try:
         yield
     finally:
-        for n in names:
-            delattr(engine, n)
+        engine.observer = saved
 
 
 TRACED_STEPS = STEADY_STEPS
@@ -285,7 +283,7 @@ trace holds what the plan counts. At 3 steps the steady-state UPDATE(1) fell int
 last stage traced 0.90 of its plan."""
 
 
-def trace_stage(cfg: RunConfig, model_cfg, world_size: int, stage: int, build_optimizer: BuildOptimizer, *,
+def trace_stage(cfg: RunConfig, model_cfg: ModelConfig, world_size: int, stage: int, build_optimizer: BuildOptimizer, *,
                 device: str = "meta", steps: int = TRACED_STEPS, stand_ins: StandIns | None = None, record: bool = False,
                 as_gpu: tuple[int, int] | None = H100, evaluate: bool = True) -> StageTrace:
     """Run `steps` steps of `stage`'s schedule (drained at both ends) on `device` under a StepTracer.
@@ -311,7 +309,7 @@ def trace_stage(cfg: RunConfig, model_cfg, world_size: int, stage: int, build_op
         dist.destroy_process_group()
 
 
-def _trace(cfg, model_cfg, dims, stage, rank, target, build_optimizer, steps, stand_ins, record, as_gpu,
+def _trace(cfg: RunConfig, model_cfg: ModelConfig, dims, stage, rank, target, build_optimizer, steps, stand_ins, record, as_gpu,
            evaluate) -> StageTrace:
     mesh = mesh_for(cfg, model_cfg, dims, "cpu")
     mesh.device = target  # the groups are the fake backend's; the stage's tensors live on `device`

@@ -68,7 +68,7 @@ class ParallelConfig:
     - first: whole on the first stage;
     - vocab (with head=vocab, pp >= 2): sharded by the head's rows, stage s holding embedding rows vocab_rows(s) too; each
       stage looks up the tokens in its rows, the partial embeddings are summed onto the first stage, and the first
-      stage's embedding gradient is broadcast back (the E and G actions, pipeline/vocab_head.VocabEmbedding). The
+      stage's embedding gradient is broadcast back (the E and G actions, pipeline/vocab_embedding.VocabEmbedding). The
       first stage no longer holds the whole [vocab, hidden] table, its gradient and optimizer state; a tied
       embedding's head and embedding rows are then one tensor on each stage (no cross-stage tied all-reduce).
       The paper layouts take it where the dry run's largest rank drops (configs/parallel/*.yaml)."""

@@ -37,6 +37,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from asyncpp.config import RunConfig
+from asyncpp.optim.build import AnyOptimizer
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
 from asyncpp.schedules.invariants import in_flight_after, peak_in_flight
@@ -141,18 +143,18 @@ def storage_bytes(tensors: Iterable[Tensor], counted: set[int] | None = None) ->
     return total
 
 
-def _optimizers(optimizer) -> list:
+def _optimizers(optimizer: AnyOptimizer) -> list:
     inner = getattr(optimizer, "optimizers", None)
     return list(inner.values()) if isinstance(inner, dict) else [optimizer]
 
 
-def optimizer_state_tensors(optimizer) -> list[Tensor]:
+def optimizer_state_tensors(optimizer: AnyOptimizer) -> list[Tensor]:
     """Every tensor in the optimizer's per-parameter state (an OptimizerSet's inner optimizers included)."""
     return [v for opt in _optimizers(optimizer) for state in opt.state.values()
             for v in state.values() if isinstance(v, Tensor)]
 
 
-def _shadow(optimizer, twins: dict[int, Tensor]):
+def _shadow(optimizer: AnyOptimizer, twins: dict[int, Tensor]):
     """A copy of `optimizer` over `twins` (id(param) -> twin) with empty state. Built by hand, not with
     deepcopy: torch optimizers pickle only defaults/state/param_groups, which would drop attributes such
     as process groups that step() reads; those are shared with the original here (read-only)."""
@@ -169,7 +171,7 @@ def _shadow(optimizer, twins: dict[int, Tensor]):
     return shadow
 
 
-def _meta_shadow_state(optimizer) -> list[Tensor]:
+def _meta_shadow_state(optimizer: AnyOptimizer) -> list[Tensor]:
     """The state one step would create, from a copy of the optimizer over meta twins of its parameters
     (meta ops allocate nothing and run no kernels, so this is free at any model size)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -181,7 +183,7 @@ def _meta_shadow_state(optimizer) -> list[Tensor]:
     return optimizer_state_tensors(shadow)
 
 
-def optimizer_state_bytes(optimizer, counted: set[int] | None = None) -> tuple[int, str]:
+def optimizer_state_bytes(optimizer: AnyOptimizer, counted: set[int] | None = None) -> tuple[int, str]:
     """(bytes, how): the allocated state if the optimizer has stepped, else one meta step's state (or, if
     the optimizer cannot step on meta tensors, 2 fp32 tensors per parameter, AdamW's, as a stated guess)."""
     existing = optimizer_state_tensors(optimizer)
@@ -195,7 +197,7 @@ def optimizer_state_bytes(optimizer, counted: set[int] | None = None) -> tuple[i
         return guess, f"{ESTIMATED} (guess: 2 fp32 tensors per parameter; meta step failed: {type(e).__name__})"
 
 
-def materialize_optimizer_state(optimizer) -> None:
+def materialize_optimizer_state(optimizer: AnyOptimizer) -> None:
     """Dry runs on meta parameters: take one step so the state exists (as meta tensors) and is counted
     as allocated. Never call it on real parameters: it applies an update with garbage gradients."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -525,7 +527,7 @@ def vocab_forward_scratch_bytes(*, tokens: int, rows: int, itemsize: int) -> int
 
 @dataclass(frozen=True)
 class EmbeddingHeld:
-    """The most of each of a sharded embedding's buffers (pipeline/vocab_head.VocabEmbedding) a stage holds at once,
+    """The most of each of a sharded embedding's buffers (pipeline/vocab_embedding.VocabEmbedding) a stage holds at once,
     read off its placed schedule (costmodel.place_embedding_passes: the E and G positions the engine runs)."""
 
     lookups: int
@@ -595,7 +597,7 @@ def vocab_backward_scratch_bytes(*, tokens: int, rows: int, hidden: int, itemsiz
 
 # ---- reports -----------------------------------------------------------------------------------
 
-def versions_report(versions, optimizer, *, error_feedback: Sequence[Tensor], activation_bytes_per_mb: int,
+def versions_report(versions, optimizer: AnyOptimizer, *, error_feedback: Sequence[Tensor], activation_bytes_per_mb: int,
                     in_flight: int, grad_buffers: int, title: str, backward_scratch: int = 0,
                     extra: Sequence[MemoryItem] = (), ef_lambda: float = 0.0, peaks: Sequence[ActionPeak] = ()
                     ) -> MemoryReport:
@@ -655,7 +657,7 @@ def simulator_report(sim, *, activation_bytes_per_mb: int, title: str) -> Memory
     return MemoryReport(title, items)
 
 
-def _optimizer_and_rest(optimizer, error_feedback: Sequence[Tensor], masters: Sequence[Tensor], counted: set[int],
+def _optimizer_and_rest(optimizer: AnyOptimizer, error_feedback: Sequence[Tensor], masters: Sequence[Tensor], counted: set[int],
                         grad_buffers: int) -> list[MemoryItem]:
     state, how = optimizer_state_bytes(optimizer, counted)
     return [
@@ -681,7 +683,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
-def simulator_run_report(sim, model_cfg: LayerShapes, cfg) -> MemoryReport:
+def simulator_run_report(sim, model_cfg: LayerShapes, cfg: RunConfig) -> MemoryReport:
     """The report pretrain.py prints when a single process simulates the run (`cfg`: a RunConfig): the
     whole model, one microbatch of cfg.train's shape in flight, MoE routing assumed balanced."""
     t = cfg.train

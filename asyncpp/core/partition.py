@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from asyncpp.core.layer_costs import LayerCosts, layer_costs
+from asyncpp.config import RunConfig
+from asyncpp.core.layer_costs import LayerCosts
 from asyncpp.core.layer_split import balanced_split, stage_sizes
-from asyncpp.core.vocab_split import run_vocab_split
-from asyncpp.schedules.build import VOCAB_PARALLEL_KINDS
+from asyncpp.core.layout import Layout
 
 
 def suggest_split(sizes: Sequence[int], busy_s: Sequence[float], layer_weights: Sequence[float]) -> list[int]:
@@ -67,58 +67,34 @@ def stage_balance(sizes: Sequence[int], busy_s: Sequence[float], layer_weights: 
     return out
 
 
-AUTO_HEAD_GAIN = 0.05
-"""parallel.head=auto takes the vocabulary-parallel head when its slowest stage is at least this much cheaper than
-the head-on-last split's (cost model): below that the head's collectives, which the compute cost leaves out, can
-eat the gain."""
+def head_of(cfg: RunConfig, model) -> str:
+    """Where the LM head runs: "last" or "vocab" (spread over every stage); parallel.head=auto resolved by the cost
+    model (core/layout.py)."""
+    return Layout.of(cfg, model).head
 
 
-def head_of(cfg, model) -> str:
-    """Where the LM head runs: "last" or "vocab" (spread over every stage);
-    parallel.head=auto resolved by the cost model (deterministic: every rank and the simulator agree)."""
-    p = cfg.parallel
-    if p.head != "auto":
-        return p.head
-    allowed = (p.pp > 1 and cfg.schedule.name in VOCAB_PARALLEL_KINDS and getattr(model, "hidden_size", None)
-               and not (p.tp > 1 and getattr(model, "tie_embeddings", False)))
-    if not allowed:
-        return "last"
-    t = cfg.train
-    costs = layer_costs(model, t.seq_len, t.micro_batch_size, str(t.device).split(":")[0])
-    sizes = None if p.stage_layers == "auto" else stage_sizes(model.num_layers, p.pp, p.stage_layers)
-    last = max(costs.stage_costs(sizes or balanced_split(costs, p.pp)))
-    vocab = max(run_vocab_split(cfg, model).compute)
-    return "vocab" if vocab <= (1 - AUTO_HEAD_GAIN) * last else "last"
-
-
-def with_head_resolved(cfg, model):
+def with_head_resolved(cfg: RunConfig, model):
     """cfg with parallel.head=auto replaced by its choice (what a run records in its config)."""
     return cfg.replace(parallel=dataclasses.replace(cfg.parallel, head=head_of(cfg, model)))
 
 
-def vocab_shards_of(cfg, model) -> tuple[int, ...] | None:
+def vocab_shards_of(cfg: RunConfig, model) -> tuple[int, ...] | None:
     """Every stage's rows of the head under parallel.head=vocab (None otherwise)."""
-    return run_vocab_split(cfg, model).shards if head_of(cfg, model) == "vocab" and cfg.parallel.pp > 1 else None
+    return Layout.of(cfg, model).shards
 
 
-def embedding_sharded(cfg, model) -> bool:
+def embedding_sharded(cfg: RunConfig, model) -> bool:
     """parallel.embedding=vocab in effect: the input embedding sharded by the vocabulary-parallel head's rows. Only
     with the head spread (parallel.head=auto resolving to last keeps the embedding on the first stage too)."""
-    return getattr(cfg.parallel, "embedding", "first") == "vocab" and vocab_shards_of(cfg, model) is not None
+    return Layout.of(cfg, model).embedding
 
 
-def stage_split(cfg, model) -> list[int]:
+def stage_split(cfg: RunConfig, model) -> list[int]:
     """cfg.parallel.stage_layers resolved for `model` (a model_zoo.ModelConfig) under `cfg` (a RunConfig): the
     explicit list; `auto`, the cost model's balanced split at cfg.train's work shape on cfg.train.device
-    (asyncpp.core.layer_costs), with a vocabulary-parallel head the one sized together with its shards; None (a config built
-    without one), the near-even `default_split`."""
-    p, t = cfg.parallel, cfg.train
-    if p.stage_layers == "auto" and head_of(cfg, model) == "vocab":
-        return list(run_vocab_split(cfg, model).sizes)
-    if p.stage_layers == "auto":
-        device_type = str(t.device).split(":")[0]
-        return balanced_split(layer_costs(model, t.seq_len, t.micro_batch_size, device_type), p.pp)
-    return stage_sizes(model.num_layers, p.pp, p.stage_layers)
+    (asyncpp.core.layer_costs), with a vocabulary-parallel head the one sized together with its shards
+    (core/layout.py)."""
+    return list(Layout.of(cfg, model).sizes)
 
 
 def stage_layer_ranges(num_layers: int, num_stages: int, sizes: Sequence[int] | None = None) -> list[range]:

@@ -171,6 +171,11 @@ class OptimizerSet:
         return f"OptimizerSet({parts})"
 
 
+AnyOptimizer = OptimizerSet | torch.optim.Optimizer
+"""What a stage, the simulator and the memory plan step: the run's OptimizerSet, or one torch optimizer (the Megatron
+front-end's, a test's)."""
+
+
 def _adamw_kernel_flags(params: list[nn.Parameter]) -> dict[str, bool]:
     """fused=True when every param is a float tensor on one device type with a fused AdamW
     kernel (cuda, cpu, xpu, ... as torch reports it); otherwise the multi-tensor foreach path."""

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from asyncpp.config import RunConfig
+from asyncpp.core.layout import Layout
 from asyncpp.core.loss import cross_entropy, logits_loss_for
-from asyncpp.core.partition import embedding_sharded, head_of, stage_split, vocab_shards_of
+from asyncpp.core.partition import stage_split
 from asyncpp.core.recompute import apply_recompute, modes_per_layer
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import ParamSharding, ShardingPlan, layout_of
@@ -117,32 +119,31 @@ def tp_ep_plan(mesh, sequence_parallel: bool = False) -> Parallelize | None:
     return apply
 
 
-def stage_spec_of(cfg, model_cfg: ModelConfig, stage: int) -> StageSpec:
+def stage_spec_of(cfg: RunConfig, model_cfg: ModelConfig, stage: int) -> StageSpec:
     """Stage `stage`'s place in the model under run config `cfg`: its layers, and its rows of a
     vocabulary-parallel head."""
-    p = cfg.parallel
-    shards = vocab_shards_of(cfg, model_cfg)
-    vocab = vocab_shards(shards, model_cfg.vocab_size)[stage] if shards is not None else None
-    return StageSpec(stage, p.pp, model_cfg.num_layers, stage_split(cfg, model_cfg),
-                     vocab=vocab,
-                     embedding=embedding_sharded(cfg, model_cfg))
+    layout = Layout.of(cfg, model_cfg)
+    vocab = vocab_shards(layout.shards, model_cfg.vocab_size)[stage] if layout.shards is not None else None
+    return StageSpec(stage, cfg.parallel.pp, model_cfg.num_layers, list(layout.sizes), vocab=vocab,
+                     embedding=layout.embedding)
 
 
-def mesh_for(cfg, model_cfg: ModelConfig, dims, device: torch.device | str, timeout_s: float | None = None) -> Mesh:
+def mesh_for(cfg: RunConfig, model_cfg: ModelConfig, dims, device: torch.device | str, timeout_s: float | None = None) -> Mesh:
     """The mesh of a run: its groups, with the head's (a vocabulary-parallel head's three, and a sharded
     embedding's two)."""
-    return Mesh(dims, torch.device(device), vocab_head=head_of(cfg, model_cfg) == "vocab",
-                vocab_embedding=embedding_sharded(cfg, model_cfg), timeout_s=timeout_s)
+    layout = Layout.of(cfg, model_cfg)
+    return Mesh(dims, torch.device(device), vocab_head=layout.head == "vocab", vocab_embedding=layout.embedding,
+                timeout_s=timeout_s)
 
 
-def build_rank_stage(cfg, model_cfg: ModelConfig, mesh, device: torch.device | str) -> BuiltStage:
+def build_rank_stage(cfg: RunConfig, model_cfg: ModelConfig, mesh, device: torch.device | str) -> BuiltStage:
     """The stage this rank of `mesh` owns under run config `cfg` (seed, stage split, sequence parallelism)."""
     spec = stage_spec_of(cfg, model_cfg, mesh.pp_rank)
     return build_stage(model_cfg, spec, device, cfg.seed, tp_ep_plan(mesh, cfg.parallel.sequence_parallel),
                        ShardCoords.of(mesh), recompute=recompute_modes(cfg, model_cfg, mesh.num_stages))
 
 
-def build_whole_model(cfg, model_cfg: ModelConfig, device: torch.device | str) -> BuiltStage:
+def build_whole_model(cfg: RunConfig, model_cfg: ModelConfig, device: torch.device | str) -> BuiltStage:
     """The single-process run's model (the simulator): the whole model, built as the one stage of a one-stage
     layout by the same build as every rank's stage; each layer recomputes as its simulated stage would
     (train.recompute per stage of parallel.pp)."""
@@ -150,7 +151,7 @@ def build_whole_model(cfg, model_cfg: ModelConfig, device: torch.device | str) -
     return build_stage(model_cfg, spec, device, cfg.seed, recompute=recompute_modes(cfg, model_cfg, cfg.parallel.pp))
 
 
-def recompute_modes(cfg, model_cfg: ModelConfig, num_stages: int) -> list[str]:
+def recompute_modes(cfg: RunConfig, model_cfg: ModelConfig, num_stages: int) -> list[str]:
     """train.recompute as the mode of every layer of the model, with the stages split as the run splits them."""
     split = stage_split(cfg, model_cfg) if num_stages > 1 else None
     return modes_per_layer(cfg.train.recompute, model_cfg.num_layers, num_stages, split)

@@ -19,7 +19,8 @@ The gradient of a step is (sum of microbatch gradients) * grad_scale, like the s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,11 +28,14 @@ from torch import Tensor, nn
 
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.pipeline.p2p import StageComm
+from asyncpp.pipeline.parts import PartAction, StageEntry, StageExit, StagePart
 from asyncpp.pipeline.stopping import ActionStream, receives_ahead
 from asyncpp.pipeline.timer import StageTimer
 from asyncpp.pipeline.update import StageUpdate, StepRecord
-from asyncpp.pipeline.vocab_head import VocabEmbedding, VocabHead
 from asyncpp.schedules.actions import Action, Op
+
+P = TypeVar("P")
+_STAGE_OPS = (Op.FORWARD, Op.BACKWARD, Op.UPDATE_START, Op.UPDATE)
 
 ForwardFn = Callable[[int, int, "Tensor | None"], Tensor]
 """forward_fn(step, microbatch, input_activation_or_None) -> output activation, or the scalar loss
@@ -51,27 +55,63 @@ def backward_through(output: Tensor, grad: Tensor | None) -> None:
     )
 
 
+class ActionObserver(Protocol):
+    """Told of every action's boundaries (analysis/traced.py books ops and bytes to the action running)."""
+
+    def begin(self, a: Action) -> None: ...
+
+    def end(self, a: Action) -> None: ...
+
+
+class NoObserver:
+    def begin(self, a: Action) -> None:
+        pass
+
+    def end(self, a: Action) -> None:
+        pass
+
+
 class StageEngine:
+    """One stage's 2BW: it runs the stage's actions in order. FORWARD and BACKWARD run the layers on the action's
+    weight version between the stage's two ends (its entry gives the input and takes its gradient back, its exit
+    takes the output and gives back its gradient: parts.py); UPDATE_START(t) hands b_t's gradient to the stage's
+    update and UPDATE(t) applies it (update.StageUpdate). Any other action belongs to one of the stage's parts
+    (a vocabulary-parallel head's S and T, a sharded embedding's E and G) and runs through one table."""
+
     def __init__(self, *, module: nn.Module, mesh: Mesh, comm: StageComm, update: StageUpdate,
-                 forward_fn: ForwardFn, timer: StageTimer, vocab_head: VocabHead | None = None,
-                 embedding: VocabEmbedding | None = None):
-        """`update` is the stage's update (its weight versions, reductions and rule: update.py);
-        `vocab_head` (parallel.head=vocab, every stage): pipeline/vocab_head.py; the
-        last stage's forward_fn then returns its normed hidden states. `embedding` (parallel.embedding=vocab, every
-        stage): the E and G actions; the first stage's forward_fn then gets the summed embedding as its input."""
+                 forward_fn: ForwardFn, timer: StageTimer, entry: StageEntry, exit: StageExit,
+                 parts: Sequence[StagePart] = ()):
+        """`update` is the stage's update (its weight versions, reductions and rule: update.py); `entry` and `exit`
+        the stage's ends, `parts` what it is built with besides its layers (parts.py: an end may be a part too).
+        `forward_fn` gets the entry's input (None: the first stage's layers read the tokens) and returns what the
+        exit takes (the scalar loss of a whole head, the last stage's hidden states for a vocabulary-parallel one)."""
         self.module, self.mesh, self.comm, self.update = module, mesh, comm, update
         self.versions = update.versions
         self.forward_fn = forward_fn
         self.timer = timer  # perf_counter on CPU, CUDA events on CUDA
-        self.vocab_head = vocab_head
-        self.embedding = embedding
-        self._deferred: dict[int, list[Tensor]] = {}  # step -> its gradient, waiting for the step's last G
-        self._last_g: dict[int, int] = {}  # step -> index of its last G in `_last_g_of` (the list it indexed)
+        self.entry, self.exit, self.parts = entry, exit, list(parts)
+        self.observer: ActionObserver = NoObserver()
+        self._part_actions: dict[Op, tuple[StagePart, PartAction]] = {}
+        for part in self.parts:
+            for op, run in part.actions().items():
+                if op in self._part_actions or op in _STAGE_OPS:
+                    raise ValueError(f"two owners of the {op} actions: {type(part).__name__} and "
+                                     f"{type(self._part_actions[op][0]).__name__ if op in self._part_actions else 'the engine'}")
+                self._part_actions[op] = (part, run)
+        # A part's share of b_t complete at UPDATE_START(t) joins then; one with a gradient op at its step's last.
+        self._at_start = [p for p in self.parts if p.gradient_op is None]
+        self._gradient_ops = {p.gradient_op for p in self.parts if p.gradient_op is not None}
+        self._deferred: dict[int, list[Tensor]] = {}  # step -> its gradient, waiting for the step's last gradient op
+        self._last_g: dict[int, int] = {}  # step -> index of its last gradient op in `_last_g_of` (the list indexed)
         self._last_g_of: tuple[list[Action], int] | None = None
         self._stream: ActionStream | None = None
         self._index = 0
         self.inflight: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         self.losses: dict[int, list[Tensor]] = {}
+
+    def part(self, kind: type[P]) -> P | None:
+        """The stage's part of class `kind`, if it was built with one (the caller names it, the engine does not)."""
+        return next((p for p in self.parts if isinstance(p, kind)), None)
 
     @property
     def records(self) -> dict[int, StepRecord]:
@@ -84,9 +124,7 @@ class StageEngine:
         caller; nothing is called back). Given an ActionStream, the caller may cut it at an UPDATE's yield (a
         stop, stopping.py); `stream.fixed` tells it how much is executed or posted."""
         handlers = {Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
-                    Op.UPDATE_START: self._update_start, Op.UPDATE: self._update,
-                    Op.VOCAB_FORWARD: self._vocab_forward, Op.VOCAB_BACKWARD: self._vocab_backward,
-                    Op.EMBED_FORWARD: self._embed_forward, Op.EMBED_BACKWARD: self._embed_backward}
+                    Op.UPDATE_START: self._update_start, Op.UPDATE: self._update}
         stream = actions if isinstance(actions, ActionStream) else ActionStream(actions)
         self._stream = stream
         scan, posted = 0, -1  # the next action to consider for a receive; the last compute action posted
@@ -94,10 +132,8 @@ class StageEngine:
         while i < len(stream.actions):
             todo, action = stream.actions, stream.actions[i]
             self.comm.poll()
-            if self.vocab_head is not None:
-                self.vocab_head.poll()
-            if self.embedding is not None:
-                self.embedding.poll()
+            for part in self.parts:
+                part.poll()
             self._progress()
             scan = min(scan, stream.fixed)  # after a cut, its tail past the fixed prefix is new: rescan it
             scan, newly = receives_ahead(todo, i, scan, posted)
@@ -106,7 +142,11 @@ class StageEngine:
                 posted = k
             stream.fixed = max(i + 1, posted + 1)
             self._index = i
-            handlers[action.op](action)
+            self.observer.begin(action)
+            try:
+                handlers.get(action.op, self._part_action)(action)
+            finally:
+                self.observer.end(action)
             i += 1
             if action.op in (Op.UPDATE_START, Op.UPDATE):
                 yield action.op, action.step
@@ -117,19 +157,15 @@ class StageEngine:
             pass
 
     def _post_receive(self, a: Action) -> None:
-        if a.op is Op.FORWARD and not self.mesh.is_first_stage:
-            self.comm.post_recv_forward()
-        elif a.op is Op.BACKWARD and not self.mesh.is_last_stage:
-            self.comm.post_recv_backward()
-        elif a.op is Op.VOCAB_FORWARD:
-            self.vocab_head.post_hidden(a.step, a.microbatch)
+        if a.op is Op.FORWARD:
+            self.entry.post_input(a)
+        elif a.op is Op.BACKWARD:
+            self.exit.post_output_grad(a)
+        else:
+            self._part_actions[a.op][0].post_receive(a)
 
     def _forward(self, a: Action) -> None:
-        x = None
-        if not self.mesh.is_first_stage:
-            x = self.comm.recv_forward(f"the input activation of {a}").requires_grad_()
-        elif self.embedding is not None:  # the sum of every stage's part of the lookup (E)
-            x = self.embedding.input(a.step, a.microbatch, str(a)).requires_grad_()
+        x = self.entry.input(a)
         if self.update.shards and a.version == self.versions.newest:
             self.versions.sync()  # the broadcast of x_{t+1}: its wait is an event of its own, not forward time
         start = self.timer.now()
@@ -143,91 +179,59 @@ class StageEngine:
             balancing.record(a.step)
         if load_stats is not None:
             load_stats.record(a.step)
-        if self.vocab_head is not None and self.mesh.is_last_stage:  # the normed hidden states, to every S
-            self.vocab_head.send_hidden(a.step, a.microbatch, out)
-        elif self.mesh.is_last_stage:
-            self.losses.setdefault(a.step, []).append(out.detach())
-        else:
-            self.comm.send_forward(out, a.step)
+        self._keep_loss(a.step, self.exit.output(a, out))
         self.inflight[(a.step, a.microbatch)] = (x, out)
         self.timer.add(a, start, self.timer.now())
 
     def _backward(self, a: Action) -> None:
         x, out = self.inflight.pop((a.step, a.microbatch))
-        if not self.mesh.is_last_stage:
-            grad = self.comm.recv_backward(f"the output gradient of {a}")
-        elif self.vocab_head is not None:
-            grad = self.vocab_head.input_grad(a.step, a.microbatch, str(a))
-        else:
-            grad = None
+        grad = self.exit.output_grad(a)
         start = self.timer.now()
         self._use(a)
         backward_through(out, grad)
-        sent = x.grad if x is not None else None
-        if x is not None and self.mesh.is_first_stage:  # a sharded embedding's input gradient, to every G
-            self.embedding.send_grad(a.step, a.microbatch, sent)
-        elif x is not None:
-            self.comm.send_backward(sent, a.step)
-            self.comm.release(x)  # the graph that read it is gone; its .grad is in the send's hands
+        sent = self.entry.send_input_grad(a, x)
         if grad is not None and grad is not sent:  # a stage without layers may pass `grad` itself on
             self.comm.release(grad)  # (a no-op for the head's reduced gradient: the comm did not allocate it)
         self.timer.add(a, start, self.timer.now())
 
-    def _vocab_forward(self, a: Action) -> None:
-        """S(t, j): this stage's logits and softmax statistics of (t, j) on its version (pipeline/vocab_head.py)."""
-        if self.mesh.is_last_stage:
-            hidden = self.inflight[(a.step, a.microbatch)][1]
-        else:
-            hidden = self.vocab_head.received_hidden(a.step, a.microbatch, str(a))
-        start = self.timer.now()
-        self._use(a)
-        self.vocab_head.forward(a.step, a.microbatch, hidden)
-        self.timer.add(a, start, self.timer.now())
+    def _keep_loss(self, step: int, loss: Tensor | None) -> None:
+        if loss is not None:  # the microbatch's loss, when this stage reports it
+            self.losses.setdefault(step, []).append(loss)
 
-    def _vocab_backward(self, a: Action) -> None:
-        """T(t, j): the loss of (t, j), this shard's gradients, the reduce of the partial input gradient."""
-        self.vocab_head.await_statistics(a.step, a.microbatch, str(a))
+    def _part_action(self, a: Action) -> None:
+        """An action of one of the stage's parts (parts.PartAction): what it reads first, then its timed compute.
+        The step's last gradient op of a part completes b_t's gradient on a stage past its UPDATE_START(t) and
+        starts its reductions (_start_reductions)."""
+        _, action = self._part_actions[a.op]
+        ready = action.ready(a)
         start = self.timer.now()
-        self._use(a)
-        loss = self.vocab_head.backward(a.step, a.microbatch, str(a))
-        if self.mesh.is_last_stage:
-            self.losses.setdefault(a.step, []).append(loss)
-        self.timer.add(a, start, self.timer.now())
-
-    def _embed_forward(self, a: Action) -> None:
-        """E(t, j): this stage's part of (t, j)'s embedding on its version, reduced onto the first stage."""
-        start = self.timer.now()
-        self._use(a)
-        self.embedding.forward(a.step, a.microbatch)
-        self.timer.add(a, start, self.timer.now())
-
-    def _embed_backward(self, a: Action) -> None:
-        """G(t, j): this stage's rows' embedding gradient of (t, j). The step's last G on a stage past its
-        UPDATE_START(t) completes b_t's gradient there and starts its reductions (_start_reductions)."""
-        start = self.timer.now()
-        self.embedding.backward(a.step, a.microbatch, str(a))
-        if a.step in self._deferred and not self._embedding_pending(a.step):
+        if action.switches_version:
+            self._use(a)
+        self._keep_loss(a.step, action.run(a, ready))
+        if a.op in self._gradient_ops and a.step in self._deferred and not self._gradient_pending(a.step):
             self._start_reductions()
         self.timer.add(a, start, self.timer.now())
 
-    def _embedding_pending(self, step: int) -> bool:
-        """Whether a G of `step` is still ahead of the running action in the stream."""
+    def _gradient_pending(self, step: int) -> bool:
+        """Whether a gradient op of `step` is still ahead of the running action in the stream."""
         actions = self._stream.actions
-        # A new segment's or a cut stream's list: index its Gs again. Holding the list itself (not its id, which a
-        # later segment's list could reuse once this one is freed) keeps the index tied to it.
+        # A new segment's or a cut stream's list: index its gradient ops again. Holding the list itself (not its id,
+        # which a later segment's list could reuse once this one is freed) keeps the index tied to it.
         if self._last_g_of is None or self._last_g_of[0] is not actions or self._last_g_of[1] != len(actions):
-            self._last_g = {x.step: k for k, x in enumerate(actions) if x.op is Op.EMBED_BACKWARD}
+            self._last_g = {x.step: k for k, x in enumerate(actions) if x.op in self._gradient_ops}
             self._last_g_of = (actions, len(actions))
         return self._last_g.get(step, -1) > self._index
 
     def _start_reductions(self) -> None:
-        """Start the deferred steps' reductions whose Gs have all run, in step order (one order of the norm
-        all-reduces on every stage: a later step never starts before an earlier one)."""
+        """Start the deferred steps' reductions whose gradient ops have all run, in step order (one order of the
+        norm all-reduces on every stage: a later step never starts before an earlier one)."""
         for step in sorted(self._deferred):
-            if self._embedding_pending(step):
+            if self._gradient_pending(step):
                 break
             grads = self._deferred.pop(step)
-            self.embedding.add_into(step, grads, self.versions.params)
+            for part in self.parts:
+                if part.gradient_op is not None:
+                    part.add_into(step, grads, self.versions.params)
             self.update.start(step, grads)
 
     def _use(self, a: Action) -> None:
@@ -237,13 +241,10 @@ class StageEngine:
     def _update_start(self, a: Action) -> None:
         start = self.timer.now()
         grads = self.versions.take_grads()  # in the masters' dtype (fp32 sums under bf16 compute)
-        if self.vocab_head is not None:  # the head rows' part of b_t that the Ts kept apart
-            self.vocab_head.add_into(a.step, grads, self.versions.params)
-        if self.embedding is not None:  # the embedding rows' part: complete once the step's last G has run
-            self._deferred[a.step] = grads
-            self._start_reductions()
-        else:
-            self.update.start(a.step, grads)
+        for part in self._at_start:  # the parts' shares complete now (the head rows' part that the Ts kept apart)
+            part.add_into(a.step, grads, self.versions.params)
+        self._deferred[a.step] = grads  # the others' once their step's last gradient op has run
+        self._start_reductions()
         self.timer.add(a, start, self.timer.now())
 
     def _progress(self) -> None:
@@ -268,22 +269,18 @@ class StageEngine:
         """Free the sends of steps <= step: the norm all-reduce that `reduction.finish(step)` completed spans
         every stage, which proves they were received (StageComm.retire)."""
         self.comm.retire(step)
-        if self.vocab_head is not None:
-            self.vocab_head.retire(step)
-        if self.embedding is not None:
-            self.embedding.retire(step)
+        for part in self.parts:
+            part.retire(step)
 
     # ---- end of a run / drain --------------------------------------------------------------
     def finish(self) -> None:
         """Complete outstanding sends and reduce the last update's norm (all stages call this)."""
         self.comm.flush()
-        if self.vocab_head is not None:
-            self.vocab_head.flush()
-        if self.embedding is not None:
-            if self._deferred:
-                raise RuntimeError(f"stage {self.mesh.pp_rank}: steps {sorted(self._deferred)} still wait for "
-                                   "their embedding gradients at a drain")
-            self.embedding.flush()
+        if self._deferred:
+            raise RuntimeError(f"stage {self.mesh.pp_rank}: steps {sorted(self._deferred)} still wait for their "
+                               "parts' gradients at a drain")
+        for part in self.parts:
+            part.flush()
         self.update.drain()
 
     def take_record(self, step: int) -> StepRecord:

@@ -27,6 +27,7 @@ from asyncpp.parallel.tp import enter_region
 from asyncpp.pipeline.bubble import BubbleGather
 from asyncpp.pipeline.build import BuiltStage
 from asyncpp.pipeline.p2p import StageComm, naming_the_peer
+from asyncpp.pipeline.parts import StagePart
 from asyncpp.pipeline.plan import StagePlan, build_stage_runtime
 from asyncpp.pipeline.report import StageReport
 from asyncpp.pipeline.stage import stage_forward, tied_parameters
@@ -34,6 +35,8 @@ from asyncpp.pipeline.state import StageCheckpoint
 from asyncpp.pipeline.stopping import ActionStream, StopAgreement, stop_lookahead
 from asyncpp.pipeline.transfer import to_device
 from asyncpp.pipeline.update import StepRecord
+from asyncpp.pipeline.vocab_embedding import VocabEmbedding
+from asyncpp.pipeline.vocab_head import VocabHead
 from asyncpp.schedules.actions import MICROBATCH_OPS, Action, Op
 from asyncpp.schedules.build import build_schedule
 from asyncpp.schedules.costmodel import VocabPlacement
@@ -69,10 +72,13 @@ class PipelineExecutor:
     """A stop ends a segment at the step every rank agrees on (steps(), stopping.py), not after any step."""
 
     def __init__(self, cfg: RunConfig, stage: BuiltStage, mesh: Mesh, data: DataSource, build_optimizer,
-                 comm_cls: type[StageComm] = StageComm):
+                 comm_cls: type[StageComm] = StageComm, parts: Sequence[StagePart] = (),
+                 process_baseline_bytes: int | None = None):
         """`stage` is this rank's built part of the model (asyncpp/pipeline/build.py: pruned, sharded,
         initialized); `build_optimizer(stage_model, sharding_plan)` builds the stage's optimizer; `comm_cls` the
-        stage links (a test stages them through host memory: tests/gpu/workers.py)."""
+        stage links (a test stages them through host memory: tests/gpu/workers.py); `parts` more parts the stage
+        runs (parts.py: their actions are in `actions_of`'s lists); `process_baseline_bytes` the process's RSS
+        before the build (what the memory plan does not count), for the summary."""
         self.cfg, self.mesh, self.data = cfg, mesh, data
         self.is_writer = mesh.is_writer
         self.decides_time = mesh.rank == 0  # rank 0's clock decides timed checkpoints (CheckpointClock)
@@ -92,8 +98,9 @@ class PipelineExecutor:
             grad_scale=1.0 / self.m, layouts=[layout_of(self.sharding, n) for n, _ in named],
             tied=tied_parameters(self.model, self.spec),
             head_labels=self._labels,
-            embed_inputs=self._inputs, comm_cls=comm_cls)
-        self.report = StageReport(cfg, self.model.config, mesh, self.spec, self.engine, self._naming)
+            embed_inputs=self._inputs, comm_cls=comm_cls, extra_parts=parts)
+        self.report = StageReport(cfg, self.model.config, mesh, self.spec, self.engine, self._naming,
+                                  process_baseline_bytes)
         self.checkpoint = StageCheckpoint(cfg, mesh, self.spec, self.model, self.engine, data, self.batches,
                                           self._naming)
 
@@ -139,7 +146,7 @@ class PipelineExecutor:
         receives = not self.spec.is_first
         if receives and batches:
             comm.post_recv_forward()
-        vocab, embedding = self.engine.vocab_head, self.engine.embedding
+        vocab, embedding = self.engine.part(VocabHead), self.engine.part(VocabEmbedding)
         for i, b in enumerate(batches):
             b = to_device(b, self.mesh.device) if b is not None else None
             if receives and i + 1 < len(batches):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from asyncpp.config import RunConfig
+from asyncpp.core.layout import Layout
 from asyncpp.core.memory import (
     FORWARD_BACKWARD,
     HELD,
@@ -26,16 +27,18 @@ from asyncpp.core.memory import (
 )
 from asyncpp.core.partition import stage_split
 from asyncpp.core.recompute import modes_per_layer
-from asyncpp.core.vocab_split import run_vocab_placement, run_vocab_split, vocab_pipeline
+from asyncpp.core.vocab_split import vocab_pipeline
+from asyncpp.optim.build import AnyOptimizer
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.pipeline.stage import StageSpec
 from asyncpp.pipeline.weights import compute_dtype_of
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.invariants import peak_in_flight
 from asyncpp.schedules.registry import kind_of
+from model_zoo import ModelConfig
 
 
-def local_shapes_config(model_cfg, dims: ParallelDims):
+def local_shapes_config(model_cfg: ModelConfig, dims: ParallelDims):
     """The model config as one TP rank sees it (heads, ffn, vocab divided by tp), for the activation
     estimate: the residual stream stays full width (it is replicated unless sequence parallel)."""
     tp = dims.tp
@@ -52,7 +55,7 @@ def local_shapes_config(model_cfg, dims: ParallelDims):
     return dataclasses.replace(model_cfg, **changes)
 
 
-def stage_memory(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, versions, optimizer, error_feedback):
+def stage_memory(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh, spec: StageSpec, versions, optimizer: AnyOptimizer, error_feedback):
     """One pipeline rank's memory (asyncpp.core.memory.versions_report) for its stage, shards and schedule:
     the same function sizes a dry run (meta tensors) and a real run (printed at start)."""
     t = cfg.train
@@ -142,12 +145,11 @@ flight next to two gradient sets and the update's scratch, and UPDATE(1) is ther
 (analysis/traced.TRACED_STEPS)."""
 
 
-def vocab_actions(cfg: RunConfig, model_cfg, stage: int, num_stages: int, steps: int = STEADY_STEPS) -> list[Action]:
+def vocab_actions(cfg: RunConfig, model_cfg: ModelConfig, stage: int, num_stages: int, steps: int = STEADY_STEPS) -> list[Action]:
     """Stage `stage`'s actions under parallel.head=vocab over `steps` steps at the steady delay: the split, the
     warm-up, the slack and the S/T placement StagePlan.of and the executor use (core/vocab_split.py), so the peaks read off
     it are the run's (STEADY_STEPS: why the default)."""
     t = cfg.train
-    split = run_vocab_split(cfg, model_cfg)
-    placement = run_vocab_placement(cfg, split)
+    layout = Layout.of(cfg, model_cfg)
     delay = kind_of(cfg.schedule.name).stage_delay(stage, num_stages)
-    return vocab_pipeline(cfg.schedule.name, t.num_microbatches, [delay] * steps, split, placement)[stage]
+    return vocab_pipeline(cfg.schedule.name, t.num_microbatches, [delay] * steps, layout.vocab, layout.placement)[stage]

@@ -21,19 +21,32 @@ from torch import nn
 
 from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
+from asyncpp.core.layout import Layout
 from asyncpp.core.update import NO_CORRECTIONS, Corrections, lr_multiplier_for
-from asyncpp.core.vocab_split import VocabSplit, run_vocab_placement, run_vocab_split
+from asyncpp.core.vocab_split import VocabSplit
+from asyncpp.optim.build import AnyOptimizer
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
 from asyncpp.pipeline.engine import ForwardFn, StageEngine
 from asyncpp.pipeline.p2p import StageComm
+from asyncpp.pipeline.parts import (
+    DownstreamLink,
+    Part,
+    StagePart,
+    UpstreamLink,
+    Wait,
+    WholeEmbedding,
+    WholeHead,
+)
 from asyncpp.pipeline.stage import StageSpec, vocab_head_rows
 from asyncpp.pipeline.timer import stage_timer
 from asyncpp.pipeline.update import StageUpdate
-from asyncpp.pipeline.vocab_head import VocabEmbedding, VocabHead
+from asyncpp.pipeline.vocab_embedding import VocabEmbedding
+from asyncpp.pipeline.vocab_head import VocabHead
 from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
 from asyncpp.schedules.costmodel import VocabPlacement
 from asyncpp.schedules.registry import kind_of, step_delay
+from model_zoo import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,10 @@ class UpdateSpec:
 
 @dataclass(frozen=True)
 class StagePlan:
+    """Every decision about one stage that comes from the configuration, resolved once (the module docstring):
+    `StagePlan.of` for a trainer run, keyword arguments for the Megatron front-end; `build_stage_runtime` builds
+    the stage's engine from it."""
+
     stage: int
     num_stages: int
     schedule: str
@@ -70,12 +87,12 @@ class StagePlan:
     vocab: VocabSplit | None = None
     """parallel.head=vocab: every stage's layers and head rows (asyncpp/core/vocab_split.py)."""
     vocab_placement: VocabPlacement | None = None
-    """The warm-up and slack the head's S and T are placed with (vocab_split.run_vocab_placement)."""
+    """The warm-up and slack the head's S and T are placed with (core/layout.Layout.placement)."""
     timeout_s: float = 300.0
     update: UpdateSpec = field(default_factory=UpdateSpec)
 
     @classmethod
-    def of(cls, cfg: RunConfig, model_cfg, spec: StageSpec, dims: ParallelDims) -> StagePlan:
+    def of(cls, cfg: RunConfig, model_cfg: ModelConfig, spec: StageSpec, dims: ParallelDims) -> StagePlan:
         """A trainer run's plan for `spec`'s stage at the layout `dims`."""
         t, s = cfg.train, cfg.staleness
 
@@ -84,8 +101,9 @@ class StagePlan:
 
         dtype = compute_dtype_of(t.precision)
         seq = t.seq_len // dims.tp if cfg.parallel.sequence_parallel else t.seq_len
-        vocab = run_vocab_split(cfg, model_cfg) if spec.vocab is not None else None
-        placement = run_vocab_placement(cfg, vocab) if vocab is not None else None
+        layout = Layout.of(cfg, model_cfg)
+        vocab = layout.vocab if spec.vocab is not None else None
+        placement = layout.placement if vocab is not None else None
         return cls(
             stage=spec.stage, num_stages=spec.num_stages, schedule=cfg.schedule.name, delays=delays(spec.stage),
             tied_delays=delays(0), weight_prediction=s.weight_prediction, compute_dtype=dtype,
@@ -131,7 +149,7 @@ def build_stage_runtime(
     spec: StageSpec | None,
     module: nn.Module,
     mesh: Mesh,
-    optimizer,
+    optimizer: AnyOptimizer,
     forward_fn: ForwardFn,
     *,
     grad_scale: float,
@@ -140,13 +158,15 @@ def build_stage_runtime(
     head_labels: Callable | None = None,
     embed_inputs: Callable | None = None,
     comm_cls: type[StageComm] = StageComm,
+    extra_parts: Sequence[StagePart] = (),
 ) -> StageEngine:
     """The engine of `plan`'s stage: `module` is the stage (pruned and sharded), `spec` its place in the
     model_zoo layout (None: a module of its own, e.g. Megatron's GPTModel stage), `optimizer` built over its
     trainable parameters (not stepped yet: the engine retargets it to the masters), `forward_fn` the stage's
     microbatch forward. Under a vocabulary-parallel head `head_labels(step, microbatch)` gives every stage the
     labels of the whole microbatch; with a sharded embedding
-    `embed_inputs(step, microbatch)` every stage's the input token ids."""
+    `embed_inputs(step, microbatch)` every stage's the input token ids. `extra_parts`: more parts the stage runs
+    (parts.py), after its head and embedding."""
     if plan.stage != mesh.pp_rank or plan.num_stages != mesh.num_stages or (
             spec is not None and (spec.stage, spec.num_stages) != (plan.stage, plan.num_stages)):
         built = f"stage {spec.stage} of {spec.num_stages}, " if spec is not None else ""
@@ -159,15 +179,11 @@ def build_stage_runtime(
     tied_ids = {id(p) for p in tied}
     versions = plan.weight_versions(params)
     comm = comm_cls(mesh, plan.activation_shape, plan.link_dtype, plan.timeout_s)
-    vocab = tied_rows = None
-    if plan.vocab is not None:
-        param, row0, piece = vocab_head_rows(module, spec, mesh.dims.tp, mesh.tp_rank)
-        if tied_ids and not spec.is_first:  # its head rows are rows of the tied weight the first stage holds whole
-            tied_rows = (spec.vocab.start, sum(plan.vocab.shards))
-        vocab = VocabHead(mesh, piece, param, row0, head_labels, plan.head_shape, plan.link_dtype, comm.wait)
-    embedding = None
-    if spec is not None and spec.embed is not None:
-        embedding = VocabEmbedding(mesh, spec.embed, module.embed.weight, embed_inputs, comm.wait)
+    tied_rows = None
+    if plan.vocab is not None and tied_ids and not spec.is_first:
+        tied_rows = (spec.vocab.start, sum(plan.vocab.shards))  # its head rows are rows of the tied weight the first
+        # stage holds whole
+    head, embedding = stage_parts(plan, spec, module, mesh, comm.wait, head_labels, embed_inputs)
     timer = stage_timer(mesh.pp_rank, mesh.device)
     update = StageUpdate(mesh, versions, optimizer, spec=plan.update, grad_scale=grad_scale,
                          is_delayed=plan.is_delayed, tied_is_delayed=plan.tied_is_delayed,
@@ -177,5 +193,26 @@ def build_stage_runtime(
                          balancing=RouterBiasVersions(balanced_routers(module), versions.num_buffers),
                          load_stats=RouterLoadStats.of(module, counted=mesh.tp_rank == 0 and mesh.ep_rank == 0),
                          tied_rows=tied_rows)
+    entry = embedding if mesh.is_first_stage else UpstreamLink(comm)
+    exit = head if mesh.is_last_stage else DownstreamLink(comm)
+    parts = [p for p in (head, embedding) if p is not None] + list(extra_parts)
     return StageEngine(module=module, mesh=mesh, comm=comm, update=update, forward_fn=forward_fn, timer=timer,
-                       vocab_head=vocab, embedding=embedding)
+                       entry=entry, exit=exit, parts=parts)
+
+
+def stage_parts(plan: StagePlan, spec: StageSpec | None, module: nn.Module, mesh: Mesh, wait: Wait,
+                head_labels: Callable | None, embed_inputs: Callable | None) -> tuple[Part | None, Part | None]:
+    """The stage's head part and embedding part, where it holds (some of) them: a vocabulary-parallel head's rows on
+    every stage, else the whole head on the last; a sharded embedding's rows on every stage, else the whole
+    embedding on the first. None where the stage holds none."""
+    head = embedding = None
+    if plan.vocab is not None:
+        param, row0, piece = vocab_head_rows(module, spec, mesh.dims.tp, mesh.tp_rank)
+        head = VocabHead(mesh, piece, param, row0, head_labels, plan.head_shape, plan.link_dtype, wait)
+    elif mesh.is_last_stage:
+        head = WholeHead()
+    if spec is not None and spec.embed is not None:
+        embedding = VocabEmbedding(mesh, spec.embed, module.embed.weight, embed_inputs, wait)
+    elif mesh.is_first_stage:
+        embedding = WholeEmbedding()
+    return head, embedding

@@ -18,15 +18,20 @@ from asyncpp.parallel.mesh import Mesh
 from asyncpp.pipeline.engine import StageEngine
 from asyncpp.pipeline.memory import stage_memory
 from asyncpp.pipeline.stage import StageSpec
+from model_zoo import ModelConfig
 
 
 class StageReport:
-    def __init__(self, cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, engine: StageEngine,
-                 naming: Callable[[str], object]):
-        """`naming(what)` wraps a blocking collective so that a dead peer's error names it (p2p.naming_the_peer)."""
+    """What a stage reports besides its steps: the run's summary, its memory plan and its timeline (the module
+    docstring). Reads the engine; changes nothing."""
+
+    def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh, spec: StageSpec, engine: StageEngine,
+                 naming: Callable[[str], object], process_baseline_bytes: int | None = None):
+        """`naming(what)` wraps a blocking collective so that a dead peer's error names it (p2p.naming_the_peer);
+        `process_baseline_bytes` the RSS before the build, if the entry point measured it."""
         self.cfg, self.model_cfg, self.mesh, self.spec, self.engine = cfg, model_cfg, mesh, spec, engine
         self._naming = naming
-        self.process_baseline_bytes: int | None = None  # the RSS before the build, if the entry point measured it
+        self.process_baseline_bytes = process_baseline_bytes
 
     def summary(self, last_loss: float) -> dict:
         """Per-stage busy time and bubble (collective), both on the device's clock (the timer's); `last_loss`,

@@ -36,9 +36,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from asyncpp.parallel.mesh import Mesh
-from asyncpp.parallel.vocab_parallel import VocabShard, embedding_partial
-
-Wait = Callable[[object, str], None]
+from asyncpp.parallel.vocab_parallel import VocabShard
+from asyncpp.pipeline.parts import HeldCollectives, Part, PartAction, Wait
+from asyncpp.schedules.actions import Action, Op
 
 
 @dataclass
@@ -115,38 +115,10 @@ def logits_gradient(exps: Tensor, stats: Tensor, targets: Tensor, shard: VocabSh
     return grad.scatter_add_(1, local, inside.to(grad.dtype).mul_(-1.0 / n).unsqueeze(-1))
 
 
-class _HeldCollectives:
-    """Buffers of asynchronous collectives their owner does not wait for (a broadcast's sender, a reduce's
-    non-root): kept alive until complete (poll) or until UPDATE(step) (retire: every stage has joined them by
-    then), and all waited for at a drain (flush). One lifecycle for the head's and the embedding's."""
-
-    def __init__(self, wait: Wait, what: str):
-        self.wait, self.what = wait, what
-        self._held: list[tuple[int, Tensor, object]] = []  # (step, buffer, work)
-
-    def add(self, step: int, buffer: Tensor, work) -> None:
-        self._held.append((step, buffer, work))
-
-    def poll(self) -> None:
-        self._held = [h for h in self._held if not h[2].is_completed()]
-
-    def retire(self, step: int) -> None:
-        keep = []
-        for s, buffer, work in self._held:
-            if s <= step:
-                self.wait(work, f"{self.what} of step {s}")
-            else:
-                keep.append((s, buffer, work))
-        self._held = keep
-
-    def flush(self) -> None:
-        for s, _, work in self._held:
-            self.wait(work, f"{self.what} of step {s}")
-        self._held = []
-
-
-class VocabHead:
-    """One stage's part of the vocabulary-parallel head: its rows, the three communicators and the passes."""
+class VocabHead(Part):
+    """One stage's part of the vocabulary-parallel head: its rows, the three communicators and the passes. A
+    StagePart on every stage (it owns S and T), and the last stage's exit (parts.StageExit: its FORWARD's output,
+    the normed hidden states, goes to every S; its BACKWARD's output gradient is the reduce of every T's)."""
 
     def __init__(self, mesh: Mesh, shard: VocabShard, param: nn.Parameter, row0: int,
                  labels: Callable[[int, int], Tensor], hidden_shape: tuple[int, ...], dtype: torch.dtype, wait: Wait):
@@ -164,15 +136,53 @@ class VocabHead:
         self.holders = dist.get_world_size(self.groups.stats)  # every stage's TP ranks hold rows of the head
         self.last = mesh.global_rank(mesh.num_stages - 1)
         self._passes: dict[tuple[int, int], _Pass] = {}
+        self._own_hidden: dict[tuple[int, int], Tensor] = {}  # the last stage's FORWARD outputs, for its S
         self._hidden_in: dict[tuple[int, int], tuple[Tensor, object]] = {}  # posted broadcasts (not the last stage)
         self._input_grads: dict[tuple[int, int], tuple[Tensor, object]] = {}  # the reduces (last stage: awaited at B)
-        self._held = _HeldCollectives(wait, "the vocabulary-parallel head's collectives")  # retired at UPDATE(step)
+        self._held = HeldCollectives(wait, "the vocabulary-parallel head's collectives")  # retired at UPDATE(step)
         self._grads: dict[int, Tensor] = {}  # step -> the sum of its T's weight gradients (fp32)
         self.passes = 0  # S passes run, and the logits' widths they had: what the report and the tests read
         self.logits_widths: set[int] = set()
         self.held_peak = 0  # the most S->T passes held at once (1 + the placement's slack in the steady state)
 
-    # ---- the last stage's FORWARD and BACKWARD ------------------------------------------------------------
+    # ---- the StagePart (parts.py): S and T through the engine's table --------------------------------------
+    def actions(self) -> dict[Op, PartAction]:
+        return {Op.VOCAB_FORWARD: PartAction(self._run_s, ready=self._hidden_for),
+                Op.VOCAB_BACKWARD: PartAction(self._run_t, ready=self._statistics_for)}
+
+    def post_receive(self, a: Action) -> None:
+        self.post_hidden(a.step, a.microbatch)
+
+    def _hidden_for(self, a: Action) -> Tensor:
+        """Before S(t, j): its hidden states, the last stage's own FORWARD output or the broadcast's (waited for
+        outside S's timed compute, as a FORWARD's receive is)."""
+        if self.mesh.is_last_stage:
+            return self._own_hidden.pop((a.step, a.microbatch))
+        return self.received_hidden(a.step, a.microbatch, str(a))
+
+    def _run_s(self, a: Action, hidden: Tensor) -> None:
+        self.forward(a.step, a.microbatch, hidden)
+
+    def _statistics_for(self, a: Action) -> None:
+        self.await_statistics(a.step, a.microbatch, str(a))
+
+    def _run_t(self, a: Action, _) -> Tensor | None:
+        """T(t, j); the microbatch's loss is the last stage's to report (every stage has it)."""
+        loss = self.backward(a.step, a.microbatch, str(a))
+        return loss if self.mesh.is_last_stage else None
+
+    # ---- the last stage's exit (parts.StageExit): its FORWARD and BACKWARD -----------------------------------
+    def post_output_grad(self, a: Action) -> None:
+        pass  # the reduce is posted by the T's
+
+    def output(self, a: Action, out: Tensor) -> None:
+        """After the last stage's FORWARD of (t, j): its normed hidden states, to its own S and every other's."""
+        self._own_hidden[(a.step, a.microbatch)] = out
+        self.send_hidden(a.step, a.microbatch, out)
+
+    def output_grad(self, a: Action) -> Tensor:
+        return self.input_grad(a.step, a.microbatch, str(a))
+
     def send_hidden(self, step: int, microbatch: int, hidden: Tensor) -> None:
         """After the last stage's FORWARD of (t, j): broadcast its normed hidden states (not waited for here)."""
         buffer = hidden.detach().contiguous()
@@ -279,9 +289,10 @@ class VocabHead:
 
     def flush(self) -> None:
         """At a drain: everything posted has been used, and what is held completes."""
-        if self._passes or self._hidden_in or self._input_grads:
+        if self._passes or self._hidden_in or self._input_grads or self._own_hidden:
             raise RuntimeError(f"stage {self.mesh.pp_rank}: vocabulary-parallel head passes left at a drain: "
-                               f"{sorted(self._passes)} {sorted(self._hidden_in)} {sorted(self._input_grads)}")
+                               f"{sorted(self._passes)} {sorted(self._hidden_in)} {sorted(self._input_grads)} "
+                               f"{sorted(self._own_hidden)}")
         self._held.flush()
 
     # ---- evaluation (forward only, blocking: one batch at a time) ------------------------------------------
@@ -298,115 +309,3 @@ class VocabHead:
 
     def hidden_shape_of(self, targets: Tensor) -> tuple[int, ...]:
         return (*targets.shape, self.hidden_shape[-1])
-
-
-class VocabEmbedding:
-    """One stage's rows of a sharded input embedding (parallel.embedding=vocab): the same rows as its head shard, so
-    a tied model's head and embedding rows are one tensor on each stage. Per microbatch (t, j), on the two
-    communicators VocabGroups.embed and embed_grad (one kind of traffic each, issued in microbatch order):
-
-    - E(t, j) on every stage: the lookup of the tokens in the stage's rows on (t, j)'s version, zeros for the
-      others (vocab_parallel.embedding_partial), summed onto the first stage by a reduce, asynchronously (each token's
-      row lives on one stage: the sum is the unsplit lookup, exactly);
-    - the first stage's FORWARD of (t, j) waits for that sum and runs its layers on it; its BACKWARD broadcasts the
-      gradient of that input to every stage, asynchronously;
-    - G(t, j) on every stage: waits for the broadcast and adds its rows' embedding gradient (the lookup's backward,
-      in the weight's dtype as autograd forms it, summed in fp32) into the step's accumulator, which joins b_t's
-      gradient before the stage's reductions of step t start (engine: at UPDATE_START(t), or at the step's last G
-      when that comes later, as it does on every stage but the first: the first stage's backward is the last one).
-
-    The buffers not waited for by their owner (a non-first stage's partials, the first stage's broadcast gradients)
-    are freed when complete (poll) or at UPDATE(t) (retire: every stage has then passed its last G of step t, so
-    every reduce and broadcast of step t has been joined)."""
-
-    def __init__(self, mesh: Mesh, shard: VocabShard, param: nn.Parameter, inputs: Callable[[int, int], Tensor],
-                 wait: Wait):
-        """`param`: the stage's embed.weight, [shard.rows, h] (read on the weight version in use);
-        `inputs(step, microbatch)` the microbatch's input token ids [mb, seq]."""
-        groups = mesh.vocab_groups
-        if groups is None or groups.embed is None or groups.embed_grad is None:
-            raise ValueError("parallel.embedding=vocab needs the mesh's embedding groups: build it with "
-                             "Mesh(..., vocab_head=True, vocab_embedding=True) on every rank")
-        if param.shape[0] != shard.rows:
-            raise ValueError(f"the embedding shard has {param.shape[0]} rows, but its VocabShard says {shard.rows}")
-        self.mesh, self.shard, self.param, self.inputs, self.wait = mesh, shard, param, inputs, wait
-        self.groups = groups
-        self.first = mesh.global_rank(0)
-        self._sums: dict[tuple[int, int], tuple[Tensor, object]] = {}  # the first stage: reduces awaited at F
-        self._grads_out: dict[tuple[int, int], Tensor] = {}  # the first stage: its broadcast gradients, for its G
-        self._held = _HeldCollectives(wait, "the sharded embedding's collectives")  # retired at UPDATE(step)
-        self._acc: dict[int, Tensor] = {}  # step -> the sum of its G's row gradients (fp32)
-        self.lookups = self.gradients = 0  # E and G passes run: what the tests read
-
-    # ---- E and the first stage's FORWARD --------------------------------------------------------------------
-    @torch.no_grad()
-    def forward(self, step: int, microbatch: int) -> None:
-        """E(t, j): this stage's part of the lookup, reduced onto the first stage (not waited for here)."""
-        partial = embedding_partial(self.inputs(step, microbatch), self.param, self.shard).contiguous()
-        work = dist.reduce(partial, dst=self.first, group=self.groups.embed, async_op=True)
-        self.lookups += 1
-        if self.mesh.is_first_stage:
-            self._sums[(step, microbatch)] = (partial, work)
-        else:
-            self._held.add(step, partial, work)
-
-    def input(self, step: int, microbatch: int, what: str) -> Tensor:
-        """The first stage's FORWARD of (t, j): the summed embedding of its tokens (the layers' input)."""
-        buffer, work = self._sums.pop((step, microbatch))
-        self.wait(work, f"the sharded embedding's reduce of the lookup of {what}")
-        return buffer
-
-    # ---- the first stage's BACKWARD and G ---------------------------------------------------------------------
-    def send_grad(self, step: int, microbatch: int, grad: Tensor) -> None:
-        """The first stage's BACKWARD of (t, j): broadcast the gradient of its input (not waited for here)."""
-        buffer = grad.detach().contiguous()
-        work = dist.broadcast(buffer, src=self.first, group=self.groups.embed_grad, async_op=True)
-        self._held.add(step, buffer, work)
-        self._grads_out[(step, microbatch)] = buffer
-
-    def backward(self, step: int, microbatch: int, what: str) -> None:
-        """G(t, j): this stage's rows' embedding gradient of (t, j), into step t's accumulator."""
-        ids = self.inputs(step, microbatch)
-        if self.mesh.is_first_stage:
-            grad = self._grads_out.pop((step, microbatch))
-        else:
-            grad = torch.empty((*ids.shape, self.param.shape[1]), dtype=self.param.dtype, device=self.mesh.device)
-            self.wait(dist.broadcast(grad, src=self.first, group=self.groups.embed_grad, async_op=True),
-                      f"the sharded embedding's broadcast of the input gradient of {what}")
-        with torch.enable_grad():
-            weight = self.param.detach().requires_grad_()
-            (d_weight,) = torch.autograd.grad(embedding_partial(ids, weight, self.shard), weight, grad)
-        acc = self._acc.get(step)
-        self._acc[step] = d_weight.float() if acc is None else acc.add_(d_weight)
-        self.gradients += 1
-
-    def add_into(self, step: int, grads: list[Tensor], params: list[nn.Parameter]) -> None:
-        """Step t's row gradients join the parameter's entry of b_t's gradient (the engine calls it once every G
-        of the step has run)."""
-        acc = self._acc.pop(step, None)
-        if acc is None:
-            return
-        i = next(k for k, p in enumerate(params) if p is self.param)
-        grads[i].add_(acc.to(grads[i].dtype))
-
-    # ---- retiring ----------------------------------------------------------------------------------------
-    def poll(self) -> None:
-        self._held.poll()
-
-    def retire(self, step: int) -> None:
-        self._held.retire(step)
-
-    def flush(self) -> None:
-        if self._sums or self._grads_out or self._acc:
-            raise RuntimeError(f"stage {self.mesh.pp_rank}: sharded-embedding passes left at a drain: "
-                               f"{sorted(self._sums)} {sorted(self._grads_out)} {sorted(self._acc)}")
-        self._held.flush()
-
-    # ---- evaluation (forward only, blocking) ---------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self, ids: Tensor) -> Tensor | None:
-        """One validation batch's embedding: on the first stage the sum of every stage's part, None elsewhere."""
-        partial = embedding_partial(ids, self.param, self.shard).contiguous()
-        self.wait(dist.reduce(partial, dst=self.first, group=self.groups.embed, async_op=True),
-                  "the sharded embedding's reduce of a validation batch's lookup")
-        return partial if self.mesh.is_first_stage else None

@@ -22,9 +22,9 @@ import torch
 
 from asyncpp.config import ConfigError, RunConfig, parse_blend
 from asyncpp.core.batches import BatchPlan
+from asyncpp.core.layout import Layout
 from asyncpp.core.memory import activation_bytes, optimizer_state_bytes
-from asyncpp.core.partition import head_of
-from asyncpp.core.vocab_split import run_vocab_split, validate_vocab_placement
+from asyncpp.core.vocab_split import validate_vocab_placement
 from asyncpp.optim import build_from_config
 from asyncpp.schedules.invariants import ScheduleError
 from asyncpp.schedules.registry import kind_of
@@ -33,7 +33,7 @@ from asyncpp.train.run_identity import EXIT_CONFIG_ERROR
 from data.default import default_cache_dir, default_prefix
 from data.indexed import IndexedDataError, check_prefix, check_token_ids
 from data.source import resolve_tokenizer
-from model_zoo import build_model
+from model_zoo import ModelConfig, build_model
 
 __all__ = ["EXIT_CONFIG_ERROR", "check", "check_data", "check_device", "check_directories",
            "check_disk_space", "check_resume", "checkpoint_bytes", "config_differences"]
@@ -47,7 +47,7 @@ def _stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def check(cfg: RunConfig, model_cfg, *, rank: int = 0, local_world_size: int = 1, warn: Warn = _stderr) -> None:
+def check(cfg: RunConfig, model_cfg: ModelConfig, *, rank: int = 0, local_world_size: int = 1, warn: Warn = _stderr) -> None:
     """All pre-flight checks of this rank (see the module docstring). Raises ConfigError."""
     check_device(cfg, local_world_size)
     check_vocab_placement(cfg, model_cfg)
@@ -68,14 +68,17 @@ def check(cfg: RunConfig, model_cfg, *, rank: int = 0, local_world_size: int = 1
         keep_an_earlier_run(cfg, warn)
 
 
-def check_vocab_placement(cfg: RunConfig, model_cfg) -> None:
+def check_vocab_placement(cfg: RunConfig, model_cfg: ModelConfig) -> None:
     """An explicit parallel.vocab_placement must give a valid schedule at the run's pp and m (the config validator
     checks its shape; this needs the model's costs)."""
     p = cfg.parallel
-    if p.vocab_placement is None or head_of(cfg, model_cfg) != "vocab":  # (head=vocab at pp=1 is refused)
+    if p.vocab_placement is None:
+        return
+    vocab = Layout.of(cfg, model_cfg).vocab
+    if vocab is None:  # the head is whole (head=vocab at pp=1 is refused)
         return
     try:
-        validate_vocab_placement(cfg, run_vocab_split(cfg, model_cfg))
+        validate_vocab_placement(cfg, vocab)
     except ScheduleError as e:
         raise ConfigError(f"parallel.vocab_placement={list(p.vocab_placement)}: with schedule={cfg.schedule.name}, "
                           f"parallel.pp={p.pp} and train.num_microbatches={cfg.train.num_microbatches} the head's "
@@ -194,7 +197,7 @@ def check_sample_index(cfg: RunConfig, host_bytes: int | None = None) -> None:
             "at this batch)")
 
 
-def planned_bytes(cfg: RunConfig, model_cfg, distributed: bool) -> int:
+def planned_bytes(cfg: RunConfig, model_cfg: ModelConfig, distributed: bool) -> int:
     """A lower bound of one rank's memory: every weight version, the gradient and EF buffer and the optimizer's
     state (the checkpoint's estimate), and one microbatch's saved activations; a pipeline rank holds its share
     (1 / pp*tp*ep of the weights, 1 / pp of the activations). Shapes only (a meta model): allocates nothing."""
@@ -208,7 +211,7 @@ def planned_bytes(cfg: RunConfig, model_cfg, distributed: bool) -> int:
     return state + acts
 
 
-def check_memory(cfg: RunConfig, model_cfg, local_world_size: int = 1, capacity: int | None = None) -> None:
+def check_memory(cfg: RunConfig, model_cfg: ModelConfig, local_world_size: int = 1, capacity: int | None = None) -> None:
     """Refuse a run whose memory plan cannot fit the device (or, on a CPU, this node's memory shared by its local
     ranks); train.allow_oversubscribe=true runs it anyway (unified memory, a swap the user trusts)."""
     if cfg.train.allow_oversubscribe or cfg.dry_run:
@@ -234,7 +237,7 @@ def check_memory(cfg: RunConfig, model_cfg, local_world_size: int = 1, capacity:
             "more pipeline stages, or set train.allow_oversubscribe=true if you know it fits")
 
 
-def checkpoint_bytes(cfg: RunConfig, model_cfg, point: tuple[Path, int] | None = None) -> int:
+def checkpoint_bytes(cfg: RunConfig, model_cfg: ModelConfig, point: tuple[Path, int] | None = None) -> int:
     """The size of one checkpoint of this run: the newest existing one's if any, else an estimate (every
     weight version the schedule keeps, the Error-Feedback buffers and the optimizer's state, fp32)."""
     if point is not None:
@@ -242,7 +245,7 @@ def checkpoint_bytes(cfg: RunConfig, model_cfg, point: tuple[Path, int] | None =
     return _estimated_checkpoint_bytes(cfg, model_cfg)
 
 
-def _estimated_checkpoint_bytes(cfg: RunConfig, model_cfg) -> int:
+def _estimated_checkpoint_bytes(cfg: RunConfig, model_cfg: ModelConfig) -> int:
 
     model = build_model(model_cfg, device="meta")  # shapes only: allocates nothing
     params = [p for p in model.parameters() if p.requires_grad]
@@ -422,7 +425,7 @@ def check_data_position(cfg: RunConfig, path: Path, manifest: dict) -> None:
 
 
 # ---- data -----------------------------------------------------------------------------------------
-def check_data(cfg: RunConfig, model_cfg) -> None:
+def check_data(cfg: RunConfig, model_cfg: ModelConfig) -> None:
     """Every prefix of the data is a sound .bin/.idx pair whose sampled token ids fit the model's
     vocabulary, and the tokenizer they were made with fits it too (before any process group exists; the data
     source checks the same when it is built)."""
@@ -439,7 +442,7 @@ def check_data(cfg: RunConfig, model_cfg) -> None:
     check_tokenizer_fits(tokenizer.vocab_size, cfg, model_cfg)
 
 
-def check_tokenizer_fits(tokenizer_vocab: int, cfg: RunConfig, model_cfg) -> None:
+def check_tokenizer_fits(tokenizer_vocab: int, cfg: RunConfig, model_cfg: ModelConfig) -> None:
     """The tokenizer's vocabulary fits the model's embedding (every id it can emit has a row)."""
     if tokenizer_vocab > model_cfg.vocab_size:
         raise ConfigError(

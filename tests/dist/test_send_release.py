@@ -16,6 +16,7 @@ import pytest
 from asyncpp import job
 from asyncpp.pipeline.build import build_rank_stage
 from asyncpp.pipeline.executor import PipelineExecutor
+from asyncpp.pipeline.vocab_head import VocabHead
 from asyncpp.train.trainer import Trainer
 from tests.dist.harness import run_ranks
 from tests.dist.workers import Collect, data_for, make_config, rank_layout
@@ -37,8 +38,9 @@ def pending_after_retire(rank: int, cfg_dict: dict) -> dict:
     def recording(step: int) -> None:
         retire(step)
         links = [[s for *_, s in engine.comm._pending]]
-        if engine.vocab_head is not None:  # the head's broadcasts (last stage) and reduces (the others) not waited for
-            links.append([s for s, *_ in engine.vocab_head._held._held])
+        head = engine.part(VocabHead)
+        if head is not None:  # the head's broadcasts (last stage) and reduces (the others) not waited for
+            links.append(head._held.steps())
         seen.append((step, links))
 
     engine._retire_sends = recording

@@ -18,6 +18,8 @@ from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.pipeline.build import build_rank_stage, mesh_for
 from asyncpp.pipeline.executor import PipelineExecutor
 from asyncpp.pipeline.reduction import GradientReduction
+from asyncpp.pipeline.vocab_embedding import VocabEmbedding
+from asyncpp.pipeline.vocab_head import VocabHead
 from asyncpp.reference.executor import build_simulator, evaluate
 from asyncpp.train.trainer import Trainer
 from model_zoo import ModelConfig, build_model, get_model_config
@@ -111,7 +113,8 @@ def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
             "params": params, "summary": summary, "layouts": {n: (l.tp_dim, l.expert) for n, l in run.sharding.items()},
             "master_bytes": master_bytes, "num_buffers": v.num_buffers,
             "version_bytes": sum(x.numel() * x.element_size() for buffer in v.buffers for x in buffer),
-            "vocab": vocab_report(run.engine.vocab_head), "embedding": embedding_report(run.engine.embedding)}
+            "vocab": vocab_report(run.engine.part(VocabHead)),
+            "embedding": embedding_report(run.engine.part(VocabEmbedding))}
 
 
 def embedding_report(embedding) -> dict | None:
