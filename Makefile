@@ -85,8 +85,9 @@ test-all: setup
 test-matrix: setup
 	$(PY) -m pytest -q -m "not gpu" tests/matrix
 
+# The pipeline's measured throughput and bubble, 1F1B against 2BW side by side (bench/pipeline.py: table and JSON).
 bench: setup
-	$(PY) bench/step.py
+	$(PY) bench/pipeline.py --out bench_results/pipeline.json
 
 # The fake-CUDA trace (issue 33, docs/gpu.md "Before the first GPU"): PyTorch's CUDA build in a side environment,
 # never in .venv (whose CPU wheel the whole suite runs on). FakeTensorMode makes cuda:0 tensors with it on a machine

@@ -26,6 +26,7 @@ from asyncpp.pipeline.build import mesh_for, stage_spec_of
 from asyncpp.pipeline.memory import stage_memory
 from asyncpp.pipeline.plan import StagePlan, build_stage_runtime
 from asyncpp.pipeline.stage import StageSpec, tied_parameters
+from model_zoo import ModelConfig
 
 BuildStage = Callable[[Mesh, StageSpec], tuple[nn.Module, ShardingPlan]]
 BuildOptimizer = Callable[[nn.Module, ShardingPlan, Mesh], object]
@@ -39,7 +40,7 @@ def fake_group(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-def stage_report(cfg: RunConfig, model_cfg, mesh: Mesh, spec: StageSpec, build_stage: BuildStage,
+def stage_report(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh, spec: StageSpec, build_stage: BuildStage,
                  build_optimizer: BuildOptimizer) -> dict:
     """One rank's report: its stage built on meta tensors, and the engine the run builds for it (the same
     StagePlan and builder as the trainer's executor, pipeline/plan.py), so the weight versions, the
@@ -63,7 +64,7 @@ def _never_run(step: int, microbatch: int, x):
     raise RuntimeError("a dry run builds the stage's engine but runs no action")
 
 
-def dry_run(cfg: RunConfig, model_cfg, world_size: int, build_stage: BuildStage, build_optimizer: BuildOptimizer,
+def dry_run(cfg: RunConfig, model_cfg: ModelConfig, world_size: int, build_stage: BuildStage, build_optimizer: BuildOptimizer,
             out: Path | None = None, echo: Callable[[str], None] = print) -> list[dict]:
     """Per-stage reports of `cfg`'s layout at `world_size` ranks (JSON to `out` if given)."""
     p = cfg.parallel

@@ -36,6 +36,7 @@ from asyncpp.parallel.vocab_parallel import embedding_partial
 from asyncpp.pipeline.build import build_rank_stage, mesh_for
 from asyncpp.pipeline.stage import StageSpec, stage_forward, vocab_head_rows
 from asyncpp.pipeline.vocab_head import shard_logits_statistics
+from model_zoo import ModelConfig
 
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention": "flash", "aten::_scaled_dot_product_cudnn_attention": "cudnn",
                  "aten::_scaled_dot_product_efficient_attention": "efficient",
@@ -143,7 +144,7 @@ def stage_microbatch_forward(model: nn.Module, spec: StageSpec, loss_fn, tokens:
     return exps.shape[-1], (spec.embed.rows if spec.embed is not None else None)
 
 
-def fake_cuda_forward(cfg: RunConfig, model_cfg, world_size: int, stage: int,
+def fake_cuda_forward(cfg: RunConfig, model_cfg: ModelConfig, world_size: int, stage: int,
                       capability: tuple[int, int] = H100) -> FakeCudaReport:
     """One training forward (with its loss on the last stage) and one evaluation forward of `stage`, bf16,
     on fake cuda:0 tensors."""

@@ -48,19 +48,6 @@ class ErrorFeedback:
                 p.sub_(u - self.prev_update[i], alpha=self.lam)
             self.prev_update[i] = u
 
-    def state_dict(self) -> dict:
-        return {"lam": self.lam, "prev_update": [u.clone() for u in self.prev_update]}
-
-    def load_state_dict(self, state: dict) -> None:
-        saved = state["prev_update"]
-        if len(saved) != len(self.params):
-            raise ValueError(
-                f"Error-Feedback state has {len(saved)} buffers but the model has {len(self.params)} "
-                "parameters; the checkpoint belongs to a different model or stage"
-            )
-        for dst, src in zip(self.prev_update, saved):
-            dst.copy_(src)
-
 
 class GradientErrorFeedback:
     """Gradient-level Error Feedback, the ablation that diverges (paper, App. A.10):
@@ -107,21 +94,6 @@ class GradientErrorFeedback:
     def discard(self) -> None:
         """A skipped (non-finite) step leaves g_{t-1} as it was."""
         self._pending = {}
-
-    def state_dict(self) -> dict:
-        return {"lam": self.lam, "prev_grad": [g.clone() for g in self.prev_grad]}
-
-    def load_state_dict(self, state: dict) -> None:
-        if not self.lam:  # off: there is no buffer to restore (and a saved one would never be read)
-            return
-        saved = state["prev_grad"]
-        if len(saved) != len(self.params):
-            raise ValueError(
-                f"gradient Error-Feedback state has {len(saved)} buffers but the model has {len(self.params)} "
-                "parameters; the checkpoint belongs to a different model or stage"
-            )
-        for dst, src in zip(self.prev_grad, saved):
-            dst.copy_(src)
 
 
 @torch.no_grad()

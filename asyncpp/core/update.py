@@ -26,9 +26,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterBiasVersions
 from asyncpp.core.staleness import ErrorFeedback, GradientErrorFeedback, dc_asgd_
 from asyncpp.core.stateful import load_in_place
+from asyncpp.optim.build import AnyOptimizer
 from asyncpp.optim.clip import clip_
 from asyncpp.optim.lr_schedule import lr_multiplier
 
@@ -74,7 +76,7 @@ class UpdateOutcome:
     """False: the update came out non-finite and x_t was restored (only with raise_on_nonfinite_update=False)."""
 
 
-def lr_multiplier_for(cfg) -> Callable[[int], float]:
+def lr_multiplier_for(cfg: RunConfig) -> Callable[[int], float]:
     """step -> LR multiplier of cfg.optimizer.schedule over cfg.train.steps (one closure for both executors)."""
     s = cfg.optimizer.schedule
     return functools.partial(lr_multiplier, total_steps=cfg.train.steps, warmup_steps=s.warmup_for(cfg.train.steps),
@@ -89,7 +91,7 @@ class UpdateRule:
     gradients are handed in as a list aligned with them (None where a parameter got none).
     """
 
-    def __init__(self, optimizer, masters: Sequence[Tensor], *, grad_clip: float = 0.0,
+    def __init__(self, optimizer: AnyOptimizer, masters: Sequence[Tensor], *, grad_clip: float = 0.0,
                  lr_multiplier: Callable[[int], float] | None = None, corrections: Corrections = NO_CORRECTIONS,
                  balancing: RouterBiasVersions | None = None, raise_on_nonfinite_update: bool = True):
         """raise_on_nonfinite_update: raise NonFiniteUpdate at once (one process); False reports it in the

@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
+from asyncpp.config import RunConfig
 from asyncpp.core.layer_costs import FLOP_RATE, LayerCosts, layer_costs
 from asyncpp.core.layer_split import balanced_split, stage_sizes
 from asyncpp.schedules.actions import Action
@@ -236,7 +237,7 @@ def shard_granule(vocab: int, num_stages: int, tp: int = 1) -> int:
     return math.lcm(128 if vocab >= 128 * 16 * num_stages else 1, tp)
 
 
-def run_vocab_split(cfg, model) -> VocabSplit:
+def run_vocab_split(cfg: RunConfig, model) -> VocabSplit:
     """parallel.head=vocab resolved for `model` under run config `cfg`: the layer split (explicit, or `auto`'s
     chosen together with the shards) and every stage's rows (explicit parallel.vocab_shards, or the cost model's
     water filling at cfg.train's work shape). Deterministic: every rank derives the same."""
@@ -275,7 +276,7 @@ def vocab_placement(kind: str, num_microbatches: int, split: VocabSplit) -> Voca
                    vocab_parallel=True)["vocab_placement"]
 
 
-def run_vocab_placement(cfg, split: VocabSplit) -> VocabPlacement:
+def run_vocab_placement(cfg: RunConfig, split: VocabSplit) -> VocabPlacement:
     """parallel.vocab_placement resolved: the explicit [warm-up, slack] (train/preflight.py has checked it with
     validate_vocab_placement before anything is built), or the cost model's choice."""
     if cfg.parallel.vocab_placement is None:
@@ -283,7 +284,7 @@ def run_vocab_placement(cfg, split: VocabSplit) -> VocabPlacement:
     return VocabPlacement(*cfg.parallel.vocab_placement)
 
 
-def validate_vocab_placement(cfg, split: VocabSplit) -> None:
+def validate_vocab_placement(cfg: RunConfig, split: VocabSplit) -> None:
     """ScheduleError unless the run's placement gives a valid schedule at its pp and m (costmodel.
     placed_vocab_pipeline, as predict() checks each placement it tries)."""
     kind, P = cfg.schedule.name, len(split.shards)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from asyncpp.optim.build import AnyOptimizer
 from asyncpp.optim.muon_sharded import MatrixJob
 
 REPLICATED_OWNER = -1
@@ -89,7 +90,7 @@ def plan_ownership(params: Sequence[Tensor], *, matrix: Sequence[bool], expert: 
     return Ownership(tuple(owners), tuple(bool(e) for e in expert), dp_rank, edp_rank)
 
 
-def restrict_to_owned(optimizer, owned: Sequence[Tensor]) -> None:
+def restrict_to_owned(optimizer: AnyOptimizer, owned: Sequence[Tensor]) -> None:
     """Make a freshly built optimizer (an OptimizerSet or a torch optimizer) step only `owned` parameters,
     so only they get state. Muon's own DP sharding of Newton-Schulz is switched off: ownership already
     shares the work out, and the replicas now step different parameters (its DP collectives would hang)."""

@@ -121,6 +121,9 @@ class Watchdog:
 
 
 class StageComm:
+    """A stage's links to its neighbours: asynchronous sends retired at UPDATE(t), receives posted ahead, and every
+    wait of the stage, timed and named (the module docstring)."""
+
     def __init__(self, mesh: Mesh, shape: tuple[int, ...], dtype: torch.dtype, timeout_s: float = 300.0):
         self.timeout_s = timeout_s
         self.mesh = mesh

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from asyncpp.optim.build import MATRIX_OPTIMIZERS
+from asyncpp.optim.build import MATRIX_OPTIMIZERS, AnyOptimizer
 from asyncpp.optim.distributed import Ownership, plan_ownership, restrict_to_owned
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.pipeline.buckets import OwnerBucket, start_owner_buckets
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from asyncpp.pipeline.weights import WeightVersions
 
 
-def matrix_mask(optimizer, params: Sequence[Tensor]) -> list[bool]:
+def matrix_mask(optimizer: AnyOptimizer, params: Sequence[Tensor]) -> list[bool]:
     """Per parameter: whether a matrix optimizer (Muon, NorMuon, SOAP) steps it (after retarget: the masters)."""
     inner = getattr(optimizer, "optimizers", None) or {}
     ids = {id(p) for name, opt in inner.items() if name in MATRIX_OPTIMIZERS
@@ -43,7 +43,7 @@ def matrix_mask(optimizer, params: Sequence[Tensor]) -> list[bool]:
 class StageShards:
     """Which of a stage's parameters this rank owns, and the broadcast of the owners' new weights."""
 
-    def __init__(self, mesh: Mesh, optimizer, masters: Sequence[Tensor], *, expert: Sequence[bool],
+    def __init__(self, mesh: Mesh, optimizer: AnyOptimizer, masters: Sequence[Tensor], *, expert: Sequence[bool],
                  tied: Sequence[bool], wait: Callable[[object, str], None] | None = None,
                  timer: StageTimer | None = None):
         """Plans the ownership and restricts `optimizer` to this rank's share (a dry run stops here: it

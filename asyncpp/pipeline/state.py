@@ -24,6 +24,9 @@ from asyncpp.train import checkpoint as ckpt
 
 
 class StageCheckpoint(ckpt.Checkpointer):
+    """A pipeline stage's share of a checkpoint, by full-model names: its save and its resume (the module
+    docstring); the checkpoint machinery itself is the simulator's too (train/checkpoint)."""
+
     def __init__(self, cfg: RunConfig, mesh: Mesh, spec: StageSpec, model: nn.Module, engine: StageEngine,
                  data: DataSource, batches: BatchPlan, naming: Callable[[str], object]):
         self.mesh, self.spec, self.model, self.engine = mesh, spec, model, engine

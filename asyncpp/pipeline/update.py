@@ -24,6 +24,7 @@ from torch import Tensor
 
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats
 from asyncpp.core.update import UpdateRule
+from asyncpp.optim.build import AnyOptimizer
 from asyncpp.optim.clip import diff_sq_sum
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import ParamSharding
@@ -61,7 +62,10 @@ def counted_in_norm(mesh: Mesh, tied: bool, layout: ParamSharding) -> bool:
 
 
 class StageUpdate:
-    def __init__(self, mesh: Mesh, versions: WeightVersions, optimizer, *, spec, grad_scale: float,
+    """One stage's update between UPDATE_START(t) and UPDATE(t): its weight versions, the gradient's reductions and
+    the update rule, driven by the engine through start / progress / complete / apply (the module docstring)."""
+
+    def __init__(self, mesh: Mesh, versions: WeightVersions, optimizer: AnyOptimizer, *, spec, grad_scale: float,
                  is_delayed: Callable[[int], bool], tied_is_delayed: Callable[[int], bool],
                  tied_mask: Sequence[bool], layouts: Sequence[ParamSharding], wait: Wait, timer: StageTimer,
                  balancing: RouterBiasVersions | None = None, load_stats: RouterLoadStats | None = None,

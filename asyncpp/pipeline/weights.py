@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from asyncpp.core.staleness import predict_weights
 from asyncpp.core.stateful import load_in_place
+from asyncpp.optim.build import AnyOptimizer
 
 #: dtype of the master weights, the optimizer state and the gradient sums in every precision.
 MASTER_DTYPE = torch.float32
@@ -69,7 +70,7 @@ def make_masters(params: Sequence[nn.Parameter], compute_dtype: torch.dtype) -> 
     return masters
 
 
-def retarget(optimizer, params: Sequence[Tensor], masters: Sequence[Tensor]) -> None:
+def retarget(optimizer: AnyOptimizer, params: Sequence[Tensor], masters: Sequence[Tensor]) -> None:
     """Make a freshly built optimizer step `masters` instead of `params` (matched by identity)."""
     swap = {id(p): q for p, q in zip(params, masters)}
     for group in optimizer.param_groups:
@@ -114,6 +115,9 @@ class GradSums:
 
 
 class WeightVersions:
+    """A stage's K weight versions (version v in buffer v % K), the parameters pointed at the one an action reads,
+    and the optimizer's masters (the module docstring)."""
+
     def __init__(self, params: list[nn.Parameter], num_buffers: int, compute_dtype: torch.dtype | None = None,
                  predict_delay: int = 0):
         """`compute_dtype` below fp32 (bf16) casts `params` to it in place and keeps fp32 masters apart;
@@ -353,7 +357,7 @@ class WeightVersions:
             for q, buf in zip(self.masters, self.buffers[version % self.num_buffers]):
                 q.data = buf
 
-    def retarget(self, optimizer) -> None:
+    def retarget(self, optimizer: AnyOptimizer) -> None:
         """Make a freshly built optimizer step the masters instead of the module's Parameters."""
         retarget(optimizer, self.params, self.masters)
 
@@ -382,7 +386,7 @@ class WeightVersions:
         return {self.newest - version: self.copies(version) for version in self.held()}
 
 
-def optimizer_state_of(optimizer, p) -> bool:
+def optimizer_state_of(optimizer: AnyOptimizer, p) -> bool:
     inner = getattr(optimizer, "optimizers", None)
     optimizers = inner.values() if isinstance(inner, dict) else (inner or [optimizer])
     return any(p in opt.state and opt.state[p] for opt in optimizers)

@@ -17,6 +17,7 @@ from asyncpp.core.loss import LossFn, lm_loss
 from asyncpp.core.partition import param_stages, stage_split
 from asyncpp.core.records import DataSource, StepResult
 from asyncpp.core.update import lr_multiplier_for
+from asyncpp.optim.build import AnyOptimizer
 from asyncpp.pipeline.transfer import to_device
 from asyncpp.pipeline.weights import compute_dtype_of
 from asyncpp.reference.simulator import DelayedUpdateSimulator, TiedUse
@@ -46,7 +47,7 @@ def tied_head_use(model: nn.Module, schedule: str, num_stages: int) -> TiedUse |
     return TiedUse(head, "weight", embed.weight, stage_delay(schedule, num_stages - 1, num_stages))
 
 
-def build_simulator(cfg: RunConfig, model: nn.Module, optimizer,
+def build_simulator(cfg: RunConfig, model: nn.Module, optimizer: AnyOptimizer,
                     loss_fn: LossFn = lm_loss) -> DelayedUpdateSimulator:
     s = cfg.staleness
     return DelayedUpdateSimulator(
@@ -107,8 +108,9 @@ class ReferenceExecutor:
 
     stops_at_any_step = True
     is_writer = True
+    decides_time = True
 
-    def __init__(self, cfg: RunConfig, model: nn.Module, optimizer, data: DataSource):
+    def __init__(self, cfg: RunConfig, model: nn.Module, optimizer: AnyOptimizer, data: DataSource):
         self.cfg, self.model, self.data = cfg, model, data
         self.device = torch.device(cfg.train.device)
         self.sim = build_simulator(cfg, model, optimizer)

@@ -37,6 +37,7 @@ from asyncpp.core.records import StepResult
 from asyncpp.core.staleness import predict_weights
 from asyncpp.core.stateful import load_in_place
 from asyncpp.core.update import Corrections, UpdateRule
+from asyncpp.optim.build import AnyOptimizer
 from asyncpp.optim.clip import clip_, diff_sq_norm, grad_sq_norm
 from asyncpp.pipeline.weights import GradSums, is_mixed, make_masters, retarget
 from asyncpp.schedules.registry import buffers_for_delay
@@ -116,7 +117,7 @@ class DelayedUpdateSimulator:
     def __init__(
         self,
         model: nn.Module,
-        optimizer,
+        optimizer: AnyOptimizer,
         delays: Sequence[int],
         *,
         loss_fn: LossFn = lm_loss,

@@ -88,6 +88,9 @@ def line_due(step: int, total_steps: int, log_every: int, evaluated: bool = Fals
 
 
 class MetricsLogger:
+    """The run's one metrics writer: metrics.jsonl, summary.json, wandb, the console line and the progress bar
+    (the module docstring)."""
+
     def __init__(
         self,
         out_dir: str | os.PathLike,

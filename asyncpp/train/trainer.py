@@ -33,6 +33,8 @@ class Executor(Protocol):
     """True: a stop request is honoured after any step (nothing is in flight between steps)."""
     is_writer: bool
     """This rank writes metrics (the pipeline's last stage, DP and TP rank 0)."""
+    decides_time: bool
+    """This rank's clock decides timed checkpoints (CheckpointClock; the pipeline's rank 0, the only process)."""
     batches: BatchPlan
     """m_t and the data position of every step (asyncpp/core/batches.py), at this executor's dp."""
 
@@ -98,6 +100,9 @@ class _Quiet:
 
 
 class Trainer:
+    """The training loop over an executor: segments, step records and metrics, the non-finite abort rule,
+    preemption, checkpoints and the summary (the module docstring)."""
+
     def __init__(self, cfg: RunConfig, executor: Executor, metrics: Sink | None = None, stop: StopFlag | None = None):
         self.cfg, self.executor = cfg, executor
         self.metrics = metrics if metrics is not None and executor.is_writer else _Quiet()
@@ -129,7 +134,7 @@ class Trainer:
         val = self.executor.val_batches() if t.eval_every else []
         started = time.perf_counter()
         self.clock = CheckpointClock(ck.every_minutes if ck.enabled else 0.0,
-                                     decides=getattr(self.executor, "decides_time", True))
+                                     decides=self.executor.decides_time)
         for t0, t1 in segment_bounds(t.steps, t.eval_every, ck.every if ck.enabled else 0, start=self.start_step,
                                      at=self.executor.batches.changes()):
             done = self._segment(t0, t1, val)

@@ -22,6 +22,7 @@ class Scripted:
     """An executor whose step t has loss 10 - t and is skipped when t is in `skip`; it logs what it is asked."""
 
     is_writer = True
+    decides_time = True
     batches = BatchPlan(steps=10, micro_batch_size=1, dp=1, num_microbatches=4)  # config()'s: 100 tokens a step
 
     def __init__(self, stops_at_any_step: bool, skip=(), stop: StopFlag | None = None, stop_after: int = -1,

@@ -1,6 +1,6 @@
-"""The vocabulary-parallel head's pieces that need no process group: the shard table, the TP split of a shard, a
-shard's rows of the unsplit weight, the one-rank head (the plain head and loss, bit for bit), and the input
-embedding sharded by the same rows."""
+"""The vocabulary shards (asyncpp/parallel/vocab_parallel.py), which need no process group: the shard table, the TP
+split of a shard, and the input embedding sharded by the same rows. (The head's passes over the stages are tested by
+tests/unit/test_vocab_head.py and against the simulator by tests/dist/test_vocab_parallel_pipeline.py.)"""
 
 from __future__ import annotations
 
@@ -8,15 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncpp.parallel.vocab_parallel import (
-    VocabParallelHead,
-    VocabShard,
-    embedding_partial,
-    shard_rows_of,
-    split_for_tp,
-    vocab_parallel_loss,
-    vocab_shards,
-)
+from asyncpp.parallel.vocab_parallel import VocabShard, embedding_partial, split_for_tp, vocab_shards
 
 
 def test_shards_are_consecutive_and_cover_the_vocabulary():
@@ -34,26 +26,6 @@ def test_tp_splits_a_stage_shard_into_near_equal_consecutive_pieces():
         split_for_tp(VocabShard(0, 4), 0)
 
 
-def test_a_shard_is_its_rows_of_the_unsplit_weight():
-    w = torch.arange(12.0).reshape(6, 2)
-    assert torch.equal(shard_rows_of(w, VocabShard(2, 3)), w[2:5])
-    with pytest.raises(ValueError, match="exceed the head's 6 rows"):
-        shard_rows_of(w, VocabShard(4, 3))
-
-
-def test_one_rank_head_is_the_plain_head_bit_for_bit():
-    g = torch.Generator().manual_seed(0)
-    w, h = torch.randn(50, 8, generator=g), torch.randn(2, 5, 8, generator=g)
-    targets = torch.randint(0, 50, (2, 5), generator=g)
-    head = VocabParallelHead(w.clone(), VocabShard(0, 50), 50, None)
-    want = F.cross_entropy(F.linear(h, w).float().reshape(-1, 50), targets.reshape(-1))
-    assert torch.equal(head(h, targets), want)
-    with pytest.raises(ValueError, match="from row 0"):
-        vocab_parallel_loss(h, w[:10], targets, VocabShard(5, 10), None)
-    with pytest.raises(ValueError, match="VocabShard says 20"):
-        vocab_parallel_loss(h, w[:10], targets, VocabShard(0, 20), None)
-
-
 def test_embedding_partials_sum_to_the_unsplit_lookup_and_its_gradient_rows():
     """The input embedding sharded by the same rows: summing the shards' partial lookups is the unsplit lookup bit for
     bit (one nonzero per token), and each shard's weight gradient is its rows of the unsplit gradient bit for bit."""
@@ -69,7 +41,7 @@ def test_embedding_partials_sum_to_the_unsplit_lookup_and_its_gradient_rows():
     shards = vocab_shards([9, 0, 25, 6], V)
     parts = []
     for shard in shards:
-        piece = shard_rows_of(w, shard).requires_grad_()
+        piece = w[shard.start:shard.end].clone().requires_grad_()  # the shard's rows of the unsplit weight
         out = embedding_partial(ids, piece, shard)
         if shard.rows == 0:  # no rows: zeros, nothing to differentiate
             assert not out.requires_grad and not out.any()

@@ -8,13 +8,15 @@ import os
 import shutil
 from pathlib import Path
 
+from asyncpp.config import RunConfig
+
 MANIFEST = "manifest.json"
 
 
 TMP_PREFIX = ".tmp-step_"
 
 
-def checkpoint_root(cfg) -> Path:
+def checkpoint_root(cfg: RunConfig) -> Path:
     """cfg: a RunConfig. <out_dir>/checkpoints unless checkpoint.dir says otherwise."""
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.out_dir) / "checkpoints"
 

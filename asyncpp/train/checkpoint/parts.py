@@ -23,6 +23,7 @@ from typing import Protocol
 
 from torch import Tensor
 
+from asyncpp.config import RunConfig
 from asyncpp.train.checkpoint.files import checkpoint_root
 from asyncpp.train.checkpoint.restore import data_position, load, resume_point
 from asyncpp.train.checkpoint.saver import Saver
@@ -98,7 +99,7 @@ class Checkpointer:
     manifest; `naming(what)` wraps the collectives so a wait that gives up names them (the pipeline's
     p2p.naming_the_peer; one process has none)."""
 
-    def __init__(self, cfg, parts: Callable[[], StageParts], data, batches, layout: dict, *,
+    def __init__(self, cfg: RunConfig, parts: Callable[[], StageParts], data, batches, layout: dict, *,
                  timeout_s: float | None = None, naming: Callable[[str], AbstractContextManager] | None = None):
         self.cfg, self.parts, self.data, self.batches, self.layout = cfg, parts, data, batches, layout
         self._naming = naming or (lambda what: nullcontext())

@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from asyncpp.config import RunConfig
 from asyncpp.train.checkpoint.files import MANIFEST, checkpoint_root, list_checkpoints, read_manifest, step_of
 from asyncpp.train.checkpoint.rng import restore_rng
 from asyncpp.train.checkpoint.runtime import is_distributed, my_rank, quiet_single_process_dcp, torch_dcp
@@ -96,7 +97,7 @@ def load(path: str | os.PathLike, state: StageState, ages: Sequence[int]) -> dic
     return manifest
 
 
-def resume_point(cfg, source, warn=print) -> tuple[Path, int] | None:
+def resume_point(cfg: RunConfig, source, warn=print) -> tuple[Path, int] | None:
     """The checkpoint to resume from, per checkpoint.resume ('auto', 'none' or a path), and its step, or
     None; warns (via `warn`) when the data stream changed since it was written. What the simulator's and
     the pipeline's resume share."""
@@ -118,7 +119,7 @@ def data_position(source, step_done: int, batches) -> dict:
     return {"consumed_samples": batches.samples_before(step_done), "identity": identity}
 
 
-def check_data_position(manifest: dict, source, cfg, warn=print) -> None:
+def check_data_position(manifest: dict, source, cfg: RunConfig, warn=print) -> None:
     """Samples are a pure function of (stream identity, step): say so when a resume changes the stream."""
     saved = (manifest.get("data") or {}).get("identity")
     current = source.identity() if hasattr(source, "identity") else None

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from asyncpp.optim.build import AnyOptimizer
 from asyncpp.train.checkpoint.runtime import my_rank
 
 
@@ -51,7 +52,7 @@ def global_view(state: StageState, i: int, t: Tensor) -> Tensor:
     return t if shard is None else shard(t)
 
 
-def inner_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+def inner_optimizers(optimizer: AnyOptimizer) -> list[torch.optim.Optimizer]:
     inner = getattr(optimizer, "optimizers", None)
     return list(inner.values()) if isinstance(inner, dict) else [optimizer]
 
