@@ -33,12 +33,12 @@ import asyncpp.optim.build as optim_build
 from asyncpp.analysis.dryrun import BuildOptimizer, fake_group
 from asyncpp.analysis.trace import AttentionPath, CommOp, HostRead, StandIns, StepTracer, needed
 from asyncpp.config import RunConfig
+from asyncpp.core.masters import compute_dtype_of
 from asyncpp.parallel.mesh import ParallelDims
 from asyncpp.pipeline.build import build_rank_stage, mesh_for
 from asyncpp.pipeline.executor import PipelineExecutor
 from asyncpp.pipeline.memory import STEADY_STEPS
 from asyncpp.pipeline.p2p import StageComm
-from asyncpp.pipeline.weights import compute_dtype_of
 from asyncpp.schedules.actions import Action
 from model_zoo import ModelConfig
 from model_zoo.moe import MoE, grouped_mm_unsupported

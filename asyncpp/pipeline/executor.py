@@ -20,6 +20,7 @@ from torch import Tensor
 from asyncpp.config import RunConfig
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.records import DataSource, PipelineBubble, StepResult
+from asyncpp.core.transfer import to_device
 from asyncpp.core.vocab_split import VocabSplit, vocab_pipeline
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import layout_of
@@ -33,7 +34,6 @@ from asyncpp.pipeline.report import StageReport
 from asyncpp.pipeline.stage import stage_forward, tied_parameters
 from asyncpp.pipeline.state import StageCheckpoint
 from asyncpp.pipeline.stopping import ActionStream, StopAgreement, stop_lookahead
-from asyncpp.pipeline.transfer import to_device
 from asyncpp.pipeline.update import StepRecord
 from asyncpp.pipeline.vocab_embedding import VocabEmbedding
 from asyncpp.pipeline.vocab_head import VocabHead

@@ -8,6 +8,7 @@ import dataclasses
 
 from asyncpp.config import RunConfig
 from asyncpp.core.layout import Layout
+from asyncpp.core.masters import compute_dtype_of
 from asyncpp.core.memory import (
     FORWARD_BACKWARD,
     HELD,
@@ -31,7 +32,6 @@ from asyncpp.core.vocab_split import vocab_pipeline
 from asyncpp.optim.build import AnyOptimizer
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.pipeline.stage import StageSpec
-from asyncpp.pipeline.weights import compute_dtype_of
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.invariants import peak_in_flight
 from asyncpp.schedules.registry import kind_of

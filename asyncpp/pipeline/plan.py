@@ -22,6 +22,7 @@ from torch import nn
 from asyncpp.config import RunConfig
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
 from asyncpp.core.layout import Layout
+from asyncpp.core.masters import compute_dtype_of
 from asyncpp.core.update import NO_CORRECTIONS, Corrections, lr_multiplier_for
 from asyncpp.core.vocab_split import VocabSplit
 from asyncpp.optim.build import AnyOptimizer
@@ -43,7 +44,7 @@ from asyncpp.pipeline.timer import stage_timer
 from asyncpp.pipeline.update import StageUpdate
 from asyncpp.pipeline.vocab_embedding import VocabEmbedding
 from asyncpp.pipeline.vocab_head import VocabHead
-from asyncpp.pipeline.weights import WeightVersions, compute_dtype_of
+from asyncpp.pipeline.weights import WeightVersions
 from asyncpp.schedules.costmodel import VocabPlacement
 from asyncpp.schedules.registry import kind_of, step_delay
 from model_zoo import ModelConfig

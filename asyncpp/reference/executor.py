@@ -14,12 +14,12 @@ from torch import Tensor, nn
 from asyncpp.config import RunConfig
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.loss import LossFn, lm_loss
+from asyncpp.core.masters import compute_dtype_of
 from asyncpp.core.partition import param_stages, stage_split
 from asyncpp.core.records import DataSource, StepResult
+from asyncpp.core.transfer import to_device
 from asyncpp.core.update import lr_multiplier_for
 from asyncpp.optim.build import AnyOptimizer
-from asyncpp.pipeline.transfer import to_device
-from asyncpp.pipeline.weights import compute_dtype_of
 from asyncpp.reference.simulator import DelayedUpdateSimulator, TiedUse
 from asyncpp.schedules.registry import is_sync_step, stage_delay
 from asyncpp.train import checkpoint as ckpt

@@ -33,13 +33,13 @@ from torch import Tensor, nn
 
 from asyncpp.core.balancing import RouterBiasVersions, RouterLoadStats, balanced_routers
 from asyncpp.core.loss import LossFn, lm_loss
+from asyncpp.core.masters import GradSums, is_mixed, make_masters, retarget
 from asyncpp.core.records import StepResult
 from asyncpp.core.staleness import predict_weights
 from asyncpp.core.stateful import load_in_place
 from asyncpp.core.update import Corrections, UpdateRule
 from asyncpp.optim.build import AnyOptimizer
 from asyncpp.optim.clip import clip_, diff_sq_norm, grad_sq_norm
-from asyncpp.pipeline.weights import GradSums, is_mixed, make_masters, retarget
 from asyncpp.schedules.registry import buffers_for_delay
 
 

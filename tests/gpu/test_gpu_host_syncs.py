@@ -1,7 +1,7 @@
 """The hot path's device helpers add no host synchronisation (opt-in: `pytest -m gpu tests/gpu`).
 
 torch.cuda.set_sync_debug_mode("error") raises on any call that makes the host wait for the device:
-the token copy (asyncpp.pipeline.transfer.to_device) and the event timer (asyncpp.pipeline.timer) must pass under
+the token copy (asyncpp.core.transfer.to_device) and the event timer (asyncpp.pipeline.timer) must pass under
 it, while the pageable copy they replace must not.
 """
 
@@ -12,8 +12,8 @@ import contextlib
 import pytest
 import torch
 
+from asyncpp.core.transfer import to_device
 from asyncpp.pipeline.timer import stage_timer
-from asyncpp.pipeline.transfer import to_device
 from asyncpp.schedules.actions import Action, Op
 
 pytestmark = [

@@ -111,6 +111,19 @@ def test_no_first_party_import_inside_a_function():
     assert not inside, "first-party imports inside functions (move the code instead):\n" + "\n".join(inside)
 
 
+def contract_reaches_into(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} imports {b}" for a, targets in graph.items() if a.startswith("asyncpp.reference.")
+                  for b in targets if b.startswith("asyncpp.pipeline."))
+
+
+def test_the_contract_imports_nothing_of_the_pipeline():
+    """reference/ is the contract every pipeline is tested against (the simulator): it shares the mathematics with
+    the pipeline through core/ (core/masters.py, core/transfer.py), never through pipeline/ itself."""
+    bad = contract_reaches_into(import_graph())
+    assert not bad, "move what both need below the pipeline (core/):\n" + "\n".join(bad)
+    assert contract_reaches_into({"asyncpp.reference.simulator": {"asyncpp.pipeline.weights"}})  # the check can fail
+
+
 def test_pretrain_is_imported_by_nobody():
     """The entry script is hydra's app and the exit codes; tests, tools, bench and launch use asyncpp.job."""
     importers = []

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from asyncpp.config import ConfigError, RunConfig
+from asyncpp.core.masters import GradSums, compute_dtype_of
 from asyncpp.core.memory import optimizer_state_tensors
 from asyncpp.optim import build_from_config
-from asyncpp.pipeline.weights import GradSums, WeightVersions, compute_dtype_of
+from asyncpp.pipeline.weights import WeightVersions
 from asyncpp.reference.executor import build_simulator
 from model_zoo import build_model, get_model_config
 

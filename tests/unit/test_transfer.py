@@ -1,4 +1,4 @@
-"""asyncpp.pipeline.transfer.to_device: plain on the CPU; on CUDA the copy is staged through pinned memory
+"""asyncpp.core.transfer.to_device: plain on the CPU; on CUDA the copy is staged through pinned memory
 and queued with non_blocking (checked on a stand-in tensor that records the calls; tests/gpu checks a real
 GPU with torch.cuda's sync debug mode)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncpp.pipeline.transfer import to_device
+from asyncpp.core.transfer import to_device
 
 CUDA0 = torch.device("cuda", 0)
 
