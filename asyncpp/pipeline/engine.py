@@ -157,12 +157,11 @@ class StageEngine:
             pass
 
     def _post_receive(self, a: Action) -> None:
+        """Post the receive of a compute action (FORWARD or BACKWARD: stopping.receives_ahead) at the end it reads."""
         if a.op is Op.FORWARD:
             self.entry.post_input(a)
-        elif a.op is Op.BACKWARD:
-            self.exit.post_output_grad(a)
         else:
-            self._part_actions[a.op][0].post_receive(a)
+            self.exit.post_output_grad(a)
 
     def _forward(self, a: Action) -> None:
         x = self.entry.input(a)

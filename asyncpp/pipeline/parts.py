@@ -57,9 +57,6 @@ class StagePart(Protocol):
     def actions(self) -> Mapping[Op, PartAction]:
         """The ops this part owns, and how each runs."""
 
-    def post_receive(self, a: Action) -> None:
-        """One compute action ahead of `a` (one of this part's actions): post what it will receive."""
-
     def add_into(self, step: int, grads: list[Tensor], params: list[nn.Parameter]) -> None:
         """Its share of b_step's gradient joins `grads` (the stage's, per parameter of `params`)."""
 
@@ -106,9 +103,6 @@ class Part:
 
     def actions(self) -> Mapping[Op, PartAction]:
         return {}
-
-    def post_receive(self, a: Action) -> None:
-        pass
 
     def add_into(self, step: int, grads: list[Tensor], params: list[nn.Parameter]) -> None:
         pass

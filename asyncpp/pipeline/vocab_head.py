@@ -150,9 +150,6 @@ class VocabHead(Part):
         return {Op.VOCAB_FORWARD: PartAction(self._run_s, ready=self._hidden_for),
                 Op.VOCAB_BACKWARD: PartAction(self._run_t, ready=self._statistics_for)}
 
-    def post_receive(self, a: Action) -> None:
-        self.post_hidden(a.step, a.microbatch)
-
     def _hidden_for(self, a: Action) -> Tensor:
         """Before S(t, j): its hidden states, the last stage's own FORWARD output or the broadcast's (waited for
         outside S's timed compute, as a FORWARD's receive is)."""
