@@ -45,12 +45,12 @@ a host read by the step's trace, not as a kernel)."""
 
 
 def launches(func: torch._ops.OpOverload) -> bool:
-    """Whether the op launches a kernel on a GPU: not a view (an output aliasing an input it does not write: view,
-    transpose, select, expand, split, ...) and not in NO_KERNEL."""
-    if func.name().split(".")[0] in NO_KERNEL:
-        return False
+    """Whether the op launches a kernel on a GPU: it returns a tensor, is not a view (an output aliasing an input it
+    does not write: view, transpose, select, expand, split, ...) and is not in NO_KERNEL."""
     returns = func._schema.returns
-    return not (returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns))
+    if func.name().split(".")[0] in NO_KERNEL or not any("Tensor" in str(r.type) for r in returns):
+        return False  # no kernel, or no tensor made at all (aten::promote_types and the like)
+    return not all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
 class OpCounter(StepTracer):
