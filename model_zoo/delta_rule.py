@@ -243,6 +243,9 @@ def batched_chunk_gated_delta_rule(
     states = ChunkStates.apply(a.permute(2, 0, 1, 3, 4).reshape(n, bsz * h, dk, dk),
                                b.permute(2, 0, 1, 3, 4).reshape(n, bsz * h, dk, dv),
                                s0.reshape(bsz * h, dk, dv))
-    entering = states[:-1].reshape(n, bsz, h, dk, dv).permute(1, 2, 0, 3, 4)  # [B,H,N,Dk,Dv]
-    o = (q_decayed - attn @ w_k) @ entering + attn @ w_v
+    # The state term in the recurrence's chunk-major layout: the states are used as they lie (a view, saved once
+    # by ChunkStates); the [C, Dk] left operands are what gets copied, half a state's size per chunk.
+    left = (q_decayed - attn @ w_k).permute(2, 0, 1, 3, 4).reshape(n * bsz * h, -1, dk)
+    from_state = torch.bmm(left, states[:-1].reshape(n * bsz * h, dk, dv))
+    o = from_state.reshape(n, bsz, h, -1, dv).permute(1, 2, 0, 3, 4) + attn @ w_v  # [B,H,N,C,Dv]
     return _unchunk(o, q.shape[1]).to(out_dtype), states[-1].reshape(bsz, h, dk, dv)
