@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from model_zoo.backends.fla_check import FlaChecks, FlaDecision
 from model_zoo.delta_rule import (
+    affine_scan,
     batched_chunk_gated_delta_rule,
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
@@ -68,6 +69,30 @@ def test_batched_form_equals_the_recurrence_forward_and_gradients(t: int, chunk_
                              inputs)
     for name, g, r in zip(["o", "state", "q", "k", "v", "g", "beta", "s0"], got, truth):
         assert g.shape == r.shape
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 9, 64, 65])
+def test_affine_scan_equals_the_sequential_recurrence(n: int) -> None:
+    """The two-level scan (groups of round(sqrt(N/2)) steps; N < 4 sequential; 9 and 65 pad the last group) at
+    fp64 rounding: reassociated products of <= 2M + N/M maps, 1e-12."""
+    gen = torch.Generator().manual_seed(n)
+    a = torch.randn(n, 3, 4, 4, generator=gen, dtype=torch.float64) * 0.5
+    b = torch.randn(n, 3, 4, 5, generator=gen, dtype=torch.float64)
+    s0 = torch.randn(3, 4, 5, generator=gen, dtype=torch.float64)
+    expected = [s0]
+    for i in range(n):
+        expected.append(a[i] @ expected[-1] + b[i])
+    torch.testing.assert_close(affine_scan(a, b, s0), torch.stack(expected), rtol=1e-12, atol=1e-12)
+
+
+def test_batched_form_equals_the_chunk_loop_at_64_chunks() -> None:
+    """64 chunks (hybrid_moe_10b's count at 4096 tokens: 11 groups of 6, the last padded) in fp64, forward
+    and every gradient, against the chunk loop (itself equal to the recurrence above) at 1e-10."""
+    inputs = _inputs(64 * 8, torch.float64, seed=5)
+    loop = _outputs_and_grads(lambda *a, **kw: chunk_gated_delta_rule(*a, chunk_size=8, **kw), inputs)
+    got = _outputs_and_grads(lambda *a, **kw: batched_chunk_gated_delta_rule(*a, chunk_size=8, **kw), inputs)
+    for name, g, r in zip(["o", "state", "q", "k", "v", "g", "beta", "s0"], got, loop):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
 
 
