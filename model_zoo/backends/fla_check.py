@@ -61,7 +61,8 @@ def _forward_backward(fn: Callable, inputs: list[Tensor], cotangent_seed: int) -
     """[o, dq, dk, dv, dg, dbeta] in fp32 of `fn` at `inputs`, with a fixed random cotangent on o."""
     # The first forward may run under no_grad or inference mode (an evaluation first): the check's backward needs
     # autograd whatever its caller's mode (seen on the H200 as the kernel's "failure").
-    with torch.inference_mode(False), torch.enable_grad():
+    # Autocast off: the bound is about the kernel's own roundings, not a caller's autocast region's.
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast(inputs[0].device.type, enabled=False):
         leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
         o = fn(*leaves)[0]
         gen = torch.Generator(o.device).manual_seed(cotangent_seed)

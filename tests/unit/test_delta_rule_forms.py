@@ -116,21 +116,6 @@ def test_batched_form_fp32_equals_the_recurrence(t: int) -> None:
     torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_batched_form_stable_under_strong_decay_and_repeated_keys() -> None:
-    # As the loop form's test: g = -50 makes within-chunk cumsums reach -3200 (only differences are exponentiated),
-    # identical keys with beta ~ 1 are the worst-conditioned triangular system; A_i's products stay contractions.
-    q, k, v, g, beta, _ = _inputs(100, torch.float32)
-    k_same = k[:, :1].expand_as(k).contiguous()
-    for g_case, k_case, b_case in ((torch.full_like(g, -50.0), k, beta), (g * 1e-3, k_same, beta * 0 + 0.999)):
-        leaves = [x.clone().requires_grad_(True) for x in (q, k_case, v, g_case, b_case)]
-        o, s = batched_chunk_gated_delta_rule(*leaves, chunk_size=64)
-        o_ref, s_ref = recurrent_gated_delta_rule(q, k_case, v, g_case, b_case)
-        torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=1e-5)
-        (o.sum() + s.sum()).backward()
-        assert all(torch.isfinite(x.grad).all() for x in leaves)
-
-
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
 
