@@ -33,7 +33,7 @@ intermediates to bf16 (the WY factors, the chunk states, the pseudo-values; in t
 perturbation of the same size going through a map of about the same conditioning, a handful along any path:
 8 leaves room for them. A wrong kernel is off by O(1) (#640's dk), hundreds of times e."""
 
-Key = tuple[int, int, int, int, torch.dtype, str]
+Key = tuple[int, int, int, int, torch.dtype, torch.device]
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class FlaChecks:
 
     @torch.compiler.disable  # a check runs real kernels and keeps Python state: never inside a compiled graph
     def decide(self, t: int, h: int, dk: int, dv: int, dtype: torch.dtype, device: torch.device) -> FlaDecision:
-        key = (t, h, dk, dv, dtype, str(device))
+        key = (t, h, dk, dv, dtype, device)
         if key not in self.decisions:
             self.decisions[key] = decision = self._decide(t, h, dk, dv, dtype, device)
             verdict = "uses" if decision.use else "does not use"
@@ -126,8 +126,13 @@ class FlaChecks:
 
     def kernel_for(self, t: int, h: int, dk: int, dv: int, dtype: torch.dtype,
                    device: torch.device) -> Callable | None:
-        """The kernel where it passed its check at this shape, else None (the caller runs the PyTorch form)."""
-        return self.find_kernel() if self.decide(t, h, dk, dv, dtype, device).use else None
+        """The kernel where it passed its check at this shape, else None (the caller runs the PyTorch form). A decided
+        shape is a dict read, which a compiled block traces (as MoE.expert_kernel's); only the first call of a shape
+        goes through `decide`, which torch.compile leaves out of the graph."""
+        decision = self.decisions.get((t, h, dk, dv, dtype, device))
+        if decision is None:
+            decision = self.decide(t, h, dk, dv, dtype, device)
+        return self.find_kernel() if decision.use else None
 
 
 FLA_CHECKS = FlaChecks()
