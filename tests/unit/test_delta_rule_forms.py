@@ -176,3 +176,27 @@ def test_the_switch_uses_fla_only_where_it_passed_its_check() -> None:
     assert delta_rule_form("auto", cuda, torch.float32, (4096, 8, 128, 256), checks) is batched_chunk_gated_delta_rule
     assert delta_rule_form("batched", cuda, torch.bfloat16, (4096, 8, 128, 256), checks) is \
         batched_chunk_gated_delta_rule
+
+
+@pytest.mark.slow  # Inductor on the CPU: ~1 min alone, 10+ min on a loaded 2-core box
+def test_compiled_batched_layer_equals_eager_in_one_graph() -> None:
+    """A GDN layer with the batched form under torch.compile (what train.compile does per block on CUDA): one
+    graph, no break (ChunkStates and its out= kernels trace), output and every gradient equal to eager within fp32
+    rounding reordered by Inductor's fusions (rtol 1e-4, as test_backends' compiled tiny_dense)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    eager = GatedDeltaNet(64, 2, 16, 16, chunk_size=16)  # 100 tokens: 7 chunks, the two-level scan
+    eager.kernel = "batched"
+    compiled = copy.deepcopy(eager)
+    compiled.compile()
+    x = torch.randn(2, 100, 64)
+    results = []
+    for layer in (compiled, eager):
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)
+        results.append([out, *torch.autograd.grad(out.square().sum(), [xi, *layer.parameters()])])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+    for c, e in zip(*results):
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5)
