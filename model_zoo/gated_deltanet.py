@@ -1,55 +1,42 @@
-"""Gated DeltaNet (Yang et al., arXiv 2412.06464), the linear-attention layer of Qwen3-Next, in pure PyTorch.
+"""Gated DeltaNet (Yang et al., arXiv 2412.06464), the linear-attention layer of Qwen3-Next, in PyTorch.
 
-Conventions shared by both functions below:
-
-* ``g`` is the *log* of the per-step multiplicative state decay, so ``alpha_t = exp(g_t)`` and ``g_t <= 0``.
-* ``beta`` in (0, 1) is the delta-rule write strength.
-* State ``S`` is ``[B, H, Dk, Dv]``. One step is::
-
-      S   = exp(g_t) * S
-      S   = S + beta_t * k_t (v_t - S^T k_t)^T
-      o_t = S^T (q_t * Dk**-0.5)
-
-  i.e. q is scaled by ``Dk**-0.5`` *inside* the functions (callers pass unscaled q), exactly like the
-  default ``scale`` of flash-linear-attention's kernels.
-* Inputs below fp32 are computed in fp32; ``o`` is returned in ``v``'s dtype and the final state in the
-  compute dtype (fp32, or fp64 for fp64 inputs).
-
-``chunk_gated_delta_rule`` is the single entry point ``GatedDeltaNet`` calls. On CUDA with bf16/fp16
-activations, flash-linear-attention's fused kernel (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``,
-same argument order and semantics) is used instead when it is importable (``GatedDeltaNet.kernel``;
-model_zoo/backends/kernels.py probes it).
+The delta rule itself, its conventions and its three PyTorch forms live in model_zoo/delta_rule.py. Which form a
+layer runs is `GatedDeltaNet.kernel` (see `_delta_rule`): on CUDA with bf16/fp16 activations
+flash-linear-attention's fused kernel (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, same argument order
+and semantics) where it passed its check at the layer's shape (model_zoo/backends/fla_check.py), else the batched
+PyTorch form; off CUDA the chunk-loop form, the CPU's tested default.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model_zoo.backends.kernels import fla_chunk_gated_delta_rule
+from model_zoo.backends.fla_check import FLA_CHECKS, FlaChecks
+from model_zoo.delta_rule import (
+    batched_chunk_gated_delta_rule,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
 from model_zoo.init import GlobalRNG, Initializer
 
+__all__ = [
+    "GatedDeltaNet",
+    "Kernel",
+    "batched_chunk_gated_delta_rule",
+    "chunk_gated_delta_rule",
+    "delta_rule_form",
+    "recurrent_gated_delta_rule",
+]
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> None:
-    b, t, h, _ = q.shape
-    if k.shape != q.shape or v.shape[:3] != (b, t, h) or g.shape != (b, t, h) or beta.shape != (b, t, h):
-        raise ValueError(
-            f"expected q,k [B,T,H,Dk], v [B,T,H,Dv], g/beta [B,T,H]; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-            f"v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}"
-        )
-    if t == 0:
-        raise ValueError("sequence length T must be >= 1")
-
-
-def _compute_dtype(*tensors: Tensor) -> torch.dtype:
-    # The state accumulates over the whole sequence; bf16/fp16 accumulation drifts, so never go below fp32.
-    dtype = torch.float32
-    for x in tensors:
-        dtype = torch.promote_types(dtype, x.dtype)
-    return dtype
+Kernel = Literal["auto", "torch", "batched"]
+"""GatedDeltaNet.kernel: "auto" (FLA where checked at the shape, else "batched" on CUDA and "torch" elsewhere),
+"torch" (the chunk-loop form everywhere: the reference a GPU test compares against), "batched" (everywhere)."""
 
 
 def _upcast(x: Tensor) -> Tensor:
@@ -57,117 +44,21 @@ def _upcast(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _initial_state(init: Tensor | None, shape: tuple[int, ...], like: Tensor) -> Tensor:
-    if init is None:
-        return torch.zeros(shape, dtype=like.dtype, device=like.device)
-    if tuple(init.shape) != shape:
-        raise ValueError(f"initial_state must be [B,H,Dk,Dv]={shape}, got {tuple(init.shape)}")
-    return init.to(like.dtype)
-
-
-def recurrent_gated_delta_rule(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """Step-by-step reference: returns (o [B,T,H,Dv], final_state [B,H,Dk,Dv]). See module docstring."""
-    _check_inputs(q, k, v, g, beta)
-    b, t, h, dk = q.shape
-    out_dtype, dt = v.dtype, _compute_dtype(q, k, v)
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
-    q = q * dk**-0.5
-    state = _initial_state(initial_state, (b, h, dk, v.shape[-1]), q)
-    outs = []
-    for i in range(t):
-        # Out-of-place updates throughout so autograd can differentiate through the loop.
-        state = state * g[:, i].exp()[..., None, None]
-        prediction = torch.einsum("bhkv,bhk->bhv", state, k[:, i])
-        delta = (v[:, i] - prediction) * beta[:, i, :, None]
-        state = state + k[:, i, :, :, None] * delta[:, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, i]))
-    return torch.stack(outs, dim=1).to(out_dtype), state
-
-
-def _pad_time(x: Tensor, pad: int) -> Tensor:
-    # F.pad lists dims last-first; time is dim 1 of a [B, T, ...] tensor.
-    return F.pad(x, [0, 0] * (x.dim() - 2) + [0, pad]) if pad else x
-
-
-def _to_chunks(x: Tensor, chunk_size: int) -> Tensor:
-    """[B, T, H, *rest] with T % C == 0 -> [B, H, N, C, *rest]."""
-    b, t, h = x.shape[:3]
-    return x.reshape(b, t // chunk_size, chunk_size, h, *x.shape[3:]).movedim(3, 1)
-
-
-def _intra_chunk(
-    q: Tensor, k: Tensor, v: Tensor, g_cum: Tensor, beta: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Everything that does not depend on the state entering a chunk, for all chunks at once.
-
-    Shapes: q,k [B,H,N,C,Dk], v [B,H,N,C,Dv], g_cum/beta [B,H,N,C] with g_cum the within-chunk cumsum of g
-    (gamma_i). Writing the state inside a chunk as S_i = e^{gamma_i} S_0 + sum_{j<=i} e^{gamma_i-gamma_j}
-    k_j u_j^T, the recurrence gives the "pseudo-values" u_i = beta_i (v_i - e^{gamma_i} S_0^T k_i
-    - sum_{j<i} e^{gamma_i-gamma_j} (k_i.k_j) u_j), i.e. (I + diag(beta) L) U = beta V - beta e^gamma K S_0
-    with L strictly lower triangular. With T = (I + diag(beta) L)^{-1} (the UT transform / WY form),
-    U = W_v - W_k S_0 where W_v = T beta V and W_k = T beta e^gamma K; both are computed here.
-    """
-    c = g_cum.shape[-1]
-    idx = torch.arange(c, device=g_cum.device)
-    causal = idx[:, None] >= idx[None, :]
-    # Only differences gamma_i - gamma_j with j <= i are exponentiated; they are <= 0 when g <= 0, so no
-    # overflow however long the chunk. The upper triangle is set to -inf *before* exp (exp -> 0, grad 0).
-    decay = (g_cum[..., :, None] - g_cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    kk = (k @ k.transpose(-1, -2)) * decay
-    # Unit lower-triangular system; only the strictly-lower part of beta*kk enters. solve_triangular is a
-    # batched, differentiable forward substitution (trsm) instead of a Python loop over the C rows. Not the
-    # Neumann / doubling product prod_j (I + (-N)^(2^j)): for near-parallel keys N^j has binomial-sized
-    # entries that cancel catastrophically in fp32, whereas substitution only forms the true inverse.
-    lhs = (beta[..., None] * kk).tril(-1) + torch.eye(c, dtype=kk.dtype, device=kk.device)
-    rhs = torch.cat([beta[..., None] * v, (beta * g_cum.exp())[..., None] * k], dim=-1)
-    w_v, w_k = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True).split(
-        [v.shape[-1], k.shape[-1]], dim=-1
-    )
-    attn = (q @ k.transpose(-1, -2)) * decay  # causal, inclusive of the diagonal
-    q_decayed = q * g_cum.exp()[..., None]  # reads S_0 decayed to step i
-    k_to_end = k * (g_cum[..., -1:] - g_cum).exp()[..., None]  # writes decayed to the chunk's end
-    return w_v, w_k, attn, q_decayed, k_to_end, g_cum[..., -1].exp()
-
-
-def chunk_gated_delta_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    chunk_size: int = 64,
-    initial_state: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Chunked (WY / UT-transform) form, equal to ``recurrent_gated_delta_rule`` up to rounding.
-
-    Parallel within a chunk, a Python loop over the T / chunk_size chunks for the state hand-off.
-    T need not divide by chunk_size: padded steps get k = v = q = 0, g = 0, beta = 0, which makes them an
-    exact identity on the state (no decay, no write), so the final state needs no masking and the padded
-    outputs are sliced off.
-    """
-    _check_inputs(q, k, v, g, beta)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    b, t, h, dk = q.shape
-    dv, c = v.shape[-1], min(chunk_size, t)  # a short sequence is one chunk, not one padded to 64
-    out_dtype, dt = v.dtype, _compute_dtype(q, k, v)
-    n = math.ceil(t / c)
-    q, k, v, g, beta = (_pad_time(x.to(dt), n * c - t) for x in (q, k, v, g, beta))
-    q = q * dk**-0.5
-    q, k, v, g, beta = (_to_chunks(x, c) for x in (q, k, v, g, beta))
-    w_v, w_k, attn, q_decayed, k_to_end, decay_end = _intra_chunk(q, k, v, g.cumsum(-1), beta)
-
-    state = _initial_state(initial_state, (b, h, dk, dv), q)
-    outs = []
-    for i in range(n):
-        u = w_v[:, :, i] - w_k[:, :, i] @ state  # [B,H,C,Dv] pseudo-values given the incoming state
-        outs.append(q_decayed[:, :, i] @ state + attn[:, :, i] @ u)
-        state = state * decay_end[:, :, i, None, None] + k_to_end[:, :, i].transpose(-1, -2) @ u
-    o = torch.stack(outs, dim=2)  # [B,H,N,C,Dv]
-    o = o.movedim(1, 3).reshape(b, n * c, h, dv)[:, :t]
-    return o.to(out_dtype), state
+def delta_rule_form(kernel: Kernel, device: torch.device, act: torch.dtype, shape: tuple[int, int, int, int],
+                    checks: FlaChecks = FLA_CHECKS) -> Callable:
+    """The delta rule's form for a layer with `kernel` on `device` with activations `act`, at shape (T, H, Dk, Dv):
+    FLA's kernel where "auto" allows it and it passed its check at the shape, else the batched form on CUDA (a few
+    dozen kernels plus one per chunk each way, instead of ~36 per chunk: bench/op_counts.py) and the chunk-loop
+    form elsewhere (the CPU's default, unchanged)."""
+    if kernel not in ("auto", "torch", "batched"):
+        raise ValueError(f"GatedDeltaNet.kernel={kernel!r}: expected 'auto', 'torch' or 'batched'")
+    if kernel == "auto" and device.type == "cuda" and act in (torch.bfloat16, torch.float16):
+        fused = checks.kernel_for(*shape, act, device)
+        if fused is not None:
+            return fused
+    if kernel == "batched" or (kernel == "auto" and device.type == "cuda"):
+        return batched_chunk_gated_delta_rule
+    return chunk_gated_delta_rule
 
 
 class GatedDeltaNet(nn.Module):
@@ -211,9 +102,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(num_heads))
         # Shared over heads (weight [Dv]) as in FLA's FusedRMSNormGated; applied per head in _gated_norm.
         self.o_norm = nn.RMSNorm(head_v_dim, eps=norm_eps, elementwise_affine=True)
-        # "auto": FLA's fused kernel where it applies (CUDA, bf16/fp16, importable), else the PyTorch form;
-        # "torch": always the PyTorch form (the reference a GPU test compares FLA against).
-        self.kernel = "auto"
+        self.kernel: Kernel = "auto"  # which form of the delta rule runs: see Kernel and _delta_rule
         # A usable default so the module is never left with torch.empty garbage; model builders call
         # reset_parameters again with the configured std. Only RNG-driven in-place ops: fine on meta.
         self.reset_parameters(std=0.02)
@@ -262,17 +151,14 @@ class GatedDeltaNet(nn.Module):
         return F.rms_norm(_upcast(o), (self.head_v_dim,), w, self.norm_eps) * F.silu(_upcast(gate))
 
     def _delta_rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, act: torch.dtype) -> Tensor:
-        """o [B, T, H, Dv]. FLA takes q/k/v in the activation dtype (it accumulates in fp32 inside; it has no
-        fp32-input guarantee across versions, hence bf16/fp16 only), g in log space and beta as fp32, the
-        same [B, T, H, *] layout and default scale Dk**-0.5. Its chunk size is fixed (64); chunking
-        changes only the rounding, not the result."""
-        fused = None
-        if self.kernel == "auto" and q.is_cuda and act in (torch.bfloat16, torch.float16):
-            fused = fla_chunk_gated_delta_rule()
-        if fused is None:
-            return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size)[0]
-        o, _ = fused(q.to(act), k.to(act), v.to(act), g, beta, output_final_state=False)
-        return o
+        """o [B, T, H, Dv], by the form `delta_rule_form` picks. FLA takes q/k/v in the activation dtype (it
+        accumulates in fp32 inside; it has no fp32-input guarantee across versions, hence bf16/fp16 only), g in
+        log space and beta as fp32, the same [B, T, H, *] layout and default scale Dk**-0.5. Its chunk size is
+        fixed (64); chunking changes only the rounding, not the result."""
+        form = delta_rule_form(self.kernel, q.device, act, (q.shape[1], *q.shape[2:], v.shape[-1]))
+        if form is batched_chunk_gated_delta_rule or form is chunk_gated_delta_rule:
+            return form(q, k, v, g, beta, chunk_size=self.chunk_size)[0]
+        return form(q.to(act), k.to(act), v.to(act), g, beta, output_final_state=False)[0]
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape

@@ -153,58 +153,37 @@ def test_gated_deltanet_stays_on_pytorch_off_cuda(monkeypatch):
     import model_zoo.gated_deltanet as gdn
 
     used = []
-    monkeypatch.setattr(gdn, "fla_chunk_gated_delta_rule", lambda: used.append(1) or None)
+    monkeypatch.setattr(gdn.FLA_CHECKS, "find_kernel", lambda: used.append(1) or None)
     layer = gdn.GatedDeltaNet(32, 2, 8, 8, chunk_size=8).to(torch.bfloat16)
     layer(torch.randn(1, 16, 32, dtype=torch.bfloat16))
-    assert used == []  # not even probed for CPU tensors
+    assert used == []  # not even looked up for CPU tensors
     assert layer.kernel == "auto"
     if "unavailable" in fla_status():
         assert "pip install -e .[gpu]" in fla_status()
 
 
-def test_fla_kernel_that_fails_its_probe_falls_back_with_the_reason(monkeypatch):
-    """FLA 0.6 with Triton < 3.7.1 imports fine on an H200 and raises at its first backward (seen on a lent
-    H200): the probe turns that into "unavailable, because ..." instead of a crash at the first step."""
+def test_fla_kernel_is_only_imported_here(monkeypatch):
+    """Importing is all kernels.py does: whether the kernel is correct is decided per shape where a layer would use
+    it (model_zoo/backends/fla_check.py; tests/unit/test_fla_check.py), not by one probe that refused FLA 0.6 with
+    Triton < 3.7.1 on Hopper at Dk=64 whatever the model's Dk."""
     import types
 
     from model_zoo.backends import kernels
 
-    def refuse(*args, **kwargs):
-        raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results")
+    def kernel(*args, **kwargs):
+        raise AssertionError("not run at import")
 
-    fake = types.SimpleNamespace(chunk_gated_delta_rule=refuse)
-    monkeypatch.setattr(kernels, "try_import", lambda module: (fake, ""))
-    monkeypatch.setattr(kernels.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(kernels.torch.cuda, "get_device_name", lambda *a: "a Hopper GPU")
-    monkeypatch.setattr(kernels.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(kernels, "_probe", lambda fused, device: fused())
+    monkeypatch.setattr(kernels, "try_import", lambda module: (types.SimpleNamespace(chunk_gated_delta_rule=kernel), ""))
     kernels._fla.cache_clear()
     try:
-        assert kernels.fla_chunk_gated_delta_rule() is None
-        assert "failed a forward+backward probe on a Hopper GPU" in kernels.fla_status()
-        assert "Triton >= 3.4.0" in kernels.fla_status()
-        monkeypatch.setattr(kernels, "_probe", lambda fused, device: None)  # a kernel that passes is used
+        assert kernels.fla_chunk_gated_delta_rule() is kernel
+        assert "importable" in kernels.fla_status()
+        monkeypatch.setattr(kernels, "try_import", lambda module: (None, "ModuleNotFoundError: No module named 'fla'"))
         kernels._fla.cache_clear()
-        assert kernels.fla_chunk_gated_delta_rule() is refuse
+        assert kernels.fla_chunk_gated_delta_rule() is None
+        assert "No module named 'fla'" in kernels.fla_status() and "pip install -e .[gpu]" in kernels.fla_status()
     finally:
         kernels._fla.cache_clear()
-
-
-@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
-def test_fla_probe_runs_its_backward_whatever_the_callers_autograd_mode(mode):
-    """The probe runs at the first GDN forward, which may be under no_grad (an evaluation first, the GPU tests'
-    forward): its backward failed there and FLA was reported broken for that reason (seen on the H200)."""
-    from model_zoo.backends import kernels
-
-    calls = []
-
-    def fused(q, k, v, g, beta, output_final_state):  # a differentiable stand-in with FLA's signature
-        calls.append(torch.is_grad_enabled())
-        return q * beta.unsqueeze(-1).to(q.dtype) + k + v, None
-
-    with mode():
-        kernels._probe(fused, torch.device("cpu"))
-    assert calls == [True]
 
 
 def test_local_backend_changes_nothing():

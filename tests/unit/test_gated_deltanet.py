@@ -9,7 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_zoo.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from model_zoo.gated_deltanet import (
+    GatedDeltaNet,
+    batched_chunk_gated_delta_rule,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
 
 B, H, DK, DV = 2, 3, 8, 16
 
@@ -72,10 +77,13 @@ def test_chunk_grads_match_recurrent(t: int, chunk_size: int) -> None:
         torch.testing.assert_close(g_chunk, g_ref, rtol=1e-10, atol=1e-10, msg=f"grad of {name}")
 
 
-def test_chunk_stable_under_strong_decay_and_repeated_keys() -> None:
+@pytest.mark.parametrize("form,chunk_size", [(chunk_gated_delta_rule, 64), (batched_chunk_gated_delta_rule, 16)])
+def test_chunk_stable_under_strong_decay_and_repeated_keys(form, chunk_size: int) -> None:
     # g = -50 makes the within-chunk cumsum reach -3200: a form using exp(gamma_i) * exp(-gamma_j) would
     # overflow to inf/nan, differences of cumsums must not. Identical keys with beta ~ 1 make the
-    # triangular system as ill-conditioned as the delta rule gets.
+    # triangular system as ill-conditioned as the delta rule gets. The batched form's products of chunk
+    # transitions (model_zoo/delta_rule.affine_scan, two-level from 4 chunks: 7 here) are products of
+    # contractions here too (the cumsum within 16 steps reaches -800: exp overflows fp32 from 89).
     q, k, v, g, beta = _inputs(100, torch.float32)
     k_same = k[:, :1].expand_as(k).contiguous()
     for g_case, k_case, b_case in (
@@ -83,7 +91,7 @@ def test_chunk_stable_under_strong_decay_and_repeated_keys() -> None:
         (g * 1e-3, k_same, beta * 0 + 0.999),
     ):
         leaves = [x.clone().requires_grad_(True) for x in (q, k_case, v, g_case, b_case)]
-        o, s = chunk_gated_delta_rule(*leaves, chunk_size=64)
+        o, s = form(*leaves, chunk_size=chunk_size)
         o_ref, s_ref = recurrent_gated_delta_rule(q, k_case, v, g_case, b_case)
         torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=1e-5)
