@@ -9,7 +9,9 @@ Tolerance: the pipeline and the reference run the same kernels on the same shape
 changes the float order: the loss is divided per microbatch by its token count and by m (Megatron's
 convention) where the reference averages then sums (exact: m = 4 and 32 tokens are powers of two), the tied
 embedding's two gradient parts are summed by an all-reduce, and under TP=2 every row-parallel matmul sums two
-halves. Those are rounding differences of ~1e-7 relative per step; 6 steps of Muon/AdamW (whose normalisations
+halves (under SP the same sums as reduce-scatters, and each norm's gradient as the sum of the two TP ranks' token
+halves; with the alltoall dispatcher an expert sees its tokens in another order, so its gradient sums them in
+another order). Those are rounding differences of ~1e-7 relative per step; 6 steps of Muon/AdamW (whose normalisations
 amplify them where a gradient entry is near zero) stay below 1e-5, the bound of the other equivalence tests.
 """
 
@@ -242,12 +244,13 @@ def test_drain_in_the_middle_resumes_the_same_trajectory(pp2):
         assert r["applied"] == [None, None, 0, 2, 2, 2, 3]
 
 
-@pytest.mark.slow  # four processes importing megatron-core on two cores: about 80 s
+@pytest.mark.slow  # four processes importing megatron-core on two cores: about 80 s before SP and alltoall joined
 @pytest.mark.parametrize("name", [c.name for c in CASES["four"]])
 def test_gpt_model_on_four_ranks_equals_delayed_reference(four_ranks, references, name):
     """PP=2 x TP=2 (megatron's TP linears and vocab-parallel embedding / cross entropy; with Muon, megatron's
-    layouts gathered for Newton-Schulz) and PP=2 x DP=2 (asyncpp's DP all-reduce on megatron's data-parallel
-    group)."""
+    layouts gathered for Newton-Schulz; with SP, its norms' partial gradients all-reduced over TP), PP=2 x DP=2
+    (asyncpp's DP all-reduce on megatron's data-parallel group) and PP=2 x DP=2 x EP=2 MoE (allgather and alltoall
+    dispatchers)."""
     case = next(c for c in CASES["four"] if c.name == name)
     ref = references("four")[name]
     check_equals_reference(four_ranks[name], ref)
