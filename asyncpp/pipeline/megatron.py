@@ -259,6 +259,20 @@ def _refuse_megatron_grad_sync(model: nn.Module) -> None:
                              f"{name} = None")
 
 
+def _refuse_low_precision_params(model: nn.Module) -> None:
+    """megatron's fp16/bf16 models (config.fp16/bf16, Float16Module) hold their parameters in 16 bits and keep fp32
+    master weights in the MegatronOptimizer, which is refused here; this front-end builds its weight versions
+    without a compute dtype, so the optimizer would step the 16-bit parameters themselves: refused, not silently
+    degraded."""
+    low = [(n, p.dtype) for n, p in model.named_parameters() if p.requires_grad and p.dtype in (torch.float16,
+                                                                                              torch.bfloat16)]
+    if low:
+        raise NotImplementedError(f"parameter {low[0][0]} is {low[0][1]}: the Megatron front-end keeps no fp32 master "
+                                  "weights for 16-bit parameters (megatron keeps them in its refused "
+                                  "MegatronOptimizer). Train the model in fp32, with config.grad_scale_func for loss "
+                                  "scaling if wanted, or in bf16 through asyncpp's own pipeline (train.precision=bf16)")
+
+
 def _check_parallel_sizes(model: nn.Module, mesh: Mesh) -> None:
     """A megatron-core model reads its parallel sizes from its TransformerConfig (which of its weights are expert-
     parallel: `allreduce=False`, see param_layouts); they must be the mesh's, or expert gradients would be
@@ -366,6 +380,7 @@ class Pipeline2BW:
                          delays=sync, tied_delays=sync, weight_prediction=weight_prediction,
                          update=UpdateSpec(grad_clip=grad_clip, corrections=corrections, lr_multiplier=lr_multiplier))
         _refuse_megatron_grad_machinery(model, optimizer)
+        _refuse_low_precision_params(model)
         _check_parallel_sizes(model, mesh)
         _check_optimizer_layouts(model, optimizer, mesh)
         self.engine = build_stage_runtime(plan, None, model, mesh, optimizer, self._forward, grad_scale=1.0,

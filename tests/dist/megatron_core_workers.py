@@ -278,6 +278,7 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
                                 tp_group=mesh.tp_group)
     muon = MuonWatch(optimizer, model, mesh)
     layout_refusal = unaware_muon_refusal(model, mesh) if case.optimizer == "muon" and case.tp > 1 else None
+    fp16_refusal = half_model_refusal(case, mesh, pre, post) if case.loss_scale is not None else None
     fwd_bwd = get_forward_backward_func("2bw", engine_factory=lambda schedule: Pipeline2BW(
         model, optimizer, mesh, schedule=schedule, hidden_size=HIDDEN, grad_clip=case.grad_clip,
         ef_lambda=case.ef_lambda, grad_ef_lambda=case.grad_ef_lambda, dc_lambda=case.dc_lambda,
@@ -313,7 +314,7 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
         "case": asdict(case), "stage": mesh.pp_rank, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,
         "ep_rank": mesh.ep_rank, "losses": losses, "applied": applied,
         "grad_norms": grad_norms, "skipped": {t: r.skipped for t, r in pipeline.records.items()},
-        "grad_scales": scales, "scale_refusal": scale_refusal,
+        "grad_scales": scales, "scale_refusal": scale_refusal, "fp16_refusal": fp16_refusal,
         "params": {global_name(model, n): (p.detach().clone(), getattr(p, "tensor_model_parallel", False),
                                            getattr(p, "partition_dim", None)) for n, p in model.named_parameters()},
         "layout_refusal": layout_refusal,
@@ -403,6 +404,16 @@ class PartialTpWatch:
 
     def report(self) -> dict:
         return {"names": self.names, "calls": self.calls, "tensors": self.tensors, "changed": self.changed}
+
+
+def half_model_refusal(case: Case, mesh: Mesh, pre: bool, post: bool) -> str | None:
+    """What Pipeline2BW says to a GPTModel whose parameters are fp16 (megatron's Float16Module does .half())."""
+    model = build_gpt(case, mesh.num_stages, pre, post).half()
+    try:
+        Pipeline2BW(model, build_optimizer(model, name="adamw", lr=0.01), mesh, hidden_size=HIDDEN)
+    except NotImplementedError as e:
+        return str(e)
+    return None
 
 
 class PredictedReads:

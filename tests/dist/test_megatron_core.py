@@ -165,7 +165,7 @@ def check_sequence_parallel_reduced(ranks: list[dict]) -> None:
 def check_loss_scaling(ranks: list[dict], ref: dict) -> None:
     """config.grad_scale_func's scale was divided out of each step's gradient (the grad norms above equal the
     unscaled reference's), an overflowing step was skipped on every rank as in the reference, and a new scale
-    inside an open 2BW stream is refused."""
+    inside an open 2BW stream is refused, as is a model with fp16 parameters (no fp32 masters here)."""
     case = Case(**ranks[0]["case"])
     bad = case.overflow_step
     assert ref["skipped"] == [t == bad for t in range(case.steps)] and not math.isfinite(ref["grad_norms"][bad])
@@ -174,6 +174,7 @@ def check_loss_scaling(ranks: list[dict], ref: dict) -> None:
         assert r["skipped"] == {t: t == bad for t in range(case.steps)}
         assert not math.isfinite(r["grad_norms"][bad])
         assert "loss scale changed from 1024.0 to 2048.0" in r["scale_refusal"] and "drain()" in r["scale_refusal"]
+        assert "torch.float16" in r["fp16_refusal"] and "no fp32 master weights" in r["fp16_refusal"]
 
 
 def check_corrections_acted(ranks: list[dict], ref: dict) -> None:
