@@ -3,14 +3,21 @@
     torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py                   # PP=2, Muon, CPU (gloo)
     torchrun --standalone --nproc_per_node=4 examples/megatron_2bw.py --tp 2 --optimizer adamw --ef-lambda 1
     torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --weight-prediction --dc-lambda 0.1
+    torchrun --standalone --nproc_per_node=4 examples/megatron_2bw.py --tp 2 --sequence-parallel \
+        --data-path /data/tokens/shard_text_document               # an indexed dataset (python -m data.preprocess)
+    torchrun --standalone --nproc_per_node=4 examples/megatron_2bw.py --num-experts 4 \
+        --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall                 # PP=2 x DP=2 x EP=2 MoE
 
 A Megatron-LM user keeps megatron-core's parallel_state, GPTModel, forward_step_func and loop. What changes:
 - get_forward_backward_func("2bw", engine_factory=...) from asyncpp.pipeline.megatron;
 - the optimizer is asyncpp's (Muon or AdamW) and its update runs inside the schedule, one step late
   (x_{t+1} = x_t - U(g(x_{t-1}))); `optimizer_step()` only reports it;
 - asyncpp's mesh is megatron's groups (Mesh.from_megatron); drain() before evaluation and exit.
-On a CPU, megatron-core runs in asyncpp's CPU mode (asyncpp/reference/megatron_cpu.py, for tests and examples).
-The data is a synthetic token stream with a learnable pattern, the same on every rank.
+On a CPU, megatron-core runs in asyncpp's CPU mode (asyncpp/reference/megatron_cpu.py, for tests and examples;
+with --sequence-parallel its norms are megatron_cpu.SequenceParallelLayerNorm, the CPU stand-in of apex's).
+The data: --data-path prefixes of megatron indexed datasets (.bin/.idx, data.preprocess's output) read through
+megatron-core's BlendedMegatronDatasetBuilder and GPTDataset (data.source.IndexedDataSource); without it, a synthetic
+token stream with a learnable pattern. Each data-parallel replica reads its own microbatches.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import functools
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -37,6 +45,7 @@ from asyncpp.optim import build_optimizer
 from asyncpp.parallel.mesh import Mesh, init_distributed
 from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func, optimizer_sharding
 from asyncpp.reference import megatron_cpu
+from data.source import IndexedDataSource
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,20 +70,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dc-lambda", type=float, default=0.0, help="asyncpp: DC-ASGD delay compensation")
     p.add_argument("--weight-prediction", action="store_true", help="asyncpp: SAPipe-style weight prediction")
     p.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--num-experts", type=int, default=None, help="MoE: experts per layer (every layer's MLP)")
+    p.add_argument("--moe-router-topk", type=int, default=2)
+    p.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1)
+    p.add_argument("--vocab-parallel-head", action="store_true",
+                   help="asyncpp: spread the output layer over the stages (not available through this front-end)")
+    p.add_argument("--data-path", nargs="+", default=None,
+                   help="indexed dataset prefixes, optionally weighted: [weight] prefix [weight prefix ...]")
+    p.add_argument("--tokenizer", default=None, help="the tokenizer the data was made with (default: <prefix>.json's)")
+    p.add_argument("--split", default="98,2,0")
+    p.add_argument("--data-cache-path", type=Path, default=Path(".cache/asyncpp-data"))
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", type=Path, default=None, help="write the losses as JSON here (the last stage)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.vocab_parallel_head:
+        p.error("--vocab-parallel-head: the vocabulary-parallel head and sharded embedding of a megatron-core GPTModel "
+                "through Pipeline2BW are not built yet (issue 43, item 1); asyncpp's own pipeline has them "
+                "(pretrain.py parallel.head=vocab parallel.embedding=vocab). Drop the flag")
+    if args.sequence_parallel and args.tp == 1:
+        p.error("--sequence-parallel needs --tp > 1 (it splits the sequence over the tensor-parallel group)")
+    if args.expert_model_parallel_size > 1 and args.num_experts is None:
+        p.error(f"--expert-model-parallel-size={args.expert_model_parallel_size} needs --num-experts")
+    return args
 
 
 # ---- pretrain_gpt's pieces ------------------------------------------------------------------------------
 def model_provider(args, pre_process: bool, post_process: bool) -> GPTModel:
+    moe = {} if args.num_experts is None else {
+        "num_moe_experts": args.num_experts, "moe_router_topk": args.moe_router_topk,
+        "moe_token_dispatcher_type": args.moe_token_dispatcher_type, "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": 0.01}
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, add_bias_linear=False,
+        expert_model_parallel_size=args.expert_model_parallel_size, sequence_parallel=args.sequence_parallel,
         hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32,
-        use_cpu_initialization=args.device == "cpu")
-    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=args.vocab_size,
+        use_cpu_initialization=args.device == "cpu", **moe)
+    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
+    if args.sequence_parallel and args.device == "cpu":  # the local spec's torch norm refuses SP (apex's does not)
+        spec = megatron_cpu.local_block_spec(config, spec)
+    return GPTModel(config, spec, vocab_size=args.vocab_size,
                     max_sequence_length=args.seq_length, pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
 
@@ -102,30 +140,87 @@ def forward_step(data_iterator, model: GPTModel, device: torch.device):
     return output_tensor, functools.partial(loss_func, loss_mask)
 
 
-def synthetic_tokens(args, stream: int, start: int = 0):
-    """Microbatch i of a stream: random tokens where every odd position is its predecessor + 1."""
-    for i in itertools.count(start):
-        g = torch.Generator().manual_seed(args.seed * 1_000_003 + i * 7 + stream)
+def synthetic_tokens(args, stream: int, dp: int = 1, dp_rank: int = 0):
+    """This replica's microbatches of a stream (global microbatch i * dp + dp_rank): random tokens where every odd
+    position is its predecessor + 1."""
+    for i in itertools.count():
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + (i * dp + dp_rank) * 7 + stream)
         x = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g)
         x[:, 1::2] = (x[:, 0:-1:2] + 1) % args.vocab_size
         yield x
 
 
-def reduced_loss(store: list[dict]) -> float:
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's --make-vocab-size-divisible-by padding: the embedding's rows split evenly over TP."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def indexed_source(args, dp: int) -> IndexedDataSource:
+    """--data-path through megatron-core's BlendedMegatronDatasetBuilder and GPTDataset (built once per process,
+    cached under --data-cache-path): enough train samples for every iteration, one batch of validation samples."""
+    paths = args.data_path
+    weighted = len(paths) % 2 == 0 and all(_is_number(w) for w in paths[::2])
+    prefixes, weights = (paths[1::2], [float(w) for w in paths[::2]]) if weighted else (paths, None)
+    batch = args.num_microbatches * args.micro_batch_size
+    return IndexedDataSource(prefixes, weights, tokenizer=args.tokenizer, split=args.split, seq_len=args.seq_length,
+                             micro_batch_size=args.micro_batch_size, seed=args.seed,
+                             train_samples=args.train_iters * batch * dp, eval_samples=batch,
+                             cache_dir=args.data_cache_path)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def indexed_microbatches(source: IndexedDataSource, m: int, dp: int, dp_rank: int):
+    """This replica's microbatches: step t's global microbatches (t * dp + dp_rank) * m + j, j < m."""
+    for t in itertools.count():
+        for j in range(m):
+            yield source.train_microbatch((t * dp + dp_rank) * m + j)
+
+
+def reduced_loss(store: list[dict], mesh: Mesh) -> float:
+    """The step's per-token loss over the data-parallel replicas (Megatron's training_log reduction)."""
     total = torch.stack([d["lm loss"] for d in store]).double().sum(0)
+    if mesh.dims.dp > 1:
+        dist.all_reduce(total, group=mesh.dp_group)
     return float(total[0] / total[1])
+
+
+def megatron_log_line(args, iteration: int, elapsed_s: float, lr: float, loss: float, loss_scale: float,
+                      grad_norm: float | None, skipped: int, nans: int, dp: int, applied: int | None) -> str:
+    """One line of Megatron-LM's training_log (megatron/training/training.py), plus the step asyncpp applied."""
+    batch = args.num_microbatches * args.micro_batch_size * dp
+    line = (f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{args.train_iters:8d} |"
+            f" consumed samples: {iteration * batch:12d} | elapsed time per iteration (ms): {elapsed_s * 1e3:.1f} |"
+            f" learning rate: {lr:.6E} | global batch size: {batch:5d} | lm loss: {loss:.6E} |"
+            f" loss scale: {loss_scale:.1f} |")
+    if grad_norm is not None:
+        line += f" grad norm: {grad_norm:.3f} |"
+    line += f" number of skipped iterations: {skipped:3d} | number of nan iterations: {nans:3d} |"
+    return line + f" applied step: {'-' if applied is None else applied} |"
 
 
 # ---- the loop ---------------------------------------------------------------------------------------------
 def train(args) -> dict:
     device = init_distributed(args.device)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp,
-                                             pipeline_model_parallel_size=args.pp)
+                                             pipeline_model_parallel_size=args.pp,
+                                             expert_model_parallel_size=args.expert_model_parallel_size)
     if device.type == "cpu":
         megatron_cpu.enable(device, seed=args.seed)
     else:
         model_parallel_cuda_manual_seed(args.seed)
     mesh = Mesh.from_megatron(device)
+    dp = mesh.dims.dp
+    source = indexed_source(args, dp) if args.data_path else None
+    if source is not None:
+        args.vocab_size = padded_vocab_size(source.vocab_size, args.tp)
     torch.manual_seed(args.seed)
     model = model_provider(args, parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
     model.to(device)
@@ -140,35 +235,49 @@ def train(args) -> dict:
         sequence_first=True))
     pipeline = forward_backward_func.pipeline
     step_func = functools.partial(forward_step, device=device)
-    train_data = synthetic_tokens(args, stream=0)
-    log = {"train": [], "valid": {}}
+    if source is not None:
+        train_data = indexed_microbatches(source, args.num_microbatches, dp, mesh.dp_rank)
+    else:
+        train_data = synthetic_tokens(args, stream=0, dp=dp, dp_rank=mesh.dp_rank)
+    log = {"train": [], "valid": {}, "vocab_size": args.vocab_size, "data": "indexed" if source else "synthetic"}
     started = time.perf_counter()
+    skipped = nans = 0
     for iteration in range(args.train_iters):
+        call_started = time.perf_counter()
         losses = forward_backward_func(forward_step_func=step_func, data_iterator=train_data, model=[model],
                                        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                                        micro_batch_size=args.micro_batch_size)
         update_successful, grad_norm, _ = pipeline.optimizer_step()  # the update of step iteration-2
+        if grad_norm is not None:
+            skipped += not update_successful
+            nans += not math.isfinite(grad_norm)
         if losses:  # the last pipeline stage
-            log["train"].append(reduced_loss(losses))
-            if mesh.tp_rank == 0:
-                norm = f"{grad_norm:.3f} (step {pipeline.applied_step})" if grad_norm is not None else "-"
-                print(f" iteration {iteration + 1:4d}/{args.train_iters} | lm loss {log['train'][-1]:.4f} | "
-                      f"grad norm {norm} | ok {update_successful}", flush=True)
+            log["train"].append(reduced_loss(losses, mesh))
+            if mesh.tp_rank == 0 and mesh.dp_rank == 0:
+                record = pipeline.records.get(pipeline.applied_step) if pipeline.applied_step is not None else None
+                print(megatron_log_line(args, iteration + 1, time.perf_counter() - call_started,
+                                        record.lr if record else args.lr, log["train"][-1], 1.0, grad_norm, skipped,
+                                        nans, dp, pipeline.applied_step), flush=True)
         if (iteration + 1) % args.eval_interval == 0:
             pipeline.drain()  # every in-flight microbatch and update done: the module holds x_{iteration+1}
-            store = forward_backward_func(forward_step_func=step_func, data_iterator=synthetic_tokens(args, 1),
+            valid = iter(source.val_batches()) if source is not None else synthetic_tokens(args, 1, dp, mesh.dp_rank)
+            store = forward_backward_func(forward_step_func=step_func, data_iterator=valid,
                                           model=[model], num_microbatches=args.num_microbatches,
                                           seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                                           forward_only=True)
             if store:
-                log["valid"][iteration + 1] = reduced_loss(store)
-                if mesh.tp_rank == 0:
-                    print(f" validation at iteration {iteration + 1} | lm loss {log['valid'][iteration + 1]:.4f}",
-                          flush=True)
+                log["valid"][iteration + 1] = reduced_loss(store, mesh)
+                if mesh.tp_rank == 0 and mesh.dp_rank == 0:
+                    value = log["valid"][iteration + 1]  # Megatron's evaluate_and_print_results line
+                    print(f" validation loss at iteration {iteration + 1} | lm loss value: {value:.6E} | "
+                          f"lm loss PPL: {math.exp(min(20.0, value)):.6E} |", flush=True)
     pipeline.drain()
     log["wall_s"] = time.perf_counter() - started
     log["applied_step"] = pipeline.applied_step
     log["model_class"] = f"{type(model).__module__}.{type(model).__name__}"
+    log["sequence_parallel"] = model.config.sequence_parallel
+    log["dispatchers"] = sorted({type(m.token_dispatcher).__name__ for m in model.modules()
+                                 if hasattr(m, "token_dispatcher")})
     return log
 
 
@@ -176,7 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     log = train(args)
-    if args.out is not None and log["train"] and parallel_state.get_tensor_model_parallel_rank() == 0:
+    if (args.out is not None and log["train"] and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank() == 0):
         args.out.write_text(json.dumps(log, indent=1))
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -24,6 +24,12 @@ What differs from Megatron, and why:
   once; the two agree exactly when m is a power of two, to rounding otherwise.) Auxiliary losses
   injected into the graph (model_zoo MoE's `aux_grad_scale`) are the model's business, as Megatron's
   MoEAuxLossAutoScaler is: set them to 1/m for this convention.
+- fp16 loss scaling: megatron's `config.grad_scale_func` is applied to the last stage's loss before its backward
+  and divided out of the step's summed gradient before its norm, clip and update; a non-finite (overflowed) step
+  is skipped on every stage. One scale per 2BW stream (Pipeline2BW._set_loss_scale).
+- Sequence parallelism: the norms megatron marks `sequence_parallel` get their partial gradients all-reduced over
+  megatron's TP group when their step's reduction starts (param_layouts), as finalize_model_grads does at the end
+  of a flushed step; activations travel as [seq/tp, batch, hidden].
 - Weight versions are switched by the engine (weights.WeightVersions.use) before every forward and
   backward, by re-pointing Parameter storage: the user's model and forward_step_func need no change.
   FP8 weight caches (TE's set_is_first_microbatch) are not refreshed on a switch: not supported.
@@ -132,23 +138,40 @@ def _unwrap(model: Any, attr: str) -> Any:
     return model
 
 
+def _partial_over_tp(name: str, param: nn.Parameter, config) -> bool:
+    """Whether a TP-replicated parameter's gradient is a partial sum on each TP rank, by finalize_model_grads' rule
+    (megatron/core/distributed/finalize_model_grads.py:354, _allreduce_non_tensor_model_parallel_grads): a
+    sequence-parallel norm (each TP rank normalizes its own tokens) and, with qk_layernorm, the query/key norms (each
+    TP rank normalizes its own heads)."""
+    if getattr(param, "average_gradients_across_tp_domain", False):
+        raise NotImplementedError(f"{name}: average_gradients_across_tp_domain=True (a TP-averaged gradient) is not "
+                                  "supported by the Megatron front-end")
+    return bool((getattr(config, "sequence_parallel", False) and getattr(param, "sequence_parallel", False))
+                or (getattr(config, "qk_layernorm", False) and ("q_layernorm" in name or "k_layernorm" in name)))
+
+
 def param_layouts(model: nn.Module) -> list[ParamSharding]:
     """Each trainable parameter's tensor-parallel layout, read from megatron-core's own parameter attributes
     (`tensor_model_parallel`, `partition_dim`: tensor_parallel.set_tensor_model_parallel_attributes), so the
     global norm counts a TP shard on every TP rank and a replicated tensor once. A module without them (asyncpp's
     own stages) is replicated. An expert weight (`allreduce=False`) is reduced over the expert-data-parallel group
-    and counted on every EP rank. Megatron's sequence-parallel norms (`sequence_parallel`: partial gradients)
-    are refused: untested here."""
+    and counted on every EP rank. A replicated tensor whose gradient is partial on each TP rank (_partial_over_tp:
+    megatron's sequence-parallel norms) is all-reduced over megatron's TP group when its step's reduction starts
+    (GradientReduction._reduce_partial_tp), as finalize_model_grads does at the end of a flushed step."""
+    config = getattr(model, "config", None)
+    inner = model
+    while config is None and hasattr(inner, "module"):
+        inner = inner.module
+        config = getattr(inner, "config", None)
     layouts = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if getattr(p, "sequence_parallel", False):
-            raise NotImplementedError(f"{name}: a sequence-parallel norm (sequence_parallel=True) is not supported by "
-                                      "the Megatron front-end")
         tp_dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
         expert = getattr(p, "allreduce", True) is False
-        layouts.append(ParamSharding(tp_dim=tp_dim, expert=expert) if tp_dim is not None or expert else REPLICATED)
+        partial = tp_dim is None and _partial_over_tp(name, p, config)
+        layouts.append(ParamSharding(tp_dim=tp_dim, expert=expert, tp_grad_reduce=partial)
+                       if tp_dim is not None or expert or partial else REPLICATED)
     return layouts
 
 
@@ -236,6 +259,20 @@ def _refuse_megatron_grad_sync(model: nn.Module) -> None:
                              f"{name} = None")
 
 
+def _refuse_low_precision_params(model: nn.Module) -> None:
+    """megatron's fp16/bf16 models (config.fp16/bf16, Float16Module) hold their parameters in 16 bits and keep fp32
+    master weights in the MegatronOptimizer, which is refused here; this front-end builds its weight versions
+    without a compute dtype, so the optimizer would step the 16-bit parameters themselves: refused, not silently
+    degraded."""
+    low = [(n, p.dtype) for n, p in model.named_parameters() if p.requires_grad and p.dtype in (torch.float16,
+                                                                                              torch.bfloat16)]
+    if low:
+        raise NotImplementedError(f"parameter {low[0][0]} is {low[0][1]}: the Megatron front-end keeps no fp32 master "
+                                  "weights for 16-bit parameters (megatron keeps them in its refused "
+                                  "MegatronOptimizer). Train the model in fp32, with config.grad_scale_func for loss "
+                                  "scaling if wanted, or in bf16 through asyncpp's own pipeline (train.precision=bf16)")
+
+
 def _check_parallel_sizes(model: nn.Module, mesh: Mesh) -> None:
     """A megatron-core model reads its parallel sizes from its TransformerConfig (which of its weights are expert-
     parallel: `allreduce=False`, see param_layouts); they must be the mesh's, or expert gradients would be
@@ -250,9 +287,25 @@ def _check_parallel_sizes(model: nn.Module, mesh: Mesh) -> None:
                              f"build the model with {name}={size}")
 
 
-def _scale_moe_aux_loss(model: nn.Module, num_microbatches: int) -> None:
+def loss_scale_of(model: nn.Module, device: torch.device) -> float:
+    """The loss scale megatron's `config.grad_scale_func` (fp16's dynamic or constant loss scaling: a
+    MegatronOptimizer's scale_loss, or the user's) applies now: its value at 1, as megatron's forward_step probes it
+    (megatron/core/pipeline_parallel/schedules.py:284). 1.0 without one."""
+    config = getattr(_unwrap(model, "set_input_tensor"), "config", None)
+    func = getattr(config, "grad_scale_func", None)
+    if func is None:
+        return 1.0
+    scale = float(func(torch.ones(1, device=device)).item())
+    if not scale > 0:
+        raise ValueError(f"config.grad_scale_func gives a loss scale of {scale}; it must be > 0 (an infinite scale "
+                         "makes the step's gradient non-finite: the step is skipped on every stage)")
+    return scale
+
+
+def _scale_moe_aux_loss(model: nn.Module, num_microbatches: int, loss_scale: float = 1.0) -> None:
     """What megatron's forward_step does after each forward of a MoE model: its routers' auxiliary losses are
-    back-propagated with MoEAuxLossAutoScaler's scale, which must be 1/m to match the main loss's / m."""
+    back-propagated with MoEAuxLossAutoScaler's scale, which must be loss_scale/m to match the main loss's
+    (schedules.py:283-292)."""
     config = getattr(_unwrap(model, "set_input_tensor"), "config", None)
     if getattr(config, "num_moe_experts", None) is None:
         return
@@ -261,7 +314,7 @@ def _scale_moe_aux_loss(model: nn.Module, num_microbatches: int) -> None:
     # A megatron-core MoE model: megatron-core is installed.
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / num_microbatches))  # 0-dim: mixes with any device
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(loss_scale / num_microbatches))  # 0-dim: mixes with any device
 
 
 @dataclass
@@ -273,6 +326,8 @@ class _Call:
     model: nn.Module
     num_microbatches: int
     non_loss_data: bool
+    loss_scale: float = 1.0
+    """config.grad_scale_func's scale for this call (loss_scale_of); the reduction divides it out again."""
     store: list = field(default_factory=list)
 
 
@@ -325,6 +380,7 @@ class Pipeline2BW:
                          delays=sync, tied_delays=sync, weight_prediction=weight_prediction,
                          update=UpdateSpec(grad_clip=grad_clip, corrections=corrections, lr_multiplier=lr_multiplier))
         _refuse_megatron_grad_machinery(model, optimizer)
+        _refuse_low_precision_params(model)
         _check_parallel_sizes(model, mesh)
         _check_optimizer_layouts(model, optimizer, mesh)
         self.engine = build_stage_runtime(plan, None, model, mesh, optimizer, self._forward, grad_scale=1.0,
@@ -337,6 +393,7 @@ class Pipeline2BW:
         self._m: int | None = None
         self._windows: deque[set[Action]] = deque(maxlen=2)  # the last two calls' actions
         self._call: _Call | None = None  # forward_step_func, data_iterator, model, store of the running call
+        self._loss_scale = 1.0  # the engine's grad_scale is its inverse (_set_loss_scale)
         self.forward_backward_func = functools.partial(self.forward_backward)
         self.forward_backward_func.pipeline = self  # type: ignore[attr-defined]
 
@@ -381,6 +438,8 @@ class Pipeline2BW:
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches={num_microbatches} must be >= 1")
         call = _Call(forward_step_func, data_iterator, model, num_microbatches, collect_non_loss_data)
+        if not forward_only:
+            call.loss_scale = self._set_loss_scale(loss_scale_of(model, self.mesh.device))
         self._call = call
         try:
             if forward_only:
@@ -390,6 +449,24 @@ class Pipeline2BW:
         finally:
             self._call = None
         return call.store
+
+    def _set_loss_scale(self, scale: float) -> float:
+        """fp16 loss scaling (config.grad_scale_func): the loss of b_k is multiplied by `scale` before its backward
+        and b_k's summed gradient is multiplied by 1/scale in the step's reduction, before its norm, the clip and
+        the update (GradientReduction's grad_scale); a step whose unscaled gradient is not finite (an fp16 overflow)
+        is skipped on every stage by the global norm (semantics.md) and reported by optimizer_step() as
+        update_successful=False. One scale serves a whole 2BW stream: the reduction of b_{k-1} is in flight with
+        the scale of its call, so a change needs drain() first (each 1F1B call and synchronous step is flushed, so
+        there it may change every call). megatron's dynamic scaler updates its scale in MegatronOptimizer.step,
+        which is refused here (_refuse_megatron_grad_machinery): a scale comes from the user's grad_scale_func."""
+        if scale != self._loss_scale:
+            if not self.drained:  # not only the pending reductions: b_{k-1}'s backwards may still be running
+                raise ValueError(f"config.grad_scale_func's loss scale changed from {self._loss_scale} to {scale} "
+                                 f"while b_{self.next_step - 1} is in flight at the old one: a 2BW stream runs at "
+                                 "one loss scale; call forward_backward_func.pipeline.drain() before changing it")
+            self.engine.update.rescale(1.0 / scale)
+            self._loss_scale = scale
+        return scale
 
     def _check_model(self, model) -> nn.Module:
         if isinstance(model, list):
@@ -404,6 +481,12 @@ class Pipeline2BW:
         return model
 
     def _set_activation_shape(self, seq_length: int, micro_batch_size: int) -> None:
+        config = getattr(_unwrap(self.model, "set_input_tensor"), "config", None)
+        if getattr(config, "sequence_parallel", False):  # megatron's get_tensor_shapes: each TP rank's tokens
+            if seq_length % self.mesh.dims.tp:
+                raise ValueError(f"seq_length={seq_length} is not divisible by the tensor-parallel size "
+                                 f"{self.mesh.dims.tp} (sequence_parallel=True splits the sequence over TP)")
+            seq_length //= self.mesh.dims.tp
         dims = (seq_length, micro_batch_size) if self.sequence_first else (micro_batch_size, seq_length)
         shape = (*dims, self.hidden_size)
         comm = self.engine.comm
@@ -458,7 +541,7 @@ class Pipeline2BW:
         """Megatron's forward_step: inject the input, run the user's step, compute the scaled loss."""
         _unwrap(call.model, "set_input_tensor").set_input_tensor([x])  # a list, as Megatron passes it
         output, loss_func = call.forward_step_func(call.data_iterator, call.model)
-        _scale_moe_aux_loss(call.model, call.num_microbatches)
+        _scale_moe_aux_loss(call.model, call.num_microbatches, call.loss_scale)
         if not self.mesh.is_last_stage:
             return output
         store = call.store
@@ -479,7 +562,9 @@ class Pipeline2BW:
             raise ValueError(f"loss_func returned {len(outputs)} values; expected (loss, report) or "
                              "(loss, num_tokens, report)")
         store.append(report)
-        return loss
+        # megatron's backward_step scales the loss by config.grad_scale_func (schedules.py:477-478); the report
+        # above is unscaled, as megatron's.
+        return loss * call.loss_scale if call.loss_scale != 1.0 else loss
 
     @torch.no_grad()
     def _forward_only(self, m: int) -> None:

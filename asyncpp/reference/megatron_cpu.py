@@ -19,8 +19,9 @@ and stops in these places:
 - megatron/core/tensor_parallel/mappings.py allocates the outputs of its gathers, reduce-scatters and all-to-alls on
   `torch.cuda.current_device()` (mappings.py:91, 141, 148, 181, 442: MoE's allgather dispatcher with EP or TP > 1,
   sequence parallelism), and the MoE router moves its CPU weights there and allocates its load counters there
-  (megatron/core/transformer/moe/router.py:90, 92, 169, 178, 192, 198). Those two modules get `CpuCurrentDevice`
-  as their `torch`: the real torch module whose `torch.cuda.current_device()` is the CPU (nothing else changes,
+  (megatron/core/transformer/moe/router.py:90, 92, 169, 178, 192, 198); under sequence parallelism the TP
+  linears' backward allocates its all-gather buffer there too (megatron/core/tensor_parallel/layers.py:552, 597,
+  607). Those three modules get `CpuCurrentDevice` as their `torch`: the real torch module whose `torch.cuda.current_device()` is the CPU (nothing else changes,
   and no other module sees it).
 - megatron-core's DistributedDataParallel allocates its gradient (and, with its distributed optimizer, parameter)
   buffers on `torch.cuda.current_device()` (megatron/core/distributed/param_and_grad_buffer.py:800, 806):
@@ -32,9 +33,23 @@ and stops in these places:
   for a CPU parameter after that (distrib_optimizer.py:430).
 - Without Transformer Engine, megatron/core/transformer/moe/moe_utils.py:1192 (the router's gating linear) reads
   `te_general_gemm`, which only its TE import defines (a NameError); it is set to None, megatron's "no TE" value.
-- Not shimmed: the MoE alltoall dispatcher creates a CUDA stream in its constructor
-  (megatron/core/transformer/moe/token_dispatcher.py:445) and syncs on the current CUDA stream in its
-  permutation (token_dispatcher.py:871); use moe_token_dispatcher_type="allgather".
+- The MoE alltoall dispatcher (MoEAlltoAllTokenDispatcher) creates a side CUDA stream in its constructor
+  (megatron/core/transformer/moe/token_dispatcher.py:444-445) and, at its `cuda_dtoh_point`, copies the split sizes
+  to the host on that stream, records an event and synchronizes on it at its `cuda_sync_point`
+  (token_dispatcher.py:869-898). token_dispatcher gets `CpuCurrentDevice` as its `torch`, whose `cuda.Stream`,
+  `cuda.current_stream` and `cuda.stream` are the CPU's streams (`CpuStream`: torch.cpu.Stream, whose record_event
+  returns a `CpuEvent`). The ordering contract holds trivially: on the CPU every op has completed when it returns,
+  in program order, so an event is reached when it is recorded and synchronize() has nothing to wait for. The split
+  sizes are CPU tensors already, but megatron's maybe_move_tensor_to_cpu (moe_utils.py:1093) converts to numpy only
+  what it copied from CUDA, and all_to_all_single takes a sequence of ints, not a tensor: token_dispatcher's
+  `maybe_move_tensor_to_cpu` is `_host_copy`, which converts a CPU tensor to numpy as megatron converts its host
+  copy.
+- Sequence parallelism needs a norm whose parameters carry `sequence_parallel` (megatron's FusedLayerNorm sets it,
+  fused_layer_norm.py, and TE's norms; both need apex or Transformer Engine, i.e. CUDA), while the local spec's
+  WrappedTorchNorm asserts `not config.sequence_parallel` (megatron/core/transformer/torch_norm.py:32).
+  `SequenceParallelLayerNorm` is torch's LayerNorm with FusedLayerNorm's attributes, and `local_block_spec` builds
+  a block spec with it (every layer's norms and the final norm): the CPU stand-in of apex's fused kernel, the same
+  mathematics.
 
 `enable(device)` installs the after `parallel_state.initialize_model_parallel`. It refuses any device but the
 CPU: on CUDA megatron-core's own buffer and tracker are the right ones, and this module must never replace them.
@@ -43,6 +58,7 @@ CPU: on CUDA megatron-core's own buffer and tracker are the right ones, and this
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 import types
 from functools import reduce
@@ -51,9 +67,12 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import param_and_grad_buffer
 from megatron.core.models.common.language_module.language_module import LanguageModule
-from megatron.core.tensor_parallel import mappings
+from megatron.core.tensor_parallel import layers, mappings
 from megatron.core.tensor_parallel import random as mcore_random
-from megatron.core.transformer.moe import moe_utils, router
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe import moe_utils, router, token_dispatcher
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.utils import GlobalMemoryBuffer
 
 
@@ -110,11 +129,34 @@ def _setup_embeddings_on_cpu(self: LanguageModule) -> None:
         torch.distributed.all_reduce(self.shared_embedding_or_output_weight().data, group=self.embd_group)
 
 
+class CpuEvent:
+    """An event on a CPU stream: reached when recorded (every CPU op has completed when it returns)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
+class CpuStream(torch.cpu.Stream):
+    """torch.cpu.Stream whose record_event returns an event (torch's returns None): what the alltoall dispatcher
+    synchronizes on (token_dispatcher.py:895-898)."""
+
+    def record_event(self, event=None) -> CpuEvent:
+        return event if event is not None else CpuEvent()
+
+
 class CpuCurrentDevice(types.ModuleType):
     """torch, as a megatron-core module sees it in the CPU mode: every attribute is torch's, except that
-    `torch.cuda.current_device()` names the CPU (megatron allocates its buffers on that device)."""
+    `torch.cuda.current_device()` names the CPU (megatron allocates its buffers on that device) and torch.cuda's
+    streams are the CPU's (the alltoall dispatcher's side stream, see the module docstring)."""
 
-    cuda = types.SimpleNamespace(current_device=lambda: "cpu")
+    cuda = types.SimpleNamespace(current_device=lambda: "cpu", Stream=CpuStream,
+                                 current_stream=torch.cpu.current_stream, stream=torch.cpu.stream)
 
     def __init__(self) -> None:
         super().__init__("torch")
@@ -124,7 +166,43 @@ class CpuCurrentDevice(types.ModuleType):
 
 
 _CPU_TORCH = CpuCurrentDevice()
-_ALLOCATE_ON_CURRENT_DEVICE = (mappings, router, param_and_grad_buffer)  # the modules that get it (docstring)
+_MEGATRON_HOST_COPY = moe_utils.maybe_move_tensor_to_cpu
+
+
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """moe_utils.maybe_move_tensor_to_cpu in the CPU mode: a CPU tensor asked for as numpy is converted, as megatron
+    converts the host copy of a CUDA tensor (the alltoall dispatcher's split sizes, see the module docstring)."""
+    if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+        return tensor.numpy()
+    return _MEGATRON_HOST_COPY(tensor, as_numpy=as_numpy, record_stream=record_stream)
+_ALLOCATE_ON_CURRENT_DEVICE = (mappings, layers, router, param_and_grad_buffer, token_dispatcher)  # the modules that get it (docstring)
+
+
+class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    """torch's LayerNorm with the interface and parameter attributes of megatron's FusedLayerNorm: under
+    sequence parallelism each TP rank normalizes its own tokens, so its weight and bias gradients are partial sums,
+    which `sequence_parallel=True` tells the gradient reduction to all-reduce over TP (finalize_model_grads.py:354)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
+                 persist_layer_norm: bool = False, zero_centered_gamma: bool = False,
+                 normalization: str = "LayerNorm"):
+        if config.normalization != "LayerNorm" or config.layernorm_zero_centered_gamma:
+            raise ValueError(f"normalization={config.normalization!r}, layernorm_zero_centered_gamma="
+                             f"{config.layernorm_zero_centered_gamma}: SequenceParallelLayerNorm is a plain LayerNorm")
+        super().__init__(hidden_size, eps=eps)
+        for p in (self.weight, self.bias):
+            p.sequence_parallel = config.sequence_parallel
+
+
+def local_block_spec(config: TransformerConfig, layer_spec: ModuleSpec, pp_rank: int | None = None
+                     ) -> TransformerBlockSubmodules:
+    """GPTModel's transformer_layer_spec for this pipeline rank's layers: `layer_spec` (get_gpt_layer_local_spec's)
+    with every norm, and the block's final norm, a SequenceParallelLayerNorm (what the spec's WrappedTorchNorm
+    refuses under sequence parallelism, see the module docstring)."""
+    layer = dataclasses.replace(layer_spec, submodules=dataclasses.replace(
+        layer_spec.submodules, input_layernorm=SequenceParallelLayerNorm, pre_mlp_layernorm=SequenceParallelLayerNorm))
+    num_layers = get_num_layers_to_build(config, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=SequenceParallelLayerNorm)
 
 
 def enable(device: torch.device, seed: int = 1234) -> None:
@@ -150,6 +228,7 @@ def enable(device: torch.device, seed: int = 1234) -> None:
     LanguageModule.setup_embeddings_and_output_layer = _setup_embeddings_on_cpu
     for module in _ALLOCATE_ON_CURRENT_DEVICE:
         module.torch = _CPU_TORCH
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
     if not moe_utils.HAVE_TE:
         moe_utils.te_general_gemm = None
     mcore_random._CUDA_RNG_STATE_TRACKER = tracker
@@ -162,7 +241,8 @@ def is_enabled() -> bool:
     return (isinstance(parallel_state._GLOBAL_MEMORY_BUFFER, CpuGlobalMemoryBuffer)
             and isinstance(mcore_random._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker)
             and LanguageModule.setup_embeddings_and_output_layer is _setup_embeddings_on_cpu
-            and all(module.torch is _CPU_TORCH for module in _ALLOCATE_ON_CURRENT_DEVICE))
+            and all(module.torch is _CPU_TORCH for module in _ALLOCATE_ON_CURRENT_DEVICE)
+            and token_dispatcher.maybe_move_tensor_to_cpu is _host_copy)
 
 
 def causal_mask(seq_length: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import math
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -66,7 +67,16 @@ class Case:
     drain_after: int | None = None
     """Drain the pipeline after this many calls, then resume (the mathematics does not change)."""
     moe: bool = False
-    """Every layer's MLP a megatron-core MoELayer: 4 experts, top-2, the allgather dispatcher, aux loss."""
+    """Every layer's MLP a megatron-core MoELayer: 4 experts, top-2, aux loss, `dispatcher`."""
+    dispatcher: str = "allgather"
+    """moe_token_dispatcher_type: "allgather" or "alltoall" (MoEAlltoAllTokenDispatcher)."""
+    sp: bool = False
+    """Sequence parallelism (needs tp > 1): megatron_cpu's SequenceParallelLayerNorm in every norm."""
+    loss_scale: float | None = None
+    """fp16-style loss scaling: config.grad_scale_func multiplies the loss by this (None: no grad_scale_func)."""
+    overflow_step: int | None = None
+    """The step whose scaled gradient overflows: the pipeline's loss scale is inf there, the reference's gradient is
+    multiplied by inf (GradTimes); both skip the step. Must be a synchronous step (a scale change needs a drain)."""
     steps: int = 6
     num_microbatches: int = 4
     grad_clip: float = 1.0
@@ -86,7 +96,8 @@ MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_token_dispatcher_type": 
        "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.01}
 
 
-def transformer_config(pp: int, tp: int, moe: bool, ep: int = 1) -> TransformerConfig:
+def transformer_config(pp: int, tp: int, moe: bool, ep: int = 1, dispatcher: str = "allgather",
+                       sp: bool = False) -> TransformerConfig:
     """No linear biases: the key part of the qkv bias has an identically zero gradient (softmax is shift
     invariant), so AdamW would turn the rounding noise there into lr-sized steps that differ between any two
     float orders; every other parameter's comparison is well conditioned."""
@@ -94,13 +105,17 @@ def transformer_config(pp: int, tp: int, moe: bool, ep: int = 1) -> TransformerC
                              use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                              pipeline_dtype=torch.float32, params_dtype=torch.float32,
                              pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
-                             expert_model_parallel_size=ep, **(MOE if moe else {}))
+                             expert_model_parallel_size=ep, sequence_parallel=sp,
+                             **({**MOE, "moe_token_dispatcher_type": dispatcher} if moe else {}))
 
 
 def build_gpt(case: Case, pp: int, pre_process: bool, post_process: bool) -> GPTModel:
     spec = get_gpt_layer_local_spec(num_experts=MOE["num_moe_experts"] if case.moe else None, moe_grouped_gemm=False)
-    ep = case.ep if pp > 1 else 1  # the reference: one process, every expert
-    return GPTModel(transformer_config(pp, case.tp, case.moe, ep), spec, vocab_size=VOCAB,
+    split = pp > 1  # the reference: one process, every expert, the whole sequence
+    config = transformer_config(pp, case.tp, case.moe, case.ep if split else 1, case.dispatcher, case.sp and split)
+    if case.sp:  # the reference too: the same LayerNorm kernel
+        spec = megatron_cpu.local_block_spec(config, spec)
+    return GPTModel(config, spec, vocab_size=VOCAB,
                     max_sequence_length=SEQ, pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=case.tied)
 
@@ -177,9 +192,12 @@ def reference_run(case: Case) -> dict:
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = build_optimizer(model, name=case.optimizer, lr=0.01)
 
+    at = {"step": 0}
+
     def lm_loss(model: GPTModel, sample: Tensor) -> Tensor:
         tokens, labels, loss_mask, attention_mask, position_ids = get_batch(iter([sample]))
-        return (model(tokens, position_ids, attention_mask, labels=labels) * loss_mask).sum() / loss_mask.sum()
+        loss = (model(tokens, position_ids, attention_mask, labels=labels) * loss_mask).sum() / loss_mask.sum()
+        return GradTimes.apply(loss, math.inf) if at["step"] == case.overflow_step else loss
 
     params = [p for p in model.parameters() if p.requires_grad]
     sim = DelayedUpdateSimulator(model, opt, [1] * len(params), loss_fn=lm_loss, grad_clip=case.grad_clip,
@@ -187,12 +205,30 @@ def reference_run(case: Case) -> dict:
                                  dc_lambda=case.dc_lambda, weight_prediction=case.weight_prediction,
                                  sync_step=lambda t: t < case.sync_start_steps)
     data, n = data_for(case), case.num_microbatches * case.dp  # replica by replica, as the pipeline reads them
-    stats = [sim.step(t, [data.train_microbatch(t * n + j) for j in range(n)]) for t in range(case.steps)]
+    stats = []
+    for t in range(case.steps):
+        at["step"] = t
+        stats.append(sim.step(t, [data.train_microbatch(t * n + j) for j in range(n)]))
     out = {"init": init, "losses": [s.loss for s in stats], "grad_norms": [s.grad_norm for s in stats],
+           "skipped": [s.skipped for s in stats],
            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
     if case.corrections:  # the same run without them: the test shows they changed the trajectory
         out["uncorrected"] = reference_run(replace(case, **dict.fromkeys(CORRECTIONS, 0)))["params"]
     return out
+
+
+class GradTimes(torch.autograd.Function):
+    """The identity whose backward multiplies the gradient by `factor`: an overflow of the reference's gradient
+    (what a loss scale of `factor` does to the pipeline's) that leaves the reported loss as it is."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.factor, None
 
 
 # ---- one pipeline rank -----------------------------------------------------------------------------------
@@ -214,7 +250,7 @@ class Calls:
 
 def pipeline_rank(rank: int, cases: list[dict], references: dict) -> list[dict]:
     out = []
-    for c in map(lambda c: Case(**c), cases):
+    for c in (Case(**c) for c in cases):
         mesh = setup_megatron(c.tp, 2, c.ep)
         assert mesh.dims.dp == c.dp, (mesh.dims, c)
         out.append(pipeline_run(c, mesh, references[c.name]["init"]))
@@ -242,22 +278,32 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
                                 tp_group=mesh.tp_group)
     muon = MuonWatch(optimizer, model, mesh)
     layout_refusal = unaware_muon_refusal(model, mesh) if case.optimizer == "muon" and case.tp > 1 else None
+    fp16_refusal = half_model_refusal(case, mesh, pre, post) if case.loss_scale is not None else None
     fwd_bwd = get_forward_backward_func("2bw", engine_factory=lambda schedule: Pipeline2BW(
         model, optimizer, mesh, schedule=schedule, hidden_size=HIDDEN, grad_clip=case.grad_clip,
         ef_lambda=case.ef_lambda, grad_ef_lambda=case.grad_ef_lambda, dc_lambda=case.dc_lambda,
         weight_prediction=case.weight_prediction, tied=tied, sequence_first=True,
         sync_start_steps=case.sync_start_steps))
     pipeline = fwd_bwd.pipeline
+    scale = {"now": case.loss_scale}
+    if case.loss_scale is not None:  # what megatron's training loop sets from its optimizer, here a constant
+        model.config.grad_scale_func = lambda loss: loss * scale["now"]
     predicted = PredictedReads(pipeline)
+    partial_tp = PartialTpWatch(pipeline, model)
     train_iter = replica_microbatches(case, mesh.dp_rank)
-    losses, applied = [], []
+    losses, applied, scales, scale_refusal = [], [], [], None
     for k in range(case.steps):
+        if case.loss_scale is not None:
+            scale["now"] = math.inf if k == case.overflow_step else case.loss_scale
+            if k == case.steps - 1:  # a stream is open: a new scale is refused before anything runs
+                scale_refusal = changed_scale_refusal(fwd_bwd, model, train_iter, case, scale)
         store = fwd_bwd(forward_step_func=forward_step, data_iterator=train_iter, model=[model],
                         num_microbatches=case.num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH)
         if store:  # the last stage: per-token mean of the step, as Megatron's training_log reduces it
             total = torch.stack([d["lm loss"] for d in store]).double().sum(0)
             losses.append(float(total[0] / total[1]))
         applied.append(pipeline.applied_step)
+        scales.append(pipeline.engine.update.reduction.grad_scale)
         if case.drain_after is not None and k + 1 == case.drain_after:
             pipeline.drain()
             applied.append(pipeline.applied_step)
@@ -267,13 +313,28 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
     return {
         "case": asdict(case), "stage": mesh.pp_rank, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,
         "ep_rank": mesh.ep_rank, "losses": losses, "applied": applied,
-        "grad_norms": grad_norms,
+        "grad_norms": grad_norms, "skipped": {t: r.skipped for t, r in pipeline.records.items()},
+        "grad_scales": scales, "scale_refusal": scale_refusal, "fp16_refusal": fp16_refusal,
         "params": {global_name(model, n): (p.detach().clone(), getattr(p, "tensor_model_parallel", False),
                                            getattr(p, "partition_dim", None)) for n, p in model.named_parameters()},
         "layout_refusal": layout_refusal,
         "evidence": {**evidence(model, mesh, calls), "muon": muon.report(),
-                     "corrections": corrections_evidence(pipeline, predicted.count)},
+                     "corrections": corrections_evidence(pipeline, predicted.count),
+                     "partial_tp": partial_tp.report()},
     }
+
+
+def changed_scale_refusal(fwd_bwd, model: GPTModel, data, case: Case, scale: dict) -> str | None:
+    """What forward_backward_func says when config.grad_scale_func's scale changes inside an open 2BW stream."""
+    before, scale["now"] = scale["now"], 2 * scale["now"]
+    try:
+        fwd_bwd(forward_step_func=forward_step, data_iterator=data, model=[model],
+                num_microbatches=case.num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH)
+    except ValueError as e:
+        return str(e)
+    finally:
+        scale["now"] = before
+    return None
 
 
 class MuonWatch:
@@ -319,6 +380,42 @@ def unaware_muon_refusal(model: GPTModel, mesh: Mesh) -> str | None:
     return None
 
 
+class PartialTpWatch:
+    """The TP all-reduce of the partial gradients (megatron's sequence-parallel norms, marked by param_layouts) in
+    the engine's reduction: how often it ran, on which tensors, and whether the sum differed from this rank's part
+    (it does when the other TP rank's part is nonzero: the reduction really summed)."""
+
+    def __init__(self, pipeline: Pipeline2BW, model: GPTModel):
+        reduction = pipeline.engine.update.reduction
+        named = [global_name(model, n) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, lay in zip(named, reduction.layouts) if lay.tp_grad_reduce]
+        self.calls, self.tensors, self.changed = 0, 0, 0
+        inner, layouts = reduction._reduce_partial_tp, reduction.layouts
+
+        def watched(grads: list[Tensor]) -> None:
+            partial = [g for g, lay in zip(grads, layouts) if lay.tp_grad_reduce]
+            before = [g.clone() for g in partial]
+            inner(grads)
+            self.calls += 1
+            self.tensors += len(partial)
+            self.changed += sum(not torch.equal(b, g) for b, g in zip(before, partial))
+
+        reduction._reduce_partial_tp = watched
+
+    def report(self) -> dict:
+        return {"names": self.names, "calls": self.calls, "tensors": self.tensors, "changed": self.changed}
+
+
+def half_model_refusal(case: Case, mesh: Mesh, pre: bool, post: bool) -> str | None:
+    """What Pipeline2BW says to a GPTModel whose parameters are fp16 (megatron's Float16Module does .half())."""
+    model = build_gpt(case, mesh.num_stages, pre, post).half()
+    try:
+        Pipeline2BW(model, build_optimizer(model, name="adamw", lr=0.01), mesh, hidden_size=HIDDEN)
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
 class PredictedReads:
     """Counts the forwards/backwards the engine ran on a weight prediction x^ (WeightVersions.use, predicted)."""
 
@@ -351,6 +448,8 @@ def evidence(model: GPTModel, mesh: Mesh, calls: Calls) -> dict:
         "model_class": type(model).__module__ + "." + type(model).__name__,
         "module_classes": sorted({type(m).__module__ + "." + type(m).__name__ for m in model.modules()}),
         "forward_calls": calls.count,
+        "dispatchers": sorted({type(m.token_dispatcher).__name__ for m in model.modules() if isinstance(m, MoELayer)}),
+        "sequence_parallel": model.config.sequence_parallel,
         "cpu_mode": megatron_cpu.is_enabled(),
         "linear_tp_group_is_megatrons": linear.tp_group is ps.get_tensor_model_parallel_group(),
         "mesh_groups_are_megatrons": {

@@ -148,6 +148,13 @@ def _layouts() -> dict[str, Layout]:
         Layout("megatron-core-example-P2-TP2-corrections", make_config(parallel={"pp": 2, "tp": 2}),
                example=(*example, "--tp", "2", "--weight-prediction", "--dc-lambda", "1", "--grad-ef-lambda", "0.5",
                         "--sync-start-steps", "1")),
+        # megatron's sequence parallelism (the TP all-reduce of the SP norms' partial gradients in the reduction)
+        Layout("megatron-core-example-P2-TP2-SP", make_config(parallel={"pp": 2, "tp": 2}),
+               example=(*example, "--tp", "2", "--sequence-parallel")),
+        # MoE with megatron's alltoall dispatcher over EP=2 (its all-to-alls inside every forward and backward)
+        Layout("megatron-core-example-P2-DP2-EP2-alltoall", make_config(parallel={"pp": 2, "dp": 2}),
+               example=(*example, "--num-experts", "4", "--expert-model-parallel-size", "2",
+                        "--moe-token-dispatcher-type", "alltoall")),
     ]
     out.update({layout.name: layout for layout in extra})
     return out
