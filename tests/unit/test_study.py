@@ -217,6 +217,7 @@ def test_per_cell_seeds_priority_and_row_blocks(tmp_path):
         fill("optimizer.lr={tuned}", 10)
 
 
+@pytest.mark.slow  # 7 in-process runs of 3 tiny steps, ~30 CPU-s
 def test_tune_grid_then_winners_in_one_command(tmp_path, capsys):
     plan_file, out = tmp_path / "tuned.yaml", tmp_path / "study"
     plan_file.write_text(TUNED)
@@ -278,3 +279,40 @@ def test_rerun_plan_tunes_every_arm_and_orders_grid_and_main_first():
     # the main table's 5 seeds finish before any ablation run starts
     first = [r.cells[0]["cell"] for r in runs]
     assert set(first[:first.index("sync_start")]) == {"lr_grid", "main"} and "main" not in first[first.index("sync_start"):]
+
+
+def test_archive_keeps_finished_runs_small_and_restore_brings_them_back(tmp_path, capsys):
+    out, archive, fresh = tmp_path / "study", tmp_path / "archive", tmp_path / "fresh"
+    files = {"config.json": json.dumps({"seed": 1, "out_dir": "x"}), "summary.json": json.dumps(
+        {"final_val_loss": 4.5, "stopped_at": None}), study.STATUS: json.dumps({"returncode": 0, "cpu_s": 12.5}),
+        "metrics.jsonl": json.dumps({"step": 0, "loss": 9.0}) + "\n"}
+    for name, done in (("a__sync__seed1", True), ("a__2bw__seed1", False)):
+        (out / name / "checkpoints").mkdir(parents=True)
+        (out / name / "checkpoints" / "step_1.pt").write_bytes(b"big")
+        for f, text in files.items():
+            if done or f == "metrics.jsonl":
+                (out / name / f).write_text(text)
+    (out / "study.json").write_text(json.dumps({"runs": [{"name": "a__sync__seed1"}, {"name": "a__2bw__seed1"}],
+                                                "invocations": [{"command": "run 1", "time": "t1"}]}))
+    assert study.main(["archive", "--out", str(out), "--to", str(archive)]) == 0
+    assert sorted(p.name for p in archive.iterdir()) == ["a__sync__seed1", "study.json"]  # the finished run only
+    kept = sorted(p.name for p in (archive / "a__sync__seed1").iterdir())
+    assert kept == ["config.json", "metrics.jsonl.gz", "study_status.json", "summary.json"]  # no checkpoints
+    gz = (archive / "a__sync__seed1" / "metrics.jsonl.gz").read_bytes()
+    assert study.main(["archive", "--out", str(out), "--to", str(archive)]) == 0
+    assert (archive / "a__sync__seed1" / "metrics.jsonl.gz").read_bytes() == gz  # byte-stable: git sees no change
+
+    assert study.main(["restore", "--from", str(archive), "--out", str(fresh)]) == 0
+    assert run_status(fresh, "a__sync__seed1") == "done" and not (fresh / "a__2bw__seed1").exists()
+    for f in files:
+        assert (fresh / "a__sync__seed1" / f).read_bytes() == (out / "a__sync__seed1" / f).read_bytes()
+    assert json.loads((fresh / "study.json").read_text())["invocations"] == [{"command": "run 1", "time": "t1"}]
+    capsys.readouterr()
+    assert study.main(["restore", "--from", str(archive), "--out", str(fresh)]) == 0
+    assert "restored 0 finished runs" in capsys.readouterr().out  # already there: left alone
+
+    other = tmp_path / "other" / "a__sync__seed1"  # an unfinished run of another config is not overwritten
+    other.mkdir(parents=True)
+    (other / "config.json").write_text(json.dumps({"seed": 2}))
+    assert study.main(["restore", "--from", str(archive), "--out", str(other.parent)]) == 2
+    assert "another config" in capsys.readouterr().err
