@@ -174,3 +174,145 @@ def test_command_is_a_pretrain_invocation(tmp_path):
                                                           f"hydra.run.dir={tmp_path / 'r'}"]
     with pytest.raises(PlanError, match="letters, digits"):
         study.command("study", [], Path("/tmp/a b/r"))
+
+
+TUNED = SMOKE.replace("""cells:
+  main:""", """tune: {key: optimizer.lr, cells: [lr_grid]}
+cells:
+  lr_grid:
+    title: lr on sync
+    seeds: [1]
+    rows:
+      - {optimizer: [muon], optimizer.lr: [0.001, 0.1]}
+    columns:
+      sync: [schedule=sync]
+  half_lr:
+    title: the winner halved
+    priority: 1
+    rows: {optimizer: [muon], optimizer.lr: ["{tuned*0.5}"]}
+    columns:
+      2bw: [schedule=2bw]
+  main:""").replace("seeds: [1]\noverrides", "seeds: [1, 2]\noverrides")
+
+
+def test_per_cell_seeds_priority_and_row_blocks(tmp_path):
+    plan_file = tmp_path / "tuned.yaml"
+    plan_file.write_text(TUNED)
+    plan = load_plan(str(plan_file))
+    grid = expand(plan)  # phase 1: the grid alone, its own seeds
+    assert [r.name for r in grid] == ["muon-lr0.001__sync__seed1", "muon-lr0.1__sync__seed1"]
+    runs = expand(plan, winners={"muon": "0.1"})
+    cells = memberships(runs)
+    # the tuned lr reaches every later run; the main sync run at seed 1 is the grid winner's run
+    assert cells[("main", "muon", "sync", 1)] is cells[("lr_grid", "muon-lr0.1", "sync", 1)]
+    assert {r.config["optimizer"]["lr"] for k, r in cells.items() if k[0] == "main"} == {0.1}
+    assert cells[("half_lr", "muon-lr0.05", "2bw", 2)].config["optimizer"]["lr"] == 0.05
+    # priority 0 (grid and main) before priority 1, seed-major within each
+    order = [(r.cells[0]["cell"], r.config["seed"]) for r in runs]
+    assert order == [("lr_grid", 1), ("lr_grid", 1), ("main", 1), ("main", 2), ("main", 2),
+                     ("half_lr", 1), ("half_lr", 2)]
+    with pytest.raises(PlanError, match="has no tune grid winner"):
+        expand(plan, winners={"adamw": "0.1"})
+    with pytest.raises(PlanError, match=r"\{tuned\} means the tune grid's winner"):
+        fill("optimizer.lr={tuned}", 10)
+
+
+@pytest.mark.slow  # 7 in-process runs of 3 tiny steps, ~30 CPU-s
+def test_tune_grid_then_winners_in_one_command(tmp_path, capsys):
+    plan_file, out = tmp_path / "tuned.yaml", tmp_path / "study"
+    plan_file.write_text(TUNED)
+    argv = ["run", "--plan", str(plan_file), "--out", str(out), "--launcher", "inprocess"]
+    assert study.main(argv) == 0
+    manifest = json.loads((out / "study.json").read_text())
+    losses = {lr: json.loads((out / f"muon-lr{lr}__sync__seed1" / "summary.json").read_text())["final_val_loss"]
+              for lr in ("0.001", "0.1")}
+    best = min(losses, key=losses.get)
+    assert losses["0.001"] != losses["0.1"]  # the grid really ran two learning rates
+    assert manifest["tune"]["winners"] == {"muon": best}
+    assert manifest["tune"]["means"] == {"muon": losses}
+    assert len(manifest["runs"]) == 7 and all(run_status(out, r["name"]) == "done" for r in manifest["runs"])
+    main_2bw = json.loads((out / "muon__2bw__seed2" / "config.json").read_text())
+    assert main_2bw["optimizer"]["lr"] == float(best) and main_2bw["seed"] == 2
+    assert len(manifest["invocations"]) == 1  # the second phase is the same command
+    rows = {c["name"]: c["rows"] for c in manifest["cells"]}
+    assert rows == {"lr_grid": ["muon-lr0.001", "muon-lr0.1"], "half_lr": [f"muon-lr{float(best) / 2:.3g}"], "main": ["muon"]}
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", manifest["invocations"][0]["commit"])  # the code's commit
+
+    # archive the finished runs, restore them into a fresh directory: nothing is left to run there
+    capsys.readouterr()
+    assert study.main(["archive", "--out", str(out), "--to", str(tmp_path / "archive")]) == 0
+    assert not (tmp_path / "archive" / "muon__2bw__seed2" / "checkpoints").exists()
+    fresh = tmp_path / "fresh"
+    assert study.main(["restore", "--from", str(tmp_path / "archive"), "--out", str(fresh)]) == 0
+    assert "restored 7 finished runs" in capsys.readouterr().out
+    for r in manifest["runs"]:
+        for f in ("metrics.jsonl", "summary.json", "config.json"):
+            assert (fresh / r["name"] / f).read_bytes() == (out / r["name"] / f).read_bytes()
+    assert study.main([*argv[:-4], "--out", str(fresh), "--launcher", "inprocess"]) == 0
+    assert "running 0" in capsys.readouterr().out
+    archived = (tmp_path / "archive" / "muon__2bw__seed2" / "metrics.jsonl.gz").read_bytes()
+    assert study.main(["archive", "--out", str(out), "--to", str(tmp_path / "archive")]) == 0
+    assert (tmp_path / "archive" / "muon__2bw__seed2" / "metrics.jsonl.gz").read_bytes() == archived  # byte-stable
+
+
+@pytest.mark.slow  # composes ~225 configs (~25 CPU-s)
+def test_rerun_plan_tunes_every_arm_and_orders_grid_and_main_first():
+    plan = load_plan("rerun")
+    grid = expand(plan)
+    assert {r.cells[0]["cell"] for r in grid} == {"lr_grid"} and len(grid) == 20
+    assert all(r.config["schedule"]["name"] == "sync" for r in grid)
+    winners = {"adamw": "0.002", "muon": "0.02", "normuon": "0.01", "soap": "0.006", "lion": "0.0005"}
+    runs = expand(plan, winners=winners)
+    cells = memberships(runs)
+    for (cell, row, column, seed), run in cells.items():
+        if cell in ("lr_grid", "adamw_lr"):
+            continue
+        assert run.config["optimizer"]["lr"] == float(winners[run.config["optimizer"]["name"]]), (cell, row, column)
+        sync = next(cells[(cell, row, c, seed)] for c in ("sync", "sync_long") if (cell, row, c, seed) in cells)
+        assert all(d.startswith(ARM_KEYS) for d in config_diff(run.config, sync.config)), (cell, row, column)
+    assert cells[("main", "adamw", "sync", 1)] is cells[("lr_grid", "adamw-lr0.002", "sync", 1)]
+    assert {k[3] for k in cells if k[0] == "main"} == {1, 2, 3, 4, 5}
+    assert {k[3] for k in cells if k[0] == "sync_start"} == {1, 2, 3, 4, 5, 6}
+    assert {cells[("adamw_lr", r, "2bw", 1)].config["optimizer"]["lr"] for r in ("adamw-lr0.001", "adamw-lr0.004")} \
+        == {0.001, 0.004}
+    assert cells[("grad_ef_long", "adamw", "grad_ef0.5_long", 3)].config["train"]["steps"] == 2 * plan.steps
+    # the main table's 5 seeds finish before any ablation run starts
+    first = [r.cells[0]["cell"] for r in runs]
+    assert set(first[:first.index("sync_start")]) == {"lr_grid", "main"} and "main" not in first[first.index("sync_start"):]
+
+
+def test_archive_keeps_finished_runs_small_and_restore_brings_them_back(tmp_path, capsys):
+    out, archive, fresh = tmp_path / "study", tmp_path / "archive", tmp_path / "fresh"
+    files = {"config.json": json.dumps({"seed": 1, "out_dir": "x"}), "summary.json": json.dumps(
+        {"final_val_loss": 4.5, "stopped_at": None}), study.STATUS: json.dumps({"returncode": 0, "cpu_s": 12.5}),
+        "metrics.jsonl": json.dumps({"step": 0, "loss": 9.0}) + "\n"}
+    for name, done in (("a__sync__seed1", True), ("a__2bw__seed1", False)):
+        (out / name / "checkpoints").mkdir(parents=True)
+        (out / name / "checkpoints" / "step_1.pt").write_bytes(b"big")
+        for f, text in files.items():
+            if done or f == "metrics.jsonl":
+                (out / name / f).write_text(text)
+    (out / "study.json").write_text(json.dumps({"runs": [{"name": "a__sync__seed1"}, {"name": "a__2bw__seed1"}],
+                                                "invocations": [{"command": "run 1", "time": "t1"}]}))
+    assert study.main(["archive", "--out", str(out), "--to", str(archive)]) == 0
+    assert sorted(p.name for p in archive.iterdir()) == ["a__sync__seed1", "study.json"]  # the finished run only
+    kept = sorted(p.name for p in (archive / "a__sync__seed1").iterdir())
+    assert kept == ["config.json", "metrics.jsonl.gz", "study_status.json", "summary.json"]  # no checkpoints
+    gz = (archive / "a__sync__seed1" / "metrics.jsonl.gz").read_bytes()
+    assert study.main(["archive", "--out", str(out), "--to", str(archive)]) == 0
+    assert (archive / "a__sync__seed1" / "metrics.jsonl.gz").read_bytes() == gz  # byte-stable: git sees no change
+
+    assert study.main(["restore", "--from", str(archive), "--out", str(fresh)]) == 0
+    assert run_status(fresh, "a__sync__seed1") == "done" and not (fresh / "a__2bw__seed1").exists()
+    for f in files:
+        assert (fresh / "a__sync__seed1" / f).read_bytes() == (out / "a__sync__seed1" / f).read_bytes()
+    assert json.loads((fresh / "study.json").read_text())["invocations"] == [{"command": "run 1", "time": "t1"}]
+    capsys.readouterr()
+    assert study.main(["restore", "--from", str(archive), "--out", str(fresh)]) == 0
+    assert "restored 0 finished runs" in capsys.readouterr().out  # already there: left alone
+
+    other = tmp_path / "other" / "a__sync__seed1"  # an unfinished run of another config is not overwritten
+    other.mkdir(parents=True)
+    (other / "config.json").write_text(json.dumps({"seed": 2}))
+    assert study.main(["restore", "--from", str(archive), "--out", str(other.parent)]) == 2
+    assert "another config" in capsys.readouterr().err
