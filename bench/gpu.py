@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT))
 import torch
 from torch import nn
 
+from asyncpp.analysis.steptime import Workload, workloads
 from asyncpp.core.memory import activation_bytes
-from asyncpp.reference.simulator import lm_loss
-from model_zoo import ModelConfig, build_model, flops_per_token, get_model_config
+from model_zoo import flops_per_token
 from model_zoo.backends import BACKENDS, BackendError, apply_backend, compile_blocks, probe_backend
 
 H100_BF16_DENSE_TFLOPS = 989.0
@@ -61,44 +61,7 @@ def timed(fn: Callable[[], None], device: torch.device, warmup: int, iters: int)
     return statistics.median(times)
 
 
-# ---- stage workloads -----------------------------------------------------------------------------
-
-class Workload:
-    def __init__(self, name: str, cfg: ModelConfig, layers: range, whole_model: bool):
-        self.name, self.cfg, self.layers, self.whole_model = name, cfg, layers, whole_model
-
-    def build(self, device: torch.device) -> nn.Module:
-        torch.manual_seed(0)
-        model = build_model(self.cfg, device=device)
-        if not self.whole_model:  # a middle stage: only its blocks
-            model = nn.ModuleDict({"layers": nn.ModuleList(model.layers[i] for i in self.layers)})
-        return model.to(torch.bfloat16)
-
-    def step_fn(self, model: nn.Module, batch: int, seq: int, device: torch.device) -> Callable[[], None]:
-        """One microbatch's forward and backward, as a pipeline stage runs it."""
-        if self.whole_model:
-            tokens = torch.randint(0, self.cfg.vocab_size, (batch, seq + 1), device=device)
-            return lambda: lm_loss(model, tokens).backward()
-        x = torch.randn(batch, seq, self.cfg.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
-        grad = torch.randn_like(x)
-
-        def run() -> None:
-            h = x
-            for layer in model["layers"]:
-                h = layer(h)
-            h.backward(grad)
-        return run
-
-
-def workloads(smoke: bool, moe_layers: int) -> list[Workload]:
-    if smoke:
-        dense, hybrid = get_model_config("tiny_dense"), get_model_config("tiny_hybrid")
-        return [Workload("tiny_dense (smoke)", dense, range(dense.num_layers), True),
-                Workload("tiny_hybrid x4 (smoke)", hybrid, range(4), False)]
-    smol = get_model_config("smollm2_135m")
-    hybrid = get_model_config("hybrid_moe_10b", num_layers=moe_layers)  # the gdn,gdn,gdn,attn period, tiled
-    return [Workload("smollm2_135m", smol, range(smol.num_layers), True),
-            Workload(f"hybrid_moe_10b x{moe_layers}", hybrid, range(moe_layers), False)]
+# ---- stage workloads: asyncpp.analysis.steptime.Workload (one home: the step-time model traces the same) ---
 
 
 def bench_stage(w: Workload, backend: str, compiled: bool, args, device: torch.device) -> dict:
