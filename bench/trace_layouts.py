@@ -25,7 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout's asyncpp and data, not bench/data.py
 
 from asyncpp import job
+from asyncpp.analysis.opcost import CostTracer
+from asyncpp.analysis.stagetime import prediction_report
+from asyncpp.analysis.trace import StepTracer
 from asyncpp.analysis.traced import TRACED_STEPS, trace_stage
+from asyncpp.parallel.mesh import ParallelDims
 
 LAYOUTS = {  # layout -> (model, world size, pipeline stages)
     "moe_2b_8gpu": ("moe_2b", 8, 2),
@@ -57,6 +61,9 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=None, help="microbatches per step (default: P)")
     ap.add_argument("--steps", type=int, default=TRACED_STEPS)
     ap.add_argument("--head", default=None, help="parallel.head (default: the layout's own, vocab for the paper's)")
+    ap.add_argument("--predict", action="store_true",
+                    help="also book every op's cost and print the step-time prediction per layout (as dry_run_trace); "
+                         "the per-action times need no more than --steps 2")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -69,10 +76,12 @@ def main() -> None:
         cfg, model_cfg = job.resolve(job.compose([f"model={model}", f"parallel={layout}", f"train.num_microbatches={m}",
                                                   *WORK, *head, "logging=disabled", f"out_dir={out / 'trace_runs'}"]))
         stages = [int(s) for s in args.stages.split(",")] if args.stages else list(range(pp))
+        traces = []
         for s in stages:
             started = time.perf_counter()
             trace = trace_stage(cfg, model_cfg, world, s, lambda st, plan, mesh, c=cfg: job.optimizer_for(c, mesh)(st, plan),
-                                steps=args.steps)
+                                steps=args.steps, tracer_cls=CostTracer if args.predict else StepTracer)
+            traces.append(trace)
             print(f"== {layout} stage {s}: {time.perf_counter() - started:.0f} s", flush=True)
             print(trace.report(), flush=True)
             d = trace.to_dict()
@@ -82,6 +91,12 @@ def main() -> None:
                 d["comm_counts"][c.op] = d["comm_counts"].get(c.op, 0) + 1
             results[f"{layout}/head={cfg.parallel.head}/m={m}/stage{s}"] = d
             path.write_text(json.dumps(results, indent=1))
+        if args.predict:
+            p = cfg.parallel
+            dims = ParallelDims.for_world(world, pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
+            text, prediction = prediction_report(cfg, model_cfg, dims, traces)
+            print(f"== {layout} (m={m}, {args.steps} steps traced)\n{text}", flush=True)
+            (out / f"predict_{layout}_m{m}.json").write_text(json.dumps(prediction, indent=1))
     print("| layout | head | stage | plan GiB | traced peak GiB | peak / plan | host reads per step (a*m + b) | kernels |")
     print("|---|---|---|---|---|---|---|---|")
     for key, d in sorted(results.items()):

@@ -184,6 +184,8 @@ class OpTable:
     """Per kind: how many actions of that kind the trace ran (a microbatch's F is one)."""
     syncs: dict[str, int] = field(default_factory=dict)
     comm_bytes: dict[str, float] = field(default_factory=dict)
+    """Per kind: the payload of its collectives (each op's largest tensor), not its stage-to-stage sends."""
+    comm_ops: dict[str, int] = field(default_factory=dict)
 
     def add(self, kind: str, key: tuple, row: OpRow, flops: float, nbytes: float) -> None:
         entry = self.rows.setdefault(kind, {}).setdefault(key, row)
@@ -238,7 +240,11 @@ class CostTracer(StepTracer):
             return out
         name = func.name()
         if name.startswith(COMM_PREFIXES):
-            self.table.comm_bytes[kind] = self.table.comm_bytes.get(kind, 0.0) + op_bytes(args, kwargs, None)
+            if "send" not in name and "recv" not in name:  # the stage links are steptime's p2p term
+                tensors = [a for a in torch.utils._pytree.tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+                payload = max((tensor_bytes(t, False) for t in tensors), default=0)
+                self.table.comm_bytes[kind] = self.table.comm_bytes.get(kind, 0.0) + payload
+                self.table.comm_ops[kind] = self.table.comm_ops.get(kind, 0) + 1
             return out
         shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
         kernel = launches_kernel(func, args, out)

@@ -18,7 +18,8 @@ segment. An action takes the sum of its segments.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from asyncpp.analysis.opcost import DEVICES, CostTracer, Device, OpRow, OpTable
+import model_zoo.gated_deltanet as gdn_module
+from asyncpp.analysis.opcost import DEVICES, CostTracer, Device, OpRow, OpTable, action_kind
 from asyncpp.analysis.trace import AttentionPath
 from asyncpp.analysis.traced import H100, pin_gpu_kernels
 from asyncpp.reference.simulator import lm_loss
@@ -148,10 +150,76 @@ def mcore_swiglu_stand_in(y: Tensor, bias: None) -> Tensor:
     return F.silu(gate) * up
 
 
+# ---- what if Gated DeltaNet ran as one fused kernel ------------------------------------------------------------
+
+FUSED_GDN_KERNELS = (6, 12)
+"""Launches of a fused chunked GDN (flash-linear-attention's chunk_gated_delta_rule, 0.6): forward the gate's
+cumsum, beta K K^T, its triangular solve, w and u, the chunk states, the output; the backward recomputes the
+states and runs about twice as many. An estimate for the what-if, not a count of FLA's code."""
+FUSED_GDN_BACKWARD_BYTES = 2.5
+"""The backward's bytes against the forward's: it reads q, k, v, g, beta, the output's gradient and the recomputed
+chunk states and writes five gradients (an estimate: 2-3x)."""
+
+
+def fused_gdn_cost(q: Tensor, v: Tensor, chunk: int, backward: bool) -> tuple[float, float]:
+    """(FLOPs, bytes) of a fused chunked GDN pass: the FLOPs of model_zoo.counting's GDN term (3 H [6 Dk Dv +
+    C (5 Dk + 3 Dv)] per token for forward + backward: a third forward), the bytes of its inputs, output and fp32
+    chunk states (one [Dk, Dv] per head per chunk)."""
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    flops = b * t * 3 * h * (6 * dk * dv + chunk * (5 * dk + 3 * dv))
+    io = b * t * h * (2 * dk + 2 * dv) * q.element_size() + 2 * b * t * h * 4
+    states = b * h * -(-t // chunk) * dk * dv * 4
+    forward = (flops / 3, io + states)
+    return (flops * 2 / 3, forward[1] * FUSED_GDN_BACKWARD_BYTES) if backward else forward
+
+
+class _FusedGDN(torch.autograd.Function):
+    """Shapes only (meta): books a fused kernel's cost into the tracer instead of running the chunk loop."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, tracer, chunk):  # type: ignore[override]
+        ctx.tracer, ctx.chunk, ctx.shapes = tracer, chunk, (q, k, v, g, beta)
+        ctx.save_for_backward(q, v)
+        book_fused(tracer, q, v, chunk, backward=False)
+        return v.new_empty(v.shape)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        q, v = ctx.saved_tensors
+        book_fused(ctx.tracer, q, v, ctx.chunk, backward=True)
+        return (*(x.new_empty(x.shape) for x in ctx.shapes), None, None)
+
+
+def book_fused(tracer: CostTracer, q: Tensor, v: Tensor, chunk: int, backward: bool) -> None:
+    flops, nbytes = fused_gdn_cost(q, v, chunk, backward)
+    kernels = FUSED_GDN_KERNELS[backward]
+    kind = action_kind(tracer.action)
+    for i in range(kernels):
+        row = OpRow("fused chunk_gated_delta_rule (what-if)", "attention", True, backward)
+        tracer.table.add(kind, (tracer.segment, row.op, i, backward), row, flops / kernels, nbytes / kernels)
+
+
+@contextmanager
+def fused_gdn(tracer: CostTracer) -> Iterator[None]:
+    """GatedDeltaNet's chunk_gated_delta_rule replaced, for one trace, by a fused kernel's booked cost."""
+    saved = gdn_module.chunk_gated_delta_rule
+
+    def stand_in(q, k, v, g, beta, chunk_size=64, initial_state=None):
+        return _FusedGDN.apply(q, k, v, g, beta, tracer, min(chunk_size, q.shape[1])), None
+
+    gdn_module.chunk_gated_delta_rule = stand_in
+    try:
+        yield
+    finally:
+        gdn_module.chunk_gated_delta_rule = saved
+
+
 def trace_workload(w: Workload, backend: str = "local", batch: int = 4, seq: int = 4096,
-                   capability: tuple[int, int] = H100) -> OpTable:
+                   capability: tuple[int, int] = H100, gdn: str = "torch") -> OpTable:
     """One microbatch of `w` on meta tensors, as bench/gpu.py runs it on a GPU of `capability` (bf16, the MoE
-    kernel that GPU picks, SDPA's flash kernel, Gated DeltaNet's PyTorch form, no compile). Kind "microbatch"."""
+    kernel that GPU picks, SDPA's flash kernel, no compile, Gated DeltaNet's PyTorch form; gdn="fused": the
+    what-if of one fused kernel, fused_gdn). Kind "microbatch"."""
     model = w.build("meta")
     if backend == "mcore":
         swap_to_mcore(model, log=lambda m: None, swiglu=mcore_swiglu_stand_in, rms_norm=None)
@@ -161,7 +229,7 @@ def trace_workload(w: Workload, backend: str = "local", batch: int = 4, seq: int
     step = w.step_fn(model, batch, seq, "meta")
     tracer = CostTracer("meta")
     tracer.start()
-    with AttentionPath(gpu=True, tracer=tracer), tracer:
+    with AttentionPath(gpu=True, tracer=tracer), tracer, fused_gdn(tracer) if gdn == "fused" else nullcontext():
         tracer.begin("microbatch")
         step()
         tracer.end()

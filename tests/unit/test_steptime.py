@@ -3,13 +3,16 @@ the calibration against every measured row of bench/recorded/*.json (full size: 
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
 import torch
 
+from asyncpp import job
 from asyncpp.analysis.opcost import DEVICES, CostTracer, Device, OpRow, OpTable
 from asyncpp.analysis.steptime import (
+    FUSED_GDN_KERNELS,
     calibration_rows,
     predict_row,
     recorded_files,
@@ -21,6 +24,15 @@ from asyncpp.analysis.steptime import (
 
 TOLERANCE = 0.25
 """The issue's bound: the model reproduces each recorded row within +-25%."""
+
+
+@pytest.fixture(autouse=True)
+def _session_objects_out_of_the_collector():
+    """As in test_traced_step.py: the tracer collects at every action's end; the session's objects are frozen out."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 def traced(fn) -> OpTable:
@@ -112,6 +124,51 @@ def test_the_mcore_trace_runs_the_fused_swiglu_on_the_concatenated_weights():
     assert calls(mcore, "aten::cat") - calls(local, "aten::cat") == 2 * layers
     t = time_of(local, "microbatch", DEVICES["H200"])
     assert t.kernels > 0 and t.flops > 0 and t.host_s > 0
+
+
+def test_the_fused_gdn_what_if_replaces_the_chunk_loop_by_its_flops():
+    """gdn="fused" books one fused kernel's cost per GDN pass instead of the Python loop's ops: the booked FLOPs are
+    model_zoo.counting's GDN term, and the loop's bmm calls are gone."""
+    w = workloads(smoke=True)[1]
+    batch, seq = 1, 128
+    torch_form, fused = (trace_workload(w, "local", batch, seq, gdn=g) for g in ("torch", "fused"))
+    rows = [r for r in fused.ops("microbatch") if r.op.startswith("fused chunk_gated_delta_rule")]
+    g = w.cfg.gdn
+    gdn_layers = sum(1 for i in w.layers if w.cfg.layer_types[i] == "gdn")
+    per_token = 3 * g.num_heads * (6 * g.head_k_dim * g.head_v_dim + 64 * (5 * g.head_k_dim + 3 * g.head_v_dim))
+    assert sum(r.flops for r in rows) == pytest.approx(per_token * batch * seq * gdn_layers)
+    assert sum(r.calls for r in rows) == sum(FUSED_GDN_KERNELS) * gdn_layers
+
+    def bmm(table: OpTable) -> int:
+        return sum(r.calls for r in table.ops("microbatch") if r.op == "aten::bmm")
+
+    assert bmm(fused) < bmm(torch_form) / 4
+    h200 = DEVICES["H200"]
+    assert time_of(fused, "microbatch", h200).host_s < time_of(torch_form, "microbatch", h200).host_s
+
+
+def test_dry_run_trace_prints_the_predicted_time_of_every_stage_and_the_job(tmp_path):
+    cfg, model_cfg = job.resolve(job.compose([
+        "model=tiny_dense", "parallel.pp=2", "dry_run=2", "dry_run_trace=true", "train.num_microbatches=2",
+        "train.precision=bf16", "train.seq_len=32", "logging=disabled", f"out_dir={tmp_path}"]))
+    said: list[str] = []
+    job.run_dry(cfg, model_cfg, echo=said.append)
+    text = "\n".join(said)
+    assert "predicted step time" in text and "links: stage-to-stage NVLink 450 GB/s" in text
+    for gpu in ("H100", "H200"):
+        assert sum(line.split()[1:2] == [gpu] for line in text.splitlines()) == 2, text  # one row per stage
+        assert f"job on {gpu}: 2bw, 2 stages x 2 microbatches" in text and "tokens/s per GPU" in text
+    prediction = json.loads((tmp_path / "dry_run_trace.json").read_text())["prediction"]["devices"]
+    for gpu in ("H100", "H200"):
+        stages, run = prediction[gpu]["stages"], prediction[gpu]["job"]
+        assert [s["stage"] for s in stages] == [0, 1]
+        assert all(s["microbatch_s"] >= s["kinds_s"]["F"] + s["kinds_s"]["B"] > 0 for s in stages)
+        # 2BW: a step cannot be faster than the slowest stage's microbatches and update back to back.
+        slowest = max(2 * s["microbatch_s"] + s["update_s"] for s in stages)
+        assert run["step_s"] >= slowest * (1 - 1e-9)
+        assert run["tokens_per_s_per_gpu"] == pytest.approx(run["tokens_per_step"] / run["step_s"] / 2)
+    for h100, h200 in zip(prediction["H100"]["stages"], prediction["H200"]["stages"]):
+        assert h200["microbatch_s"] <= h100["microbatch_s"]  # the same peak, more bandwidth
 
 
 @pytest.mark.slow
