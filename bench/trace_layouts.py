@@ -63,7 +63,9 @@ def main() -> None:
     ap.add_argument("--head", default=None, help="parallel.head (default: the layout's own, vocab for the paper's)")
     ap.add_argument("--predict", action="store_true",
                     help="also book every op's cost and print the step-time prediction per layout (as dry_run_trace); "
-                         "the per-action times need no more than --steps 2")
+                         "the per-action times need no more than --steps 1")
+    ap.add_argument("--predict-m", type=int, default=None,
+                    help="the job's microbatches per step for --predict (default --m): a trace at m = P predicts any m")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -94,8 +96,8 @@ def main() -> None:
         if args.predict:
             p = cfg.parallel
             dims = ParallelDims.for_world(world, pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
-            text, prediction = prediction_report(cfg, model_cfg, dims, traces)
-            print(f"== {layout} (m={m}, {args.steps} steps traced)\n{text}", flush=True)
+            text, prediction = prediction_report(cfg, model_cfg, dims, traces, args.predict_m)
+            print(f"== {layout} (traced at m={m}, {args.steps} steps)\n{text}", flush=True)
             (out / f"predict_{layout}_m{m}.json").write_text(json.dumps(prediction, indent=1))
     print("| layout | head | stage | plan GiB | traced peak GiB | peak / plan | host reads per step (a*m + b) | kernels |")
     print("|---|---|---|---|---|---|---|---|")

@@ -94,10 +94,12 @@ def stage_time(table: OpTable, stage: int, device: Device, links: Links) -> Stag
 
 
 def job_time(cfg: RunConfig, hidden_size: int, dims: ParallelDims, stages: list[StageTime], links: Links,
-             device: Device) -> dict:
+             device: Device, num_microbatches: int | None = None) -> dict:
     """The pipeline's predicted step time with these stage times (costmodel.predict over the run's schedule) and
-    the job's tokens/s per GPU."""
+    the job's tokens/s per GPU; num_microbatches: the run's m (default cfg's; an action's time does not depend on
+    it, so a trace at m = P predicts a run at any m)."""
     t = cfg.train
+    m = num_microbatches or t.num_microbatches
     hidden_bytes = t.micro_batch_size * t.seq_len * hidden_size * 2
     costs = OpCosts(forward=[s.kinds.get("F", 0.0) for s in stages], backward=[s.kinds.get("B", 0.0) for s in stages],
                     update=[s.update_s for s in stages], comm=hidden_bytes / links.p2p,
@@ -106,17 +108,18 @@ def job_time(cfg: RunConfig, hidden_size: int, dims: ParallelDims, stages: list[
                     vocab_backward=[s.kinds.get("T", 0.0) for s in stages],
                     embed_forward=[s.kinds.get("E", 0.0) for s in stages],
                     embed_backward=[s.kinds.get("G", 0.0) for s in stages])
-    result = predict(cfg.schedule.name, dims.pp, t.num_microbatches, 4, costs, collective_updates=True,
+    result = predict(cfg.schedule.name, dims.pp, m, 4, costs, collective_updates=True,
                      vocab_parallel=cfg.parallel.head == "vocab", sharded_embedding=cfg.parallel.embedding == "vocab")
-    tokens = t.num_microbatches * t.micro_batch_size * t.seq_len * dims.dp
+    tokens = m * t.micro_batch_size * t.seq_len * dims.dp
     world = dims.pp * dims.dp * dims.tp
     return {"step_s": result["step_time"], "bubble": result["bubble"], "tokens_per_step": tokens,
             "tokens_per_s_per_gpu": tokens / result["step_time"] / world,
-            "mfu": sum(s.flops_per_microbatch for s in stages) * t.num_microbatches * dims.dp
+            "num_microbatches": m, "mfu": sum(s.flops_per_microbatch for s in stages) * m * dims.dp
             / result["step_time"] / world / device.peak_flops}
 
 
-def prediction_report(cfg: RunConfig, model_cfg, dims: ParallelDims, traces: list[StageTrace]) -> tuple[str, dict]:
+def prediction_report(cfg: RunConfig, model_cfg, dims: ParallelDims, traces: list[StageTrace],
+                      num_microbatches: int | None = None) -> tuple[str, dict]:
     """The table `dry_run_trace` prints: per stage and device the predicted time per microbatch, what bounds it,
     the MFU and the top ops; per device the job's step and tokens/s per GPU. Returns (text, JSON-able dict)."""
     links = links_for(dims)
@@ -137,9 +140,9 @@ def prediction_report(cfg: RunConfig, model_cfg, dims: ParallelDims, traces: lis
         entry = {"stages": [{"stage": s.stage, "kinds_s": s.kinds, "microbatch_s": s.microbatch_s, "mfu": s.mfu,
                              "bound": s.bound, "update_s": s.update_s, "top": s.top} for s in stages]}
         if len(stages) == dims.pp:
-            job = job_time(cfg, model_cfg.hidden_size, dims, stages, links, device)
+            job = job_time(cfg, model_cfg.hidden_size, dims, stages, links, device, num_microbatches)
             entry["job"] = job
-            lines.append(f"  job on {key}: {cfg.schedule.name}, {dims.pp} stages x {cfg.train.num_microbatches} "
+            lines.append(f"  job on {key}: {cfg.schedule.name}, {dims.pp} stages x {job['num_microbatches']} "
                          f"microbatches, step {job['step_s']:.3f} s (bubble {job['bubble']:.1%}), "
                          f"{job['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {job['mfu']:.1%}")
         out["devices"][key] = entry
