@@ -8,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from asyncpp.analysis.steptime import calibration_rows
-from bench import gpu_check_parts
+from bench import gpu, gpu_check, gpu_check_parts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,6 +28,29 @@ def test_the_profile_part_reports_top_ops_and_syncs_per_workload():
         assert summary["aten_ops_per_microbatch"] > 100  # forward and backward of four blocks
 
 
+@pytest.mark.slow  # ~35 s of CPU (bench/gpu.py --smoke with its Muon rows, two traces); the subprocess path is slower
+def test_the_bench_rows_get_their_prediction_and_the_recorded_schema(tmp_path):
+    """The bench part's JSON (bench/gpu.py --smoke, 3 repetitions) -> predict's rows -> the recorded block, which the
+    step-time model's calibration reads as it is (in-process; the subprocess path is the test below)."""
+    bench_json = tmp_path / "bench.json"
+    gpu.main(["--smoke", "--backends", "local", "--repetitions", "3", "--iters", "1", "--out", str(bench_json)])
+    timed = [r for r in json.loads(bench_json.read_text())["stages"] if "skipped" not in r]
+    assert len(timed) == 2 and all(len(r["repetitions_s"]) == 3 and r["spread"] >= 0 for r in timed)
+    predicted = gpu_check_parts.predict_part(bench_json, dry=True)
+    assert [(p["workload"], p["gdn"]) for p in predicted] == [("tiny_dense (smoke)", "torch"),
+                                                             ("tiny_hybrid x4 (smoke)", "torch")]
+    assert all(p["predicted_s"] > 0 and p["structural_only"] for p in predicted)
+    report = {"dry": True, "bench": {"result": json.loads(bench_json.read_text())},
+              "environment": {"result": {"gpu_name": "none", "torch": "x"}}}
+    folder = tmp_path / "recorded"
+    folder.mkdir()
+    (folder / "dry.json").write_text(json.dumps(gpu_check.recorded_block(report)))
+    rows = calibration_rows(folder)
+    assert [r["workload"] for r in rows] == [r["workload"] for r in timed]
+    assert all(r["setup"]["micro_batch_size"] == 1 and r["setup"]["seq_len"] == 64 for r in rows)
+
+
+@pytest.mark.slow  # ~40 s of CPU: four processes that each import torch
 def test_dry_run_writes_one_json_with_the_bench_its_spread_and_the_models_prediction(tmp_path):
     out = tmp_path / "gpu_check.json"
     # The deadlines are the device's; a shared 2-core CPU gets ten times them (the dry run only checks the structure).
