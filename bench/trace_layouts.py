@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout's asyncpp and data, not bench/data.py
 
 from asyncpp import job
-from asyncpp.analysis.opcost import CostTracer
-from asyncpp.analysis.stagetime import prediction_report
+from asyncpp.analysis.opcost import DEVICES, CostTracer
+from asyncpp.analysis.stagetime import links_for, prediction_report, stage_time
 from asyncpp.analysis.trace import StepTracer
 from asyncpp.analysis.traced import TRACED_STEPS, trace_stage
 from asyncpp.parallel.mesh import ParallelDims
@@ -51,6 +51,22 @@ def reads_split(trace: dict) -> tuple[float, float]:
     per_mb = sum(1 for r in training if r["action"][0] in MICROBATCH_ACTIONS) / (steps * m)
     other = sum(1 for r in training if r["action"][0] not in MICROBATCH_ACTIONS) / steps
     return per_mb, other
+
+
+def dims_of(cfg, world: int) -> ParallelDims:
+    p = cfg.parallel
+    return ParallelDims.for_world(world, pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
+
+
+def stage_lines(trace, dims: ParallelDims) -> list[str]:
+    """One stage's predicted ms per microbatch (F, B, per microbatch in all), bound, MFU and update, per GPU."""
+    lines = []
+    for key, device in DEVICES.items():
+        st = stage_time(trace.costs, trace.stage, device, links_for(dims))
+        lines.append(f"{key}: F {st.kinds.get('F', 0) * 1e3:.1f} ms, B {st.kinds.get('B', 0) * 1e3:.1f} ms, per "
+                     f"microbatch {st.microbatch_s * 1e3:.1f} ms ({st.bound}-bound), MFU {st.mfu:.1%}, update "
+                     f"{st.update_s * 1e3:.1f} ms; top: " + ", ".join(f"{op} {sec * 1e3:.1f}" for op, sec in st.top))
+    return lines
 
 
 def main() -> None:
@@ -91,11 +107,13 @@ def main() -> None:
             d["comm_counts"] = {}
             for c in trace.comms:
                 d["comm_counts"][c.op] = d["comm_counts"].get(c.op, 0) + 1
+            if args.predict:  # each stage's prediction as soon as it is traced (a cut run keeps the stages done)
+                d["predicted"] = stage_lines(trace, dims_of(cfg, world))
+                print("\n".join(f"  {layout} stage {s} {line}" for line in d["predicted"]), flush=True)
             results[f"{layout}/head={cfg.parallel.head}/m={m}/stage{s}"] = d
             path.write_text(json.dumps(results, indent=1))
         if args.predict:
-            p = cfg.parallel
-            dims = ParallelDims.for_world(world, pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
+            dims = dims_of(cfg, world)
             text, prediction = prediction_report(cfg, model_cfg, dims, traces, args.predict_m)
             print(f"== {layout} (traced at m={m}, {args.steps} steps)\n{text}", flush=True)
             (out / f"predict_{layout}_m{m}.json").write_text(json.dumps(prediction, indent=1))
