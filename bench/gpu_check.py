@@ -39,7 +39,8 @@ the standard library, so it runs before the wheels are there)."""
 BUDGET_S = 9 * 60
 DEADLINES_S = {"install": 90, "bench": 240, "profile": 120, "pytest": 180, "predict": 90}
 """Each part's own deadline; a part also never gets more than what is left of --budget-s."""
-PARTS = ("bench", "profile", "pytest", "predict")
+PARTS = ("bench", "predict", "profile", "pytest")
+"""In this order: the figures first (bench, and the model next to them, CPU work), the tests last (the likeliest to hang)."""
 
 
 def run(cmd: list[str], timeout_s: float, env: dict | None = None) -> dict:
