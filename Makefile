@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_CPU ?= torch==2.13.0
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup train lint test test-equivalence-again test-matrix test-slurm test-slurm-ci test-all bench clean gpu-trace-env gpu-trace first-gpu
+.PHONY: setup train lint test test-equivalence-again test-matrix test-slurm test-slurm-ci test-all bench clean gpu-trace-env gpu-trace gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -111,9 +111,25 @@ gpu-trace: $(CUDA_STAMP) setup
 	PYTHONPATH=$(CURDIR) $(CUDA_VENV)/bin/python bench/fake_cuda_forward.py --out bench_results
 	$(PY) bench/trace_layouts.py --out bench_results
 
-# The first lent GPU: pytest -m gpu and bench/gpu.py within 20 minutes, everything in one JSON (bench/first_gpu.py).
-first-gpu: setup
-	$(PY) bench/first_gpu.py --out bench_results/first_gpu.json
+# A lent GPU (issue 45, docs/gpu.md "make gpu-check"): `make gpu-wheels` here (network) fetches what the device lacks
+# into .gpu/wheels (ignored; megatron-core, FLA, hydra/omegaconf for its python 3.12, ~4 MiB); on the device
+# `make gpu-check` installs them without network and writes ONE JSON (bench, profile, pytest -m gpu, the model's
+# prediction) within ~9 minutes. GPU_PY: the device's python3 (it holds torch 2.11.0+cu130); not the CPU .venv.
+GPU_WHEELS ?= .gpu/wheels
+GPU_PY     ?= python3
+OUT        ?= bench_results
+GPU_PINS   := megatron-core==0.16.1 flash-linear-attention==0.6.0 fla-core==0.6.0 hydra-core==1.3.2 omegaconf==2.3.0
+gpu-wheels: setup
+	mkdir -p $(GPU_WHEELS)
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d $(GPU_WHEELS) $(GPU_PINS)
+	$(PIP) wheel -q --no-deps -w $(GPU_WHEELS) antlr4-python3-runtime==4.9.3  # an sdist only: built here, pure Python
+	@size=$$(du -sm $(GPU_WHEELS) | cut -f1); ls -l $(GPU_WHEELS); echo "[gpu-wheels] $$size MiB in $(GPU_WHEELS)"; \
+		test $$size -le 60 || { echo "[gpu-wheels] over the 60 MiB a device call may carry"; exit 1; }
+
+gpu-check:
+	$(GPU_PY) bench/gpu_check.py --wheels $(GPU_WHEELS) --out $(OUT)/gpu_check.json
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

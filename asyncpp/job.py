@@ -30,6 +30,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from asyncpp.analysis.dryrun import dry_run
+from asyncpp.analysis.opcost import CostTracer
+from asyncpp.analysis.stagetime import prediction_report
 from asyncpp.analysis.traced import TRACED_STEPS, trace_stage
 from asyncpp.config import ConfigError, RunConfig, check_pipeline_options, parse_blend
 from asyncpp.config.parallel import TOKEN_SPLIT_REMOVED
@@ -323,6 +325,27 @@ def _print_stage_memory(mesh, run, metrics) -> None:
         metrics.message("\n".join(t for t in tables if t is not None))
 
 
+def trace_dry_run(cfg: RunConfig, model_cfg: ModelConfig, reports: list[dict], build_optimizer, echo) -> None:
+    """dry_run_trace=true: the traced steps of dry_run_stage, or of every stage (the step-time prediction needs them
+    all), each with its ops' costs; prints each trace's report and the predicted times (analysis/stagetime.py).
+    Writes <out_dir>/dry_run_trace.json: the largest stage's trace (or dry_run_stage's), with the prediction."""
+    stages = [cfg.dry_run_stage] if cfg.dry_run_stage is not None else [r["stage"] for r in reports]
+    traces = []
+    for stage in stages:
+        echo(f"dry run trace: stage {stage}, {TRACED_STEPS} steps on meta tensors (asyncpp/analysis/traced.py)")
+        traces.append(trace_stage(cfg, model_cfg, cfg.dry_run, stage, build_optimizer, tracer_cls=CostTracer))
+        echo(traces[-1].report())
+    p = cfg.parallel
+    dims = ParallelDims.for_world(cfg.dry_run, pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
+    text, prediction = prediction_report(cfg, model_cfg, dims, traces)
+    echo(text)
+    largest = max(reports, key=lambda r: r["memory"]["total_bytes"])["stage"]
+    kept = next((t for t in traces if t.stage == largest), traces[0])
+    out = Path(cfg.out_dir) / "dry_run_trace.json"
+    out.write_text(json.dumps({**kept.to_dict(), "prediction": prediction}, indent=1))
+    echo(f"wrote {out} (stage {kept.stage}; {sum(t.wall_s for t in traces):.1f} s traced)")
+
+
 def run_dry(cfg: RunConfig, model_cfg: ModelConfig, echo=print) -> list[dict]:
     """dry_run=N: the layout at N ranks on a fake process group (asyncpp/analysis/dryrun.py); trains nothing.
     Writes <out_dir>/dry_run.json and returns the per-stage reports."""
@@ -336,13 +359,5 @@ def run_dry(cfg: RunConfig, model_cfg: ModelConfig, echo=print) -> list[dict]:
     reports = dry_run(cfg, model_cfg, cfg.dry_run, build_stage, build_optimizer,
                       out=Path(cfg.out_dir) / "dry_run.json", echo=echo)
     if cfg.dry_run_trace:
-        stage = cfg.dry_run_stage
-        if stage is None:
-            stage = max(reports, key=lambda r: r["memory"]["total_bytes"])["stage"]
-        echo(f"dry run trace: stage {stage}, {TRACED_STEPS} steps on meta tensors (asyncpp/analysis/traced.py)")
-        trace = trace_stage(cfg, model_cfg, cfg.dry_run, stage, build_optimizer)
-        echo(trace.report())
-        out = Path(cfg.out_dir) / "dry_run_trace.json"
-        out.write_text(json.dumps(trace.to_dict(), indent=1))
-        echo(f"wrote {out} ({trace.wall_s:.1f} s traced)")
+        trace_dry_run(cfg, model_cfg, reports, build_optimizer, echo)
     return reports

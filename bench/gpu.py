@@ -32,10 +32,11 @@ sys.path.insert(0, str(ROOT))
 import torch
 from torch import nn
 
+from asyncpp.analysis.steptime import Workload, workloads
 from asyncpp.core.memory import activation_bytes
-from asyncpp.reference.simulator import lm_loss
-from model_zoo import ModelConfig, build_model, flops_per_token, get_model_config
+from model_zoo import flops_per_token
 from model_zoo.backends import BACKENDS, BackendError, apply_backend, compile_blocks, probe_backend
+from model_zoo.backends.kernels import fla_chunk_gated_delta_rule, fla_status
 
 H100_BF16_DENSE_TFLOPS = 989.0
 
@@ -61,44 +62,7 @@ def timed(fn: Callable[[], None], device: torch.device, warmup: int, iters: int)
     return statistics.median(times)
 
 
-# ---- stage workloads -----------------------------------------------------------------------------
-
-class Workload:
-    def __init__(self, name: str, cfg: ModelConfig, layers: range, whole_model: bool):
-        self.name, self.cfg, self.layers, self.whole_model = name, cfg, layers, whole_model
-
-    def build(self, device: torch.device) -> nn.Module:
-        torch.manual_seed(0)
-        model = build_model(self.cfg, device=device)
-        if not self.whole_model:  # a middle stage: only its blocks
-            model = nn.ModuleDict({"layers": nn.ModuleList(model.layers[i] for i in self.layers)})
-        return model.to(torch.bfloat16)
-
-    def step_fn(self, model: nn.Module, batch: int, seq: int, device: torch.device) -> Callable[[], None]:
-        """One microbatch's forward and backward, as a pipeline stage runs it."""
-        if self.whole_model:
-            tokens = torch.randint(0, self.cfg.vocab_size, (batch, seq + 1), device=device)
-            return lambda: lm_loss(model, tokens).backward()
-        x = torch.randn(batch, seq, self.cfg.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
-        grad = torch.randn_like(x)
-
-        def run() -> None:
-            h = x
-            for layer in model["layers"]:
-                h = layer(h)
-            h.backward(grad)
-        return run
-
-
-def workloads(smoke: bool, moe_layers: int) -> list[Workload]:
-    if smoke:
-        dense, hybrid = get_model_config("tiny_dense"), get_model_config("tiny_hybrid")
-        return [Workload("tiny_dense (smoke)", dense, range(dense.num_layers), True),
-                Workload("tiny_hybrid x4 (smoke)", hybrid, range(4), False)]
-    smol = get_model_config("smollm2_135m")
-    hybrid = get_model_config("hybrid_moe_10b", num_layers=moe_layers)  # the gdn,gdn,gdn,attn period, tiled
-    return [Workload("smollm2_135m", smol, range(smol.num_layers), True),
-            Workload(f"hybrid_moe_10b x{moe_layers}", hybrid, range(moe_layers), False)]
+# ---- stage workloads: asyncpp.analysis.steptime.Workload (one home: the step-time model traces the same) ---
 
 
 def bench_stage(w: Workload, backend: str, compiled: bool, args, device: torch.device) -> dict:
@@ -117,7 +81,11 @@ def bench_stage(w: Workload, backend: str, compiled: bool, args, device: torch.d
         torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     step = w.step_fn(model, args.micro_batch_size, args.seq_len, device)
-    seconds = timed(step, device, args.warmup, args.iters)
+    # Repetitions: the median of `iters` timed calls each, after one warm-up (the first repetition's also compiles);
+    # the row's figure is their median, the spread (max - min) / median says how far one run can be trusted.
+    reps = [timed(step, device, args.warmup, args.iters) for _ in range(args.repetitions)]
+    seconds = statistics.median(reps)
+    row.update(repetitions_s=reps, spread=(max(reps) - min(reps)) / seconds, gdn_kernel=gdn_kernel(w, device))
     tokens = args.micro_batch_size * args.seq_len
     flops = flops_per_token(w.cfg, args.seq_len, w.layers, head=w.whole_model) * tokens
     act_est = activation_bytes(w.cfg, w.layers, dtype=torch.bfloat16, micro_batch_size=args.micro_batch_size,
@@ -127,6 +95,14 @@ def bench_stage(w: Workload, backend: str, compiled: bool, args, device: torch.d
     if device.type == "cuda":  # peak above the weights ~ activations (+ grads, + workspace)
         row["peak_above_weights_gib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**30
     return row
+
+
+def gdn_kernel(w: Workload, device: torch.device) -> str:
+    """Which Gated DeltaNet ran (model_zoo/gated_deltanet.py's choice: FLA's fused kernel on CUDA in bf16 when it is
+    importable and passed its probe, else the PyTorch chunked form); "-" for a model without GDN layers."""
+    if not any(w.cfg.layer_types and w.cfg.layer_types[i] == "gdn" for i in w.layers):
+        return "-"
+    return "fla" if device.type == "cuda" and fla_chunk_gated_delta_rule() is not None else "torch"
 
 
 # ---- Muon ----------------------------------------------------------------------------------------
@@ -169,9 +145,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="default: off and on (smoke: off; CPU inductor takes ~30 s per block type)")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--repetitions", type=int, default=None, help="timed repetitions per row (default 3; smoke 1)")
     parser.add_argument("--out", default="bench_results/gpu.json")
     args = parser.parse_args(argv)
-    defaults = {"micro_batch_size": (1, 4), "seq_len": (64, 4096), "warmup": (1, 3), "iters": (2, 10)}
+    defaults = {"micro_batch_size": (1, 4), "seq_len": (64, 4096), "warmup": (1, 3), "iters": (2, 10),
+                "repetitions": (1, 3)}
     for key, (smoke, full) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, smoke if args.smoke else full)
@@ -183,7 +161,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def print_table(rows: list[dict], muon: list[dict], args, device: torch.device) -> None:
     print(f"device: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"bf16, microbatch {args.micro_batch_size}x{args.seq_len}, MFU vs {args.peak_tflops:g} TFLOP/s")
-    header = f"{'workload':26} {'backend':8} {'compile':7} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'act est GiB':>11} {'peak GiB':>8}"
+    header = f"{'workload':26} {'backend':8} {'compile':7} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'act est GiB':>11} {'peak GiB':>8} {'spread':>6} GDN"
     print(header + "\n" + "-" * len(header))
     for r in rows:
         if "skipped" in r:
@@ -191,7 +169,8 @@ def print_table(rows: list[dict], muon: list[dict], args, device: torch.device) 
             continue
         peak = f"{r['peak_above_weights_gib']:.2f}" if "peak_above_weights_gib" in r else "n/a"
         print(f"{r['workload']:26} {r['backend']:8} {r['compile']!s:7} {r['tokens_per_s']:>10.0f} "
-              f"{r['tflops']:>8.2f} {r['mfu']:>6.1%} {r['activation_estimate_gib']:>11.2f} {peak:>8}")
+              f"{r['tflops']:>8.2f} {r['mfu']:>6.1%} {r['activation_estimate_gib']:>11.2f} {peak:>8} {r['spread']:>6.1%} "
+              f"{r['gdn_kernel']}")
     print()
     for r in muon:
         text = f"skipped: {r['skipped']}" if "skipped" in r else \
@@ -214,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
             muon.append(bench_muon(w, impl, args, device))
     print_table(rows, muon, args, device)
     result = {"args": vars(args), "device": str(device), "torch": torch.__version__,
-              "probes": {b: probe_backend(b, device).reason or "available" for b in BACKENDS},
+              "probes": {**{b: probe_backend(b, device).reason or "available" for b in BACKENDS}, "fla": fla_status()},
               "stages": rows, "muon": muon}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))

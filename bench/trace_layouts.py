@@ -25,7 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout's asyncpp and data, not bench/data.py
 
 from asyncpp import job
+from asyncpp.analysis.opcost import DEVICES, CostTracer
+from asyncpp.analysis.stagetime import links_for, prediction_report, stage_time
+from asyncpp.analysis.trace import StepTracer
 from asyncpp.analysis.traced import TRACED_STEPS, trace_stage
+from asyncpp.parallel.mesh import ParallelDims
 
 LAYOUTS = {  # layout -> (model, world size, pipeline stages)
     "moe_2b_8gpu": ("moe_2b", 8, 2),
@@ -49,6 +53,22 @@ def reads_split(trace: dict) -> tuple[float, float]:
     return per_mb, other
 
 
+def dims_of(cfg, world: int) -> ParallelDims:
+    p = cfg.parallel
+    return ParallelDims.for_world(world, pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
+
+
+def stage_lines(trace, dims: ParallelDims) -> list[str]:
+    """One stage's predicted ms per microbatch (F, B, per microbatch in all), bound, MFU and update, per GPU."""
+    lines = []
+    for key, device in DEVICES.items():
+        st = stage_time(trace.costs, trace.stage, device, links_for(dims))
+        lines.append(f"{key}: F {st.kinds.get('F', 0) * 1e3:.1f} ms, B {st.kinds.get('B', 0) * 1e3:.1f} ms, per "
+                     f"microbatch {st.microbatch_s * 1e3:.1f} ms ({st.bound}-bound), MFU {st.mfu:.1%}, update "
+                     f"{st.update_s * 1e3:.1f} ms; top: " + ", ".join(f"{op} {sec * 1e3:.1f}" for op, sec in st.top))
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_results")
@@ -57,6 +77,11 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=None, help="microbatches per step (default: P)")
     ap.add_argument("--steps", type=int, default=TRACED_STEPS)
     ap.add_argument("--head", default=None, help="parallel.head (default: the layout's own, vocab for the paper's)")
+    ap.add_argument("--predict", action="store_true",
+                    help="also book every op's cost and print the step-time prediction per layout (as dry_run_trace); "
+                         "the per-action times need no more than --steps 1")
+    ap.add_argument("--predict-m", type=int, default=None,
+                    help="the job's microbatches per step for --predict (default --m): a trace at m = P predicts any m")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -69,10 +94,12 @@ def main() -> None:
         cfg, model_cfg = job.resolve(job.compose([f"model={model}", f"parallel={layout}", f"train.num_microbatches={m}",
                                                   *WORK, *head, "logging=disabled", f"out_dir={out / 'trace_runs'}"]))
         stages = [int(s) for s in args.stages.split(",")] if args.stages else list(range(pp))
+        traces = []
         for s in stages:
             started = time.perf_counter()
             trace = trace_stage(cfg, model_cfg, world, s, lambda st, plan, mesh, c=cfg: job.optimizer_for(c, mesh)(st, plan),
-                                steps=args.steps)
+                                steps=args.steps, tracer_cls=CostTracer if args.predict else StepTracer)
+            traces.append(trace)
             print(f"== {layout} stage {s}: {time.perf_counter() - started:.0f} s", flush=True)
             print(trace.report(), flush=True)
             d = trace.to_dict()
@@ -80,8 +107,16 @@ def main() -> None:
             d["comm_counts"] = {}
             for c in trace.comms:
                 d["comm_counts"][c.op] = d["comm_counts"].get(c.op, 0) + 1
+            if args.predict:  # each stage's prediction as soon as it is traced (a cut run keeps the stages done)
+                d["predicted"] = stage_lines(trace, dims_of(cfg, world))
+                print("\n".join(f"  {layout} stage {s} {line}" for line in d["predicted"]), flush=True)
             results[f"{layout}/head={cfg.parallel.head}/m={m}/stage{s}"] = d
             path.write_text(json.dumps(results, indent=1))
+        if args.predict:
+            dims = dims_of(cfg, world)
+            text, prediction = prediction_report(cfg, model_cfg, dims, traces, args.predict_m)
+            print(f"== {layout} (traced at m={m}, {args.steps} steps)\n{text}", flush=True)
+            (out / f"predict_{layout}_m{m}.json").write_text(json.dumps(prediction, indent=1))
     print("| layout | head | stage | plan GiB | traced peak GiB | peak / plan | host reads per step (a*m + b) | kernels |")
     print("|---|---|---|---|---|---|---|---|")
     for key, d in sorted(results.items()):

@@ -144,6 +144,9 @@ class StageTrace:
     scalars: list = field(default_factory=list)
     host_copies: set[int] = field(default_factory=set)
     wall_s: float = 0.0
+    costs: object = None
+    """The OpTable of a trace run with opcost.CostTracer (tracer_cls): every op's FLOPs, bytes and host cost by
+    action kind, for the step-time model (steptime.py); None for a plain StepTracer."""
     updates: list[dict] = field(default_factory=list)
     """Per step whose update ran in the window: its gradient norm and whether it was skipped (a step that
     skips measures no optimizer step: on a real device, unfilled receive buffers make non-finite steps)."""
@@ -285,14 +288,16 @@ last stage traced 0.90 of its plan."""
 
 def trace_stage(cfg: RunConfig, model_cfg: ModelConfig, world_size: int, stage: int, build_optimizer: BuildOptimizer, *,
                 device: str = "meta", steps: int = TRACED_STEPS, stand_ins: StandIns | None = None, record: bool = False,
-                as_gpu: tuple[int, int] | None = H100, evaluate: bool = True) -> StageTrace:
+                as_gpu: tuple[int, int] | None = H100, evaluate: bool = True,
+                tracer_cls: type[StepTracer] = StepTracer) -> StageTrace:
     """Run `steps` steps of `stage`'s schedule (drained at both ends) on `device` under a StepTracer.
 
     TRACED_STEPS by default (why: its docstring).
 
     device="meta": the real size, nothing allocated. device="cpu" with record=True: a real run of the same stage
     on the same fake group (the tests run a tiny model both ways). as_gpu: the MoE kernel of a GPU of that
-    compute capability (None: the device's own choice)."""
+    compute capability (None: the device's own choice). tracer_cls: opcost.CostTracer books every op's cost too
+    (StageTrace.costs)."""
     p = cfg.parallel
     dims = ParallelDims.for_world(world_size, pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
     if not 0 <= stage < dims.pp:
@@ -304,13 +309,13 @@ def trace_stage(cfg: RunConfig, model_cfg: ModelConfig, world_size: int, stage: 
         # Filled on meta too (nothing to fill there): the meta trace then runs the real run's op sequence.
         with fused_kernels_on_meta(), FilledCollectives():
             return _trace(cfg, model_cfg, dims, stage, rank, target, build_optimizer, steps, stand_ins, record,
-                          as_gpu, evaluate)
+                          as_gpu, evaluate, tracer_cls)
     finally:
         dist.destroy_process_group()
 
 
-def _trace(cfg: RunConfig, model_cfg: ModelConfig, dims, stage, rank, target, build_optimizer, steps, stand_ins, record, as_gpu,
-           evaluate) -> StageTrace:
+def _trace(cfg: RunConfig, model_cfg: ModelConfig, dims, stage, rank, target, build_optimizer, steps, stand_ins, record,
+           as_gpu, evaluate, tracer_cls) -> StageTrace:
     mesh = mesh_for(cfg, model_cfg, dims, "cpu")
     mesh.device = target  # the groups are the fake backend's; the stage's tensors live on `device`
     built = build_rank_stage(cfg, model_cfg, mesh, target)
@@ -321,7 +326,7 @@ def _trace(cfg: RunConfig, model_cfg: ModelConfig, dims, stage, rank, target, bu
                                 comm_cls=FilledComm)
     plan = executor.report.memory_plan()
     actions = executor.actions_of(0, steps)
-    tracer = StepTracer(target.type, stand_ins if stand_ins is not None else balanced_stand_ins(cfg, model_cfg, dims),
+    tracer = tracer_cls(target.type, stand_ins if stand_ins is not None else balanced_stand_ins(cfg, model_cfg, dims),
                         record=record)
     start_bytes = tracer.start()
     started = time.perf_counter()
@@ -344,7 +349,7 @@ def _trace(cfg: RunConfig, model_cfg: ModelConfig, dims, stage, rank, target, bu
                       plan.table(), steps, executor.m, tracer.peak_bytes, start_bytes, tracer.cyclic_bytes,
                       tracer.actions,
                       tracer.host_reads, tracer.comms, tracer.ops, tracer.op_actions, tracer.scalars, tracer.host_copies,
-                      time.perf_counter() - started, update_records(executor))
+                      time.perf_counter() - started, getattr(tracer, "table", None), update_records(executor))
 
 
 def update_records(executor: PipelineExecutor) -> list[dict]:
