@@ -70,6 +70,8 @@ class StageEngine:
         self._last_g_of: tuple[list[Action], int] | None = None
         self._stream: ActionStream | None = None
         self._index = 0
+        self.current: Action | None = None
+        """The action running now (None between segments): what a failure report names (parallel/failfast.py)."""
         self.inflight: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         self.losses: dict[int, list[Tensor]] = {}
 
@@ -106,6 +108,7 @@ class StageEngine:
                 posted = k
             stream.fixed = max(i + 1, posted + 1)
             self._index = i
+            self.current = action
             handlers[action.op](action)
             i += 1
             if action.op in (Op.UPDATE_START, Op.UPDATE):
@@ -147,8 +150,8 @@ class StageEngine:
             self.vocab_head.send_hidden(a.step, a.microbatch, out)
         elif self.mesh.is_last_stage:
             self.losses.setdefault(a.step, []).append(out.detach())
-        else:
-            self.comm.send_forward(out, a.step)
+        else:  # a stage without layers passes its input on: freeing it would free the input its backward reads
+            self.comm.send_forward(out, a.step, free_after=out is not x)
         self.inflight[(a.step, a.microbatch)] = (x, out)
         self.timer.add(a, start, self.timer.now())
 
@@ -276,6 +279,7 @@ class StageEngine:
     # ---- end of a run / drain --------------------------------------------------------------
     def finish(self) -> None:
         """Complete outstanding sends and reduce the last update's norm (all stages call this)."""
+        self.current = None
         self.comm.flush()
         if self.vocab_head is not None:
             self.vocab_head.flush()
