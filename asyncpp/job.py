@@ -270,71 +270,65 @@ def _run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | No
     device = init_distributed(torch.device(cfg.train.device).type, cfg.train.timeout_s)
     position = [lambda: (None, "the start-up (building the stage)")]  # the trainer's, once there is one
     try:
-        return _train_stage(cfg, model_cfg, dims, device, stop, recorder, position)
+        mesh = mesh_for(cfg, model_cfg, dims, device)
+        timeout = cfg.train.timeout_s
+        shared = [cfg.out_dir]
+        with naming_the_peer(mesh, "rank 0's run directory (broadcast)", timeout):
+            dist.broadcast_object_list(shared, src=0)  # one run directory, rank 0's (hydra's ${now} differs)
+        cfg = cfg.replace(out_dir=shared[0])
+        recorder.dump_dir = Path(cfg.out_dir) / flight.DUMP_DIR
+        if mesh.rank != 0:
+            with naming_the_peer(mesh, "rank 0 to fill the data cache (start-up barrier)", timeout):
+                dist.barrier()  # rank 0 tokenizes and fills the cache first; the others then hit it
+        data = build_data(cfg, model_cfg)
+        if mesh.rank == 0:
+            with naming_the_peer(mesh, "the other ranks after the data cache (start-up barrier)", timeout):
+                dist.barrier()
+        torch.manual_seed(cfg.seed)
+        metrics = make_metrics(cfg, model_cfg, dims.world_size, device) if mesh.is_writer else None
+        baseline = host_rss_bytes()  # the process before the model: what the memory plan does not count
+        stage = build_rank_stage(cfg, model_cfg, mesh, device)  # only this rank's layers and shards
+        # Layers swapped and compiled before the optimizer is built on the stage's Parameters.
+        prepare_model(stage.model, backend=cfg.train.backend, compile=cfg.train.compile, device=device,
+                      log=metrics.message if metrics is not None else (lambda text: None))
+        executor = PipelineExecutor(cfg, stage, mesh, data, optimizer_for(cfg, mesh))
+        executor.report.process_baseline_bytes = baseline
+        _print_stage_memory(mesh, executor, metrics)
+        trainer = Trainer(cfg, executor, metrics, stop=stop)
+        position[0] = trainer.position  # what a failure report names: the step and the action
+        trainer.resume()
+        summary = {}
+        try:
+            summary = trainer.run()
+            events = executor.timeline_events()
+            if events is not None:
+                write_run_timeline(events, cfg.out_dir, f"{cfg.schedule.name}: P={mesh.num_stages}, "
+                                   f"{executor.batches.describe()}", cfg.train.steps)
+        except DELIBERATE:
+            raise
+        except Exception:  # a failure: the metrics lines are on disk already; closing wandb could wait on a network
+            metrics = None
+            raise
+        finally:
+            if metrics is not None:
+                (Path(cfg.out_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+                metrics.close(summary)  # logs the summary line
+        # No rank tears its process group down while a peer may still talk to it (gloo aborts the
+        # process with "terminate called without an active exception" otherwise).
+        with naming_the_peer(mesh, "every rank at the end (the final barrier)", timeout):
+            dist.barrier()
     except DELIBERATE:  # raised on every rank at the same point: the ordinary teardown cannot hang
         dist.destroy_process_group()
         raise
     except Exception as e:  # one rank's bug, device error or broken link: leave without waiting on any peer
         raise failfast.abandon(e, dist.get_rank(), *position[0]()) from e
+    dist.destroy_process_group()
+    return summary
 
 
 DELIBERATE = (ConfigError, TrainingAborted, NonFiniteUpdate)
-"""Errors every rank raises at the same point (pretrain.py's exit codes 2 and 3); any other is a failure."""
-
-
-def _train_stage(cfg: RunConfig, model_cfg: ModelConfig, dims: ParallelDims, device, stop: StopFlag | None,
-                 recorder: flight.Recorder, position: list) -> dict:
-    """The run of this rank's stage, then the process group destroyed (after a complete or a stopped run only).
-    `position[0]` becomes the trainer's position() once there is a trainer: what a failure report names."""
-    mesh = mesh_for(cfg, model_cfg, dims, device)
-    timeout = cfg.train.timeout_s
-    shared = [cfg.out_dir]
-    with naming_the_peer(mesh, "rank 0's run directory (broadcast)", timeout):
-        dist.broadcast_object_list(shared, src=0)  # one run directory, rank 0's (hydra's ${now} differs)
-    cfg = cfg.replace(out_dir=shared[0])
-    recorder.dump_dir = Path(cfg.out_dir) / flight.DUMP_DIR
-    if mesh.rank != 0:
-        with naming_the_peer(mesh, "rank 0 to fill the data cache (start-up barrier)", timeout):
-            dist.barrier()  # rank 0 tokenizes and fills the cache first; the others then hit it
-    data = build_data(cfg, model_cfg)
-    if mesh.rank == 0:
-        with naming_the_peer(mesh, "the other ranks after the data cache (start-up barrier)", timeout):
-            dist.barrier()
-    torch.manual_seed(cfg.seed)
-    metrics = make_metrics(cfg, model_cfg, dims.world_size, device) if mesh.is_writer else None
-    baseline = host_rss_bytes()  # the process before the model: what the memory plan does not count
-    stage = build_rank_stage(cfg, model_cfg, mesh, device)  # only this rank's layers and shards
-    # Layers swapped and compiled before the optimizer is built on the stage's Parameters.
-    prepare_model(stage.model, backend=cfg.train.backend, compile=cfg.train.compile, device=device,
-                  log=metrics.message if metrics is not None else (lambda text: None))
-    executor = PipelineExecutor(cfg, stage, mesh, data, optimizer_for(cfg, mesh))
-    executor.report.process_baseline_bytes = baseline
-    _print_stage_memory(mesh, executor, metrics)
-    trainer = Trainer(cfg, executor, metrics, stop=stop)
-    position[0] = trainer.position
-    trainer.resume()
-    summary = {}
-    try:
-        summary = trainer.run()
-        events = executor.timeline_events()
-        if events is not None:
-            write_run_timeline(events, cfg.out_dir, f"{cfg.schedule.name}: P={mesh.num_stages}, "
-                               f"{executor.batches.describe()}", cfg.train.steps)
-    except DELIBERATE:
-        raise
-    except Exception:  # a failure: the metrics lines are on disk already; closing wandb could wait on a network
-        metrics = None
-        raise
-    finally:
-        if metrics is not None:
-            (Path(cfg.out_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-            metrics.close(summary)  # logs the summary line
-    # No rank tears its process group down while a peer may still talk to it (gloo aborts the
-    # process with "terminate called without an active exception" otherwise).
-    with naming_the_peer(mesh, "every rank at the end (the final barrier)", timeout):
-        dist.barrier()
-    dist.destroy_process_group()
-    return summary
+"""Errors every rank raises at the same point (pretrain.py's exit codes 2 and 3); any other is a failure
+(asyncpp/parallel/failfast.py)."""
 
 
 def _print_stage_memory(mesh, run, metrics) -> None:
