@@ -24,10 +24,11 @@ from asyncpp import job
 from asyncpp.config import ConfigError
 from asyncpp.core.update import NonFiniteUpdate
 from asyncpp.host.allocator import set_mmap_threshold, set_trim_threshold
+from asyncpp.parallel import failfast
 from asyncpp.train import preflight
 from asyncpp.train.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from asyncpp.train.preemption import StopFlag
-from asyncpp.train.run_identity import EXIT_DIVERGED, record_exit
+from asyncpp.train.run_identity import EXIT_CRASHED, EXIT_DIVERGED, record_exit
 from asyncpp.train.trainer import TrainingAborted
 
 STARTED = False  # main was entered (hydra resets its own HydraConfig after a failed job, so it cannot tell)
@@ -54,6 +55,10 @@ def main(dcfg: DictConfig) -> float:
         leave(preflight.EXIT_CONFIG_ERROR, f"config error: {e}")  # distinct from a crash (1): never retried
     except (TrainingAborted, NonFiniteUpdate) as e:  # every rank raises it at the same step: no hang, no traceback
         leave(EXIT_DIVERGED, f"training diverged: {e}")
+    except failfast.RankFailed as e:  # its process groups are aborted already (asyncpp/parallel/failfast.py)
+        if e.first:  # the job's first failure: its traceback and its one line, in the console and the exit file
+            print(e.trace, end="", file=sys.stderr)
+        leave(EXIT_CRASHED, str(e), record=e.first)
     if summary.get("stopped_at") is not None:  # checkpointed; let the scheduler requeue the job
         leave(PREEMPTED_EXIT_CODE, f"stopped at step {summary['stopped_at']} (checkpointed); rerun to resume",
               quiet=True)
@@ -63,12 +68,14 @@ def main(dcfg: DictConfig) -> float:
     return float(summary.get("final_val_loss", float("nan")))  # the value hydra sweepers optimize
 
 
-def leave(code: int, message: str, quiet: bool = False) -> None:
-    """Exit on purpose with `code`: say why (unless already said), and tell the launcher through
-    $ASYNCPP_EXIT_FILE, since torchrun reports 1 whatever the ranks' codes were (run_identity.record_exit)."""
+def leave(code: int, message: str, quiet: bool = False, record: bool = True) -> None:
+    """Exit now with `code`: say why (unless already said), and tell the launcher through $ASYNCPP_EXIT_FILE,
+    since torchrun reports 1 whatever the ranks' codes were (run_identity.record_exit; `record`=False: a rank
+    whose failure follows another rank's leaves that rank's record in place)."""
     if not quiet:
         print(message, file=sys.stderr, flush=True)
-    record_exit(code, message)
+    if record:
+        record_exit(code, message)
     exit_now(code)
 
 

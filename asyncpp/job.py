@@ -38,9 +38,10 @@ from asyncpp.config.parallel import TOKEN_SPLIT_REMOVED
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.memory import simulator_run_report
 from asyncpp.core.partition import with_head_resolved
+from asyncpp.core.update import NonFiniteUpdate
 from asyncpp.host.measured import host_rss_bytes
 from asyncpp.optim import build_from_config
-from asyncpp.parallel import flight
+from asyncpp.parallel import failfast, flight
 from asyncpp.parallel.mesh import ParallelDims, init_distributed
 from asyncpp.pipeline.build import build_rank_stage, build_whole_model, mesh_for
 from asyncpp.pipeline.executor import PipelineExecutor
@@ -52,7 +53,7 @@ from asyncpp.train.preemption import StopFlag
 from asyncpp.train.run_identity import register_resolvers
 from asyncpp.train.throughput import Throughput, device_peak_tflops
 from asyncpp.train.timeline import write_run_timeline
-from asyncpp.train.trainer import Trainer
+from asyncpp.train.trainer import Trainer, TrainingAborted
 from asyncpp.typed import check_partial
 from data.default import default_cache_dir, default_prefix
 from data.indexed import IndexedDataError
@@ -269,6 +270,7 @@ def _run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | No
     if torch.device(cfg.train.device).type == "cpu":
         torch.set_num_threads(cpu_threads(os.environ, os.cpu_count() or 1))
     device = init_distributed(torch.device(cfg.train.device).type, cfg.train.timeout_s)
+    position = [lambda: (None, "the start-up (building the stage)")]  # the trainer's, once there is one
     try:
         mesh = mesh_for(cfg, model_cfg, dims, device)
         timeout = cfg.train.timeout_s
@@ -294,6 +296,7 @@ def _run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | No
         executor = PipelineExecutor(cfg, stage, mesh, data, optimizer_for(cfg, mesh), process_baseline_bytes=baseline)
         _print_stage_memory(mesh, executor, metrics)
         trainer = Trainer(cfg, executor, metrics, stop=stop)
+        position[0] = trainer.position  # what a failure report names: the step and the action
         trainer.resume()
         summary = {}
         try:
@@ -302,6 +305,11 @@ def _run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | No
             if events is not None:
                 write_run_timeline(events, cfg.out_dir, f"{cfg.schedule.name}: P={mesh.num_stages}, "
                                    f"{executor.batches.describe()}", cfg.train.steps)
+        except DELIBERATE:
+            raise
+        except Exception:  # a failure: the metrics lines are on disk already; closing wandb could wait on a network
+            metrics = None
+            raise
         finally:
             if metrics is not None:
                 (Path(cfg.out_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
@@ -310,9 +318,18 @@ def _run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | No
         # process with "terminate called without an active exception" otherwise).
         with naming_the_peer(mesh, "every rank at the end (the final barrier)", timeout):
             dist.barrier()
-        return summary
-    finally:
+    except DELIBERATE:  # raised on every rank at the same point: the ordinary teardown cannot hang
         dist.destroy_process_group()
+        raise
+    except Exception as e:  # one rank's bug, device error or broken link: leave without waiting on any peer
+        raise failfast.abandon(e, dist.get_rank(), *position[0]()) from e
+    dist.destroy_process_group()
+    return summary
+
+
+DELIBERATE = (ConfigError, TrainingAborted, NonFiniteUpdate)
+"""Errors every rank raises at the same point (pretrain.py's exit codes 2 and 3); any other is a failure
+(asyncpp/parallel/failfast.py)."""
 
 
 def _print_stage_memory(mesh, run, metrics) -> None:
@@ -346,6 +363,21 @@ def trace_dry_run(cfg: RunConfig, model_cfg: ModelConfig, reports: list[dict], b
     echo(f"wrote {out} (stage {kept.stage}; {sum(t.wall_s for t in traces):.1f} s traced)")
 
 
+def _step_layerless_stages(cfg: RunConfig, model_cfg: ModelConfig, reports: list[dict], build_optimizer,
+                           echo) -> None:
+    """A stage without transformer layers (only its vocabulary rows: parallel.stage_layers with zeros) runs code
+    paths no other stage does: its gradient list holds only the head rows, which are in flight with the tied
+    reduction at UPDATE_START (issue 44: the real run crashed there, the layout alone had passed). Its training
+    step is therefore executed on meta tensors too (analysis/traced.py: the run's engine, reductions and
+    optimizer), so the dry run fails where the run would. Cheap: such a stage holds a slice of one matrix."""
+    for r in reports:
+        if r["layers"][0] == r["layers"][1]:
+            echo(f"dry run: layer-less stage {r['stage']} (only its vocabulary rows): its training step runs on meta "
+                 f"tensors, {TRACED_STEPS} steps, as the run executes it")
+            trace = trace_stage(cfg, model_cfg, cfg.dry_run, r["stage"], build_optimizer)
+            r["traced_actions"] = [a.action for a in trace.actions]
+
+
 def run_dry(cfg: RunConfig, model_cfg: ModelConfig, echo=print) -> list[dict]:
     """dry_run=N: the layout at N ranks on a fake process group (asyncpp/analysis/dryrun.py); trains nothing.
     Writes <out_dir>/dry_run.json and returns the per-stage reports."""
@@ -358,6 +390,7 @@ def run_dry(cfg: RunConfig, model_cfg: ModelConfig, echo=print) -> list[dict]:
 
     reports = dry_run(cfg, model_cfg, cfg.dry_run, build_stage, build_optimizer,
                       out=Path(cfg.out_dir) / "dry_run.json", echo=echo)
+    _step_layerless_stages(cfg, model_cfg, reports, build_optimizer, echo)
     if cfg.dry_run_trace:
         trace_dry_run(cfg, model_cfg, reports, build_optimizer, echo)
     return reports

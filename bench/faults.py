@@ -4,6 +4,7 @@ run, with the fault gone, recovers. Every run goes through pretrain.py's real en
     .venv/bin/python bench/faults.py                       # all faults; table on stdout, JSON in bench/results/
     .venv/bin/python bench/faults.py --only cuda,async_crash
     .venv/bin/python bench/faults.py --repo /tmp/old-checkout   # the same faults against another checkout
+    .venv/bin/python bench/faults.py --only raise_forward_2ranks,raise_checkpoint_4ranks   # issue 44's fail-fast table
 
 Faults that need more than an override are injected in-process (`--inject NAME -- overrides` runs
 pretrain.py's main under NAME): a full disk at start (shutil.disk_usage reports 1 MiB free), a full disk
@@ -28,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+FAULT_POINTS = ("forward", "reduction", "checkpoint")
+"""Where tests/dist/raise_once.py raises (raise_* scenarios)."""
 TINY = ["model=tiny_dense", "logging=disabled", "logging.progress=false", "train.eval_every=0",
         "train.micro_batch_size=2", "train.num_microbatches=2", "train.seq_len=32",
         "optimizer.schedule.warmup_steps=0"]
@@ -83,6 +86,8 @@ class Attempt:
     seconds: float
     stop_steps: list[int] = field(default_factory=list)
     """Per rank that got the signal: the step it was in when it saw it (its 'signal N in step t' line)."""
+    ended: float = 0.0
+    """time.time() when the job had exited."""
 
 
 @dataclass
@@ -97,8 +102,8 @@ class Outcome:
 
 
 class Bench:
-    def __init__(self, repo: Path, work: Path, kill_at: int):
-        self.repo, self.work, self.kill_at = repo, work, kill_at
+    def __init__(self, repo: Path, work: Path, kill_at: int, fault_timeout: float = 300.0):
+        self.repo, self.work, self.kill_at, self.fault_timeout = repo, work, kill_at, fault_timeout
 
     def pretrain(self, out: Outcome, what: str, run_dir: Path, *overrides: str, inject: str | None = None) -> Attempt:
         args = [f"hydra.run.dir={run_dir}", *TINY, *overrides]
@@ -125,6 +130,7 @@ class Bench:
             "async_crash": self.async_crash, "rerun_without_checkpoint": self.rerun_without_checkpoint,
             "huge_lr": self.huge_lr, "sigterm_pipeline": self.sigterm_pipeline,
             "kill9_torchrun_restarts": self.kill9_torchrun_restarts,
+            **{f"raise_{at}_{n}ranks": self.raise_in(at, n) for n in (2, 4) for at in FAULT_POINTS},
         }
 
     def no_space_at_start(self, out: Outcome, d: Path) -> None:
@@ -228,11 +234,12 @@ class Bench:
 
     # ---- a real pipeline under torchrun (P=2), default checkpoint settings ---------------------------
     def torchrun(self, out: Outcome, what: str, run_dir: Path, *overrides: str, script: str = "pretrain.py",
-                 restarts: int = 0, env: dict | None = None, sigterm_after: int | None = None) -> Attempt:
+                 restarts: int = 0, env: dict | None = None, sigterm_after: int | None = None,
+                 nproc: int = 2) -> Attempt:
         """`sigterm_after` k: SIGTERM to torchrun (which forwards it to every worker) once k steps are logged."""
         torchrun = str(Path(sys.executable).with_name("torchrun"))
-        cmd = [torchrun, "--standalone", "--nproc_per_node=2", f"--max-restarts={restarts}", script,
-               f"hydra.run.dir={run_dir}", *TINY, "parallel.pp=2", "schedule=2bw", *overrides]
+        cmd = [torchrun, "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}", script,
+               f"hydra.run.dir={run_dir}", *TINY, f"parallel.pp={nproc}", "schedule=2bw", *overrides]
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=self.repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
@@ -243,13 +250,14 @@ class Bench:
             proc.send_signal(signal.SIGTERM)
             signalled = time.perf_counter()
         text, _ = proc.communicate(timeout=900)
+        ended = time.time()
         took = f"; {time.perf_counter() - signalled:.1f} s from SIGTERM to torchrun's exit" if signalled else ""
         stops = re.findall(r"stop requested \(.*?took [\d.]+ s from the signal|stop requested \(another[^\n]*", text)
         said = (stops[0] + f" [x{len(stops)} ranks]" if stops else _key_line(text)) + took
         resumed = next((line.strip() for line in text.splitlines() if "resumed at step" in line), "")
         # "signal 15 in step t": the step whose backward was running on that rank when it saw the request.
         seen = [int(x) for x in re.findall(r"signal \d+ in step (\d+)", text)]
-        attempt = Attempt(what, proc.returncode, said, resumed, time.perf_counter() - t0, seen)
+        attempt = Attempt(what, proc.returncode, said, resumed, time.perf_counter() - t0, seen, ended)
         out.attempts.append(attempt)
         return attempt
 
@@ -280,6 +288,39 @@ class Bench:
         out.checks["metrics hold each step once"] = _steps(d / "part") == list(range(steps))
         out.checks["final weights bit-identical to the uninterrupted run"] = _same_checkpoint(
             d / "full" / "checkpoints" / f"step_{steps:08d}", d / "part" / "checkpoints" / f"step_{steps:08d}")
+
+    def raise_in(self, at: str, nproc: int):
+        """Rank 1 raises a RuntimeError at `at` (tests/dist/raise_once.py: a forward, the gradient-norm reduction,
+        a checkpoint write) in a pp=`nproc` 2BW run with train.timeout_s=--fault-timeout: the seconds from the
+        exception to torchrun's exit, what the exit file says, and the rerun (the fault gone) resuming from the
+        last complete checkpoint and ending with the uninterrupted run's losses and weights."""
+        def scenario(out: Outcome, d: Path) -> None:
+            steps, every, step = 12, 3, (6 if at == "checkpoint" else 5)
+            args = [f"train.steps={steps}", f"checkpoint.every={every}", "train.num_microbatches=4",
+                    f"train.timeout_s={self.fault_timeout:g}"]
+            full = self.torchrun(out, "uninterrupted", d / "full", *args, nproc=nproc)
+            mark, exit_file = d / "fault_time", d / "exit"
+            a = self.torchrun(out, f"rank 1 raises in {at} at step {step}", d / "crash", *args, nproc=nproc,
+                              script=str(REPO / "tests" / "dist" / "raise_once.py"),
+                              env={"FAULT_AT": at, "FAULT_RANK": "1", "FAULT_STEP": str(step),
+                                   "FAULT_MARK": str(mark), "ASYNCPP_EXIT_FILE": str(exit_file)})
+            if mark.exists():
+                a.seconds = a.ended - float(mark.read_text())  # from the exception, not from the start
+                a.what += f": {a.seconds:.1f} s from the exception to the job's exit"
+            said = exit_file.read_text() if exit_file.exists() else ""
+            out.checks["the job failed (exit != 0)"] = a.exit_code != 0 and mark.exists()
+            out.checks["exit file names rank 1, the step and the action"] = (
+                "rank 1" in said and f"step {step}" in said and "action" in said and "injected fault" in said)
+            newest = (step - 1) // every * every
+            out.checks[f"last complete checkpoint is step {newest}"] = (
+                _checkpoints(d / "crash" / "checkpoints")[-1:] == [f"step_{newest:08d}"])
+            b = self.torchrun(out, "the same command again", d / "crash", *args, nproc=nproc)
+            out.checks[f"rerun resumes at step {newest}"] = b.exit_code == 0 and f"at step {newest}" in b.resumed
+            out.checks["losses equal the uninterrupted run's"] = full.exit_code == 0 and (
+                _losses(d / "full") == _losses(d / "crash") and len(_losses(d / "full")) == steps)
+            out.checks["final weights bit-identical"] = _same_checkpoint(
+                d / "full" / "checkpoints" / f"step_{steps:08d}", d / "crash" / "checkpoints" / f"step_{steps:08d}")
+        return scenario
 
     def kill9_torchrun_restarts(self, out: Outcome, d: Path) -> None:
         """Rank 1 dies mid-run (os._exit, like kill -9: tests/dist/crash_once.py) under torchrun --max-restarts=2,
@@ -340,6 +381,13 @@ def _steps(d: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
+def _losses(d: Path) -> list[float]:
+    """The logged loss of every step, in step order (a rerun rewinds the metrics to its checkpoint's step)."""
+    path = d / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [r["loss"] for r in sorted(records, key=lambda r: r["step"])]
+
+
 def _checkpoints(root: Path) -> list[str]:
     return sorted(p.name for p in root.glob("step_*") if (p / "manifest.json").is_file()) if root.is_dir() else []
 
@@ -349,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repo", type=Path, default=REPO, help="the checkout whose pretrain.py runs")
     p.add_argument("--only", default="", help="comma-separated fault names")
     p.add_argument("--kill-at", type=int, default=11, help="kill_after_step: SIGKILL after this step")
+    p.add_argument("--fault-timeout", type=float, default=300.0,
+                   help="raise_*: train.timeout_s of the runs (the 'before' figures used 60 on the old code)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "faults.json")
     p.add_argument("--inject", help=argparse.SUPPRESS)
     args, rest = p.parse_known_args(argv)
@@ -356,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         run_injected(args.inject, args.kill_at, [a for a in rest if a != "--"])
         return 0
     work = Path(tempfile.mkdtemp(prefix="asyncpp-faults-"))
-    bench = Bench(args.repo.resolve(), work, args.kill_at)
+    bench = Bench(args.repo.resolve(), work, args.kill_at, args.fault_timeout)
     chosen = [n for n in args.only.split(",") if n] or list(bench.scenarios())
     results = []
     for name in chosen:

@@ -55,7 +55,8 @@ def stage_report(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh, spec: Stage
                           engine.update.error_feedback.prev_update)
     shards = {n: {"shape": list(p.shape), "tp_dim": layout_of(sharding, n).tp_dim,
                   "expert": layout_of(sharding, n).expert} for n, p in named}
-    return {"stage": spec.stage, "rank": mesh.rank, "params": sum(p.numel() for _, p in named),
+    return {"stage": spec.stage, "rank": mesh.rank, "layers": [spec.layers.start, spec.layers.stop],
+            "params": sum(p.numel() for _, p in named),
             "num_buffers": engine.versions.num_buffers, "memory": report.to_dict(), "table": report.table(),
             "shards": shards}
 

@@ -106,6 +106,8 @@ class StageEngine:
         self._last_g_of: tuple[list[Action], int] | None = None
         self._stream: ActionStream | None = None
         self._index = 0
+        self.current: Action | None = None
+        """The action running now (None between segments): what a failure report names (parallel/failfast.py)."""
         self.inflight: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         self.losses: dict[int, list[Tensor]] = {}
 
@@ -142,6 +144,7 @@ class StageEngine:
                 posted = k
             stream.fixed = max(i + 1, posted + 1)
             self._index = i
+            self.current = action
             self.observer.begin(action)
             try:
                 handlers.get(action.op, self._part_action)(action)
@@ -178,7 +181,7 @@ class StageEngine:
             balancing.record(a.step)
         if load_stats is not None:
             load_stats.record(a.step)
-        self._keep_loss(a.step, self.exit.output(a, out))
+        self._keep_loss(a.step, self.exit.output(a, out, is_input=out is x))
         self.inflight[(a.step, a.microbatch)] = (x, out)
         self.timer.add(a, start, self.timer.now())
 
@@ -274,6 +277,7 @@ class StageEngine:
     # ---- end of a run / drain --------------------------------------------------------------
     def finish(self) -> None:
         """Complete outstanding sends and reduce the last update's norm (all stages call this)."""
+        self.current = None
         self.comm.flush()
         if self._deferred:
             raise RuntimeError(f"stage {self.mesh.pp_rank}: steps {sorted(self._deferred)} still wait for their "

@@ -266,6 +266,15 @@ class PipelineExecutor:
             yield StepResult(step, loss, rec.grad_norm, rec.update_norm, rec.lr, rec.skipped, tokens,
                              dt, rec.router_loads)
 
+    def position(self) -> tuple[int | None, str]:
+        """(step, action) of the action this stage runs now, e.g. (5, "F5.0@v4 (stage 1, microbatch 0,
+        forward)"); (None, "") outside a segment's actions (its drain, a checkpoint, an evaluation)."""
+        a = self.engine.current
+        if a is None:
+            return None, ""
+        microbatch = f", microbatch {a.microbatch}" if a.microbatch >= 0 else ""
+        return a.step, f"{a} (stage {self.spec.stage}{microbatch}, {a.op.name.lower().replace('_', ' ')})"
+
     def stop_agreed(self, requested: bool) -> bool:
         """Collective at a drain point: stop if any rank was asked to (ranks get SIGTERM at different times)."""
         flag = torch.tensor([1.0 if requested else 0.0], device=self.mesh.device)

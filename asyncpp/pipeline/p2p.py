@@ -233,14 +233,15 @@ class StageComm:
             work = dist.isend(payload, dst=dst, group=group)
         self._pending.append((work, payload, tensor if free_after else None, step))
 
-    def send_forward(self, output: Tensor, step: int | None = None) -> None:
+    def send_forward(self, output: Tensor, step: int | None = None, free_after: bool = True) -> None:
         """Send the output activation of training step `step` (None: an evaluation's); its storage is
         released once the send has completed (`poll`, `retire`, `flush`).
 
         Only the data is freed: the autograd graph hanging off `output` stays, and the engine's
-        backward does not need the output's values (see engine.backward_through).
+        backward does not need the output's values (see engine.backward_through). `free_after`=False: the
+        output is the stage's own input (a stage without layers), which its backward still needs whole.
         """
-        self._send(output, self.next, self.links.send_forward, "an activation", free_after=True, step=step)
+        self._send(output, self.next, self.links.send_forward, "an activation", free_after=free_after, step=step)
 
     def send_backward(self, input_grad: Tensor, step: int | None = None) -> None:
         self._send(input_grad, self.prev, self.links.send_backward, "an input gradient", free_after=False,

@@ -89,8 +89,10 @@ class StageExit(Protocol):
     def post_output_grad(self, a: Action) -> None:
         """One compute action ahead of BACKWARD `a`: post the receive of its output's gradient."""
 
-    def output(self, a: Action, out: Tensor) -> Tensor | None:
-        """After FORWARD `a`: pass the output on; returns the microbatch's loss when it is this stage's."""
+    def output(self, a: Action, out: Tensor, is_input: bool) -> Tensor | None:
+        """After FORWARD `a`: pass the output on; returns the microbatch's loss when it is this stage's.
+        is_input: `out` is the stage's input itself (a stage without layers passes it on), which the input's
+        backward still reads, so it must not be freed after a send."""
 
     def output_grad(self, a: Action) -> Tensor | None:
         """BACKWARD `a`'s output gradient (None: `out` is the scalar loss)."""
@@ -136,7 +138,7 @@ class WholeHead(Part):
     def post_output_grad(self, a: Action) -> None:
         pass
 
-    def output(self, a: Action, out: Tensor) -> Tensor:
+    def output(self, a: Action, out: Tensor, is_input: bool) -> Tensor:
         return out.detach()
 
     def output_grad(self, a: Action) -> None:
@@ -171,8 +173,8 @@ class DownstreamLink:
     def post_output_grad(self, a: Action) -> None:
         self.comm.post_recv_backward()
 
-    def output(self, a: Action, out: Tensor) -> None:
-        self.comm.send_forward(out, a.step)
+    def output(self, a: Action, out: Tensor, is_input: bool) -> None:
+        self.comm.send_forward(out, a.step, free_after=not is_input)
 
     def output_grad(self, a: Action) -> Tensor:
         return self.comm.recv_backward(f"the output gradient of {a}")

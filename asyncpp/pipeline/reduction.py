@@ -207,7 +207,9 @@ class GradientReduction:
         grads = p.grads
         # The last stage's tied part may still be in flight: it is scaled in finish(), after the wait.
         present = [g is not None and not (t and p.tied_work is not None) for g, t in zip(grads, self.tied_mask)]
-        torch._foreach_mul_([g for g, f in zip(grads, present) if f], self.grad_scale / self.mesh.dims.dp)
+        scaled = [g for g, f in zip(grads, present) if f]
+        if scaled:  # none on a layer-less stage whose only tensor is its tied head rows, still in flight (issue 44)
+            torch._foreach_mul_(scaled, self.grad_scale / self.mesh.dims.dp)
         self.correct(p.step, grads, present)
         # Both squared norms stay on the device as fp64 0-dim tensors (the values a float() and a
         # torch.tensor([...]) would round-trip exactly): no host read here, the update's .tolist() is the one.

@@ -172,7 +172,7 @@ class VocabHead(Part):
     def post_output_grad(self, a: Action) -> None:
         pass  # the reduce is posted by the T's
 
-    def output(self, a: Action, out: Tensor) -> None:
+    def output(self, a: Action, out: Tensor, is_input: bool) -> None:
         """After the last stage's FORWARD of (t, j): its normed hidden states, to its own S and every other's."""
         self._own_hidden[(a.step, a.microbatch)] = out
         self.send_hidden(a.step, a.microbatch, out)

@@ -147,6 +147,10 @@ class ReferenceExecutor:
     def stop_agreed(self, requested: bool) -> bool:
         return requested
 
+    def position(self) -> tuple[int | None, str]:
+        """No action stream here: the trainer reports the step (Executor.position)."""
+        return None, ""
+
     def wait_saves(self) -> None:
         self.saver.wait()
 

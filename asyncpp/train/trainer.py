@@ -59,6 +59,9 @@ class Executor(Protocol):
 
     def wait_saves(self) -> None: ...
 
+    def position(self) -> tuple[int | None, str]:
+        """(step, action) of the action running now, for a failure report; (None, "") outside the actions."""
+
     def summary(self, wall_s: float) -> dict:
         """Executor-specific summary fields (the pipeline's bubble per stage; collective there)."""
 
@@ -114,10 +117,23 @@ class Trainer:
         self.last_loss = self.val_loss = math.nan
         self.step_times: list[float] = []
         self.clock = CheckpointClock(0.0)  # run() sets the configured one
+        self.activity: tuple[int | None, str] | None = None
+        """(step, what) while the trainer itself runs something collective outside the executor's actions (a
+        checkpoint, an evaluation, the resume): what position() reports then."""
+
+    def position(self) -> tuple[int | None, str]:
+        """(step, action) this rank is at now, for a failure report (parallel/failfast.py): the trainer's own
+        activity, else the executor's current action, else the step after the last one done."""
+        if self.activity is not None:
+            return self.activity
+        step, action = self.executor.position()
+        return (self.steps_done, "") if step is None else (step, action)
 
     def resume(self) -> int:
         """Load checkpoint.resume's checkpoint, if any; returns the step the run continues from."""
+        self.activity = (None, "resuming from a checkpoint")
         step = self.executor.resume(self.metrics.message)
+        self.activity = None
         if step is None:
             return 0
         if step >= self.cfg.train.steps:
@@ -156,7 +172,9 @@ class Trainer:
             done = result.step + 1
             evaluated = bool(val) and evaluates_after(done, t1, t.eval_every, t.steps)
             if evaluated:
+                self.activity = (result.step, f"the evaluation after step {result.step}")
                 self.val_loss = self.executor.evaluate(val)
+                self.activity = None
             self._log(result, self.val_loss if evaluated else None)
             if self.executor.stops_at_any_step and done < t1:
                 if self.stop.reached(result.step):
@@ -174,7 +192,9 @@ class Trainer:
         return t1
 
     def _save(self, step_done: int, why: str | None = None) -> None:
+        self.activity = (step_done, f"the checkpoint of step {step_done}")
         self.executor.save(step_done)
+        self.activity = None
         self.clock.saved()
         if why is not None:
             self.metrics.message(f"checkpoint at step {step_done} ({why})")

@@ -102,6 +102,10 @@ def _layouts() -> dict[str, Layout]:
                                                               "distributed_optimizer": True},
                                                     train=short, staleness={"ef_lambda": 1.0},
                                                     checkpoint={"enabled": True, "every": 2})),
+        # Stages without layers (issue 44): stage 2 passes its input on, stage 3 holds the final norm and the head
+        # rows only; their tied rows' reduction and norm all-reduce are still called by every member.
+        Layout("2bw-P4-vocab-layerless", make_config(parallel={"pp": 4, "head": "vocab", "stage_layers": [2, 2, 0, 0]},
+                                                     train={**short, "num_microbatches": 4})),
         # With TP and SP: the statistics' group spans both stages' TP ranks; the last stage's sequence all-gather
         # (TP group) sits between its forward and the broadcast, its reduce-scatter in the backward.
         Layout("2bw-P2-TP2-SP-vocab", make_config(model=_UNTIED, parallel={"pp": 2, "tp": 2, "head": "vocab",

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from launch.slurm import DEFAULT_ENV_SETUP
 from tests.slurm.harness import (
     PIPELINE,
     ROOT,
@@ -241,3 +242,39 @@ def test_a_hydra_sweep_runs_each_point_as_a_slurm_job_in_its_own_directory(clust
     assert len(tasks) == 2 and {t.split("_")[1] for t in tasks} == {"0", "1"}, tasks
     runs_of = {t: sacct_final(cluster, t) for t in tasks}
     assert all([r["State"] for r in rows] == ["COMPLETED"] for rows in runs_of.values()), runs_of
+
+
+def test_a_raising_rank_ends_the_attempt_in_seconds_and_the_job_restarts_from_its_checkpoint(cluster, uninterrupted,
+                                                                                            tmp_path):
+    """Issue 44: the rank on node2 raises a RuntimeError in a forward (tests/dist/raise_once.py, loaded on the nodes
+    through a sitecustomize on PYTHONPATH) while train.timeout_s is 300: it aborts its process groups and exits at
+    once, the attempt ends within seconds (not at the timeout), the script sees a crash (exit 1 with the failed
+    rank's line), restarts the group, and the run resumes from its newest checkpoint to the uninterrupted result."""
+    full_dir = uninterrupted[2]
+    site, mark = tmp_path / "site", tmp_path / "fault_time"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('FAULT_AT') and os.environ.get('RANK') == os.environ.get('FAULT_RANK'):\n"
+        "    import tests.dist.raise_once  # noqa: F401 - patches the engine; armed once (FAULT_MARK)\n")
+    setup = [*DEFAULT_ENV_SETUP,
+             f"export FAULT_AT=forward FAULT_RANK=1 FAULT_STEP=9 FAULT_MARK={mark} PYTHONPATH={site}:{ROOT}"]
+    job_id, run_dir = submit(cluster, tmp_path, "raise", [*OVERRIDES, "train.timeout_s=300"],
+                             *[a for line in setup for a in ("--env-setup", line)])
+    out_file = tmp_path / "logs" / f"raise-{job_id}.out"
+    wait_for("the fault", mark.exists, 400)
+    raised = float(mark.read_text())
+    wait_for("the restart", lambda: out_file.exists() and "restart 1 of" in out_file.read_text(), 120, 0.1)
+    restarted_s = time.time() - raised
+    record = wait_ended(cluster, job_id)
+    out, err = logs(tmp_path, "raise", job_id)
+    print(f"job {job_id}: the attempt ended and the script restarted {restarted_s:.1f} s after the exception "
+          f"(train.timeout_s=300); {record['JobState']}")
+    assert restarted_s < 30, (restarted_s, err[-3000:])
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "0", (str(record), err[-3000:])
+    assert "[launch] rank 1 failed at step 9 in action F9.0@v8 (stage 1, microbatch 0, forward): RuntimeError: " \
+           "injected fault" in out, out[-3000:]
+    assert re.search(r"\[launch\] attempt 1 failed \(exit \d+\); restart 1 of 3", out), out[-3000:]
+    assert sum(line.startswith("rank 1 failed at step 9") for line in err.splitlines()) == 1, err[-3000:]
+    assert "resumed at step 8" in out + err  # checkpoint.every=4: the newest complete checkpoint before step 9
+    assert losses(run_dir) == losses(full_dir)

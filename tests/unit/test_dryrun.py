@@ -83,3 +83,18 @@ def test_distributed_optimizer_under_bf16_plans_the_owned_share_of_the_masters(t
         assert sharded["fp32 master weights"] == sharded["error feedback buffer"] == sharded["update scratch"]
         assert 0 < sharded["fp32 master weights"] < whole["fp32 master weights"] == whole["error feedback buffer"]
         assert sharded["optimizer state"] < whole["optimizer state"]
+
+
+def test_layerless_stages_run_their_training_step_in_the_dry_run(tmp_path):
+    """parallel.stage_layers with zeros (issue 44): the layout alone passed while the real run crashed at the
+    layer-less stage's first UPDATE_START; the dry run now executes those stages' steps (on meta tensors)."""
+    reports = dry(["model=tiny_dense", "parallel.pp=6", "parallel.stage_layers=[1,1,1,1,0,0]", "parallel.head=vocab",
+                   "train.num_microbatches=6", "dry_run=6"], tmp_path)
+    assert [r["layers"] for r in reports] == [[0, 1], [1, 2], [2, 3], [3, 4], [4, 4], [4, 4]]
+    for r in reports:
+        traced = r.get("traced_actions", [])
+        assert bool(traced) == (r["stage"] >= 4), r["stage"]
+        if traced:  # the actions that crashed the run ran, with the head's S and T passes
+            assert {"U00", "U01", "U0"} <= set(traced) and any(a.startswith("S") for a in traced), traced
+            # only vocabulary rows (and the last stage's final norm)
+            assert set(r["shards"]) == {"lm_head.weight"} | ({"norm.weight"} if r["stage"] == 5 else set())

@@ -34,6 +34,26 @@ class NonFiniteState(ValueError):
     """A checkpoint was refused because a tensor of the state is NaN or infinite (raised on every rank)."""
 
 
+class SaveFailedOnRanks(RuntimeError):
+    """DCP's save raised on every rank because some ranks' writes failed (not the disk: a bug, a bad tensor) or a
+    peer died inside its collectives. `failed_ranks`: the ranks whose own write raised (empty if unknown), so
+    that the others report that they follow that failure (parallel/failfast.py)."""
+
+    def __init__(self, message: str, failed_ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.failed_ranks = failed_ranks
+
+    @classmethod
+    def of(cls, error: BaseException, final: Path) -> SaveFailedOnRanks:
+        failures = getattr(error, "failures", None)
+        if not isinstance(failures, dict) or not failures:
+            return cls(f"DCP's collectives failed while saving {final}: {error}")
+        rank, (first, _) = min(failures.items(), key=lambda kv: kv[0])
+        text = str(first).strip().splitlines()[0] if str(first).strip() else ""
+        return cls(f"writing checkpoint {final} failed on rank(s) {sorted(failures)}: rank {rank}: "
+                   f"{type(first).__name__}: {text}", tuple(sorted(failures)))
+
+
 class CheckpointWriteError(OSError):
     """Writing a checkpoint failed (a full disk, a read-only directory); nothing was committed."""
 
@@ -117,9 +137,9 @@ class Saver:
         try:
             torch_dcp().save(flat_state(state), checkpoint_id=str(tmp), no_dist=not is_distributed())
         except (Exception, CheckpointException) as e:  # the same on every rank (a BaseException)
-            if _os_error(e) is None and is_distributed():  # not the disk: a peer died inside DCP's collectives
+            if _os_error(e) is None and is_distributed():  # not the disk: a rank's write raised, or a peer died
                 commit.abandon()
-                raise RuntimeError(f"DCP's collectives failed while saving {final}: {e}") from e
+                raise SaveFailedOnRanks.of(e, final) from e
             raise commit.failed(e) from e
         barrier()  # every rank's shards are on disk (DCP's coordinator wrote .metadata after them)
         error = None
