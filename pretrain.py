@@ -25,9 +25,10 @@ from asyncpp.config import ConfigError
 from asyncpp.core.update import NonFiniteUpdate
 from asyncpp.host.allocator import set_mmap_threshold, set_trim_threshold
 from asyncpp.train import preflight
+from asyncpp.train.checkpoint import NoSpaceLeft
 from asyncpp.train.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from asyncpp.train.preemption import StopFlag
-from asyncpp.train.run_identity import EXIT_DIVERGED, record_exit
+from asyncpp.train.run_identity import EXIT_DIVERGED, EXIT_NO_SPACE, record_exit
 from asyncpp.train.trainer import TrainingAborted
 
 STARTED = False  # main was entered (hydra resets its own HydraConfig after a failed job, so it cannot tell)
@@ -42,6 +43,7 @@ def main(dcfg: DictConfig) -> float:
     try:
         cfg, model_cfg = job.resolve(job.to_container(dcfg), world_size=int(os.environ.get("WORLD_SIZE", "1")))
         if cfg.dry_run:
+            preflight.check_dry_run(cfg, model_cfg)  # what the real run would refuse, the dry run refuses
             job.run_dry(cfg, model_cfg)
             return float("nan")
         preflight.check(cfg, model_cfg, rank=int(os.environ.get("RANK", "0")),
@@ -54,6 +56,8 @@ def main(dcfg: DictConfig) -> float:
         leave(preflight.EXIT_CONFIG_ERROR, f"config error: {e}")  # distinct from a crash (1): never retried
     except (TrainingAborted, NonFiniteUpdate) as e:  # every rank raises it at the same step: no hang, no traceback
         leave(EXIT_DIVERGED, f"training diverged: {e}")
+    except NoSpaceLeft as e:  # every rank (the save agrees on failures); a restart would hit the same full disk
+        leave(EXIT_NO_SPACE, str(e))
     if summary.get("stopped_at") is not None:  # checkpointed; let the scheduler requeue the job
         leave(PREEMPTED_EXIT_CODE, f"stopped at step {summary['stopped_at']} (checkpointed); rerun to resume",
               quiet=True)
@@ -81,6 +85,14 @@ def exit_now(code: int) -> None:
     sys.stderr.flush()
     logging.shutdown()  # hydra's log file
     os._exit(code)
+
+
+def check_environment() -> None:
+    """torchrun's rank variables left in the environment of a process torchrun did not start (preflight)."""
+    try:
+        preflight.check_environment(os.environ)
+    except ConfigError as e:
+        leave(preflight.EXIT_CONFIG_ERROR, f"config error: {e}")
 
 
 def check_command_line(argv: list[str]) -> None:
@@ -131,6 +143,7 @@ def run_main() -> None:
 
 
 if __name__ == "__main__":
+    check_environment()
     check_command_line(sys.argv[1:])
     _quiet_hydra_on_other_ranks()
     install_stop()

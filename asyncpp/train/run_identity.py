@@ -25,10 +25,13 @@ EXIT_CONFIG_ERROR = 2
 EXIT_DIVERGED = 3
 """pretrain.py's exit code for a run that diverged (a non-finite update, max_consecutive_skips, a non-finite final
 loss): not a crash (1) a restart would cure, nor a config error; its last checkpoint is still a good one."""
+EXIT_NO_SPACE = 4
+"""pretrain.py's exit code when the checkpoint directory's disk filled up during a save (checkpoint.NoSpaceLeft):
+not retried, since a restart would write into the same full disk; the newest complete checkpoint is intact."""
 EXIT_STOPPED = 143
 """128 + SIGTERM: the run was asked to stop (a signal) and checkpointed; rerunning the command resumes it."""
 EXIT_FILE_ENV = "ASYNCPP_EXIT_FILE"
-"""Set by launch.local: when pretrain.py exits on purpose (EXIT_CONFIG_ERROR, EXIT_DIVERGED, EXIT_STOPPED) it
+"""Set by launch.local: when pretrain.py exits on purpose (EXIT_CONFIG_ERROR, EXIT_DIVERGED, EXIT_NO_SPACE, EXIT_STOPPED) it
 leaves "<code> <message>" there. torchrun reports 1 whatever its ranks' codes were (and re-raises a SIGTERM it
 forwarded), so this file is how the launcher tells a deliberate exit from a crash: only a crash is retried."""
 

@@ -47,6 +47,7 @@ from asyncpp.train.checkpoint.runtime import quiet_single_process_dcp
 from asyncpp.train.checkpoint.saver import (
     FORMAT_VERSION,
     CheckpointWriteError,
+    NoSpaceLeft,
     NonFiniteState,
     Saver,
     code_version,
@@ -61,6 +62,7 @@ __all__ = [
     "TMP_PREFIX",
     "CheckpointWriteError",
     "Checkpointer",
+    "NoSpaceLeft",
     "NonFiniteState",
     "Saver",
     "Shard",
