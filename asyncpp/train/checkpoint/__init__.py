@@ -47,8 +47,8 @@ from asyncpp.train.checkpoint.runtime import quiet_single_process_dcp
 from asyncpp.train.checkpoint.saver import (
     FORMAT_VERSION,
     CheckpointWriteError,
-    NoSpaceLeft,
     NonFiniteState,
+    NoSpaceLeft,
     Saver,
     code_version,
     due,
