@@ -685,6 +685,14 @@ def dry(*overrides: str, expect: str, copy_base: bool = False, if_accepted: str 
     return run
 
 
+def megatron_example_args(argv: list[str]) -> int:
+    """examples/megatron_2bw.py's argument check (parse_args; argparse's exit 2 naming the option)."""
+    from examples.megatron_2bw import parse_args  # megatron-core's import: only for these cases
+
+    parse_args(argv)
+    return 0
+
+
 def a_broken_sidecar(content: bytes) -> Callable[[Path], None]:
     def setup(tmp: Path) -> None:
         _prefix(tmp, "a")
@@ -810,6 +818,22 @@ def issue_44_cases(add: Callable[..., None]) -> None:
                                                   expect="out_dir", if_accepted=LOST))
     add("checkpoint", "out_dir-inside-a-step", resume("out_dir={base}/checkpoints/step_00000004/run",
                                                       "train.steps=6", expect="out_dir", if_accepted=LOST))
+
+    # -- raw errors: examples/megatron_2bw.py checks its arguments before any process group
+    for id_, argv, expect in [
+        ("pp-0", ["--pp", "0"], "--pp"), ("tp-negative", ["--tp", "-1"], "--tp"),
+        ("heads-do-not-split-hidden", ["--hidden-size", "64", "--num-attention-heads", "5"], "--hidden-size"),
+        ("heads-do-not-split-over-tp", ["--num-attention-heads", "3", "--hidden-size", "63", "--tp", "2"],
+         "--num-attention-heads"),
+        ("layers-do-not-split-over-pp", ["--num-layers", "5"], "--num-layers"),
+        ("microbatches-below-pp", ["--num-microbatches", "1"], "--num-microbatches"),
+        ("lr-nan", ["--lr", "nan"], "--lr"), ("lr-0", ["--lr", "0"], "--lr"),
+        ("clip-grad-0", ["--clip-grad", "0"], "--clip-grad"), ("ef-lambda-negative", ["--ef-lambda", "-1"], "--ef-lambda"),
+        ("train-iters-0", ["--train-iters", "0"], "--train-iters"), ("seq-length-0", ["--seq-length", "0"], "--seq-length"),
+        ("out-a-directory", ["--out", "{tmp}"], "--out"), ("cuda-without-one", ["--device", "cuda"], "--device"),
+        ("defaults", [], "ok"),
+    ]:
+        add("tool", f"megatron-example-{id_}", tool(megatron_example_args, *argv, expect=expect))
 
     # -- raw errors: a broken dataset sidecar (<prefix>.json) is a clean config error again
     for id_, text in [("torn", b'{"tokenizer": "x", "tokenizer_sha'), ("a-list", b"[1, 2]"),
