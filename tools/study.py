@@ -165,18 +165,25 @@ def expand(plan: Plan, extra: list[str] | None = None) -> list[Run]:
     base = [fill(o, plan.steps) for o in plan.overrides] + list(extra or [])
     runs: dict[str, Run] = {}
     by_config: dict[str, str] = {}
+    refused: list[str] = []  # every bad point, not only the first: one fix-and-rerun, not one per point
     with _composer(plan.experiment) as resolve:
         for cell in plan.cells:
             for row in cell.rows:
                 for column, col_overrides in cell.columns.items():
                     overrides = [f"{k}={v}" for k, v in row.items()] + [fill(o, plan.steps) for o in col_overrides]
-                    config = resolve(base + overrides)
+                    try:
+                        config = resolve(base + overrides)
+                    except PlanError as e:
+                        refused.append(f"cells.{cell.name} row {row_slug(row)} column {column}: {e}")
+                        continue
                     x = override_value(overrides, cell.x) if cell.x else None
                     for seed in plan.seeds:
                         run = _claim(runs, by_config, f"{row_slug(row)}__{column}__seed{seed}",
                                      base + overrides + [f"seed={seed}"], {**config, "seed": seed})
                         run.cells.append({"cell": cell.name, "row": row_slug(row), "column": column, "seed": seed,
                                           "x": None if x is None else float(x)})
+    if refused:
+        raise PlanError(f"{len(refused)} point(s) of the plan are refused, so nothing ran: " + "\n  ".join(["", *refused]))
     # Seed-major order (a stable sort keeps the cells' order within a seed): a study stopped part-way
     # has every cell at its first seed before any cell gets a second one.
     order = {seed: i for i, seed in enumerate(plan.seeds)}

@@ -685,6 +685,25 @@ def dry(*overrides: str, expect: str, copy_base: bool = False, if_accepted: str 
     return run
 
 
+def sweep_case(sweep: list[str], expect: str, ran: int) -> Callable[..., Outcome]:
+    """pretrain.py -m: a multirun whose first point is refused; the others must still run (`ran` of them write a
+    summary.json), then exit 2 naming the bad point."""
+    def run(tmp: Path, base_run: Path, full: bool = False) -> Outcome:
+        args = ["pretrain.py", "-m", *[o for o in BASE if not o.startswith("train.steps")], "checkpoint.enabled=false",
+                *sweep, f"hydra.sweep.dir={tmp / 'sweep'}"]
+        proc = subprocess.run([sys.executable, *args], check=False, cwd=REPO, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+        done = len(list((tmp / "sweep").rglob("summary.json")))
+        if "Traceback" in proc.stderr:
+            return Outcome(RAW, f"exit {proc.returncode}: {proc.stderr[-400:]}")
+        if done < ran:
+            return Outcome(SILENT, f"{done} of the {ran} good points ran (exit {proc.returncode}): {proc.stderr[-300:]}")
+        if proc.returncode != 2:
+            return Outcome(SILENT if proc.returncode == 0 else RAW, f"exit {proc.returncode}: {proc.stderr[-300:]}")
+        return _judge(expect, proc.stderr.strip(), None, SILENT)
+    return run
+
+
 def megatron_example_args(argv: list[str]) -> int:
     """examples/megatron_2bw.py's argument check (parse_args; argparse's exit 2 naming the option)."""
     from examples.megatron_2bw import parse_args  # megatron-core's import: only for these cases
@@ -818,6 +837,9 @@ def issue_44_cases(add: Callable[..., None]) -> None:
                                                   expect="out_dir", if_accepted=LOST))
     add("checkpoint", "out_dir-inside-a-step", resume("out_dir={base}/checkpoints/step_00000004/run",
                                                       "train.steps=6", expect="out_dir", if_accepted=LOST))
+
+    # -- a sweep whose points after a bad one were dropped: every point runs, the bad one is reported, exit 2
+    add("config", "sweep-bad-point-first", sweep_case(["train.steps=0,1"], expect="train.steps=0", ran=1), slow=True)
 
     # -- raw errors: examples/megatron_2bw.py checks its arguments before any process group
     for id_, argv, expect in [
