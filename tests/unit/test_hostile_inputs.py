@@ -838,6 +838,15 @@ def issue_44_cases(add: Callable[..., None]) -> None:
     add("checkpoint", "out_dir-inside-a-step", resume("out_dir={base}/checkpoints/step_00000004/run",
                                                       "train.steps=6", expect="out_dir", if_accepted=LOST))
 
+    # -- an option recorded in config.json that another resolved away: parallel.head=auto keeping the head last
+    for id_, option, field in [("embedding", "parallel.embedding=vocab", "parallel.embedding=vocab"),
+                               ("vocab_shards", "parallel.vocab_shards=[4096,4096]", "parallel.vocab_shards"),
+                               ("vocab_placement", "parallel.vocab_placement=[2,1]", "parallel.vocab_placement")]:
+        add("config", f"auto-head-last-with-{id_}", config("parallel.pp=2", "schedule=pipedream", "parallel.head=auto",
+                                                           option, "dry_run=2", expect=field))
+    add("config", "auto-head-vocab-with-embedding", config("parallel.pp=2", "schedule=2bw", "parallel.head=auto",
+                                                           "parallel.embedding=vocab", "dry_run=2", expect="ok"))
+
     # -- a sweep whose points after a bad one were dropped: every point runs, the bad one is reported, exit 2
     add("config", "sweep-bad-point-first", sweep_case(["train.steps=0,1"], expect="train.steps=0", ran=1), slow=True)
 
