@@ -18,6 +18,8 @@ import os
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from asyncpp import job
@@ -26,12 +28,14 @@ from asyncpp.core.update import NonFiniteUpdate
 from asyncpp.host.allocator import set_mmap_threshold, set_trim_threshold
 from asyncpp.parallel import failfast
 from asyncpp.train import preflight
+from asyncpp.train.checkpoint import NoSpaceLeft
 from asyncpp.train.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from asyncpp.train.preemption import StopFlag
-from asyncpp.train.run_identity import EXIT_CRASHED, EXIT_DIVERGED, record_exit
+from asyncpp.train.run_identity import EXIT_CRASHED, EXIT_DIVERGED, EXIT_NO_SPACE, record_exit
 from asyncpp.train.trainer import TrainingAborted
 
 STARTED = False  # main was entered (hydra resets its own HydraConfig after a failed job, so it cannot tell)
+SWEEP_FAILED: list[tuple[int, str]] = []  # a multirun's points refused or diverged: (code, why), reported at the end
 STOP = StopFlag()  # set by SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C); the loops checkpoint and stop at a step boundary
 
 
@@ -43,6 +47,7 @@ def main(dcfg: DictConfig) -> float:
     try:
         cfg, model_cfg = job.resolve(job.to_container(dcfg), world_size=int(os.environ.get("WORLD_SIZE", "1")))
         if cfg.dry_run:
+            preflight.check_dry_run(cfg, model_cfg)  # what the real run would refuse, the dry run refuses
             job.run_dry(cfg, model_cfg)
             return float("nan")
         preflight.check(cfg, model_cfg, rank=int(os.environ.get("RANK", "0")),
@@ -52,9 +57,11 @@ def main(dcfg: DictConfig) -> float:
         set_trim_threshold(cfg.train.host_trim_threshold)
         summary = (job.run_distributed if distributed else job.run)(cfg, model_cfg, STOP)
     except ConfigError as e:  # raised before any model or process group exists
-        leave(preflight.EXIT_CONFIG_ERROR, f"config error: {e}")  # distinct from a crash (1): never retried
+        return point_failed(preflight.EXIT_CONFIG_ERROR, f"config error: {e}")  # distinct from a crash (1)
     except (TrainingAborted, NonFiniteUpdate) as e:  # every rank raises it at the same step: no hang, no traceback
-        leave(EXIT_DIVERGED, f"training diverged: {e}")
+        return point_failed(EXIT_DIVERGED, f"training diverged: {e}")
+    except NoSpaceLeft as e:  # every rank (the save agrees on failures); a restart would hit the same full disk
+        leave(EXIT_NO_SPACE, str(e))
     except failfast.RankFailed as e:  # its process groups are aborted already (asyncpp/parallel/failfast.py)
         if e.first:  # the job's first failure: its traceback and its one line, in the console and the exit file
             print(e.trace, end="", file=sys.stderr)
@@ -66,6 +73,25 @@ def main(dcfg: DictConfig) -> float:
         leave(EXIT_DIVERGED, f"training diverged: the final loss is {summary['final_loss']} (summary.json has the "
               "run's record); lower optimizer.lr and rerun from an earlier checkpoint")
     return float(summary.get("final_val_loss", float("nan")))  # the value hydra sweepers optimize
+
+
+def point_failed(code: int, message: str) -> float:
+    """A run that cannot go on: leave with `code`; in a multirun (-m), only this point fails: it is reported and
+    the sweep's other points still run (leaving at once dropped every point after it), and run_main exits with
+    the code once the sweep is done."""
+    if not in_multirun():
+        leave(code, message)
+    point = " ".join(HydraConfig.get().overrides.task)
+    print(f"sweep point [{point}] failed: {message}", file=sys.stderr, flush=True)
+    SWEEP_FAILED.append((code, f"[{point}] {message}"))
+    return float("nan")
+
+
+def in_multirun() -> bool:
+    try:
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except ValueError:  # no hydra app running (a test calling main's pieces)
+        return False
 
 
 def leave(code: int, message: str, quiet: bool = False, record: bool = True) -> None:
@@ -88,6 +114,14 @@ def exit_now(code: int) -> None:
     sys.stderr.flush()
     logging.shutdown()  # hydra's log file
     os._exit(code)
+
+
+def check_environment() -> None:
+    """torchrun's rank variables left in the environment of a process torchrun did not start (preflight)."""
+    try:
+        preflight.check_environment(os.environ)
+    except ConfigError as e:
+        leave(preflight.EXIT_CONFIG_ERROR, f"config error: {e}")
 
 
 def check_command_line(argv: list[str]) -> None:
@@ -131,6 +165,10 @@ def run_main() -> None:
             leave(preflight.EXIT_CONFIG_ERROR, "config error: hydra could not compose the config from the overrides "
                   "(its message is above); fix that override")
         raise
+    if SWEEP_FAILED:  # every point ran; the refused or diverged ones decide the exit code (a config error first)
+        code = min(code for code, _ in SWEEP_FAILED)
+        leave(code, f"sweep: {len(SWEEP_FAILED)} point(s) failed (the others ran): "
+              + "; ".join(why for _, why in SWEEP_FAILED))
     # The run (or every point of a sweep) ended and closed what it wrote. A completed run leaves as promptly as a
     # stopped one: the teardown held each rank for seconds, and the job with it (a 2-rank torchrun --standalone
     # at load 22-36: main's return -> torchrun's exit 8.9 and 10.0 s with it, 2.1 and 2.5 s without).
@@ -138,6 +176,7 @@ def run_main() -> None:
 
 
 if __name__ == "__main__":
+    check_environment()
     check_command_line(sys.argv[1:])
     _quiet_hydra_on_other_ranks()
     install_stop()

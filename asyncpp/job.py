@@ -82,7 +82,10 @@ def resolve(container: dict, world_size: int = 1) -> tuple[RunConfig, ModelConfi
         p = cfg.parallel
         dims = ParallelDims.for_world(ranks, pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
         cfg = cfg.replace(parallel=dataclasses.replace(p, dp=dims.dp))
-    return with_head_resolved(cfg.validate(model_cfg), model_cfg), model_cfg
+    cfg = cfg.validate(model_cfg)
+    if ranks > 1:  # what a multi-process pipeline cannot run: refused for a dry run and a launcher's check too
+        check_pipeline_options(cfg, model_cfg)
+    return with_head_resolved(cfg, model_cfg), model_cfg
 
 
 def compose(overrides: list[str] | None = None) -> dict:

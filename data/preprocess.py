@@ -40,9 +40,10 @@ from pathlib import Path
 
 import numpy as np
 
+from asyncpp.host.files import refuse_overwriting_inputs
 from data.indexed import bin_path, idx_path, publish, temp_path, token_dtype
-from data.inputs import SourceSpec, fingerprint, iter_texts, known_length, open_dataset
-from data.tokenizer import EOD_TOKEN, LoadedTokenizer, load_tokenizer, train_bpe
+from data.inputs import SourceSpec, fingerprint, iter_texts, known_length, local_files, open_dataset
+from data.tokenizer import EOD_TOKEN, LoadedTokenizer, load_tokenizer, resolve_tokenizer_file, train_bpe
 
 FORMAT = 1
 
@@ -349,11 +350,39 @@ def _tokenizer(args: argparse.Namespace, spec: SourceSpec) -> LoadedTokenizer:
     return load_tokenizer(out, args.eod_token)
 
 
+def check_outputs(args: argparse.Namespace, spec: SourceSpec) -> None:
+    """Nothing this run writes (the .bin/.idx, the <prefix>.json sidecar, the <prefix>.parts/ directory it removes,
+    a trained tokenizer) may be one of its inputs (an --input file, the --tokenizer), however spelt; and a
+    <prefix>.json that another program wrote is not replaced without --overwrite. Raises FileExistsError."""
+    prefix = args.output_prefix
+    sidecar = Path(f"{prefix}.json")
+    outputs = [("--output-prefix", p) for p in (bin_path(prefix), idx_path(prefix), sidecar, Path(f"{prefix}.parts"))]
+    if args.train_tokenizer:
+        outputs.append(("--tokenizer-out" if args.tokenizer_out else "--train-tokenizer (<output-prefix>.tokenizer"
+                        ".json)", args.tokenizer_out or Path(f"{prefix}.tokenizer.json")))
+    inputs = [("--input", p) for p in local_files(spec) or ()]
+    if args.tokenizer and Path(args.tokenizer).expanduser().exists():
+        inputs.append(("--tokenizer", resolve_tokenizer_file(args.tokenizer)))
+    refuse_overwriting_inputs(outputs, inputs, "choose another --output-prefix (or --tokenizer-out)")
+    if sidecar.is_file() and not args.overwrite and not _ours(sidecar):
+        raise FileExistsError(f"--output-prefix {prefix}: {sidecar} exists and was not written by data.preprocess, "
+                              "but the run writes its record there; choose another --output-prefix, or pass "
+                              "--overwrite to replace it")
+
+
+def _ours(sidecar: Path) -> bool:
+    try:
+        return json.loads(sidecar.read_text()).get("written_by") == "asyncpp data.preprocess"
+    except (ValueError, AttributeError, OSError, UnicodeDecodeError):
+        return False
+
+
 def run(args: argparse.Namespace) -> Stats:
     spec = SourceSpec(inputs=tuple(args.input), subset=args.subset, split=args.split, revision=args.revision,
                       text_key=args.text_key, text_sample_by=args.text_sample_by, max_docs=args.max_docs)
     if args.output_prefix.suffix in (".bin", ".idx"):
         raise ValueError(f"--output-prefix {args.output_prefix}: give the prefix without .bin/.idx")
+    check_outputs(args, spec)
     source = fingerprint(spec)
     tok = _tokenizer(args, spec)
     dataset = open_dataset(spec)

@@ -35,10 +35,31 @@ from data.mcore import TokenizerIdentity, build_gpt_datasets, megatron_core_vers
 _CACHE_FORMAT = 1
 
 
+SIDECAR_KEYS = ("tokenizer", "tokenizer_sha256", "vocab_size", "eod_id")
+"""What resolve_tokenizer reads from a <prefix>.json (data.preprocess writes them all)."""
+
+
+def read_sidecar(prefix: str) -> dict:
+    """<prefix>.json, the record data.preprocess writes beside the .bin/.idx; IndexedDataError naming the file if it
+    is not a JSON object with the tokenizer's identity (truncated, edited, another program's file)."""
+    path = Path(f"{prefix}.json")
+    fix = ("rewrite it with data.preprocess (or move it away and set data.tokenizer to the tokenizer the prefix "
+           "was made with)")
+    try:
+        meta = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise IndexedDataError(f"{path} (the record of prefix '{prefix}') is not valid JSON ({e}); {fix}") from None
+    missing = [k for k in SIDECAR_KEYS if k not in meta] if isinstance(meta, dict) else list(SIDECAR_KEYS)
+    if missing:
+        raise IndexedDataError(f"{path} (the record of prefix '{prefix}') lacks {', '.join(missing)}"
+                               f"{'' if isinstance(meta, dict) else ' (it is not a JSON object)'}; {fix}")
+    return meta
+
+
 def resolve_tokenizer(prefixes: Sequence[str], tokenizer: str | None) -> tuple[TokenizerIdentity, str]:
     """(identity, name) of the tokenizer the prefixes were made with: `tokenizer` if given (checked against
     the <prefix>.json data.preprocess writes), else the one those files record."""
-    metas = {p: json.loads(Path(f"{p}.json").read_text()) for p in prefixes if Path(f"{p}.json").is_file()}
+    metas = {p: read_sidecar(p) for p in prefixes if Path(f"{p}.json").is_file()}
     if tokenizer is not None:
         from data.tokenizer import load_tokenizer
 

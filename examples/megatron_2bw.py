@@ -94,7 +94,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--sequence-parallel needs --tp > 1 (it splits the sequence over the tensor-parallel group)")
     if args.expert_model_parallel_size > 1 and args.num_experts is None:
         p.error(f"--expert-model-parallel-size={args.expert_model_parallel_size} needs --num-experts")
+    problem = argument_problem(args)
+    if problem is not None:
+        p.error(problem)  # exit 2 and the usage line, before any process group or model exists
     return args
+
+
+POSITIVE = ("pp", "tp", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+            "micro_batch_size", "num_microbatches", "train_iters", "eval_interval")
+NON_NEGATIVE = ("ef_lambda", "sync_start_steps", "grad_ef_lambda", "dc_lambda")
+
+
+def argument_problem(args: argparse.Namespace, world_size: int | None = None) -> str | None:
+    """What megatron-core or the pipeline would fail on later (a shape that does not split, a schedule without
+    enough microbatches), as one line naming the option, its value and the fix; None if the arguments are sound.
+    `world_size`: also check the layout against it."""
+    flag = {name: "--" + name.replace("_", "-") for name in (*POSITIVE, *NON_NEGATIVE, "lr", "clip_grad")}
+    for name in POSITIVE:
+        if getattr(args, name) < 1:
+            return f"{flag[name]}={getattr(args, name)} must be >= 1"
+    for name in NON_NEGATIVE:
+        if not getattr(args, name) >= 0:
+            return f"{flag[name]}={getattr(args, name)} must be >= 0 (0 turns it off)"
+    if not 0 < args.lr < float("inf"):
+        return f"--lr={args.lr} must be a positive finite number, e.g. --lr 0.01"
+    if not args.clip_grad > 0:
+        return f"--clip-grad={args.clip_grad} must be > 0"
+    if args.hidden_size % args.num_attention_heads:
+        return (f"--hidden-size={args.hidden_size} is not divisible by --num-attention-heads="
+                f"{args.num_attention_heads} (each head gets hidden_size / heads channels)")
+    if args.num_attention_heads % args.tp:
+        return f"--num-attention-heads={args.num_attention_heads} is not divisible by --tp={args.tp}"
+    if args.num_layers % args.pp:
+        return f"--num-layers={args.num_layers} is not divisible by --pp={args.pp} (megatron splits layers evenly)"
+    if args.num_microbatches < args.pp:
+        return (f"--num-microbatches={args.num_microbatches} is below --pp={args.pp}: the 2BW schedule needs at least "
+                "one microbatch per stage in flight")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "--device=cuda but no CUDA device is visible; use --device cpu"
+    if args.out is not None and args.out.is_dir():
+        return f"--out={args.out} is a directory; give the JSON file to write"
+    if world_size is not None and world_size % (args.pp * args.tp):
+        return (f"--pp={args.pp} x --tp={args.tp} does not divide the {world_size} ranks torchrun started; start "
+                f"a multiple of {args.pp * args.tp} (--nproc_per_node)")
+    return None
 
 
 # ---- pretrain_gpt's pieces ------------------------------------------------------------------------------
@@ -283,6 +326,10 @@ def train(args) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    problem = argument_problem(args, int(os.environ.get("WORLD_SIZE", "1")))
+    if problem is not None:  # exit 2 as argparse's usage errors (1 would read as a crash to a launcher)
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     log = train(args)
     if (args.out is not None and log["train"] and parallel_state.get_tensor_model_parallel_rank() == 0

@@ -30,6 +30,7 @@ from asyncpp.train.run_identity import (
     EXIT_CONFIG_ERROR,
     EXIT_DIVERGED,
     EXIT_FILE_ENV,
+    EXIT_NO_SPACE,
     EXIT_STOPPED,
     read_exit,
 )
@@ -70,7 +71,7 @@ def command(
 def run_with_restarts(cmd: list[str], max_restarts: int, *, run: Callable = subprocess.run,
                       echo: Callable[[str], None] = print) -> int:
     """Run `cmd` until it succeeds, stops on purpose, fails with a config error or diverges, or has failed
-    1 + `max_restarts` times. Returns the exit code pretrain.py meant (2, 3, 143), else the last attempt's."""
+    1 + `max_restarts` times. Returns the exit code pretrain.py meant (2, 3, 4, 143), else the last attempt's."""
     with tempfile.TemporaryDirectory(prefix="asyncpp-launch-") as tmp:
         marker = Path(tmp) / "exit"
         env = {**os.environ, EXIT_FILE_ENV: str(marker)}
@@ -81,7 +82,7 @@ def run_with_restarts(cmd: list[str], max_restarts: int, *, run: Callable = subp
             if rc == 0:
                 return 0
             meant = read_exit(marker)
-            if meant is not None and meant[0] in (EXIT_CONFIG_ERROR, EXIT_DIVERGED):
+            if meant is not None and meant[0] in (EXIT_CONFIG_ERROR, EXIT_DIVERGED, EXIT_NO_SPACE):
                 echo(f"[launch.local] {meant[1]}\n[launch.local] exit {meant[0]}: not retried")
                 return meant[0]
             if rc in STOPPED or (meant is not None and meant[0] == EXIT_STOPPED):

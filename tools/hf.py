@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from asyncpp.host.files import refuse_overwriting_inputs
 from tools.hf_families import (
     HFFormatError,
     architecture,
@@ -160,12 +161,20 @@ def to_hf_state_dict(
     return out
 
 
-def from_hf_state_dict(tensors: Mapping[str, Tensor], cfg: Any) -> dict[str, Tensor]:
-    """The HF family's tensors -> our CausalLM state_dict. A tied head is the embedding tensor itself."""
+def from_hf_state_dict(tensors: Mapping[str, Tensor], cfg: Any, drop_extra: bool = False) -> dict[str, Tensor]:
+    """The HF family's tensors -> our CausalLM state_dict. A tied head is the embedding tensor itself. A tensor no
+    rule reads (an adapter, a value head, a bias our model has no place for) is refused, naming it, unless
+    `drop_extra` (the caller then reports `extra_tensors`): an import never loses weights without a word."""
     table = rules(cfg)
     missing = sorted(name for rule in table for name in rule.theirs if name not in tensors)
     if missing:
         raise HFFormatError(f"the HF checkpoint lacks {missing[:5]} (of {len(missing)} missing tensors)")
+    extra = extra_tensors(tensors, cfg)
+    if extra and not drop_extra:
+        raise HFFormatError(f"the HF checkpoint holds {len(extra)} tensor(s) that model '{cfg.name}' has no place for "
+                            f"({', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''}); an import would drop them. "
+                            "Check that config.json describes these weights, or pass --drop-extra to import without "
+                            "them")
     shapes = _expected_shapes(cfg)
     sd = {}
     for rule in table:
@@ -186,6 +195,23 @@ def from_hf_state_dict(tensors: Mapping[str, Tensor], cfg: Any) -> dict[str, Ten
     for key in (k for k in shapes if k.endswith(".expert_bias")):  # (an exported bias was zero)
         sd[key] = torch.zeros(shapes[key], dtype=torch.float32)
     return sd
+
+
+def extra_tensors(tensors: Mapping[str, Tensor], cfg: Any) -> list[str]:
+    """The tensors of an HF checkpoint that no rule of `cfg`'s family reads. Not counted: rotary inverse
+    frequencies (recomputed from config.json) and, with tied embeddings, an lm_head.weight equal to the
+    embedding (some checkpoints store both)."""
+    read = {name for rule in rules(cfg) for name in rule.theirs}
+    embed = next((r.theirs[0] for r in rules(cfg) if r.ours == ("embed.weight",)), None)
+    out = []
+    for name in sorted(set(tensors) - read):
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if cfg.tie_embeddings and name == "lm_head.weight" and embed in tensors and \
+                torch.equal(tensors[name], tensors[embed]):
+            continue
+        out.append(name)
+    return out
 
 
 # ---- files --------------------------------------------------------------------------------------------
@@ -284,13 +310,20 @@ def read_hf_tensors(hf_dir: Path) -> dict[str, Tensor]:
     )
 
 
-def import_state_dict(hf_dir: str | Path) -> tuple[dict[str, Tensor], Any]:
+def import_state_dict(hf_dir: str | Path, drop_extra: bool = False) -> tuple[dict[str, Tensor], Any]:
     """An HF directory of a supported family -> (our CausalLM state_dict, model_zoo.ModelConfig)."""
+    state, cfg, _ = import_with_extras(hf_dir, drop_extra)
+    return state, cfg
+
+
+def import_with_extras(hf_dir: str | Path, drop_extra: bool = False) -> tuple[dict[str, Tensor], Any, list[str]]:
+    """import_state_dict, and the names of the tensors it dropped (only with `drop_extra`; else it refuses)."""
     hf_dir = Path(hf_dir)
     if not (hf_dir / CONFIG_FILE).exists():
         raise HFFormatError(f"{hf_dir / CONFIG_FILE} does not exist; point at an HF model directory")
     cfg = model_config_from_hf(json.loads((hf_dir / CONFIG_FILE).read_text()))
-    return from_hf_state_dict(read_hf_tensors(hf_dir), cfg), cfg
+    tensors = read_hf_tensors(hf_dir)
+    return from_hf_state_dict(tensors, cfg, drop_extra), cfg, extra_tensors(tensors, cfg)
 
 
 # ---- checks -------------------------------------------------------------------------------------------
@@ -393,6 +426,7 @@ def _export(args: argparse.Namespace) -> int:
     from model_zoo import build_model, get_model_config
 
     _check_out(Path(args.out), args.force)
+    _check_inputs_survive(args)
     overrides = parse_overrides(args.set)
     run_config = None
     if args.checkpoint is not None:
@@ -453,13 +487,37 @@ def _check_out(out: Path, force: bool) -> None:
                             "directory, or pass --force to overwrite an earlier export")
 
 
+EXPORTED = (CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_FILE + ".tmp", TOKENIZER_FILE, "tokenizer_config.json",
+            "special_tokens_map.json")
+"""The files an export may write into --out."""
+
+
+def _check_inputs_survive(args: argparse.Namespace) -> None:
+    """--state-dict and a --tokenizer path are read after --out's files are written (or while): neither may be one
+    of them (--force into the directory that holds them)."""
+    inputs = [(f"--{name.replace('_', '-')}", getattr(args, name)) for name in ("state_dict", "tokenizer")
+              if getattr(args, name) not in (None, "auto", "none") and Path(getattr(args, name)).exists()]
+    if inputs:
+        refuse_overwriting_inputs([("--out", Path(args.out) / name) for name in EXPORTED], inputs,
+                                  "export to another directory")
+
+
 def _import(args: argparse.Namespace) -> int:
-    state, cfg = import_state_dict(args.hf_dir)
     out = Path(args.out)
+    if out.is_dir():
+        raise HFFormatError(f"--out={out} is a directory; give the .pt file to write, e.g. --out {out / 'model.pt'}")
+    hf_dir = Path(args.hf_dir)
+    read = sorted(hf_dir.iterdir()) if hf_dir.is_dir() else []
+    refuse_overwriting_inputs([("--out", out)], [("hf_dir", p) for p in read],
+                              "write the .pt file outside the HF directory")
+    state, cfg, dropped = import_with_extras(hf_dir, args.drop_extra)
     out.parent.mkdir(parents=True, exist_ok=True)
     unique = {k: v for k, v in state.items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
     torch.save({"state_dict": unique, "model_config": dataclasses.asdict(cfg)}, out)
     print(f"imported {args.hf_dir} as model '{cfg.name}' -> {out}")
+    if dropped:
+        print(f"--drop-extra: left out {len(dropped)} tensor(s) the model has no place for: {', '.join(dropped)}",
+              file=sys.stderr)
     return _verify(state, cfg, args.hf_dir) if args.verify else 0
 
 
@@ -497,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("hf_dir")
     imp.add_argument("--out", required=True, help="output .pt file")
     imp.add_argument("--verify", action="store_true", help="compare logits with transformers")
+    imp.add_argument("--drop-extra", action="store_true",
+                     help="import even if the checkpoint holds tensors the model has no place for (listed)")
     rt = sub.add_parser("roundtrip", help="every family's tiny model: export and import against transformers")
     rt.add_argument("--json", help="also write the table here")
     args = parser.parse_args(argv)
@@ -506,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return roundtrip(args.json)
         return _export(args) if args.command == "export" else _import(args)
-    except (HFFormatError, ValueError, FileNotFoundError) as e:
+    except (HFFormatError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

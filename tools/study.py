@@ -222,6 +222,7 @@ def expand(plan: Plan, extra: list[str] | None = None, winners: dict[str, str] |
     cells = [c for c in plan.cells if tune is None or winners is not None or c.name in tune.cells]
     runs: dict[str, Run] = {}
     by_config: dict[str, str] = {}
+    refused: list[str] = []  # every bad point, not only the first: one fix-and-rerun, not one per point
     with _composer(plan.experiment) as resolve:
         for cell in cells:
             tuned_cell = tune is not None and cell.name not in tune.cells
@@ -231,13 +232,19 @@ def expand(plan: Plan, extra: list[str] | None = None, winners: dict[str, str] |
                     row = {k: fill(v, plan.steps, winner) for k, v in raw_row.items()}
                     overrides = ([f"{tune.key}={winner}"] if tuned_cell else []) + [f"{k}={v}" for k, v in row.items()]
                     overrides += [fill(o, plan.steps, winner) for o in col_overrides]
-                    config = resolve(base + overrides)
+                    try:
+                        config = resolve(base + overrides)
+                    except PlanError as e:
+                        refused.append(f"cells.{cell.name} row {row_slug(row)} column {column}: {e}")
+                        continue
                     x = override_value(overrides, cell.x) if cell.x else None
                     for seed in cell.seeds or plan.seeds:
                         run = _claim(runs, by_config, f"{row_slug(row)}__{column}__seed{seed}",
                                      base + overrides + [f"seed={seed}"], {**config, "seed": seed})
                         run.cells.append({"cell": cell.name, "row": row_slug(row), "column": column, "seed": seed,
                                           "x": None if x is None else float(x)})
+    if refused:
+        raise PlanError(f"{len(refused)} point(s) of the plan are refused, so nothing ran: " + "\n  ".join(["", *refused]))
     # (priority, seed) order, seed-major within a priority (a stable sort keeps the cells' order within a
     # seed): a study stopped part-way has every cell of a priority at its first seed before any gets a second.
     seeds = list(dict.fromkeys([*plan.seeds, *(s for c in plan.cells for s in c.seeds or [])]))

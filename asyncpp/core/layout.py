@@ -45,7 +45,7 @@ class Layout:
     def of(cls, cfg: RunConfig, model) -> Layout:
         """`cfg`'s layout for `model` (a model_zoo.ModelConfig)."""
         p = cfg.parallel
-        split = run_vocab_split(cfg, model) if p.head == "vocab" or (p.head == "auto" and _may_spread(cfg, model)) \
+        split = run_vocab_split(cfg, model) if p.head == "vocab" or (p.head == "auto" and may_spread(cfg, model)) \
             else None
         head = p.head if p.head != "auto" else "last" if split is None else _auto_head(cfg, model, split)
         vocab = split if head == "vocab" and p.pp > 1 else None
@@ -74,7 +74,7 @@ def _device_type(cfg: RunConfig) -> str:
     return str(cfg.train.device).split(":")[0]
 
 
-def _may_spread(cfg: RunConfig, model) -> bool:
+def may_spread(cfg: RunConfig, model) -> bool:
     """Whether parallel.head=auto may choose the vocabulary-parallel head here."""
     p = cfg.parallel
     return bool(p.pp > 1 and cfg.schedule.name in VOCAB_PARALLEL_KINDS and getattr(model, "hidden_size", None)

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from asyncpp.config import RunConfig
+from asyncpp.config import ConfigError, RunConfig
 from asyncpp.core.layer_costs import LayerCosts
 from asyncpp.core.layer_split import balanced_split, stage_sizes
-from asyncpp.core.layout import Layout
+from asyncpp.core.layout import Layout, may_spread
 
 
 def suggest_split(sizes: Sequence[int], busy_s: Sequence[float], layer_weights: Sequence[float]) -> list[int]:
@@ -74,8 +74,21 @@ def head_of(cfg: RunConfig, model) -> str:
 
 
 def with_head_resolved(cfg: RunConfig, model):
-    """cfg with parallel.head=auto replaced by its choice (what a run records in its config)."""
-    return cfg.replace(parallel=dataclasses.replace(cfg.parallel, head=head_of(cfg, model)))
+    """cfg with parallel.head=auto replaced by its choice (what a run records in its config). The options that only
+    a spread head reads (parallel.embedding=vocab, vocab_shards, vocab_placement) are refused when auto keeps it on
+    the last stage: they would be recorded in config.json and do nothing."""
+    p = cfg.parallel
+    head = head_of(cfg, model)
+    idle = [f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in (
+        ("parallel.embedding", p.embedding if p.embedding == "vocab" else None),
+        ("parallel.vocab_shards", p.vocab_shards), ("parallel.vocab_placement", p.vocab_placement)) if v]
+    if p.head == "auto" and head != "vocab" and idle:
+        why = ("the cost model found no gain" if may_spread(cfg, model) else
+               "the schedule, the layout or a tied embedding under tensor parallelism rules it out")
+        raise ConfigError(f"{', '.join(idle)} would do nothing: parallel.head=auto keeps the head on the last stage "
+                          f"here ({why}), and only a vocabulary-parallel head reads them. Set parallel.head=vocab, or "
+                          "drop them (parallel.embedding=first)")
+    return cfg.replace(parallel=dataclasses.replace(p, head=head))
 
 
 def vocab_shards_of(cfg: RunConfig, model) -> tuple[int, ...] | None:

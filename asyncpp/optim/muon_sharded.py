@@ -26,6 +26,7 @@ the same order; a rank that skipped one would issue different collectives and th
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -96,12 +97,20 @@ class Bucket:
 
     @property
     def offsets(self) -> list[int]:
-        return [sum(self.counts[:r]) for r in range(len(self.counts))]
+        return [0, *itertools.accumulate(self.counts[:-1])]
 
     def owned(self, rank: int) -> list[Piece]:
         """The pieces (or parts of pieces) that `rank` orthogonalises, in bucket order."""
-        lo = self.offsets[rank]
-        hi = lo + self.counts[rank]
+        lo = sum(self.counts[:rank])  # not offsets[rank]: O(rank), where the whole list is O(world)
+        return self._within(lo, lo + self.counts[rank])
+
+    def owned_by_others(self, rank: int) -> list[Piece]:
+        """The pieces every rank but `rank` orthogonalises, in bucket order: one pass, where asking each
+        rank's owned() in turn is O(world^2) per bucket (minutes at dry_run=16384)."""
+        lo = sum(self.counts[:rank])
+        return self._within(0, lo) + self._within(lo + self.counts[rank], self.size)
+
+    def _within(self, lo: int, hi: int) -> list[Piece]:
         out, pos = [], 0
         for job, start, stop in self.pieces:
             a, b = max(lo, pos), min(hi, pos + stop - start)
@@ -330,9 +339,8 @@ def orthogonalize_sharded(
         compute(partial(_copy_to_send, send))
         gathers.append(_DPGather(bucket, send))
         gathers[-1].start(group)
-        for other in range(world):  # the matrices others orthogonalise still need their momentum step
-            for piece in bucket.owned(other) if other != rank else ():
-                prepare(*piece)
+        for piece in bucket.owned_by_others(rank):  # the matrices others orthogonalise still need their momentum step
+            prepare(*piece)
     for gather in gathers:
         for result in gather.results():
             consume(*result)

@@ -115,9 +115,12 @@ class VocabEmbedding(Part):
             grad = torch.empty((*ids.shape, self.param.shape[1]), dtype=self.param.dtype, device=self.mesh.device)
             self.wait(dist.broadcast(grad, src=self.first, group=self.groups.embed_grad, async_op=True),
                       f"the sharded embedding's broadcast of the input gradient of {what}")
-        with torch.enable_grad():
-            weight = self.param.detach().requires_grad_()
-            (d_weight,) = torch.autograd.grad(embedding_partial(ids, weight, self.shard), weight, grad)
+        if self.shard.rows == 0:  # a stage without rows (the cost model's or vocab_shards' choice): its lookup is a
+            d_weight = torch.zeros_like(self.param)  # constant zero, which autograd cannot differentiate
+        else:
+            with torch.enable_grad():
+                weight = self.param.detach().requires_grad_()
+                (d_weight,) = torch.autograd.grad(embedding_partial(ids, weight, self.shard), weight, grad)
         acc = self._acc.get(step)
         self._acc[step] = d_weight.float() if acc is None else acc.add_(d_weight)
         self.gradients += 1

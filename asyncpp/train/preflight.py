@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -35,12 +35,20 @@ from data.indexed import IndexedDataError, check_prefix, check_token_ids
 from data.source import resolve_tokenizer
 from model_zoo import ModelConfig, build_model
 
-__all__ = ["EXIT_CONFIG_ERROR", "check", "check_data", "check_device", "check_directories",
-           "check_disk_space", "check_resume", "checkpoint_bytes", "config_differences"]
+__all__ = [
+    "EXIT_CONFIG_ERROR",
+    "check",
+    "check_data",
+    "check_device",
+    "check_directories",
+    "check_disk_space",
+    "check_environment",
+    "check_resume",
+    "checkpoint_bytes",
+    "config_differences",
+]
 
 Warn = Callable[[str], None]
-
-CHECKPOINTS_OF_ROOM = 2  # a new save is written beside the newest complete one, which it never replaces early
 
 
 def _stderr(text: str) -> None:
@@ -54,18 +62,35 @@ def check(cfg: RunConfig, model_cfg: ModelConfig, *, rank: int = 0, local_world_
     check_memory(cfg, model_cfg, local_world_size)
     if rank != 0:
         return
+    point = _check_run(cfg, model_cfg, warn, tidy=True)
+    if point is None:  # last: only a run that passed every check moves anything
+        keep_an_earlier_run(cfg, warn)
+
+
+def check_dry_run(cfg: RunConfig, model_cfg, warn: Warn = _stderr) -> None:
+    """dry_run=N: the real run's checks, so that what it would refuse the dry run refuses (the head's placement,
+    the sample index, the directories, the resume, the checkpoints' disk space, the data; job.resolve checks the
+    multi-process pipeline's options at N > 1 ranks), without those about this machine's devices and memory (the dry run lays out a job for
+    another machine, and reports its memory) and without changing anything (no stale save removed, no earlier
+    run's record moved)."""
+    check_vocab_placement(cfg, model_cfg)
+    _check_run(cfg, model_cfg, warn, tidy=False)
+
+
+def _check_run(cfg: RunConfig, model_cfg, warn: Warn, tidy: bool) -> tuple[Path, int] | None:
+    """Rank 0's checks of what the run reads and writes; `tidy`: remove the directories of saves that died.
+    Returns the resume point."""
     check_sample_index(cfg)
     check_cache(cfg)
     check_directories(cfg)
-    removed = ckpt.clean_stale(ckpt.checkpoint_root(cfg))
+    removed = ckpt.clean_stale(ckpt.checkpoint_root(cfg)) if tidy else []
     if removed:
         warn(f"preflight: removed {len(removed)} unfinished checkpoint directories ({removed[0].name}, ...)")
     point = check_resume(cfg, warn=warn)
     if cfg.checkpoint.enabled:
-        check_disk_space(cfg, checkpoint_bytes(cfg, model_cfg, point))
+        check_disk_space(cfg, checkpoint_bytes(cfg, model_cfg, point), point)
     check_data(cfg, model_cfg)
-    if point is None:  # last: only a run that passed every check moves anything
-        keep_an_earlier_run(cfg, warn)
+    return point
 
 
 def check_vocab_placement(cfg: RunConfig, model_cfg: ModelConfig) -> None:
@@ -111,6 +136,37 @@ def keep_an_earlier_run(cfg: RunConfig, warn: Warn = _stderr) -> Path | None:
     return dest
 
 
+# ---- launcher environment -------------------------------------------------------------------------
+RANK_VARIABLES = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0"}
+"""What torchrun sets for each rank, and its value in a run of one process."""
+TORCHRUN_MARK = "TORCHELASTIC_RUN_ID"
+"""Set by torchrun's agent for every rank it starts (and by nothing else)."""
+
+
+def check_environment(env: Mapping[str, str]) -> None:
+    """A process torchrun did not start, with torchrun's rank variables left in its environment (an exported
+    WORLD_SIZE of another job, a shell inside a job step): as WORLD_SIZE>1 it would wait in a rendezvous for ranks
+    that never come, silently, and as RANK>0 it would write every output into the working directory (hydra's run
+    directory is rank 0's). Refused before hydra composes anything. Under torchrun, only malformed values."""
+    found = {k: env[k] for k in RANK_VARIABLES if env.get(k, "") != ""}
+    bad = {k: v for k, v in found.items() if not v.isdigit()}
+    if bad:
+        raise ConfigError(f"{', '.join(f'{k}={v!r}' for k, v in bad.items())} in the environment is not a rank "
+                          "number; unset it (torchrun sets these for each rank it starts)")
+    if env.get(TORCHRUN_MARK) or all(int(v) == int(RANK_VARIABLES[k]) for k, v in found.items()):
+        return
+    names = [*found, *(k for k in ("MASTER_ADDR", "MASTER_PORT") if env.get(k))]
+    listing = ", ".join(f"{k}={env[k]}" for k in names)
+    world = int(found.get("WORLD_SIZE", "1"))
+    waits = (f"as one process it would wait in the rendezvous at {env.get('MASTER_ADDR', '?')}:"
+             f"{env.get('MASTER_PORT', '?')} for {world - 1} rank(s) that nothing starts" if world > 1 else
+             f"as rank {found.get('RANK', '0')} it would write its outputs into the working directory")
+    raise ConfigError(f"{listing} set in the environment, but torchrun did not start this process (no "
+                      f"${TORCHRUN_MARK}): a leftover of another job's environment? {waits}. Unset them (unset "
+                      f"{' '.join(names)}) to run one process, or start the ranks with torchrun or "
+                      "python -m launch.local --nproc-per-node N")
+
+
 # ---- device ---------------------------------------------------------------------------------------
 def check_device(cfg: RunConfig, local_world_size: int = 1, cuda=torch.cuda) -> None:
     """train.device=cuda needs a CUDA build of torch and one visible GPU per local rank."""
@@ -152,8 +208,25 @@ def _writable_directory(field: str, path: Path) -> None:
                           "user can write, on a disk with room for the run") from None
 
 
+def check_not_inside_a_checkpoint(cfg: RunConfig) -> None:
+    """checkpoint.dir (or out_dir) pointed at one checkpoint (a step_* directory) rather than a run's directory of
+    them: the run found no step_* inside it, trained from scratch and wrote its own checkpoints inside another
+    run's. Refused, naming what was meant."""
+    roots = (("out_dir (hydra.run.dir)", Path(cfg.out_dir)), (_checkpoint_field(cfg), ckpt.checkpoint_root(cfg)))
+    for field, path in roots:
+        inside = next((p for p in (path, *path.parents) if ckpt.is_complete(p)), None)
+        if inside is None:
+            continue
+        raise ConfigError(
+            f"{field}={path} is {'inside ' if inside != path else ''}the checkpoint {inside}, not a directory of "
+            f"checkpoints: the run would start from scratch and write into it. To continue from that step, give "
+            f"checkpoint.resume={inside} (and a run directory of its own); to continue its run, point "
+            f"checkpoint.dir at {inside.parent} (or leave it unset: <out_dir>/checkpoints)")
+
+
 def check_directories(cfg: RunConfig) -> None:
     """The run directory and (with checkpoint.enabled) the checkpoint directory exist and take a file."""
+    check_not_inside_a_checkpoint(cfg)
     dirs = [("out_dir (hydra.run.dir)", Path(cfg.out_dir))]
     if cfg.checkpoint.enabled:
         dirs.append((_checkpoint_field(cfg), ckpt.checkpoint_root(cfg)))
@@ -261,16 +334,34 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def check_disk_space(cfg: RunConfig, per_checkpoint: int, disk_usage=shutil.disk_usage) -> None:
-    """Room for CHECKPOINTS_OF_ROOM checkpoints of `per_checkpoint` bytes in the checkpoint directory."""
+def checkpoints_on_disk(cfg: RunConfig, point: tuple[Path, int] | None = None) -> int:
+    """How many checkpoints of this run the disk holds at once, at most: checkpoint.keep_last complete ones plus the
+    one being written (pruning follows its commit); the one it resumed from is on disk already. No more than the
+    run writes (checkpoint.every's saves and the last step's; every_minutes' saves are not known ahead)."""
+    c = cfg.checkpoint
+    start = point[1] if point is not None else 0
+    copies = c.keep_last + 1
+    if c.every_minutes == 0:
+        every = c.every or cfg.train.steps
+        saves = len(set(range(start + every - start % every, cfg.train.steps + 1, every)) | {cfg.train.steps})
+        copies = min(copies, saves)
+    return copies
+
+
+def check_disk_space(cfg: RunConfig, per_checkpoint: int, point: tuple[Path, int] | None = None,
+                     disk_usage=shutil.disk_usage) -> None:
+    """Room for the checkpoints this run keeps at once (checkpoints_on_disk) in the checkpoint directory; the one
+    resumed from is on disk already."""
     root = ckpt.checkpoint_root(cfg)
     free = disk_usage(root).free
-    need = CHECKPOINTS_OF_ROOM * per_checkpoint
+    copies = checkpoints_on_disk(cfg, point)
+    need = copies * per_checkpoint
     if free < need:
         raise ConfigError(
-            f"{_checkpoint_field(cfg)}={root} has {_gib(free)} free, but this run needs room for "
-            f"{CHECKPOINTS_OF_ROOM} checkpoints of ~{_gib(per_checkpoint)} ({_gib(need)}); free space there, or "
-            "set checkpoint.dir to a disk with more room")
+            f"{_checkpoint_field(cfg)}={root} has {_gib(free)} free, but this run needs room for {copies} "
+            f"checkpoints of ~{_gib(per_checkpoint)} ({_gib(need)}: checkpoint.keep_last={cfg.checkpoint.keep_last} "
+            "kept and the next one written before the oldest is pruned); free space there, lower "
+            "checkpoint.keep_last, or set checkpoint.dir to a disk with more room")
 
 
 # ---- resume ---------------------------------------------------------------------------------------

@@ -28,11 +28,15 @@ loss): not a crash (1) a restart would cure, nor a config error; its last checkp
 EXIT_CRASHED = 1
 """pretrain.py's exit code when a rank failed (asyncpp/parallel/failfast.py): a crash, which a launcher retries
 (the rerun resumes from the newest complete checkpoint); the exit file names the rank, step, action and error."""
+EXIT_NO_SPACE = 4
+"""pretrain.py's exit code when the checkpoint directory's disk filled up during a save (checkpoint.NoSpaceLeft):
+not retried, since a restart would write into the same full disk; the newest complete checkpoint is intact."""
 EXIT_STOPPED = 143
 """128 + SIGTERM: the run was asked to stop (a signal) and checkpointed; rerunning the command resumes it."""
 EXIT_FILE_ENV = "ASYNCPP_EXIT_FILE"
-"""Set by launch.local: when pretrain.py exits on purpose (EXIT_CONFIG_ERROR, EXIT_DIVERGED, EXIT_STOPPED) or
-after a rank failed (EXIT_CRASHED: the first failing rank's record) it leaves "<code> <message>" there. torchrun reports 1 whatever its ranks' codes were (and re-raises a SIGTERM it
+"""Set by launch.local: when pretrain.py exits on purpose (EXIT_CONFIG_ERROR, EXIT_DIVERGED, EXIT_NO_SPACE,
+EXIT_STOPPED) or after a rank failed (EXIT_CRASHED: the first failing rank's record) it leaves "<code> <message>"
+there. torchrun reports 1 whatever its ranks' codes were (and re-raises a SIGTERM it
 forwarded), so this file is how the launcher tells a deliberate exit from a crash: only a crash is retried."""
 
 

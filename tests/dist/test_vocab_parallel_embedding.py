@@ -66,6 +66,20 @@ def test_sharded_embedding_two_stages_untied_2bw_with_eval() -> None:
 
 
 @pytest.mark.slow
+def test_sharded_embedding_with_a_stage_of_zero_rows() -> None:
+    """parallel.vocab_shards=[0, vocab/2, vocab/2]: the first stage holds no embedding or head rows (water filling gives
+    a stage above the level none too). Its lookup is a constant zero, its G a zero [0, h] gradient (it crashed in autograd,
+    issue 44, while the dry run accepted the layout); the run equals the simulator, and stage 0 still ran every E and
+    G with its empty rows."""
+    vocab = get_model_config("tiny_dense").vocab_size
+    shards = [0, vocab // 2, vocab // 2]
+    cfg = make_config(model=UNTIED, parallel={"pp": 3, "head": "vocab", "embedding": "vocab", "stage_layers": [2, 1, 1],
+                                              "vocab_shards": shards}, optimizer={"eps": ADAMW_EPS})
+    results = assert_embedding_equivalent(cfg, 3)
+    assert [r["embedding"]["rows"] for r in sorted(results, key=lambda r: r["stage"])] == shards
+
+
+@pytest.mark.slow
 def test_sharded_embedding_two_stages_tied_1f1b() -> None:
     cfg = make_config(parallel={"pp": 2, "head": "vocab", "embedding": "vocab"}, schedule={"name": "1f1b"},
                       optimizer={"eps": ADAMW_EPS})

@@ -90,8 +90,9 @@ def test_a_full_disk_fails_clearly_removes_the_partial_save_and_keeps_the_last_g
     _save(saver, tmp_path, 5)
     saver.wait()
     monkeypatch.setattr(dcp_fs, "_write_item", _no_space)  # inside DCP's writer: it wraps the error
-    with pytest.raises(ckpt.CheckpointWriteError, match=r"No space left on device.*partial \.tmp-step_00000010"
-                       r".*removed.*newest complete checkpoint is .*step_00000005"):
+    with pytest.raises(ckpt.NoSpaceLeft, match=r"^no space left on device: writing checkpoint .*step_00000010 needs "
+                       r"~.* free \(the partial \.tmp-step_00000010.* removed.*newest complete checkpoint is "
+                       r".*step_00000005"):
         _save(saver, tmp_path, 10)
         saver.wait()
     assert _steps(tmp_path) == [5]
@@ -211,13 +212,40 @@ def test_wandb_resumes_the_run_id_stored_in_the_run_directory(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("async_save", [False, True])
+def test_a_full_disk_reported_by_torchs_writer_is_no_space_left(tmp_path, monkeypatch, async_save):
+    """torch's file writer reports a full disk as a RuntimeError ('unexpected pos'), not ENOSPC, and DCP wraps it
+    as a rank's failure (issue 44: 'a peer failing inside DCP'). With less room left than the checkpoint takes it is
+    NoSpaceLeft, naming the size needed (the last checkpoint's) and the room there; with room, it stays a write
+    error (not every failure is a full disk)."""
+    saver = ckpt.Saver(async_save)
+    _save(saver, tmp_path, 5)
+    saver.wait()
+    size = sum(f.stat().st_size for f in (tmp_path / "step_00000005").rglob("*") if f.is_file())
+
+    def torn(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(dcp_fs, "_write_item", torn)
+    for free, error in [(size // 4, ckpt.NoSpaceLeft), (100 * size, ckpt.CheckpointWriteError)]:
+        monkeypatch.setattr(saver_module.shutil, "disk_usage", lambda path, free=free: type("U", (), {"free": free}))
+        with pytest.raises(ckpt.CheckpointWriteError) as raised:
+            _save(saver, tmp_path, 10)
+            saver.wait()
+        assert type(raised.value) is error, raised.value
+        if error is ckpt.NoSpaceLeft:
+            assert f"needs ~{size / 2**20:.1f} MiB but {tmp_path} has {free / 2**20:.1f} MiB free" in str(raised.value)
+        assert _steps(tmp_path) == [5] and not list(tmp_path.glob(".tmp-step_*"))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
 def test_a_failed_commit_is_an_error_not_a_half_checkpoint(tmp_path, monkeypatch, async_save):
     """The shards were written, then the manifest could not be (the disk filled up in between)."""
     saver = ckpt.Saver(async_save)
     _save(saver, tmp_path, 5)
     saver.wait()
     monkeypatch.setattr(saver_module, "_write_durably", _no_space)  # where the commit looks it up
-    with pytest.raises(ckpt.CheckpointWriteError, match=r"step_00000010 failed: \[Errno 28\].*step_00000005"):
+    with pytest.raises(ckpt.NoSpaceLeft, match=r"no space left on device: writing checkpoint .*step_00000010.*"
+                       r"step_00000005"):
         _save(saver, tmp_path, 10)
         saver.wait()
     assert _steps(tmp_path) == [5] and not list(tmp_path.glob(".tmp-step_*"))

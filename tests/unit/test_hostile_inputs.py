@@ -608,7 +608,269 @@ def _cases() -> list[Case]:
                                                 "--out", "{tmp}/new", expect="ok"))
     add("tool", "hf-import-missing", tool(hf.main, "import", "{tmp}/nowhere", "--out", "{tmp}/x.pt",
                                           expect="nowhere"))
+    issue_44_cases(add)
     return c
+
+
+# ---- issue 44's round: the kinds of its new hostile inputs -------------------------------------------------
+TOKENIZER = str(REPO / "data" / "default_corpus" / "tokenizer.json")
+PREPROCESS = ["--workers", "0", "--no-progress"]
+
+
+def a_jsonl_input(tmp: Path, base_run: Path | None = None) -> None:
+    """{tmp}/in/corpus.json (a JSON-lines input named .json), {tmp}/in/tok.json and tokenizer.json (a tokenizer),
+    {tmp}/in/notes.json (the user's), and a symlink {tmp}/link -> {tmp}/in."""
+    (tmp / "in").mkdir()
+    (tmp / "in" / "corpus.json").write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n"
+                                                    for i in range(32)))
+    shutil.copy(TOKENIZER, tmp / "in" / "tok.json")
+    shutil.copy(TOKENIZER, tmp / "in" / "tokenizer.json")
+    (tmp / "in" / "notes.json").write_text('{"mine": true}\n')
+    (tmp / "link").symlink_to(tmp / "in")
+
+
+def an_hf_directory(extra: bool = False) -> Callable[[Path, Path], None]:
+    """{tmp}/hf: tiny_dense exported (no tokenizer); `extra`: its safetensors also hold a tensor no rule reads."""
+    def setup(tmp: Path, base_run: Path) -> None:
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        from model_zoo import build_model, get_model_config
+
+        cfg = get_model_config("tiny_dense")
+        hf.export_state_dict(build_model(cfg).state_dict(), cfg, tmp / "hf")
+        if extra:
+            weights = tmp / "hf" / hf.WEIGHTS_FILE
+            tensors = load_file(str(weights))
+            tensors["score.weight"] = torch.zeros(2, cfg.hidden_size)  # a value head, say
+            save_file(tensors, str(weights), metadata={"format": "pt"})
+    return setup
+
+
+def environment(env: dict, expect: str) -> Callable[..., Outcome]:
+    """pretrain.py's first check, of torchrun's variables in a process torchrun may not have started."""
+    def run(tmp: Path, base_run: Path, full: bool = False) -> Outcome:
+        try:
+            preflight.check_environment(env)
+        except ConfigError as e:
+            return _judge(expect, str(e), None, SILENT)
+        except Exception as e:  # noqa: BLE001
+            return Outcome(RAW, f"{type(e).__name__}: {e}")
+        return _judge(expect, None, None, HANG)
+    return run
+
+
+def dry(*overrides: str, expect: str, copy_base: bool = False, if_accepted: str = SILENT) -> Callable[..., Outcome]:
+    """dry_run=N as pretrain.py's main runs it: resolve, then the dry run's preflight (the real run's checks that do
+    not depend on this machine's devices). `copy_base`: the base run copied to {tmp}/base (its out_dir)."""
+    def run(tmp: Path, base_run: Path, full: bool = False) -> Outcome:
+        if copy_base:
+            shutil.copytree(base_run, tmp / "base")
+        items = [*BASE, *_fill(overrides, tmp, tmp / "base")]
+        if not any(o.startswith("out_dir=") for o in items):
+            items.append(f"out_dir={tmp / 'base' if copy_base else tmp / 'run'}")
+        before = _snapshot(tmp / "base") if copy_base else {}
+        try:
+            cfg, model_cfg = job.resolve(job.compose(items))
+            preflight.check_dry_run(cfg, model_cfg, warn=lambda text: None)
+        except ConfigError as e:
+            outcome = _judge(expect, str(e), None, if_accepted)
+        except Exception as e:  # noqa: BLE001
+            outcome = Outcome(RAW, f"{type(e).__name__}: {e}")
+        else:
+            outcome = _judge(expect, None, None, if_accepted)
+        if copy_base and _lost(before, tmp / "base"):
+            return Outcome(LOST, f"changed: {_lost(before, tmp / 'base')[:4]}")
+        return outcome
+    return run
+
+
+def sweep_case(sweep: list[str], expect: str, ran: int) -> Callable[..., Outcome]:
+    """pretrain.py -m: a multirun whose first point is refused; the others must still run (`ran` of them write a
+    summary.json), then exit 2 naming the bad point."""
+    def run(tmp: Path, base_run: Path, full: bool = False) -> Outcome:
+        args = ["pretrain.py", "-m", *[o for o in BASE if not o.startswith("train.steps")], "checkpoint.enabled=false",
+                *sweep, f"hydra.sweep.dir={tmp / 'sweep'}"]
+        proc = subprocess.run([sys.executable, *args], check=False, cwd=REPO, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+        done = len(list((tmp / "sweep").rglob("summary.json")))
+        if "Traceback" in proc.stderr:
+            return Outcome(RAW, f"exit {proc.returncode}: {proc.stderr[-400:]}")
+        if done < ran:
+            return Outcome(SILENT, f"{done} of the {ran} good points ran (exit {proc.returncode}): {proc.stderr[-300:]}")
+        if proc.returncode != 2:
+            return Outcome(SILENT if proc.returncode == 0 else RAW, f"exit {proc.returncode}: {proc.stderr[-300:]}")
+        return _judge(expect, proc.stderr.strip(), None, SILENT)
+    return run
+
+
+def megatron_example_args(argv: list[str]) -> int:
+    """examples/megatron_2bw.py's argument check (parse_args; argparse's exit 2 naming the option)."""
+    from examples.megatron_2bw import parse_args  # megatron-core's import: only for these cases
+
+    parse_args(argv)
+    return 0
+
+
+def a_broken_sidecar(content: bytes) -> Callable[[Path], None]:
+    def setup(tmp: Path) -> None:
+        _prefix(tmp, "a")
+        (tmp / "a.json").write_bytes(content)
+    return setup
+
+
+def issue_44_cases(add: Callable[..., None]) -> None:
+    from data import preprocess
+
+    # -- a tool never writes over its own input (data.preprocess's <prefix>.json sidecar, its trained tokenizer, the
+    #    .parts directory it removes; tools.hf import's .pt; tools.hf export's files), however the path is spelt
+    for id_, expect, argv in [
+        ("sidecar-is-the-input", "--output-prefix", ["--input", "{tmp}/in/corpus.json", "--tokenizer", TOKENIZER,
+                                  "--output-prefix", "{tmp}/in/corpus"]),
+        ("sidecar-is-the-input-via-symlink", "--output-prefix", ["--input", "{tmp}/in/corpus.json", "--tokenizer", TOKENIZER,
+                                              "--output-prefix", "{tmp}/link/corpus"]),
+        ("sidecar-is-the-input-relative", "--output-prefix", ["--input", "{tmp}/link/corpus.json", "--tokenizer", TOKENIZER,
+                                           "--output-prefix", "{tmp}/in/../in/corpus"]),
+        ("sidecar-is-the-tokenizer", "--output-prefix", ["--input", "{tmp}/in/corpus.json", "--tokenizer", "{tmp}/in/tok.json",
+                                      "--output-prefix", "{tmp}/in/tok"]),
+        ("sidecar-is-the-tokenizers-directory-file", "--output-prefix", ["--input", "{tmp}/in/corpus.json", "--tokenizer", "{tmp}/in",
+                                                      "--output-prefix", "{tmp}/in/tokenizer"]),
+        ("tokenizer-out-is-the-input", "--tokenizer-out", ["--input", "{tmp}/in/corpus.json", "--train-tokenizer", "300",
+                                        "--tokenizer-out", "{tmp}/link/corpus.json", "--output-prefix", "{tmp}/o"]),
+        ("trained-tokenizer-is-the-input", "--train-tokenizer", ["--input", "{tmp}/in/corpus.tokenizer.json", "--train-tokenizer", "300",
+                                            "--output-prefix", "{tmp}/in/corpus"]),
+        ("parts-directory-holds-the-input", "--output-prefix", ["--input", "{tmp}/in/corpus.json", "--tokenizer", TOKENIZER,
+                                             "--output-prefix", "{tmp}/i"]),
+    ]:
+        setup = a_jsonl_input
+        if id_ == "trained-tokenizer-is-the-input":
+            def setup(tmp, base_run):
+                a_jsonl_input(tmp)
+                shutil.copy(tmp / "in" / "corpus.json", tmp / "in" / "corpus.tokenizer.json")
+        if id_ == "parts-directory-holds-the-input":
+            def setup(tmp, base_run):
+                a_jsonl_input(tmp)
+                (tmp / "i.parts").mkdir()
+                shutil.copy(tmp / "in" / "corpus.json", tmp / "i.parts" / "corpus.json")
+                (tmp / "in" / "corpus.json").unlink()
+                (tmp / "in" / "corpus.json").symlink_to(tmp / "i.parts" / "corpus.json")
+        add("tool", f"preprocess-{id_}", tool(preprocess.main, *argv, *PREPROCESS, expect=expect, guard=".",
+                                               setup=setup, if_accepted=LOST))
+    add("tool", "preprocess-sidecar-over-a-foreign-json", tool(
+        preprocess.main, "--input", "{tmp}/in/corpus.json", "--tokenizer", TOKENIZER, "--output-prefix",
+        "{tmp}/in/notes", *PREPROCESS, expect="--overwrite", guard="in", setup=a_jsonl_input, if_accepted=LOST))
+    add("tool", "preprocess-beside-its-input", tool(
+        preprocess.main, "--input", "{tmp}/in/corpus.json", "--tokenizer", TOKENIZER, "--output-prefix",
+        "{tmp}/in/prepared", *PREPROCESS, expect="ok", setup=a_jsonl_input), slow=True)
+    add("tool", "hf-import-over-its-weights", tool(hf.main, "import", "{tmp}/hf", "--out",
+                                                   f"{{tmp}}/hf/{hf.WEIGHTS_FILE}", expect="--out", guard="hf",
+                                                   setup=an_hf_directory(), if_accepted=LOST))
+    add("tool", "hf-import-over-its-config", tool(hf.main, "import", "{tmp}/hf", "--out", "{tmp}/hf/../hf/config.json",
+                                                  expect="--out", guard="hf", setup=an_hf_directory(),
+                                                  if_accepted=LOST))
+    add("tool", "hf-import-onto-a-directory", tool(hf.main, "import", "{tmp}/hf", "--out", "{tmp}/hf",
+                                                   expect="--out", guard="hf", setup=an_hf_directory()))
+    add("tool", "hf-export-over-its-tokenizer", tool(
+        hf.main, "export", "--model", "tiny_dense", "--tokenizer", "{tmp}/in/tokenizer.json", "--out", "{tmp}/in",
+        "--force", expect="--out", guard="in",
+        setup=lambda tmp, base: ((tmp / "in").mkdir(), shutil.copy(TOKENIZER, tmp / "in" / "tokenizer.json")),
+        if_accepted=LOST))
+    add("tool", "hf-export-over-its-state-dict", tool(
+        hf.main, "export", "--model", "tiny_dense", "--state-dict", f"{{tmp}}/in/{hf.WEIGHTS_FILE}", "--tokenizer",
+        "none", "--out", "{tmp}/in", "--force", expect="--out", guard="in",
+        setup=lambda tmp, base: ((tmp / "in").mkdir(), (tmp / "in" / hf.WEIGHTS_FILE).write_bytes(b"weights")),
+        if_accepted=LOST))
+    # -- options that silently did nothing: an import that drops tensors without a word
+    add("tool", "hf-import-extra-tensors", tool(hf.main, "import", "{tmp}/hf", "--out", "{tmp}/x.pt",
+                                                expect="score.weight", setup=an_hf_directory(extra=True)))
+    add("tool", "hf-import-extra-tensors-dropped-on-request", tool(
+        hf.main, "import", "{tmp}/hf", "--out", "{tmp}/x.pt", "--drop-extra", expect="ok",
+        setup=an_hf_directory(extra=True)))
+    add("tool", "hf-import-exported-model", tool(hf.main, "import", "{tmp}/hf", "--out", "{tmp}/x.pt", expect="ok",
+                                                 setup=an_hf_directory()))
+
+    # -- silent waits and outputs redirected: torchrun's variables in a process torchrun did not start
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}
+    for id_, env, expect in [
+        ("leftover-world", {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", **rendezvous},
+         "WORLD_SIZE=2"),
+        ("leftover-world-size-only", {"WORLD_SIZE": "4"}, "WORLD_SIZE=4"),
+        ("leftover-rank", {"RANK": "1"}, "RANK=1"),
+        ("leftover-local-rank", {"LOCAL_RANK": "3"}, "LOCAL_RANK=3"),
+        ("rank-not-a-number", {"RANK": "one"}, "RANK='one'"),
+        ("world-size-empty", {"WORLD_SIZE": ""}, "ok"),
+        ("single-process-values", {"RANK": "0", "WORLD_SIZE": "1", **rendezvous}, "ok"),
+        ("under-torchrun", {"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "abc", **rendezvous}, "ok"),
+    ]:
+        add("environment", f"torchrun-variables-{id_}", environment(env, expect))
+    add("environment", "pretrain-leftover-world-exits-2", subprocess_case(
+        ["pretrain.py", *BASE, "out_dir={tmp}/run"], expect="WORLD_SIZE=2",
+        env={"RANK": "0", "WORLD_SIZE": "2", **rendezvous}, if_accepted=HANG), slow=True)
+
+    # -- the dry run runs the real run's checks (and ends)
+    for id_, overrides, expect in [
+        ("ranks-1e6", ["dry_run=1000000"], "dry_run"),
+        ("ranks-1e12", ["dry_run=1000000000000"], "dry_run"),
+        ("head-placement-the-real-run-refuses", ["dry_run=2", "parallel.pp=2", "schedule=2bw", "parallel.head=vocab",
+                                                 "parallel.vocab_placement=[8,8]"], "parallel.vocab_placement"),
+        ("simulator-only-option", ["dry_run=2", "parallel.pp=2", "staleness.diagnostics_every=1"],
+         "staleness.diagnostics_every"),
+        ("sample-index-steps=1e12", ["dry_run=2", "train.steps=1000000000000"], "train.steps"),
+        ("data-missing", [*IDX, "dry_run=2", "data.blend=[{tmp}/nowhere]"], "data.blend"),
+        ("zero-row-shards-with-sharded-embedding", ["dry_run=2", "parallel.pp=2", "parallel.head=vocab",
+                                                    "parallel.embedding=vocab", "parallel.vocab_shards=[0,8192]"],
+         "ok"),
+        ("good-layout", ["dry_run=2", "parallel.pp=2"], "ok"),
+    ]:
+        add("config", f"dry-run-{id_}", dry(*overrides, expect=expect, if_accepted=HANG if "ranks" in id_ else SILENT))
+    add("checkpoint", "dry-run-of-a-complete-run", dry("dry_run=2", "parallel.pp=2", expect="train.steps",
+                                                       copy_base=True))
+    add("checkpoint", "dry-run-resume-older-in-place", dry(
+        "dry_run=2", "checkpoint.resume={base}/checkpoints/step_00000002", "train.steps=6", expect="checkpoint.resume",
+        copy_base=True))
+
+    # -- a checkpoint option pointed at one step's directory
+    add("checkpoint", "checkpoint.dir-is-a-step", resume("checkpoint.dir={base}/checkpoints/step_00000004",
+                                                         "train.steps=6", expect="checkpoint.dir",
+                                                         if_accepted=LOST))
+    add("checkpoint", "out_dir-is-a-step", resume("out_dir={base}/checkpoints/step_00000004", "train.steps=6",
+                                                  expect="out_dir", if_accepted=LOST))
+    add("checkpoint", "out_dir-inside-a-step", resume("out_dir={base}/checkpoints/step_00000004/run",
+                                                      "train.steps=6", expect="out_dir", if_accepted=LOST))
+
+    # -- an option recorded in config.json that another resolved away: parallel.head=auto keeping the head last
+    for id_, option, field in [("embedding", "parallel.embedding=vocab", "parallel.embedding=vocab"),
+                               ("vocab_shards", "parallel.vocab_shards=[4096,4096]", "parallel.vocab_shards"),
+                               ("vocab_placement", "parallel.vocab_placement=[2,1]", "parallel.vocab_placement")]:
+        add("config", f"auto-head-last-with-{id_}", config("parallel.pp=2", "schedule=pipedream", "parallel.head=auto",
+                                                           option, "dry_run=2", expect=field))
+    add("config", "auto-head-vocab-with-embedding", config("parallel.pp=2", "schedule=2bw", "parallel.head=auto",
+                                                           "parallel.embedding=vocab", "dry_run=2", expect="ok"))
+
+    # -- a sweep whose points after a bad one were dropped: every point runs, the bad one is reported, exit 2
+    add("config", "sweep-bad-point-first", sweep_case(["train.steps=0,1"], expect="train.steps=0", ran=1), slow=True)
+
+    # -- raw errors: examples/megatron_2bw.py checks its arguments before any process group
+    for id_, argv, expect in [
+        ("pp-0", ["--pp", "0"], "--pp"), ("tp-negative", ["--tp", "-1"], "--tp"),
+        ("heads-do-not-split-hidden", ["--hidden-size", "64", "--num-attention-heads", "5"], "--hidden-size"),
+        ("heads-do-not-split-over-tp", ["--num-attention-heads", "3", "--hidden-size", "63", "--tp", "2"],
+         "--num-attention-heads"),
+        ("layers-do-not-split-over-pp", ["--num-layers", "5"], "--num-layers"),
+        ("microbatches-below-pp", ["--num-microbatches", "1"], "--num-microbatches"),
+        ("lr-nan", ["--lr", "nan"], "--lr"), ("lr-0", ["--lr", "0"], "--lr"),
+        ("clip-grad-0", ["--clip-grad", "0"], "--clip-grad"), ("ef-lambda-negative", ["--ef-lambda", "-1"], "--ef-lambda"),
+        ("train-iters-0", ["--train-iters", "0"], "--train-iters"), ("seq-length-0", ["--seq-length", "0"], "--seq-length"),
+        ("out-a-directory", ["--out", "{tmp}"], "--out"), ("cuda-without-one", ["--device", "cuda"], "--device"),
+        ("defaults", [], "ok"),
+    ]:
+        add("tool", f"megatron-example-{id_}", tool(megatron_example_args, *argv, expect=expect))
+
+    # -- raw errors: a broken dataset sidecar (<prefix>.json) is a clean config error again
+    for id_, text in [("torn", b'{"tokenizer": "x", "tokenizer_sha'), ("a-list", b"[1, 2]"),
+                      ("without-tokenizer", b'{"documents": 3}'), ("binary", b"\xff\xfe\x00")]:
+        add("data", f"sidecar-{id_}", config("data.name=indexed", "data.blend=[{tmp}/a]", expect="a.json",
+                                             setup=a_broken_sidecar(text)))
 
 
 CASES = _cases()
@@ -629,7 +891,7 @@ REPORT: dict[str, list[str]] = {}
 
 
 def test_the_corpus_is_large_and_covers_every_area():
-    assert len(CASES) >= 150 and len({c.id for c in CASES}) == len(CASES)
+    assert len(CASES) >= 250 and len({c.id for c in CASES}) == len(CASES)
     assert {c.area for c in CASES} == {"config", "data", "checkpoint", "environment", "launcher", "tool"}
 
 

@@ -128,8 +128,10 @@ def test_an_unwritable_checkpoint_dir_is_refused_then_a_writable_one_passes(tmp_
     assert not list((tmp_path / "ro").iterdir())  # the probe leaves nothing behind
 
 
-def test_too_little_disk_for_two_checkpoints_is_refused(tmp_path):
-    cfg, model_cfg = config(tmp_path)
+def test_too_little_disk_for_the_checkpoints_kept_is_refused(tmp_path):
+    """The room asked for is what keep_last really keeps plus the one written before the oldest is pruned (issue 44:
+    it asked for 2 while keep_last=3 kept 3 and wrote a 4th), and no more than the run writes."""
+    cfg, model_cfg = config(tmp_path, "train.steps=20", "checkpoint.every=2", "checkpoint.every_minutes=0")
     preflight.check_directories(cfg)
     size = preflight.checkpoint_bytes(cfg, model_cfg)
     n = sum(p.numel() for p in build_model(model_cfg, device="meta").parameters())
@@ -138,10 +140,19 @@ def test_too_little_disk_for_two_checkpoints_is_refused(tmp_path):
     def disk(free):
         return lambda path: types.SimpleNamespace(free=free)
 
+    assert cfg.checkpoint.keep_last == 3
     with pytest.raises(ConfigError, match=r"checkpoint.dir \(default: <out_dir>/checkpoints\)=.* GiB free, but this "
-                                          r"run needs room for 2 checkpoints"):
-        preflight.check_disk_space(cfg, size, disk_usage=disk(2 * size - 1))
-    preflight.check_disk_space(cfg, size, disk_usage=disk(2 * size))
+                                          r"run needs room for 4 checkpoints .*checkpoint.keep_last=3 kept and the "
+                                          r"next one written"):
+        preflight.check_disk_space(cfg, size, disk_usage=disk(4 * size - 1))
+    preflight.check_disk_space(cfg, size, disk_usage=disk(4 * size))
+    keep_one, _ = config(tmp_path, "train.steps=20", "checkpoint.every=2", "checkpoint.keep_last=1")
+    assert preflight.checkpoints_on_disk(keep_one) == 2
+    two_saves, _ = config(tmp_path, "train.steps=4", "checkpoint.every=2", "checkpoint.every_minutes=0")
+    assert preflight.checkpoints_on_disk(two_saves) == 2  # steps 2 and 4: fewer than keep_last + 1
+    assert preflight.checkpoints_on_disk(cfg, (tmp_path, 18)) == 1  # resumed at 18: only step 20 is left to write
+    timed, _ = config(tmp_path, "train.steps=4", "checkpoint.every=2", "checkpoint.every_minutes=5")
+    assert preflight.checkpoints_on_disk(timed) == 4  # timed saves come at any step: keep_last + 1
 
 
 def test_the_estimate_matches_a_real_checkpoint(tmp_path):

@@ -108,6 +108,16 @@ def test_plan_errors_name_the_problem(tmp_path):
     typo.write_text(SMOKE.replace("[schedule=2bw]", "[schedule=2bw, staleness.ef_lamda=1.0]"))
     with pytest.raises(PlanError, match="ef_lamda"):
         expand(load_plan(str(typo)))
+    # Every bad point is named, not only the first (issue 44: the points after a bad one were never looked at).
+    two_bad = tmp_path / "two_bad.yaml"
+    two_bad.write_text(SMOKE.replace("rows: {optimizer: [muon]}", "rows: {optimizer: [muon, sgd, lion]}")
+                       .replace("[schedule=2bw]", "[schedule=2bw, staleness.ef_lambda=-1]"))
+    with pytest.raises(PlanError, match=r"^4 point\(s\) of the plan are refused, so nothing ran") as refused:
+        expand(load_plan(str(two_bad)))
+    lines = [line for line in str(refused.value).splitlines() if line.startswith("  cells.")]  # (hydra's are long)
+    assert [line.split(":")[0].strip() for line in lines] == [
+        "cells.main row muon column 2bw", "cells.main row sgd column sync", "cells.main row sgd column 2bw",
+        "cells.main row lion column 2bw"], lines
 
 
 def test_runs_resume_and_skip_what_is_done(tmp_path, capsys):

@@ -3,6 +3,7 @@ commit (manifest, rename, prune) atomically, and agree on failures over every ra
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -56,6 +57,14 @@ class SaveFailedOnRanks(RuntimeError):
 
 class CheckpointWriteError(OSError):
     """Writing a checkpoint failed (a full disk, a read-only directory); nothing was committed."""
+
+
+class NoSpaceLeft(CheckpointWriteError):
+    """The checkpoint directory's disk filled up during a save (raised on every rank): pretrain.py exits with
+    EXIT_NO_SPACE, which launchers do not retry (a restart would hit the same full disk)."""
+
+
+NO_SPACE = "no space left on device"
 
 
 def _refuse_nonfinite(state: StageState, step: int, root: Path) -> None:
@@ -125,7 +134,7 @@ class Saver:
         barrier()
         manifest = {"format": FORMAT_VERSION, "step": step, "config": config, "layout": layout,
                     "code_version": code_version(), "rng": gather_rng(), "saved_at": time.time(), "data": data}
-        commit = _Commit(tmp, final, root, keep_last, manifest, self.resumed_from)
+        commit = _Commit(tmp, final, root, keep_last, manifest, self.resumed_from, _bytes_needed(state, root))
         quiet_single_process_dcp()
         if self.async_save:
             future = torch_dcp().async_save(flat_state(state), checkpoint_id=str(tmp), process_group=self._group,
@@ -137,7 +146,8 @@ class Saver:
         try:
             torch_dcp().save(flat_state(state), checkpoint_id=str(tmp), no_dist=not is_distributed())
         except (Exception, CheckpointException) as e:  # the same on every rank (a BaseException)
-            if _os_error(e) is None and is_distributed():  # not the disk: a rank's write raised, or a peer died
+            if _os_error(e) is None and is_distributed() and not commit.out_of_space(e):  # not the disk: a rank's
+                # write raised, or a peer died inside DCP's collectives
                 commit.abandon()
                 raise SaveFailedOnRanks.of(e, final) from e
             raise commit.failed(e) from e
@@ -174,6 +184,8 @@ class _Commit:
     keep_last: int
     manifest: dict
     protect: Path | None = None
+    need: int = 0
+    """The bytes the checkpoint takes (_bytes_needed), for a full disk's message."""
 
     def run(self) -> None:
         """Rank 0, after every rank's shards and DCP's .metadata are written: manifest, rename, prune."""
@@ -193,8 +205,28 @@ class _Commit:
         if my_rank() == 0:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
+    def out_of_space(self, error: BaseException) -> bool:
+        """Whether `error` is the disk filling up: ENOSPC in its chain (a DCP failure keeps each rank's), or less
+        room left than the checkpoint takes. torch's file writer reports a full disk as a RuntimeError ("unexpected
+        pos"), and DCP wraps every rank's error, so the errno alone does not always say."""
+        cause = _os_error(error)
+        if (cause is not None and cause.errno == errno.ENOSPC) or "No space left" in str(error):
+            return True
+        try:
+            return shutil.disk_usage(self.root).free + _size(self.tmp) < self.need
+        except OSError:
+            return False
+
     def failed(self, error: BaseException) -> CheckpointWriteError:
         """Remove the partial directory (rank 0) and say what happened and what is still there."""
+        if self.out_of_space(error):
+            self.abandon()
+            return NoSpaceLeft(
+                f"{NO_SPACE}: writing checkpoint {self.final} needs ~{_gib(self.need)} but {self.root} has "
+                f"{_gib(shutil.disk_usage(self.root).free)} free (the partial {self.tmp.name} removed, nothing "
+                f"pruned; the newest complete checkpoint is {latest(self.root) or 'none'}). Free at least "
+                f"{_gib(self.need)} there, lower checkpoint.keep_last, or point checkpoint.dir at a disk with "
+                f"room for checkpoint.keep_last={self.keep_last} + 1 checkpoints, then rerun to resume")
         self.abandon()
         cause = _os_error(error)
         why = str(cause) if cause is not None else f"{type(error).__name__}: {error}"
@@ -236,7 +268,25 @@ def _agree(error: BaseException | None) -> None:
         raise error
     first = next(((r, e) for r, e in enumerate(failed) if e is not None), None)
     if first is not None:
-        raise CheckpointWriteError(f"rank {first[0]}: {first[1]}")
+        raise (NoSpaceLeft if first[1].startswith(NO_SPACE) else CheckpointWriteError)(f"rank {first[0]}: {first[1]}")
+
+
+def _bytes_needed(state: StageState, root: Path) -> int:
+    """What a checkpoint of this run takes on disk: the newest complete one's size, else this rank's tensors times
+    the ranks (stages differ in size; an estimate, for the message and the full-disk test only)."""
+    newest = latest(root)
+    if newest is not None:
+        return _size(newest)
+    local = sum(t.numel() * t.element_size() for t in flat_state(state, wrap=False).values() if hasattr(t, "numel"))
+    return local * (dist.get_world_size() if is_distributed() else 1)
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _os_error(error: BaseException) -> OSError | None:
