@@ -45,6 +45,7 @@ from asyncpp.pipeline.executor import PipelineExecutor
 from asyncpp.pipeline.p2p import naming_the_peer
 from asyncpp.reference.executor import ReferenceExecutor
 from asyncpp.train import preflight
+from asyncpp.train.checkpoint import resume_target
 from asyncpp.train.metrics import MetricsLogger
 from asyncpp.train.preemption import StopFlag
 from asyncpp.train.run_identity import register_resolvers
@@ -69,6 +70,8 @@ def resolve(container: dict, world_size: int = 1) -> tuple[RunConfig, ModelConfi
     from it first, so what depends on dp (train.global_batch_size's microbatch count) is checked at the
     real layout, still before any process group exists."""
     cfg = RunConfig.from_dict(container)
+    resume = resume_target(cfg.checkpoint.resume)  # a run directory as printed -> its newest checkpoint
+    cfg = cfg.replace(checkpoint=dataclasses.replace(cfg.checkpoint, resume=resume))
     overrides = check_partial(ModelConfig, cfg.model.overrides or {}, "model.overrides")  # types, before values
     try:
         model_cfg = get_model_config(cfg.model.name, **overrides)
@@ -82,9 +85,24 @@ def resolve(container: dict, world_size: int = 1) -> tuple[RunConfig, ModelConfi
     return with_head_resolved(cfg.validate(model_cfg), model_cfg), model_cfg
 
 
+#: Overrides whose value is a path that may be a run directory's name, which holds '=' and ',' (hydra's syntax).
+PATH_KEYS = ("checkpoint.resume", "checkpoint.dir", "out_dir", "hydra.run.dir")
+
+
+def quote_paths(overrides: list[str]) -> list[str]:
+    """`checkpoint.resume=outputs/model=x,train.steps=4` as printed -> the quoted form hydra parses as one value
+    (`checkpoint.resume='outputs/model=x,train.steps=4'`); a quoted value, or one without '=' ',' or a space, as is."""
+    out = []
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        needs = any(ch in value for ch in "=, ") and value[:1] not in ("'", '"') and "'" not in value
+        out.append(f"{key}='{value}'" if eq and key.lstrip("+~") in PATH_KEYS and needs else o)
+    return out
+
+
 def compose(overrides: list[str] | None = None) -> dict:
     """The composed config as a plain dict, without running the hydra app (used by tests and tools)."""
-    overrides = list(overrides or [])
+    overrides = quote_paths(list(overrides or []))
     if not any(o.startswith("out_dir=") for o in overrides):
         overrides.append("out_dir=outputs/compose")
     try:
@@ -177,6 +195,9 @@ def build_data(cfg: RunConfig, model_cfg: ModelConfig):
 
 def run(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | None = None) -> dict:
     """Build everything from a validated config and train. Returns the run summary."""
+    done = preflight.completed(cfg)
+    if done:
+        raise preflight.RunComplete(done)
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.train.device)
     data = build_data(cfg, model_cfg)
@@ -270,9 +291,11 @@ def _run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | No
     try:
         mesh = mesh_for(cfg, model_cfg, dims, device)
         timeout = cfg.train.timeout_s
-        shared = [cfg.out_dir]
+        shared = [cfg.out_dir, preflight.completed(cfg) if mesh.rank == 0 else None]
         with naming_the_peer(mesh, "rank 0's run directory (broadcast)", timeout):
             dist.broadcast_object_list(shared, src=0)  # one run directory, rank 0's (hydra's ${now} differs)
+        if shared[1]:  # every rank leaves together: none waits at a collective for a rank that has gone
+            raise preflight.RunComplete(shared[1])
         cfg = cfg.replace(out_dir=shared[0])
         recorder.dump_dir = Path(cfg.out_dir) / flight.DUMP_DIR
         if mesh.rank != 0:
