@@ -32,7 +32,14 @@ class TrainConfig:
     DEFAULT_MICROBATCHES. Read it from a validated config (RunConfig.validate fills it in)."""
     global_batch_size: int | None = None
     """Sequences per optimizer step over all DP replicas (Megatron's --global-batch-size); m is derived as
-    global_batch_size / (micro_batch_size x dp), which must divide it. None = micro_batch_size x m x dp."""
+    global_batch_size / (micro_batch_size x dp), which must divide it. None: see batch_scaling."""
+    batch_scaling: Literal["fixed", "per_replica"] = "per_replica"
+    """Without global_batch_size: "fixed" (Megatron; configs/pretrain.yaml's default, so every command line's)
+    keeps the step's batch when dp changes: global_batch_size = micro_batch_size x num_microbatches, and each of
+    the dp replicas runs num_microbatches / dp of them. "per_replica" (the behaviour before issue 47) runs
+    num_microbatches on every replica, so the global batch grows with dp. The Python default stays per_replica:
+    configs built in code (tests, tools) keep the meaning they were written with. With global_batch_size set
+    (or once validated, which fills it in) both are the same."""
     batch_rampup: tuple[int, int, int] | None = None
     """[start, increment, samples]: Megatron's --rampup-batch-size. The global batch starts at `start` sequences
     and grows by `increment` every samples / ((global_batch_size - start) / increment) consumed samples until it
@@ -95,7 +102,18 @@ def derive_num_microbatches(t: TrainConfig, dp: int) -> int:
     whole microbatches on every DP replica, and agree with an explicit m), or DEFAULT_MICROBATCHES."""
     positive("train.micro_batch_size", t.micro_batch_size)
     if t.global_batch_size is None:
-        return DEFAULT_MICROBATCHES if t.num_microbatches is None else t.num_microbatches
+        m = DEFAULT_MICROBATCHES if t.num_microbatches is None else t.num_microbatches
+        if t.batch_scaling == "per_replica" or dp == 1:
+            return m
+        positive("train.num_microbatches", m, "it is the number of microbatches per step (m)")
+        if m % dp:
+            lower, upper = max(dp, m - m % dp), (m // dp + 1) * dp
+            raise ConfigError(
+                f"train.num_microbatches={m} with train.batch_scaling=fixed is the step's microbatch count (global "
+                f"batch {m * t.micro_batch_size} = train.micro_batch_size x it), split over dp={dp} replicas, which "
+                f"it does not divide; use train.num_microbatches={lower} or {upper}, set train.global_batch_size, or "
+                "train.batch_scaling=per_replica (m on every replica: the global batch grows with dp)")
+        return m // dp
     positive("train.global_batch_size", t.global_batch_size)
     per_step = t.micro_batch_size * dp
     m, rest = divmod(t.global_batch_size, per_step)
