@@ -34,12 +34,12 @@ class TrainConfig:
     """Sequences per optimizer step over all DP replicas (Megatron's --global-batch-size); m is derived as
     global_batch_size / (micro_batch_size x dp), which must divide it. None: see batch_scaling."""
     batch_scaling: Literal["fixed", "per_replica"] = "per_replica"
-    """Without global_batch_size: "fixed" (Megatron; configs/pretrain.yaml's default, so every command line's)
-    keeps the step's batch when dp changes: global_batch_size = micro_batch_size x num_microbatches, and each of
-    the dp replicas runs num_microbatches / dp of them. "per_replica" (the behaviour before issue 47) runs
-    num_microbatches on every replica, so the global batch grows with dp. The Python default stays per_replica:
-    configs built in code (tests, tools) keep the meaning they were written with. With global_batch_size set
-    (or once validated, which fills it in) both are the same."""
+    """The batch when neither num_microbatches nor global_batch_size is given: "fixed" (Megatron; configs/
+    pretrain.yaml's default, so every command line's) fixes global_batch_size = micro_batch_size x
+    DEFAULT_MICROBATCHES, whatever dp is (each replica runs its share); "per_replica" runs DEFAULT_MICROBATCHES on
+    every replica, so the global batch grows with dp (the behaviour before issue 47). A given num_microbatches is
+    always per replica (m), a given global_batch_size always global. The Python default stays per_replica: configs
+    built in code (tests, tools) keep the meaning they were written with."""
     batch_rampup: tuple[int, int, int] | None = None
     """[start, increment, samples]: Megatron's --rampup-batch-size. The global batch starts at `start` sequences
     and grows by `increment` every samples / ((global_batch_size - start) / increment) consumed samples until it
@@ -94,7 +94,10 @@ class TrainConfig:
         # Without a global batch size the microbatch count needs no dp: fill it in at once, so a config built
         # in Python without validate() still reads a number. With one, validate() derives it from dp.
         if self.num_microbatches is None and self.global_batch_size is None:
-            self.num_microbatches = DEFAULT_MICROBATCHES
+            if self.batch_scaling == "fixed":  # Megatron: one global batch for every dp (validate() derives m)
+                self.global_batch_size = self.micro_batch_size * DEFAULT_MICROBATCHES
+            else:
+                self.num_microbatches = DEFAULT_MICROBATCHES
 
 
 def derive_num_microbatches(t: TrainConfig, dp: int) -> int:
@@ -102,18 +105,7 @@ def derive_num_microbatches(t: TrainConfig, dp: int) -> int:
     whole microbatches on every DP replica, and agree with an explicit m), or DEFAULT_MICROBATCHES."""
     positive("train.micro_batch_size", t.micro_batch_size)
     if t.global_batch_size is None:
-        m = DEFAULT_MICROBATCHES if t.num_microbatches is None else t.num_microbatches
-        if t.batch_scaling == "per_replica" or dp == 1:
-            return m
-        positive("train.num_microbatches", m, "it is the number of microbatches per step (m)")
-        if m % dp:
-            lower, upper = max(dp, m - m % dp), (m // dp + 1) * dp
-            raise ConfigError(
-                f"train.num_microbatches={m} with train.batch_scaling=fixed is the step's microbatch count (global "
-                f"batch {m * t.micro_batch_size} = train.micro_batch_size x it), split over dp={dp} replicas, which "
-                f"it does not divide; use train.num_microbatches={lower} or {upper}, set train.global_batch_size, or "
-                "train.batch_scaling=per_replica (m on every replica: the global batch grows with dp)")
-        return m // dp
+        return DEFAULT_MICROBATCHES if t.num_microbatches is None else t.num_microbatches
     positive("train.global_batch_size", t.global_batch_size)
     per_step = t.micro_batch_size * dp
     m, rest = divmod(t.global_batch_size, per_step)

@@ -15,7 +15,7 @@ from asyncpp.core.batches import BatchPlan
 from launch.megatron_flags import translate
 
 SMALL = ["model=tiny_dense", "logging=disabled", "logging.progress=false", "train.eval_every=0", "train.steps=2",
-         "train.micro_batch_size=2", "train.num_microbatches=4", "train.seq_len=32", "schedule=sync",
+         "train.micro_batch_size=2", "train.seq_len=32", "schedule=sync",
          "optimizer=adamw", "checkpoint.enabled=false"]
 
 
@@ -33,15 +33,16 @@ def samples_of(cfg, step: int) -> range:
 def test_the_global_batch_is_fixed_by_default_and_per_replica_when_stated():
     one, _ = resolved("parallel.dp=1")
     two, _ = resolved("parallel.dp=2")
-    assert one.train.global_batch_size == two.train.global_batch_size == 8  # mbs 2 x 4 microbatches
+    assert one.train.global_batch_size == two.train.global_batch_size == 8  # mbs 2 x DEFAULT_MICROBATCHES 4
     assert (one.train.num_microbatches, two.train.num_microbatches) == (4, 2)
     assert [samples_of(one, t) for t in range(2)] == [samples_of(two, t) for t in range(2)] == [range(8), range(8, 16)]
     grown, _ = resolved("parallel.dp=2", "train.batch_scaling=per_replica")
     assert (grown.train.global_batch_size, grown.train.num_microbatches) == (16, 4)
-    explicit, _ = resolved("parallel.dp=2", "train.num_microbatches=null", "train.global_batch_size=8")
+    stated, _ = resolved("parallel.dp=2", "train.num_microbatches=4")  # a given m is per replica
+    assert (stated.train.global_batch_size, stated.train.num_microbatches) == (16, 4)
+    explicit, _ = resolved("parallel.dp=2", "train.global_batch_size=8")
     assert explicit.train == two.train  # Megatron's --global-batch-size says the same
-    with pytest.raises(ConfigError, match=r"train.num_microbatches=4 with train.batch_scaling=fixed .* dp=3 .* use "
-                                          r"train.num_microbatches=3 or 6"):
+    with pytest.raises(ConfigError, match=r"train.global_batch_size=8 is not a multiple of .* dp=3"):
         resolved("parallel.dp=3")
 
 
