@@ -210,7 +210,8 @@ def run(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | None = None) ->
     summary = {}
     try:
         executor = ReferenceExecutor(cfg, model, optimizer, data)
-        metrics.message(simulator_run_report(executor.sim, model_cfg, cfg).table())
+        plan = simulator_run_report(executor.sim, model_cfg, cfg)
+        report_memory_plan(cfg.out_dir, [(0, plan.table(), plan.total)], metrics.message)
         trainer = Trainer(cfg, executor, metrics, stop=stop)
         trainer.resume()
         summary = trainer.run()
@@ -337,14 +338,30 @@ def _run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | No
         dist.destroy_process_group()
 
 
+MEMORY_PLAN_FILE = "memory_plan.txt"
+
+
+def report_memory_plan(out_dir: str | Path, plans: list[tuple[int, str, int]], message) -> None:
+    """Every stage's memory table ((stage, table, total bytes) each) to <out_dir>/memory_plan.txt, and one line to
+    the console: a 25-line table per stage at every start buried the run's own output (issue 47)."""
+    plans = sorted(plans)
+    path = Path(out_dir) / MEMORY_PLAN_FILE
+    path.write_text("\n\n".join(table for _, table, _ in plans) + "\n")
+    totals = [total / 2**30 for _, _, total in plans]
+    largest = max(range(len(totals)), key=totals.__getitem__)
+    per_stage = f" (per stage: {', '.join(f'{t:.2f}' for t in totals)})" if len(totals) > 1 else ""
+    message(f"memory plan: largest stage {largest}, {totals[largest]:.2f} GiB per rank{per_stage}; "
+            f"the tables: {path}")
+
+
 def _print_stage_memory(mesh, run, metrics) -> None:
-    """Every stage's memory table (tp/dp rank 0 of each), printed once by the metrics rank. Collective."""
+    """Every stage's memory plan (tp/dp rank 0 of each), reported once by the metrics rank. Collective."""
     mine = run.memory_plan()
-    tables = [None] * dist.get_world_size()
+    plans = [None] * dist.get_world_size()
     with naming_the_peer(mesh, "every stage's memory table (all_gather)", run.cfg.train.timeout_s):
-        dist.all_gather_object(tables, mine.table() if mesh.dp_rank == 0 and mesh.tp_rank == 0 else None)
+        dist.all_gather_object(plans, (mesh.pp_rank, mine.table(), mine.total) if mesh.dp_rank == 0 and mesh.tp_rank == 0 else None)
     if metrics is not None:
-        metrics.message("\n".join(t for t in tables if t is not None))
+        report_memory_plan(run.cfg.out_dir, [p for p in plans if p is not None], metrics.message)
 
 
 def run_dry(cfg: RunConfig, model_cfg: ModelConfig, echo=print) -> list[dict]:

@@ -64,7 +64,7 @@ def start(run: Path) -> tuple[subprocess.Popen, set[int]]:
     cmd = [sys.executable, "-m", "launch.local", "--nproc-per-node", "2", "--", *SMALL, f"hydra.run.dir={run}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
-    deadline = time.monotonic() + 400
+    deadline = time.monotonic() + 900  # the first step of a 2-rank CPU job: seconds when idle, minutes at load 30
     metrics = run / "metrics.jsonl"
     while not (metrics.exists() and metrics.read_text().strip()):
         if proc.poll() is not None or time.monotonic() > deadline:
