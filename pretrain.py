@@ -56,6 +56,10 @@ def main(dcfg: DictConfig) -> float:
         set_mmap_threshold(cfg.train.host_mmap_threshold)
         set_trim_threshold(cfg.train.host_trim_threshold)
         summary = (job.run_distributed if distributed else job.run)(cfg, model_cfg, STOP)
+    except preflight.RunComplete as e:  # a rerun of a finished command: one line, exit 0
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(e, flush=True)
+        return float("nan")
     except ConfigError as e:  # raised before any model or process group exists
         return point_failed(preflight.EXIT_CONFIG_ERROR, f"config error: {e}")  # distinct from a crash (1)
     except (TrainingAborted, NonFiniteUpdate) as e:  # every rank raises it at the same step: no hang, no traceback
@@ -177,6 +181,7 @@ def run_main() -> None:
 
 if __name__ == "__main__":
     check_environment()
+    sys.argv[1:] = job.quote_paths(sys.argv[1:])  # a run directory as printed, for checkpoint.resume=
     check_command_line(sys.argv[1:])
     _quiet_hydra_on_other_ranks()
     install_stop()

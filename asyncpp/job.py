@@ -48,6 +48,7 @@ from asyncpp.pipeline.executor import PipelineExecutor
 from asyncpp.pipeline.p2p import naming_the_peer
 from asyncpp.reference.executor import ReferenceExecutor
 from asyncpp.train import preflight
+from asyncpp.train.checkpoint import resume_target
 from asyncpp.train.metrics import MetricsLogger
 from asyncpp.train.preemption import StopFlag
 from asyncpp.train.run_identity import register_resolvers
@@ -72,6 +73,8 @@ def resolve(container: dict, world_size: int = 1) -> tuple[RunConfig, ModelConfi
     from it first, so what depends on dp (train.global_batch_size's microbatch count) is checked at the
     real layout, still before any process group exists."""
     cfg = RunConfig.from_dict(container)
+    resume = resume_target(cfg.checkpoint.resume)  # a run directory as printed -> its newest checkpoint
+    cfg = cfg.replace(checkpoint=dataclasses.replace(cfg.checkpoint, resume=resume))
     overrides = check_partial(ModelConfig, cfg.model.overrides or {}, "model.overrides")  # types, before values
     try:
         model_cfg = get_model_config(cfg.model.name, **overrides)
@@ -88,9 +91,24 @@ def resolve(container: dict, world_size: int = 1) -> tuple[RunConfig, ModelConfi
     return with_head_resolved(cfg, model_cfg), model_cfg
 
 
+#: Overrides whose value is a path that may be a run directory's name, which holds '=' and ',' (hydra's syntax).
+PATH_KEYS = ("checkpoint.resume", "checkpoint.dir", "out_dir", "hydra.run.dir")
+
+
+def quote_paths(overrides: list[str]) -> list[str]:
+    """`checkpoint.resume=outputs/model=x,train.steps=4` as printed -> the quoted form hydra parses as one value
+    (`checkpoint.resume='outputs/model=x,train.steps=4'`); a quoted value, or one without '=' ',' or a space, as is."""
+    out = []
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        needs = any(ch in value for ch in "=, ") and value[:1] not in ("'", '"') and "'" not in value
+        out.append(f"{key}='{value}'" if eq and key.lstrip("+~") in PATH_KEYS and needs else o)
+    return out
+
+
 def compose(overrides: list[str] | None = None) -> dict:
     """The composed config as a plain dict, without running the hydra app (used by tests and tools)."""
-    overrides = list(overrides or [])
+    overrides = quote_paths(list(overrides or []))
     if not any(o.startswith("out_dir=") for o in overrides):
         overrides.append("out_dir=outputs/compose")
     try:
@@ -183,6 +201,9 @@ def build_data(cfg: RunConfig, model_cfg: ModelConfig):
 
 def run(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | None = None) -> dict:
     """Build everything from a validated config and train. Returns the run summary."""
+    done = preflight.completed(cfg)
+    if done:
+        raise preflight.RunComplete(done)
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.train.device)
     data = build_data(cfg, model_cfg)
@@ -195,7 +216,8 @@ def run(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | None = None) ->
     summary = {}
     try:
         executor = ReferenceExecutor(cfg, model, optimizer, data)
-        metrics.message(simulator_run_report(executor.sim, model_cfg, cfg).table())
+        plan = simulator_run_report(executor.sim, model_cfg, cfg)
+        report_memory_plan(cfg.out_dir, [(0, plan.table(), plan.total)], metrics.message)
         trainer = Trainer(cfg, executor, metrics, stop=stop)
         trainer.resume()
         summary = trainer.run()
@@ -277,9 +299,11 @@ def _run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | No
     try:
         mesh = mesh_for(cfg, model_cfg, dims, device)
         timeout = cfg.train.timeout_s
-        shared = [cfg.out_dir]
+        shared = [cfg.out_dir, preflight.completed(cfg) if mesh.rank == 0 else None]
         with naming_the_peer(mesh, "rank 0's run directory (broadcast)", timeout):
             dist.broadcast_object_list(shared, src=0)  # one run directory, rank 0's (hydra's ${now} differs)
+        if shared[1]:  # every rank leaves together: none waits at a collective for a rank that has gone
+            raise preflight.RunComplete(shared[1])
         cfg = cfg.replace(out_dir=shared[0])
         recorder.dump_dir = Path(cfg.out_dir) / flight.DUMP_DIR
         if mesh.rank != 0:
@@ -335,14 +359,30 @@ DELIBERATE = (ConfigError, TrainingAborted, NonFiniteUpdate)
 (asyncpp/parallel/failfast.py)."""
 
 
+MEMORY_PLAN_FILE = "memory_plan.txt"
+
+
+def report_memory_plan(out_dir: str | Path, plans: list[tuple[int, str, int]], message) -> None:
+    """Every stage's memory table ((stage, table, total bytes) each) to <out_dir>/memory_plan.txt, and one line to
+    the console: a 25-line table per stage at every start buried the run's own output (issue 47)."""
+    plans = sorted(plans)
+    path = Path(out_dir) / MEMORY_PLAN_FILE
+    path.write_text("\n\n".join(table for _, table, _ in plans) + "\n")
+    totals = [total / 2**30 for _, _, total in plans]
+    largest = max(range(len(totals)), key=totals.__getitem__)
+    per_stage = f" (per stage: {', '.join(f'{t:.2f}' for t in totals)})" if len(totals) > 1 else ""
+    message(f"memory plan: largest stage {largest}, {totals[largest]:.2f} GiB per rank{per_stage}; "
+            f"the tables: {path}")
+
+
 def _print_stage_memory(mesh, run, metrics) -> None:
-    """Every stage's memory table (tp/dp rank 0 of each), printed once by the metrics rank. Collective."""
+    """Every stage's memory plan (tp/dp rank 0 of each), reported once by the metrics rank. Collective."""
     mine = run.memory_plan()
-    tables = [None] * dist.get_world_size()
+    plans = [None] * dist.get_world_size()
     with naming_the_peer(mesh, "every stage's memory table (all_gather)", run.cfg.train.timeout_s):
-        dist.all_gather_object(tables, mine.table() if mesh.dp_rank == 0 and mesh.tp_rank == 0 else None)
+        dist.all_gather_object(plans, (mesh.pp_rank, mine.table(), mine.total) if mesh.dp_rank == 0 and mesh.tp_rank == 0 else None)
     if metrics is not None:
-        metrics.message("\n".join(t for t in tables if t is not None))
+        report_memory_plan(run.cfg.out_dir, [p for p in plans if p is not None], metrics.message)
 
 
 def trace_dry_run(cfg: RunConfig, model_cfg: ModelConfig, reports: list[dict], build_optimizer, echo) -> None:

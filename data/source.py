@@ -203,6 +203,25 @@ class IndexedDataSource:
             return np.stack([train.dataset_index[lo:hi], train.dataset_sample_index[lo:hi]], axis=1).astype(np.int64)
         return np.stack([np.zeros(hi - lo, np.int64), train.shuffle_index[lo:hi]], axis=1).astype(np.int64)
 
+    def order_digest(self, samples: int) -> str:
+        """sha256 of what the train samples [0, samples) are made of (for a blend: which dataset and sample; for each
+        GPTDataset: its document, sample and shuffle indices). Equal digests: the same first `samples` samples.
+        megatron-core shuffles over every epoch a dataset is built for, so a longer run whose sample count needs
+        more epochs reads even its first samples in another order; within the same epochs the order is the same."""
+        train = self.datasets()[0]
+        digest = hashlib.sha256()
+        parts = [train]
+        if hasattr(train, "dataset_index"):  # a blend: its own index is a prefix-stable greedy by weight
+            digest.update(np.ascontiguousarray(train.dataset_index[:samples]).tobytes())
+            digest.update(np.ascontiguousarray(train.dataset_sample_index[:samples]).tobytes())
+            parts = list(train.datasets)
+        for dataset in parts:
+            if dataset.shuffle_index is None:  # megatron maps its .npy indices lazily, on the first read
+                dataset[0]
+            for index in (dataset.document_index, dataset.sample_index, dataset.shuffle_index):
+                digest.update(np.ascontiguousarray(index).tobytes())
+        return digest.hexdigest()[:24]
+
     def val_batches(self) -> list[Tensor]:
         """The first eval_samples validation samples as full microbatches; the same every evaluation."""
         if self._val is None:

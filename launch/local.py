@@ -13,13 +13,22 @@ because torchrun retries every failure alike, and reports 1 for any of them (a S
 pretrain.py leaves the reason of a deliberate exit in $ASYNCPP_EXIT_FILE (asyncpp/train/run_identity.py):
 a config error (2, before any process group) fails again at once and a divergence (3) again at the same
 step, so neither is retried, and a stop on purpose (143: SIGTERM/Ctrl-C, checkpointed) returns 143.
+
+Stops: a SIGTERM (or SIGINT, SIGUSR1) to this launcher is forwarded to torchrun, which forwards it to the ranks;
+they checkpoint at a step boundary and exit, and the launcher waits for that, then says "stopped at step N,
+checkpointed; rerun <command> to resume" and exits 143. torchrun runs with PR_SET_PDEATHSIG = SIGTERM: if the
+launcher itself is killed (SIGKILL, an OOM kill) torchrun gets the same orderly stop instead of training on as an
+orphan.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -68,10 +77,65 @@ def command(
     ]
 
 
-def run_with_restarts(cmd: list[str], max_restarts: int, *, run: Callable = subprocess.run,
-                      echo: Callable[[str], None] = print) -> int:
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+"""Signals the launcher passes on to torchrun (which passes them to the ranks: a checkpointed stop)."""
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_launcher(launcher: int) -> Callable[[], None]:
+    """preexec_fn for torchrun: SIGTERM when the launcher dies, however it dies (Linux; elsewhere a no-op)."""
+    def arm() -> None:
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher:  # the launcher died before the prctl: stop at once, as it would have
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arm
+
+
+class Forwarding:
+    """subprocess.run's shape (cmd, cwd, env, check) -> CompletedProcess, with this process's stop signals passed
+    on to the child while it runs and the child tied to this process's life. `stopped` records a forwarded stop."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def __call__(self, cmd: list[str], cwd, env, check: bool = False) -> subprocess.CompletedProcess:
+        # A session of its own: a terminal's Ctrl-C reaches the launcher only, which passes it on once (torchrun
+        # and the ranks would otherwise get it twice, and a second signal means "exit now, no checkpoint").
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True,
+                                preexec_fn=_die_with_launcher(os.getpid()))  # noqa: PLW1509 - no threads here
+
+        def forward(signum, frame) -> None:
+            self.stopped = True
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+        previous = {s: signal.signal(s, forward) for s in FORWARDED}
+        try:
+            while True:
+                try:
+                    return subprocess.CompletedProcess(cmd, proc.wait())
+                except InterruptedError:  # (PEP 475 retries the wait itself; kept for a handler that raises it)
+                    continue
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def stopped_line(meant: tuple[int, str] | None, rerun: str) -> str:
+    """The launcher's last line after a checkpointed stop: the step (from pretrain.py's message) and the command."""
+    found = re.search(r"step (\d+)", meant[1]) if meant is not None else None
+    at = f"stopped at step {found.group(1)}, checkpointed" if found else "stopped (checkpointed at the last step boundary)"
+    return f"[launch.local] {at}; rerun `{rerun}` to resume (exit {EXIT_STOPPED})"
+
+
+def run_with_restarts(cmd: list[str], max_restarts: int, *, run: Callable | None = None,
+                      echo: Callable[[str], None] = print, rerun: str = "the same command") -> int:
     """Run `cmd` until it succeeds, stops on purpose, fails with a config error or diverges, or has failed
-    1 + `max_restarts` times. Returns the exit code pretrain.py meant (2, 3, 4, 143), else the last attempt's."""
+    1 + `max_restarts` times. Returns the exit code pretrain.py meant (2, 3, 4, 143), else the last attempt's.
+    `run` defaults to Forwarding() (stop signals passed on, no orphan); `rerun` is the command the stop line
+    names."""
+    run = Forwarding() if run is None else run
     with tempfile.TemporaryDirectory(prefix="asyncpp-launch-") as tmp:
         marker = Path(tmp) / "exit"
         env = {**os.environ, EXIT_FILE_ENV: str(marker)}
@@ -85,8 +149,8 @@ def run_with_restarts(cmd: list[str], max_restarts: int, *, run: Callable = subp
             if meant is not None and meant[0] in (EXIT_CONFIG_ERROR, EXIT_DIVERGED, EXIT_NO_SPACE):
                 echo(f"[launch.local] {meant[1]}\n[launch.local] exit {meant[0]}: not retried")
                 return meant[0]
-            if rc in STOPPED or (meant is not None and meant[0] == EXIT_STOPPED):
-                echo(f"[launch.local] stopped (exit {EXIT_STOPPED}); rerun the same command to resume")
+            if rc in STOPPED or (meant is not None and meant[0] == EXIT_STOPPED) or getattr(run, "stopped", False):
+                echo(stopped_line(meant, rerun))
                 return EXIT_STOPPED
             if attempt < max_restarts:
                 echo(f"[launch.local] attempt {attempt + 1} failed (exit {rc}); restart {attempt + 1} of "
@@ -134,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_restarts:
             print(f"# rerun up to {args.max_restarts} times after a failure (not after a config error, exit 2)")
         return 0
-    return run_with_restarts(cmd, args.max_restarts)
+    rerun = shlex.join([Path(sys.executable).name, "-m", "launch.local", *(sys.argv[1:] if argv is None else argv)])
+    return run_with_restarts(cmd, args.max_restarts, rerun=rerun)
 
 
 if __name__ == "__main__":

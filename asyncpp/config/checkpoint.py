@@ -25,7 +25,8 @@ class CheckpointConfig:
     """Warn at start (after the first steps, from their time) when a crash could lose more than this much work."""
     keep_last: int = 3
     resume: str = "auto"
-    """'auto' = the newest complete checkpoint in `dir` if there is one, 'none', or a step_* path."""
+    """'auto' = the newest complete checkpoint in `dir` if there is one, 'none', a step_* path, or a run directory
+    (its newest; quoted for hydra where the name holds '=' or ',', which pretrain.py does itself)."""
     enabled: bool = True
     """Write checkpoints (resuming is governed by `resume` alone)."""
     async_save: bool = False
@@ -44,5 +45,6 @@ def check_checkpoint(cfg: RunConfig, model: ModelLimits) -> None:
             raise ConfigError(f"checkpoint.{name}={getattr(c, name)} must be >= 0 (0 = off)")
     if c.resume not in ("auto", "none") and not c.resume.rstrip("/").split("/")[-1].startswith("step_"):
         raise ConfigError(
-            f"checkpoint.resume={c.resume!r} must be 'auto', 'none' or a path to a step_* checkpoint directory"
+            f"checkpoint.resume={c.resume!r} must be 'auto', 'none', a path to a step_* checkpoint directory, or a "
+            "run directory that holds checkpoints (outputs/<name>: its newest); this path holds no complete checkpoint"
         )

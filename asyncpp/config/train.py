@@ -32,7 +32,14 @@ class TrainConfig:
     DEFAULT_MICROBATCHES. Read it from a validated config (RunConfig.validate fills it in)."""
     global_batch_size: int | None = None
     """Sequences per optimizer step over all DP replicas (Megatron's --global-batch-size); m is derived as
-    global_batch_size / (micro_batch_size x dp), which must divide it. None = micro_batch_size x m x dp."""
+    global_batch_size / (micro_batch_size x dp), which must divide it. None: see batch_scaling."""
+    batch_scaling: Literal["fixed", "per_replica"] = "per_replica"
+    """The batch when neither num_microbatches nor global_batch_size is given: "fixed" (Megatron; configs/
+    pretrain.yaml's default, so every command line's) fixes global_batch_size = micro_batch_size x
+    DEFAULT_MICROBATCHES, whatever dp is (each replica runs its share); "per_replica" runs DEFAULT_MICROBATCHES on
+    every replica, so the global batch grows with dp (the behaviour before issue 47). A given num_microbatches is
+    always per replica (m), a given global_batch_size always global. The Python default stays per_replica: configs
+    built in code (tests, tools) keep the meaning they were written with."""
     batch_rampup: tuple[int, int, int] | None = None
     """[start, increment, samples]: Megatron's --rampup-batch-size. The global batch starts at `start` sequences
     and grows by `increment` every samples / ((global_batch_size - start) / increment) consumed samples until it
@@ -87,7 +94,10 @@ class TrainConfig:
         # Without a global batch size the microbatch count needs no dp: fill it in at once, so a config built
         # in Python without validate() still reads a number. With one, validate() derives it from dp.
         if self.num_microbatches is None and self.global_batch_size is None:
-            self.num_microbatches = DEFAULT_MICROBATCHES
+            if self.batch_scaling == "fixed":  # Megatron: one global batch for every dp (validate() derives m)
+                self.global_batch_size = self.micro_batch_size * DEFAULT_MICROBATCHES
+            else:
+                self.num_microbatches = DEFAULT_MICROBATCHES
 
 
 def derive_num_microbatches(t: TrainConfig, dp: int) -> int:

@@ -397,10 +397,11 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_micro
 
 def error_feedback_scratch_bytes(masters: Sequence[Tensor], ef_lambda: float) -> int:
     """What ErrorFeedback.apply (core/staleness.py) holds above the EF buffer inside UPDATE: it runs one parameter at
-    a time, and for the largest one the new u_t exists next to the u_{t-1} it replaces, plus with λ != 0 the
-    temporary u_t - u_{t-1}: one or two copies of the largest parameter, in the masters' dtype."""
+    a time, and for the largest one the new u_t exists next to the u_{t-1} it replaces, plus the temporary
+    u_t - u_{t-1}: two copies of the largest parameter, in the masters' dtype. With λ = 0 it does nothing (and there
+    is no buffer): 0."""
     largest = max((q.numel() * q.element_size() for q in masters), default=0)
-    return largest * (2 if ef_lambda else 1)
+    return 2 * largest if ef_lambda else 0
 
 
 @dataclass(frozen=True)

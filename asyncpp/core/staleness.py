@@ -27,7 +27,10 @@ class ErrorFeedback:
     The buffer is refreshed on every step that takes an update, synchronous ones included, so that
     the first delayed step after a synchronous start corrects against the real previous update.
     The correction itself is applied only to delayed parameters (`delayed[i]`); with lam == 0 the
-    parameters are never touched, so the result is bit-identical to plain delayed training.
+    parameters are never touched, so the result is bit-identical to plain delayed training, and there is no
+    buffer at all: u_{t-1} is read only by the correction, and a zero copy of the stage's masters would be memory
+    for nothing (a full fp32 copy of the stage under mixed precision). A checkpoint of a lam == 0 run therefore
+    holds no u_{t-1}; a run resumed from it with lam > 0 starts EF from u_{t-1} := 0, as from step 0.
     """
 
     def __init__(self, params: Sequence[Tensor], lam: float):
@@ -35,16 +38,18 @@ class ErrorFeedback:
             raise ValueError(f"staleness.ef_lambda={lam} must be >= 0")
         self.lam = lam
         self.params = list(params)
-        self.prev_update = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
+        self.prev_update = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params] if lam else []
 
     @torch.no_grad()
     def apply(self, before: Sequence[Tensor], delayed: Sequence[bool]) -> None:
         """Call right after the base optimizer step; `before[i]` holds x_t of `params[i]`."""
+        if self.lam == 0.0:
+            return
         # One parameter at a time: a whole new set of u_t next to u_{t-1} would be a second EF buffer at the
         # update's peak (the memory plan counts one). Per element the same subtractions as before.
         for i, (p, x, is_delayed) in enumerate(zip(self.params, before, delayed, strict=True)):
             u = x - p  # u_t = x_t - (x_t - u_t)
-            if self.lam != 0.0 and is_delayed:
+            if is_delayed:
                 p.sub_(u - self.prev_update[i], alpha=self.lam)
             self.prev_update[i] = u
 

@@ -109,9 +109,12 @@ class UpdateRule:
     # ---- Stateful (torch.distributed.checkpoint.stateful): the rule's part of a checkpoint --------------
     def state_dict(self) -> dict[str, list[Tensor]]:
         """The per-parameter state a checkpoint must hold besides weights and optimizer, by its key prefix
-        (asyncpp/train/checkpoint/state.py StageState.buffers), aligned with `masters`: u_{t-1} always, g_{t-1}
-        when gradient-level EF is on. The rule's own tensors: a load writes them in place."""
-        out = {"ef": self.error_feedback.prev_update}
+        (asyncpp/train/checkpoint/state.py StageState.buffers), aligned with `masters`: u_{t-1} when update-level
+        EF is on, g_{t-1} when gradient-level EF is on (off, neither buffer exists). The rule's own tensors: a load
+        writes them in place."""
+        out = {}
+        if self.corrections.ef_lambda:
+            out["ef"] = self.error_feedback.prev_update
         if self.corrections.grad_ef_lambda:
             out["gef"] = self.grad_error_feedback.prev_grad
         return out

@@ -37,6 +37,7 @@ from model_zoo import ModelConfig, build_model
 
 __all__ = [
     "EXIT_CONFIG_ERROR",
+    "RunComplete",
     "check",
     "check_data",
     "check_device",
@@ -45,6 +46,7 @@ __all__ = [
     "check_environment",
     "check_resume",
     "checkpoint_bytes",
+    "completed",
     "config_differences",
 ]
 
@@ -371,9 +373,10 @@ def check_disk_space(cfg: RunConfig, per_checkpoint: int, point: tuple[Path, int
 # so a resume under it would continue a history it is not.
 INCOMPATIBLE = ("model.", "optimizer.name", "schedule.name", "seed", "data.name", "data.blend", "data.split",
                 "data.tokenizer", "train.seq_len")
-# Where and how a run goes; never reported. The batch shape is checked against the data position.
+# Where and how a run goes; never reported. The batch shape is checked against the data position (and
+# train.batch_scaling only fills in global_batch_size, which a saved, validated config already holds).
 IGNORED = ("out_dir", "dry_run", "dry_run_trace", "dry_run_stage", "logging.", "checkpoint.", "parallel.", "data.cache_dir", "train.device",
-           "train.timeout_s", "train.compile", "train.backend", "train.allow_oversubscribe")
+           "train.timeout_s", "train.compile", "train.backend", "train.allow_oversubscribe", "train.batch_scaling")
 
 
 def _leaves(tree, prefix: str = "") -> Iterator[tuple[str, object]]:
@@ -481,15 +484,34 @@ def check_resume(cfg: RunConfig, warn: Warn = _stderr) -> tuple[Path, int] | Non
             f"checkpoint.resume={cfg.checkpoint.resume} found {path} (step {step}), which was saved with another "
             f"{keys}; it cannot be resumed by this run. Differences: {listing}. Rerun with the checkpoint's "
             "values, or start a new run (another logging.run_name, or checkpoint.resume=none)")
-    if cfg.train.steps <= step:
+    if cfg.train.steps < step:
         raise ConfigError(
             f"train.steps={cfg.train.steps}, but the checkpoint to resume from ({path}, checkpoint.resume="
-            f"{cfg.checkpoint.resume}) is at step {step}: this run is already complete. Raise train.steps above "
-            f"{step} to train further, or start afresh under another logging.run_name")
+            f"{cfg.checkpoint.resume}) is at step {step}: a run cannot be shortened. Raise train.steps to {step} "
+            f"(it is complete) or above {step} to train further, or start afresh under another logging.run_name")
+    if cfg.train.steps == step:  # a rerun of a finished command: job.run* says so and pretrain.py exits 0
+        return path, step
     check_data_position(cfg, path, manifest)
     if differences:
         warn(f"warning: resuming {path} (step {step}) with a changed config: {listing}")
     return path, step
+
+
+class RunComplete(Exception):
+    """The checkpoint a run resumes from is at train.steps: nothing to train (pretrain.py: one line, exit 0)."""
+
+
+def completed(cfg: RunConfig) -> str | None:
+    """The line that says so when the checkpoint this run would resume from is at train.steps, else None. Plain
+    files, no collective: under torchrun rank 0 (which knows the run directory) asks and tells the others."""
+    c = cfg.checkpoint
+    if c.resume == "none":
+        return None
+    path = ckpt.latest_intact(ckpt.checkpoint_root(cfg)) if c.resume == "auto" else Path(c.resume)
+    if path is None or not ckpt.is_complete(path) or ckpt.read_manifest(path).get("step") != cfg.train.steps:
+        return None
+    return (f"run complete: {cfg.out_dir} is at step {cfg.train.steps} = train.steps ({path}); nothing to train. "
+            f"To continue it, rerun the same command with a larger train.steps")
 
 
 def check_data_position(cfg: RunConfig, path: Path, manifest: dict) -> None:

@@ -71,9 +71,13 @@ MAX_NAME = 120
 
 # Overrides that say how or where a run goes, not what it trains: they leave the name alone, so the
 # same run can be resumed from another device, with another checkpoint cadence or another logger.
+# train.steps is how far a run goes, not which run it is (Megatron's --train-iters beside a fixed --save): the same
+# command with a larger train.steps continues the run in its directory (its checkpoints, metrics, data order).
+# Inside a sweep it still names each job (SWEEP_ONLY), so that `-m train.steps=100,200` gives two directories.
 NEUTRAL = ("hydra.", "logging.", "out_dir", "dry_run", "dry_run_trace", "dry_run_stage", "checkpoint.resume",
            "checkpoint.every", "checkpoint.keep_last", "checkpoint.async_save", "checkpoint.enabled", "train.device",
-           "train.timeout_s", "train.compile", "train.allow_oversubscribe")
+           "train.timeout_s", "train.compile", "train.allow_oversubscribe", "train.steps")
+SWEEP_ONLY = ("train.steps",)
 _SAFE = re.compile(r"[^A-Za-z0-9_.,=+@-]")
 
 
@@ -82,14 +86,17 @@ def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~").replace("/", ".")
 
 
-def is_neutral(override: str) -> bool:
+def is_neutral(override: str, sweep: bool = False) -> bool:
     key = _key(override)
+    if sweep and key in SWEEP_ONLY:
+        return False
     return any(key == n.rstrip(".") or n.endswith(".") and key.startswith(n) for n in NEUTRAL)
 
 
-def derived_name(overrides: Iterable[str]) -> str:
-    """The name of a run whose command line has these hydra overrides (order does not matter)."""
-    kept = sorted(str(o) for o in overrides if not is_neutral(str(o)))
+def derived_name(overrides: Iterable[str], sweep: bool = False) -> str:
+    """The name of a run whose command line has these hydra overrides (order does not matter); `sweep`: of one
+    job of a sweep (SWEEP_ONLY keys then count)."""
+    kept = sorted(str(o) for o in overrides if not is_neutral(str(o), sweep))
     if not kept:
         return DEFAULT_NAME
     name = _SAFE.sub("_", ",".join(kept)).strip(".")
@@ -111,11 +118,11 @@ def _unset(explicit: str | None) -> bool:
     return explicit is None or str(explicit).strip() in ("", "None", "null")
 
 
-def run_name(explicit: str | None, overrides: Iterable[str] = ()) -> str:
+def run_name(explicit: str | None, overrides: Iterable[str] = (), sweep: bool = False) -> str:
     """`explicit` (logging.run_name) made one safe directory name ("sync vs 2bw" -> "sync_vs_2bw"), or,
-    when it is unset, derived_name(overrides)."""
+    when it is unset, derived_name(overrides, sweep)."""
     if _unset(explicit):
-        return derived_name(overrides)
+        return derived_name(overrides, sweep)
     return _SAFE.sub("_", str(explicit).strip()).strip(".") or DEFAULT_NAME
 
 
@@ -125,10 +132,14 @@ def sweep_name(explicit: str | None) -> str:
 
 
 def register_resolvers() -> None:
-    """${asyncpp.run_name:<logging.run_name>,<hydra.overrides.task>} and ${asyncpp.sweep_name:<run_name>}
-    for configs/pretrain.yaml. Call before hydra composes the config; idempotent."""
+    """${asyncpp.run_name:<logging.run_name>,<hydra.overrides.task>}, ${asyncpp.job_name:...} (one job of a sweep)
+    and ${asyncpp.sweep_name:<run_name>} for configs/pretrain.yaml. Call before hydra composes the config;
+    idempotent."""
     from omegaconf import OmegaConf
 
     OmegaConf.register_new_resolver("asyncpp.run_name", lambda explicit, overrides=(): run_name(explicit, overrides),
+                                    replace=True)
+    OmegaConf.register_new_resolver("asyncpp.job_name",
+                                    lambda explicit, overrides=(): run_name(explicit, overrides, sweep=True),
                                     replace=True)
     OmegaConf.register_new_resolver("asyncpp.sweep_name", sweep_name, replace=True)

@@ -98,3 +98,31 @@ def test_layerless_stages_run_their_training_step_in_the_dry_run(tmp_path):
             assert {"U00", "U01", "U0"} <= set(traced) and any(a.startswith("S") for a in traced), traced
             # only vocabulary rows (and the last stage's final norm)
             assert set(r["shards"]) == {"lm_head.weight"} | ({"norm.weight"} if r["stage"] == 5 else set())
+
+
+def _rows(report: dict) -> dict[str, int]:
+    """name -> bytes, the name up to its first " (" or " of" (the shape and count details)."""
+    return {i["name"].split(" (")[0].split(" of ")[0]: i["bytes"] for i in report["memory"]["items"]}
+
+
+@pytest.mark.parametrize("extra", [[], ["parallel.dp=2", "parallel.distributed_optimizer=true"]], ids=["pp", "zero1"])
+def test_no_error_feedback_buffer_at_lambda_zero(extra, tmp_path):
+    """ef_lambda=0 allocates no u_{t-1} (ErrorFeedback never reads it) and the plan agrees: the same layout at λ=1
+    holds one fp32 copy of the parameters this rank updates (its ZeRO-1 share with the distributed optimizer), and
+    every other held item is unchanged; the total drops by the buffer, plus the update's EF scratch where UPDATE is
+    the peak action."""
+    base = ["model=tiny_hybrid", "parallel.pp=2", "train.precision=bf16", "optimizer=adamw", *extra]
+    on = dry(base + [f"dry_run={2 * (2 if extra else 1)}", "staleness.ef_lambda=1.0"], tmp_path / "on")
+    off = dry(base + [f"dry_run={2 * (2 if extra else 1)}", "staleness.ef_lambda=0"], tmp_path / "off")
+    assert len(on) == len(off) == 2
+    for a, b in zip(on, off):
+        rows_on, rows_off = _rows(a), _rows(b)
+        assert rows_off["error feedback buffer"] == 0 and rows_off["update scratch: error feedback's u_t"] == 0
+        owned = rows_on["fp32 master weights"]  # the masters this rank steps (a DP share under ZeRO-1)
+        assert rows_on["error feedback buffer"] == owned > 0
+        if extra:
+            assert owned < 4 * a["params"]  # the buffer really is sharded: the mechanism under test ran
+        same = {k: v for k, v in rows_on.items() if not k.startswith(("error feedback", "update scratch: error"))}
+        assert same == {k: v for k, v in rows_off.items() if k in same}
+        drop = a["memory"]["total_bytes"] - b["memory"]["total_bytes"]
+        assert owned <= drop <= owned + rows_on["update scratch: error feedback's u_t"]

@@ -4,6 +4,8 @@ torch.cuda.max_memory_allocated is in tests/gpu/test_gpu_backends.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -290,3 +292,30 @@ def test_error_feedback_scratch_is_what_its_apply_allocates(lam):
             ef.apply(before, [True] * len(params))
             tracer.end()
         assert tracer.actions[0].peak_bytes - held == error_feedback_scratch_bytes(params, lam), sizes
+
+
+def test_error_feedback_off_holds_no_buffer_and_the_plan_agrees():
+    """λ = 0: ErrorFeedback keeps no u_{t-1}, its apply leaves the parameters and allocates nothing, the checkpoint
+    part has no "ef" key, and the simulator's report counts every tensor it keeps with an EF row of 0."""
+    params = [torch.randn(7), torch.randn(3, 5)]
+    ef = ErrorFeedback(params, 0.0)
+    assert ef.prev_update == []
+    after = [p.clone() for p in params]
+    before = [p + 1 for p in params]
+    ef.apply(before, [True, True])
+    assert all(torch.equal(p, a) for p, a in zip(params, after)) and ef.prev_update == []
+    assert error_feedback_scratch_bytes(params, 0.0) == 0 < error_feedback_scratch_bytes(params, 1.0)
+    on = sim_config("bf16")
+    cfg = dataclasses.replace(on, staleness=dataclasses.replace(on.staleness, ef_lambda=0.0))
+    torch.manual_seed(0)
+    model = build_model(get_model_config("tiny_hybrid"))
+    sim = build_simulator(cfg, model, build_from_config(model, cfg.optimizer))
+    tokens = torch.randint(0, 8192, (2, 17))
+    for t in range(2):
+        sim.step(t, [tokens, tokens])
+    assert "ef" not in sim.rule.state_dict()
+    report = simulator_report(sim, activation_bytes_per_mb=0, title="")
+    assert report.get("error feedback") == 0
+    kept = list(sim.params) + [x for v in sim.history for x in v] + list(sim.masters) + \
+        [v for o in sim.optimizer.optimizers.values() for s in o.state.values() for v in s.values()]
+    assert sum(i.nbytes for i in report.items if i.how == ALLOCATED) == storage_bytes(kept)

@@ -140,8 +140,10 @@ def test_fp32_take_grads_is_the_old_behaviour():
     assert torch.equal(versions.take_grads()[0], torch.zeros(2, 2))
 
 
-def config(precision: str, steps: int, model: str = "tiny_hybrid", optimizer: str = "muon") -> RunConfig:
+def config(precision: str, steps: int, model: str = "tiny_hybrid", optimizer: str = "muon",
+           ef_lambda: float = 0.0) -> RunConfig:
     return RunConfig.from_dict({
+        "staleness": {"ef_lambda": ef_lambda},
         "model": {"name": model}, "parallel": {"pp": 2}, "schedule": {"name": "2bw"},
         "train": {"steps": steps, "precision": precision, "micro_batch_size": 4, "num_microbatches": 2,
                   "seq_len": 32, "eval_every": 0},
@@ -159,8 +161,9 @@ def batch(index: int, vocab: int = 64) -> torch.Tensor:
     return x
 
 
-def train(precision: str, steps: int, model_name: str = "tiny_hybrid", optimizer: str = "muon"):
-    cfg = config(precision, steps, model_name, optimizer)
+def train(precision: str, steps: int, model_name: str = "tiny_hybrid", optimizer: str = "muon",
+          ef_lambda: float = 0.0):
+    cfg = config(precision, steps, model_name, optimizer, ef_lambda)
     model_cfg = get_model_config(model_name)
     cfg = cfg.validate(model_cfg)
     torch.manual_seed(cfg.seed)
@@ -172,7 +175,7 @@ def train(precision: str, steps: int, model_name: str = "tiny_hybrid", optimizer
 
 
 def test_bf16_simulator_keeps_bf16_weights_and_fp32_masters_state_and_ef():
-    sim, _ = train("bf16", 2, optimizer="adamw")
+    sim, _ = train("bf16", 2, optimizer="adamw", ef_lambda=1.0)  # at λ = 0 there is no EF buffer
     assert {p.dtype for p in sim.params} == {BF16}
     assert {q.dtype for q in sim.masters} == {torch.float32}
     assert {t.dtype for t in optimizer_state_tensors(sim.optimizer) if t.dim()} == {torch.float32}

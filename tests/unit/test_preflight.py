@@ -258,12 +258,14 @@ def test_an_option_added_since_the_checkpoint_and_left_off_is_no_change(tmp_path
                      "'<absent>', this run [8, 8, 100]")]
 
 
-def test_train_steps_at_or_below_the_checkpoint_step_is_refused(tmp_path):
+def test_train_steps_below_the_checkpoint_step_is_refused_and_at_it_complete(tmp_path):
     saved_cfg, _ = config(tmp_path)
     fake_checkpoint(ckpt.checkpoint_root(saved_cfg), 6, saved_cfg)
-    with pytest.raises(ConfigError, match=r"train.steps=6, but .* is at step 6: this run is already complete\. "
-                                          r"Raise train.steps above 6"):
-        preflight.check_resume(saved_cfg)
+    _, step = preflight.check_resume(saved_cfg)  # complete: job.run* says so in one line, exit 0
+    assert step == 6 and preflight.completed(saved_cfg).startswith(f"run complete: {saved_cfg.out_dir} is at step 6")
+    with pytest.raises(ConfigError, match=r"train.steps=5, but .* is at step 6: a run cannot be shortened\. "
+                                          r"Raise train.steps to 6"):
+        preflight.check_resume(config(tmp_path, "train.steps=5")[0])
     with pytest.raises(ConfigError, match=r"checkpoint.resume=none, but .* holds the checkpoints of an earlier run "
                                           r"\(step_00000006\); a fresh start there would replace or prune them"):
         preflight.check_resume(config(tmp_path, "checkpoint.resume=none")[0])
@@ -308,7 +310,8 @@ def test_a_bad_id_in_the_last_document_is_found(tmp_path):
 # ---- run identity --------------------------------------------------------------------------------
 def test_the_run_name_is_the_command_not_the_clock():
     a = ["model=tiny_dense", "schedule=2bw", "train.steps=100"]
-    assert derived_name(a) == derived_name(list(reversed(a))) == "model=tiny_dense,schedule=2bw,train.steps=100"
+    # train.steps is how far the run goes, not which run it is: a larger one continues it (test_continue_run.py)
+    assert derived_name(a) == derived_name(list(reversed(a))) == "model=tiny_dense,schedule=2bw"
     # where and how a run goes does not change which run it is
     assert derived_name([*a, "checkpoint.resume=auto", "logging=disabled", "train.device=cuda",
                          "hydra.run.dir=x", "+logging.progress=false", "hydra/launcher=slurm"]) == derived_name(a)

@@ -32,6 +32,7 @@ from asyncpp.train.checkpoint.files import (
     list_checkpoints,
     prune,
     read_manifest,
+    resume_target,
     step_of,
 )
 from asyncpp.train.checkpoint.parts import Checkpointer, StageParts
@@ -86,6 +87,7 @@ __all__ = [
     "quiet_single_process_dcp",
     "read_manifest",
     "resume_point",
+    "resume_target",
     "save",
     "step_of",
 ]

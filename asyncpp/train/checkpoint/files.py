@@ -45,6 +45,17 @@ def step_of(path: str | os.PathLike) -> int | None:
     return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
 
 
+def resume_target(resume: str) -> str:
+    """checkpoint.resume as given -> a step_* path: 'auto', 'none' and a step_* path as they are; a run directory
+    (outputs/<name>, as a run prints it) or a checkpoint directory -> its newest complete checkpoint, so the run
+    directory can be named as printed. A directory with none stays as it is (preflight then says what it holds)."""
+    path = Path(resume)
+    if resume in ("auto", "none") or step_of(path) is not None or not path.is_dir():
+        return resume
+    newest = latest(path / "checkpoints") or latest(path)
+    return str(newest) if newest is not None else resume
+
+
 def read_manifest(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not is_complete(path):

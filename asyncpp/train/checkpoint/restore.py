@@ -114,16 +114,39 @@ def resume_point(cfg: RunConfig, source, warn=print) -> tuple[Path, int] | None:
 
 def data_position(source, step_done: int, batches) -> dict:
     """The data position: consumed samples (batches: the run's asyncpp.core.batches.BatchPlan, cumulative over
-    a batch rampup) and what the stream depends on."""
+    a batch rampup), what the stream depends on and, on rank 0 (the manifest's writer, whose stage reads the data),
+    the digest of the samples read so far (a run extended to more steps checks it: check_data_position)."""
     identity = source.identity() if hasattr(source, "identity") else None
-    return {"consumed_samples": batches.samples_before(step_done), "identity": identity}
+    consumed = batches.samples_before(step_done)
+    out = {"consumed_samples": consumed, "identity": identity}
+    if hasattr(source, "order_digest") and my_rank() == 0 and consumed:
+        out["order"] = source.order_digest(consumed)
+    return out
+
+
+#: Identity keys a longer run changes on purpose (the sample count its indices are built for): its order is then
+#: checked by digest instead.
+RUN_LENGTH_KEYS = ("sizes",)
 
 
 def check_data_position(manifest: dict, source, cfg: RunConfig, warn=print) -> None:
-    """Samples are a pure function of (stream identity, step): say so when a resume changes the stream."""
-    saved = (manifest.get("data") or {}).get("identity")
+    """Samples are a pure function of (stream identity, step): say so when a resume changes the stream. A run
+    extended to more steps (train.steps raised) builds its indices for more samples; its first samples are the
+    same as long as the indices span as many epochs, which the manifest's digest of the samples read tells."""
+    data = manifest.get("data") or {}
+    saved = data.get("identity")
     current = source.identity() if hasattr(source, "identity") else None
-    if saved is not None and current is not None and saved != current and my_rank() == 0:
-        changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
-        warn(f"warning: the data stream differs from the checkpoint's ({', '.join(changed)}); the resumed run "
-             "reads different samples than the uninterrupted one would have")
+    if saved is None or current is None or saved == current or my_rank() != 0:
+        return
+    changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    if set(changed) <= set(RUN_LENGTH_KEYS) and data.get("order") is not None and hasattr(source, "order_digest"):
+        if source.order_digest(data["consumed_samples"]) == data["order"]:
+            return  # a longer run of the same stream: the samples read so far are the ones it would have read
+        warn(f"warning: train.steps={cfg.train.steps} builds the data indices for {current['sizes'][0]} samples "
+             f"(the checkpoint's run: {saved['sizes'][0]}), which span another number of epochs of the data; megatron-core "
+             "shuffles over all of them, so the steps already run read other samples than a run started with "
+             f"train.steps={cfg.train.steps} would have. The run continues (its next samples are this stream's); "
+             "for one order from the start, start it afresh with the final train.steps")
+        return
+    warn(f"warning: the data stream differs from the checkpoint's ({', '.join(changed)}); the resumed run "
+         "reads different samples than the uninterrupted one would have")
