@@ -74,12 +74,12 @@ def pipeline_with_a_silent_sender(rank: int, cfg_dict: dict, dump_dir: str, vict
     reports the error it raised."""
     original, calls = StageComm.send_forward, []
 
-    def silent(self, output, step=None):
+    def silent(self, output, step=None, free_after=True):  # StageComm.send_forward's signature
         if len(calls) == victim_sends:
             time.sleep(sleep_s)
             os._exit(17)
         calls.append(step)
-        return original(self, output, step)
+        return original(self, output, step, free_after)
 
     StageComm.send_forward = silent
     with flight.recording(dump_dir=dump_dir):
