@@ -57,7 +57,8 @@ def test_sharded_parameters_add_up_to_the_model(tmp_path):
     """Every parameter of moe_2b is on exactly one (stage, tp, ep) shard: the per-rank counts of a
     pp=2 x ep=4 layout, scaled back by the shards, give the model's total."""
     cfg = get_model_config("moe_2b")
-    reports = dry(["model=moe_2b", "parallel.pp=2", "parallel.ep=4", "dry_run=8", "optimizer=adamw"], tmp_path)
+    reports = dry(["model=moe_2b", "parallel.pp=2", "parallel.ep=4", "dry_run=8", "optimizer=adamw",
+                   "train.num_microbatches=4"], tmp_path)  # per replica (dp=4): the default global batch is 4 mbs
     total = 0
     for r in reports:
         for s in r["shards"].values():
@@ -75,7 +76,7 @@ def test_distributed_optimizer_under_bf16_plans_the_owned_share_of_the_masters(t
     """The masters, the fp32 copy of x_t and the EF buffer are all the owned parameters' (DP rank 0's share):
     the same bytes, below the whole stage's, which the run without the distributed optimizer keeps."""
     base = ["model=tiny_dense", "parallel.pp=2", "dry_run=8", "optimizer=adamw", "staleness.ef_lambda=1.0",
-            "train.precision=bf16"]
+            "train.precision=bf16", "train.num_microbatches=4"]  # per replica (dp=4)
     def items(flag: str, sub) -> list[dict]:
         return [{i["name"].split(" (")[0]: i["bytes"] for i in r["memory"]["items"]}
                 for r in dry(base + [f"parallel.distributed_optimizer={flag}"], tmp_path / sub)]
