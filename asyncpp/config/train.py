@@ -104,6 +104,7 @@ def derive_num_microbatches(t: TrainConfig, dp: int) -> int:
     """train.num_microbatches of a config: given, derived from global_batch_size (which must split into
     whole microbatches on every DP replica, and agree with an explicit m), or DEFAULT_MICROBATCHES."""
     positive("train.micro_batch_size", t.micro_batch_size)
+    positive("parallel.dp", dp)  # before it divides the global batch (checked here: validate() asks this first)
     if t.global_batch_size is None:
         return DEFAULT_MICROBATCHES if t.num_microbatches is None else t.num_microbatches
     positive("train.global_batch_size", t.global_batch_size)
