@@ -79,14 +79,19 @@ DRY_RUN_MAX_RANKS = 65536
 process groups, one per data-parallel and pipeline slice, are created one by one on the fake backend)."""
 
 
-def check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
-    p, m = cfg.parallel, cfg.train.num_microbatches
+def check_dry_run_size(cfg: RunConfig) -> None:
+    """dry_run=N as a world size; first of all checks (RunConfig.validate), since the microbatch count is derived from
+    the data-parallel size it implies."""
     if cfg.dry_run < 0:
         raise ConfigError(f"dry_run={cfg.dry_run} must be a world size (e.g. dry_run=8), or 0 to train")
     if cfg.dry_run > DRY_RUN_MAX_RANKS:
         raise ConfigError(f"dry_run={cfg.dry_run} ranks is more than a dry run lays out (at most {DRY_RUN_MAX_RANKS}: "
                           "it creates every process group of the mesh on the fake backend, minutes beyond that); "
                           f"give the job's real world size, at most {DRY_RUN_MAX_RANKS}")
+
+
+def check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
+    p, m = cfg.parallel, cfg.train.num_microbatches
     if (cfg.dry_run_trace or cfg.dry_run_stage is not None) and not cfg.dry_run:
         key = "dry_run_trace=true" if cfg.dry_run_trace else f"dry_run_stage={cfg.dry_run_stage}"
         raise ConfigError(f"{key} traces a dry run's stage, but dry_run=0; add dry_run=N (the world size)")

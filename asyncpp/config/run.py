@@ -14,7 +14,7 @@ from asyncpp.config.data import DataConfig, check_data
 from asyncpp.config.logging import LoggingConfig, check_logging
 from asyncpp.config.model import ModelSection
 from asyncpp.config.optimizer import OptimizerConfig, check_optimizer
-from asyncpp.config.parallel import ParallelConfig, check_parallel, check_tp_ep
+from asyncpp.config.parallel import ParallelConfig, check_dry_run_size, check_parallel, check_tp_ep
 from asyncpp.config.schedule import ScheduleConfig
 from asyncpp.config.staleness import StalenessConfig, check_staleness
 from asyncpp.config.train import TrainConfig, check_batch_rampup, check_train, derive_num_microbatches
@@ -74,6 +74,7 @@ def _resolve_derived(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"optimizer.schedule.warmup_fraction={s.warmup_fraction} must be in [0, 1] (the share of "
                           "train.steps spent warming up); e.g. optimizer.schedule.warmup_fraction=0.1")
     positive("train.steps", t.steps)
+    check_dry_run_size(cfg)
     m = derive_num_microbatches(t, cfg.parallel.dp or 1)
     warmup = s.warmup_for(t.steps)
     train = dataclasses.replace(t, num_microbatches=m, global_batch_size=m * t.micro_batch_size * (cfg.parallel.dp or 1))

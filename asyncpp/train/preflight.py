@@ -77,6 +77,9 @@ def check_dry_run(cfg: RunConfig, model_cfg, warn: Warn = _stderr) -> None:
     run's record moved)."""
     check_vocab_placement(cfg, model_cfg)
     _check_run(cfg, model_cfg, warn, tidy=False)
+    done = completed(cfg)
+    if done:  # as the real run: a finished run has nothing to lay out (pretrain.py: the line, exit 0)
+        raise RunComplete(done)
 
 
 def _check_run(cfg: RunConfig, model_cfg, warn: Warn, tidy: bool) -> tuple[Path, int] | None:

@@ -1,10 +1,12 @@
-"""Megatron's global batch (issue 47): by default (train.batch_scaling=fixed, configs/pretrain.yaml) the step's
-batch stays when dp changes and each replica runs num_microbatches / dp microbatches; per_replica is the former
-behaviour, stated. The simulator plays dp replicas as m x dp microbatches in the pipeline's global order, so a
+"""Megatron's global batch (issue 47): a given train.global_batch_size (Megatron's --global-batch-size), or
+train.batch_scaling=fixed, keeps the step's batch when dp changes and each replica runs num_microbatches / dp
+microbatches; per_replica, the default with neither given (4 on every replica: it serves every dp and pp <= 4),
+grows it with dp. The simulator plays dp replicas as m x dp microbatches in the pipeline's global order, so a
 dp=1 and a dp=2 run at one global batch read the same samples in the same order: bitwise the same losses."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -30,26 +32,26 @@ def samples_of(cfg, step: int) -> range:
     return range(first * b, (first + plan.microbatches(step) * plan.dp) * b)
 
 
-def test_the_global_batch_is_fixed_by_default_and_per_replica_when_stated():
-    one, _ = resolved("parallel.dp=1")
-    two, _ = resolved("parallel.dp=2")
+def test_the_global_batch_is_fixed_when_stated_and_per_replica_by_default():
+    one, _ = resolved("parallel.dp=1", "train.batch_scaling=fixed")
+    two, _ = resolved("parallel.dp=2", "train.batch_scaling=fixed")
     assert one.train.global_batch_size == two.train.global_batch_size == 8  # mbs 2 x DEFAULT_MICROBATCHES 4
     assert (one.train.num_microbatches, two.train.num_microbatches) == (4, 2)
     assert [samples_of(one, t) for t in range(2)] == [samples_of(two, t) for t in range(2)] == [range(8), range(8, 16)]
-    grown, _ = resolved("parallel.dp=2", "train.batch_scaling=per_replica")
+    grown, _ = resolved("parallel.dp=2")
     assert (grown.train.global_batch_size, grown.train.num_microbatches) == (16, 4)
     stated, _ = resolved("parallel.dp=2", "train.num_microbatches=4")  # a given m is per replica
     assert (stated.train.global_batch_size, stated.train.num_microbatches) == (16, 4)
     explicit, _ = resolved("parallel.dp=2", "train.global_batch_size=8")
-    assert explicit.train == two.train  # Megatron's --global-batch-size says the same
+    assert explicit.train == dataclasses.replace(two.train, batch_scaling="per_replica")  # Megatron's flag: the same
     with pytest.raises(ConfigError, match=r"train.global_batch_size=8 is not a multiple of .* dp=3"):
-        resolved("parallel.dp=3")
+        resolved("parallel.dp=3", "train.batch_scaling=fixed")
 
 
 def test_dp_1_and_dp_2_at_one_global_batch_train_alike(tmp_path):
     losses = {}
     for dp in (1, 2):
-        cfg, model_cfg = resolved(f"parallel.dp={dp}", f"out_dir={tmp_path / str(dp)}")
+        cfg, model_cfg = resolved(f"parallel.dp={dp}", "train.global_batch_size=8", f"out_dir={tmp_path / str(dp)}")
         job.run(cfg, model_cfg)
         lines = (tmp_path / str(dp) / "metrics.jsonl").read_text().splitlines()
         losses[dp] = [json.loads(line)["loss"] for line in lines]

@@ -101,6 +101,9 @@ def _resolve(overrides: list[str]):
     cfg, model_cfg = job.resolve(job.compose(overrides))
     said: list[str] = []
     preflight.check(cfg, model_cfg, warn=said.append)
+    done = preflight.completed(cfg)  # as job.run: a finished run says so and exits 0 (pretrain.py)
+    if done:
+        raise preflight.RunComplete(done)
     return cfg, model_cfg, said
 
 
@@ -121,7 +124,7 @@ def config(*overrides: str, expect: str, if_accepted: str = SILENT, env: dict | 
         with mock.patch.dict(os.environ, _fill_env(env, tmp)):
             try:
                 _resolve(items)
-            except ConfigError as e:
+            except (ConfigError, preflight.RunComplete) as e:
                 refused = str(e)
             except Exception as e:  # noqa: BLE001 - a raw exception is what the corpus classifies
                 raw = f"{type(e).__name__}: {e}"
@@ -160,7 +163,7 @@ def resume(*overrides: str, expect: str, damage: Callable[[Path], None] | None =
         said: list[str] = []
         try:
             cfg, model_cfg, said = _resolve(items)
-        except ConfigError as e:
+        except (ConfigError, preflight.RunComplete) as e:  # a finished run's one line names train.steps
             refused = str(e)
         except Exception as e:  # noqa: BLE001
             raw = f"{type(e).__name__}: {e}"
@@ -673,7 +676,7 @@ def dry(*overrides: str, expect: str, copy_base: bool = False, if_accepted: str 
         try:
             cfg, model_cfg = job.resolve(job.compose(items))
             preflight.check_dry_run(cfg, model_cfg, warn=lambda text: None)
-        except ConfigError as e:
+        except (ConfigError, preflight.RunComplete) as e:  # a finished run's one line names train.steps
             outcome = _judge(expect, str(e), None, if_accepted)
         except Exception as e:  # noqa: BLE001
             outcome = Outcome(RAW, f"{type(e).__name__}: {e}")

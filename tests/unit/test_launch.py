@@ -489,4 +489,4 @@ def test_slurm_sweep_config_composes_for_every_arm():
     assert seen == {"sync": ("sync", 0.0), "2bw": ("2bw", 0.0), "2bw_ef": ("2bw", 1.0)}
     # no timestamp: rerunning the sweep finds every job's directory (named after the job's overrides) again
     assert OmegaConf.select(cfg, "hydra.sweep.dir") == "multirun/sync_vs_async"
-    assert "asyncpp.run_name" in OmegaConf.to_container(cfg.hydra.sweep)["subdir"]
+    assert "asyncpp.job_name" in OmegaConf.to_container(cfg.hydra.sweep)["subdir"]  # the job's overrides (issue 47)
