@@ -86,6 +86,8 @@ def test_distributed_optimizer_under_bf16_plans_the_owned_share_of_the_masters(t
         assert sharded["optimizer state"] < whole["optimizer state"]
 
 
+@pytest.mark.slow  # two stages' traced steps on meta: 100 s of the default suite (tests/dist/test_layerless_stages.py
+# and the NCCL layout 2bw-P4-vocab-layerless are its slow twins; the reduction's empty call is the same code)
 def test_layerless_stages_run_their_training_step_in_the_dry_run(tmp_path):
     """parallel.stage_layers with zeros (issue 44): the layout alone passed while the real run crashed at the
     layer-less stage's first UPDATE_START; the dry run now executes those stages' steps (on meta tensors)."""
