@@ -41,6 +41,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without an install
+from asyncpp.config.data import is_number
 from asyncpp.optim import build_optimizer
 from asyncpp.parallel.mesh import Mesh, init_distributed
 from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func, optimizer_sharding
@@ -203,21 +204,13 @@ def indexed_source(args, dp: int) -> IndexedDataSource:
     """--data-path through megatron-core's BlendedMegatronDatasetBuilder and GPTDataset (built once per process,
     cached under --data-cache-path): enough train samples for every iteration, one batch of validation samples."""
     paths = args.data_path
-    weighted = len(paths) % 2 == 0 and all(_is_number(w) for w in paths[::2])
+    weighted = len(paths) % 2 == 0 and all(is_number(w) for w in paths[::2])
     prefixes, weights = (paths[1::2], [float(w) for w in paths[::2]]) if weighted else (paths, None)
     batch = args.num_microbatches * args.micro_batch_size
     return IndexedDataSource(prefixes, weights, tokenizer=args.tokenizer, split=args.split, seq_len=args.seq_length,
                              micro_batch_size=args.micro_batch_size, seed=args.seed,
                              train_samples=args.train_iters * batch * dp, eval_samples=batch,
                              cache_dir=args.data_cache_path)
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def indexed_microbatches(source: IndexedDataSource, m: int, dp: int, dp_rank: int):

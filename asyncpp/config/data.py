@@ -91,14 +91,14 @@ def parse_blend(blend: tuple[str, ...] | list[str]) -> tuple[list[str], list[flo
     example = "e.g. data.blend=['0.7 /data/a_text_document','0.3 /data/b_text_document']"
     for i, entry in enumerate(blend):
         fields = entry.split()
-        if len(fields) == 1 and _is_number(fields[0]):
+        if len(fields) == 1 and is_number(fields[0]):
             raise ConfigError(f"data.blend[{i}]={entry!r} is a weight without a prefix; put both in one entry "
                               f"('WEIGHT PREFIX', not Megatron's flat list), {example}")
         if len(fields) not in (1, 2):
             raise ConfigError(f"data.blend[{i}]={entry!r} must be 'WEIGHT PREFIX' or 'PREFIX' (prefixes with spaces "
                               f"are not supported), {example}")
         if len(fields) == 2:
-            if not _is_number(fields[0]):
+            if not is_number(fields[0]):
                 raise ConfigError(f"data.blend[{i}]={entry!r}: the weight {fields[0]!r} does not parse as a number; "
                                   f"write 'WEIGHT PREFIX', {example}")
             w = float(fields[0])
@@ -112,7 +112,8 @@ def parse_blend(blend: tuple[str, ...] | list[str]) -> tuple[list[str], list[flo
     return prefixes, weights or None
 
 
-def _is_number(text: str) -> bool:
+def is_number(text: str) -> bool:
+    """Whether a blend entry's field reads as a weight (data.blend here, --data-path in examples/megatron_2bw.py)."""
     try:
         float(text)
     except ValueError:
