@@ -6,7 +6,6 @@ The comparison with the real transformer-engine, megatron-core and FLA kernels i
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -194,15 +193,14 @@ def test_local_backend_changes_nothing():
 
 
 def test_compile_blocks_runs_on_cpu_with_the_same_results_and_names():
-    """train.compile on tiny_dense (CPU inductor): measured ~25 s here, so it stays in the default suite."""
+    """train.compile on tiny_dense (CPU inductor): equal to eager, the parameter names kept, gradients reach every
+    block. Its cost (~25 s here, mostly inductor's first compile) is why it is the only compile test in the default tier."""
     eager, compiled = tiny("tiny_dense"), tiny("tiny_dense")
     names = [n for n, _ in compiled.named_parameters()]
-    started = time.perf_counter()
     assert compile_blocks(compiled) == 4
     tokens = torch.randint(0, 8192, (2, 32))
     out = compiled(tokens)
     out.float().logsumexp(-1).mean().backward()
-    assert time.perf_counter() - started < 120
     assert [n for n, _ in compiled.named_parameters()] == names  # nn.Module.compile keeps names
     torch.testing.assert_close(out, eager(tokens), rtol=1e-4, atol=1e-4)
     assert all(p.grad is not None for p in compiled.layers.parameters())

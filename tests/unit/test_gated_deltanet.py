@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -205,19 +204,3 @@ def test_builds_on_meta_then_materialises() -> None:
     assert all(torch.isfinite(p).all() for p in layer.parameters())
     assert layer(torch.randn(1, 5, 64)).shape == (1, 5, 64)
 
-
-def test_forward_backward_timing_cpu() -> None:
-    """Reports (does not assert) fwd+bwd time of GatedDeltaNet(128, 4, 32, 32) on x [4, 128, 128], one
-    intra-op thread (see the fixture); run with -s to see it."""
-    torch.manual_seed(0)
-    layer = GatedDeltaNet(128, 4, 32, 32)
-    x = torch.randn(4, 128, 128, requires_grad=True)
-    layer(x).sum().backward()  # warm-up
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        layer(x).sum().backward()
-        times.append(time.perf_counter() - start)
-    print(
-        f"\nGatedDeltaNet(128,4,32,32) x[4,128,128] fwd+bwd CPU (1 thread): median {sorted(times)[1] * 1e3:.1f} ms"
-    )
