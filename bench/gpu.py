@@ -36,7 +36,8 @@ from asyncpp.analysis.steptime import Workload, workloads
 from asyncpp.core.memory import activation_bytes
 from model_zoo import flops_per_token
 from model_zoo.backends import BACKENDS, BackendError, apply_backend, compile_blocks, probe_backend
-from model_zoo.backends.kernels import fla_chunk_gated_delta_rule, fla_status
+from model_zoo.backends.kernels import fla_status
+from model_zoo.gated_deltanet import GatedDeltaNet
 
 H100_BF16_DENSE_TFLOPS = 989.0
 
@@ -85,7 +86,7 @@ def bench_stage(w: Workload, backend: str, compiled: bool, args, device: torch.d
     # the row's figure is their median, the spread (max - min) / median says how far one run can be trusted.
     reps = [timed(step, device, args.warmup, args.iters) for _ in range(args.repetitions)]
     seconds = statistics.median(reps)
-    row.update(repetitions_s=reps, spread=(max(reps) - min(reps)) / seconds, gdn_kernel=gdn_kernel(w, device))
+    row.update(repetitions_s=reps, spread=(max(reps) - min(reps)) / seconds, gdn_kernel=gdn_kernel(model, device, args.seq_len))
     tokens = args.micro_batch_size * args.seq_len
     flops = flops_per_token(w.cfg, args.seq_len, w.layers, head=w.whole_model) * tokens
     act_est = activation_bytes(w.cfg, w.layers, dtype=torch.bfloat16, micro_batch_size=args.micro_batch_size,
@@ -97,12 +98,11 @@ def bench_stage(w: Workload, backend: str, compiled: bool, args, device: torch.d
     return row
 
 
-def gdn_kernel(w: Workload, device: torch.device) -> str:
-    """Which Gated DeltaNet ran (model_zoo/gated_deltanet.py's choice: FLA's fused kernel on CUDA in bf16 when it is
-    importable and passed its probe, else the PyTorch chunked form); "-" for a model without GDN layers."""
-    if not any(w.cfg.layer_types and w.cfg.layer_types[i] == "gdn" for i in w.layers):
-        return "-"
-    return "fla" if device.type == "cuda" and fla_chunk_gated_delta_rule() is not None else "torch"
+def gdn_kernel(model: nn.Module, device: torch.device, seq_len: int) -> str:
+    """Which Gated DeltaNet form ran (GatedDeltaNet.form_at: FLA's kernel where it passed its check at the shape,
+    else the batched PyTorch form on CUDA, the chunk loop elsewhere); "-" for a model without GDN layers."""
+    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    return layers[0].form_at(seq_len, torch.bfloat16, device) if layers else "-"
 
 
 # ---- Muon ----------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def predict_part(bench_json: Path, dry: bool) -> list[dict]:
     for row in bench["stages"]:
         if "skipped" in row or row["compile"] or row["backend"] not in ("local", "mcore"):
             continue
-        gdn = "fused" if row.get("gdn_kernel") == "fla" else "torch"
+        gdn = {"fla": "fused", "batched": "batched"}.get(row.get("gdn_kernel"), "torch")  # "-": no GDN layer
         table = trace_workload(workload_named(row["workload"]), row["backend"], args["micro_batch_size"],
                                args["seq_len"], gdn=gdn)
         t = time_of(table, "microbatch", DEVICES[model])

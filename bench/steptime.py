@@ -15,7 +15,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncpp.analysis.opcost import DEVICES
-from asyncpp.analysis.steptime import calibration_rows, predict_row, time_of, trace_workload, workload_named
+from asyncpp.analysis.steptime import (
+    GDN_FORMS,
+    calibration_rows,
+    predict_row,
+    time_of,
+    trace_workload,
+    workload_named,
+)
 from model_zoo import flops_per_token
 
 
@@ -39,7 +46,7 @@ def main() -> None:
     for name in ("smollm2_135m", "hybrid_moe_10b x4"):
         w = workload_named(name)
         model_flops = flops_per_token(w.cfg, seq, w.layers, head=w.whole_model) * batch * seq
-        for gdn in ("torch", "fused"):
+        for gdn in GDN_FORMS:
             table = trace_workload(w, "local", batch, seq, gdn=gdn)
             for gpu, device in DEVICES.items():
                 t = time_of(table, "microbatch", device)

@@ -31,6 +31,7 @@ __all__ = [
     "batched_chunk_gated_delta_rule",
     "chunk_gated_delta_rule",
     "delta_rule_form",
+    "form_name",
     "recurrent_gated_delta_rule",
 ]
 
@@ -59,6 +60,13 @@ def delta_rule_form(kernel: Kernel, device: torch.device, act: torch.dtype, shap
     if kernel == "batched" or (kernel == "auto" and device.type == "cuda"):
         return batched_chunk_gated_delta_rule
     return chunk_gated_delta_rule
+
+
+def form_name(form: Callable) -> str:
+    """The name a bench row and the step-time model give a form: "torch" (the chunk loop), "batched", "fla"."""
+    if form is chunk_gated_delta_rule:
+        return "torch"
+    return "batched" if form is batched_chunk_gated_delta_rule else "fla"
 
 
 class GatedDeltaNet(nn.Module):
@@ -149,6 +157,12 @@ class GatedDeltaNet(nn.Module):
         # In fp32: o comes from a long accumulation and the norm divides by its RMS.
         w = _upcast(self.o_norm.weight)
         return F.rms_norm(_upcast(o), (self.head_v_dim,), w, self.norm_eps) * F.silu(_upcast(gate))
+
+    def form_at(self, seq_len: int, act: torch.dtype, device: torch.device) -> str:
+        """The form this layer runs at `seq_len` with activations `act` on `device`: "torch", "batched" or "fla"
+        (what a bench row records next to its time, so the step-time model traces the same kernels)."""
+        shape = (seq_len, self.num_heads, self.head_k_dim, self.head_v_dim)
+        return form_name(delta_rule_form(self.kernel, device, act, shape))
 
     def _delta_rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, act: torch.dtype) -> Tensor:
         """o [B, T, H, Dv], by the form `delta_rule_form` picks. FLA takes q/k/v in the activation dtype (it

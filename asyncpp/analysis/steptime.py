@@ -36,6 +36,7 @@ from model_zoo import ModelConfig, build_model, get_model_config
 from model_zoo.backends.mcore import swap_to_mcore
 
 RECORDED = Path(__file__).resolve().parents[2] / "bench" / "recorded"
+GDN_FORMS = ("torch", "batched", "fused")  # trace_workload's Gated DeltaNet: chunk loop, batched form, FLA's what-if
 """Measured rows (bench/recorded/*.json, schema in bench/recorded/README.md): the model's calibration data."""
 
 
@@ -218,14 +219,17 @@ def fused_gdn(tracer: CostTracer) -> Iterator[None]:
 def trace_workload(w: Workload, backend: str = "local", batch: int = 4, seq: int = 4096,
                    capability: tuple[int, int] = H100, gdn: str = "torch") -> OpTable:
     """One microbatch of `w` on meta tensors, as bench/gpu.py runs it on a GPU of `capability` (bf16, the MoE
-    kernel that GPU picks, SDPA's flash kernel, no compile, Gated DeltaNet's PyTorch form; gdn="fused": the
-    what-if of one fused kernel, fused_gdn). Kind "microbatch"."""
+    kernel that GPU picks, SDPA's flash kernel, no compile; Gated DeltaNet's chunk loop (gdn="torch"), its batched
+    form ("batched", the CUDA default where FLA is not checked) or one fused kernel's booked cost ("fused": FLA's
+    kernel as a what-if, fused_gdn). Kind "microbatch"."""
     model = w.build("meta")
     if backend == "mcore":
         swap_to_mcore(model, log=lambda m: None, swiglu=mcore_swiglu_stand_in, rms_norm=None)
     elif backend != "local":
         raise ValueError(f"backend={backend!r}: the step-time model traces local and mcore (te needs its own kernels)")
-    pin_gpu_kernels(model, torch.device("meta"), torch.bfloat16, capability)
+    if gdn not in GDN_FORMS:
+        raise ValueError(f"gdn={gdn!r}: expected one of {GDN_FORMS}")
+    pin_gpu_kernels(model, torch.device("meta"), torch.bfloat16, capability, gdn="batched" if gdn == "batched" else "torch")
     step = w.step_fn(model, batch, seq, "meta")
     tracer = CostTracer("meta")
     tracer.start()
@@ -244,13 +248,15 @@ def recorded_files(folder: Path = RECORDED) -> list[Path]:
 
 def calibration_rows(folder: Path = RECORDED) -> list[dict]:
     """Every stage row of every recorded file, with its file's device and setup merged in; only the rows that ran
-    the kernels the model traces (Gated DeltaNet's PyTorch form, no torch.compile, backend local or mcore)."""
+    the kernels the model traces (Gated DeltaNet's chunk loop or batched form, no torch.compile, backend local or
+    mcore)."""
     rows = []
     for path in recorded_files(folder):
         data = json.loads(path.read_text())
         for row in data["stages"]:
             setup = {**data["setup"], **row.get("setup", {})}
-            if setup.get("gdn_kernel") == "torch" and not setup.get("compile") and row["backend"] in ("local", "mcore"):
+            if setup.get("gdn_kernel") in ("torch", "batched") and not setup.get("compile") \
+                    and row["backend"] in ("local", "mcore"):
                 rows.append({**row, "setup": setup, "device_model": data["device"]["model"], "file": path.name})
     return rows
 
@@ -259,10 +265,11 @@ def predict_row(row: dict, tables: dict | None = None) -> dict:
     """The model's tokens/s for a recorded row (tables: a cache of traced workloads by (name, backend, shape))."""
     setup = row["setup"]
     batch, seq = setup["micro_batch_size"], setup["seq_len"]
-    key = (row["workload"], row["backend"], batch, seq)
+    gdn = setup.get("gdn_kernel", "torch")  # calibration_rows keeps "torch" and "batched" rows
+    key = (row["workload"], row["backend"], batch, seq, gdn)
     cache = tables if tables is not None else {}
     if key not in cache:
-        cache[key] = trace_workload(workload_named(row["workload"]), row["backend"], batch, seq)
+        cache[key] = trace_workload(workload_named(row["workload"]), row["backend"], batch, seq, gdn=gdn)
     timing = time_of(cache[key], "microbatch", DEVICES[row["device_model"]])
     predicted = batch * seq / timing.total_s
     return {"workload": row["workload"], "backend": row["backend"], "measured_tokens_per_s": row["tokens_per_s"],

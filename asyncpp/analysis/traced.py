@@ -41,6 +41,7 @@ from asyncpp.pipeline.memory import STEADY_STEPS
 from asyncpp.pipeline.p2p import StageComm
 from asyncpp.schedules.actions import Action
 from model_zoo import ModelConfig
+from model_zoo.gated_deltanet import GatedDeltaNet, Kernel
 from model_zoo.moe import MoE, grouped_mm_unsupported
 
 TRACED_WINDOW = "asyncpp.traced_step"
@@ -168,7 +169,7 @@ class StageTrace:
                  f"  traced peak (live storages, {self.steps} steps x {self.microbatches} microbatches on "
                  f"{self.device})".ljust(50) + f"{self.peak_bytes / mib:>10.2f}  "
                  f"({self.peak_bytes / max(self.plan['total_bytes'], 1):.3f} of the plan)",
-                 f"  MoE kernels: {self._kernel_summary()}; attention: {self.attention or 'no attention layer'}"]
+                 f"  kernels (MoE, GDN): {self._kernel_summary()}; attention: {self.attention or 'no attention layer'}"]
         lines.append(f"  held only by reference cycles at an action's end (freed by gc): {self.cyclic_bytes / mib:.2f} MiB")
         skipped = [u["step"] for u in self.updates if u["skipped"]]
         lines.append(f"  updates in the window: {len(self.updates) - len(skipped)} applied"
@@ -196,7 +197,7 @@ class StageTrace:
 
     def _kernel_summary(self) -> str:
         if not self.kernels:
-            return "no MoE layer (or the device's own choice)"
+            return "no MoE or GDN layer (or the device's own choice)"
         counts: dict[str, int] = {}
         for k in self.kernels.values():
             counts[k] = counts.get(k, 0) + 1
@@ -224,8 +225,11 @@ def balanced_stand_ins(cfg: RunConfig, model_cfg: ModelConfig, dims: ParallelDim
                           "model_zoo/moe.py": per_expert})
 
 
-def pin_gpu_kernels(model, device: torch.device, dtype: torch.dtype, capability: tuple[int, int]) -> dict:
-    """Every MoE layer runs, on `device`, the kernel a GPU of `capability` would choose; returns the choice."""
+def pin_gpu_kernels(model, device: torch.device, dtype: torch.dtype, capability: tuple[int, int],
+                    gdn: Kernel | None = None) -> dict:
+    """Every MoE layer runs, on `device`, the kernel a GPU of `capability` would choose; with `gdn`, every Gated
+    DeltaNet layer runs that form ("batched": the CUDA default where FLA's kernel has not passed its check, which
+    a meta or fake-CUDA trace cannot run). Returns the choices by module name."""
     chosen = {}
     for name, m in model.named_modules():
         if isinstance(m, MoE):
@@ -234,6 +238,9 @@ def pin_gpu_kernels(model, device: torch.device, dtype: torch.dtype, capability:
             kernel = "bmm" if why or not m.use_grouped_mm else "grouped_mm"
             m.pin_kernel(device, dtype, kernel)
             chosen[name] = kernel + (f" ({why})" if why else "")
+        elif isinstance(m, GatedDeltaNet) and gdn is not None:
+            m.kernel = gdn
+            chosen[name] = f"gdn {gdn}"
     return chosen
 
 
@@ -320,7 +327,8 @@ def _trace(cfg: RunConfig, model_cfg: ModelConfig, dims, stage, rank, target, bu
     mesh.device = target  # the groups are the fake backend's; the stage's tensors live on `device`
     built = build_rank_stage(cfg, model_cfg, mesh, target)
     dtype = compute_dtype_of(cfg.train.precision) or torch.float32
-    kernels = pin_gpu_kernels(built.model, target, dtype, as_gpu) if as_gpu is not None else {}
+    # The GPU's GDN form is the batched one unless FLA passes its check there (unknowable before the GPU is yours).
+    kernels = pin_gpu_kernels(built.model, target, dtype, as_gpu, gdn="batched") if as_gpu is not None else {}
     data = TokenSource(cfg, model_cfg.vocab_size, target)
     executor = PipelineExecutor(cfg, built, mesh, data, lambda model, plan: build_optimizer(model, plan, mesh),
                                 comm_cls=FilledComm)

@@ -16,7 +16,7 @@ from model_zoo.delta_rule import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
-from model_zoo.gated_deltanet import GatedDeltaNet, delta_rule_form
+from model_zoo.gated_deltanet import GatedDeltaNet, delta_rule_form, form_name
 
 B, H, DK, DV = 2, 3, 8, 16
 
@@ -159,6 +159,16 @@ def test_the_kernel_switch_picks_the_form() -> None:
     assert delta_rule_form("batched", cpu, torch.float32, shape, no_fla) is batched_chunk_gated_delta_rule
     with pytest.raises(ValueError, match="GatedDeltaNet.kernel='fla'"):
         delta_rule_form("fla", cpu, torch.float32, shape, no_fla)
+
+
+def test_a_layer_names_the_form_it_runs() -> None:
+    """GatedDeltaNet.form_at is what a bench row records (bench/gpu.py) and the step-time model traces."""
+    layer = GatedDeltaNet(64, 4, 16, 16)
+    cpu = torch.device("cpu")
+    assert layer.form_at(128, torch.float32, cpu) == "torch"  # the CPU default: the chunk loop
+    layer.kernel = "batched"
+    assert layer.form_at(128, torch.float32, cpu) == "batched"
+    assert form_name(lambda *a, **k: None) == "fla"  # anything else is the fused kernel FLA handed out
 
 
 def test_the_switch_uses_fla_only_where_it_passed_its_check() -> None:

@@ -147,6 +147,21 @@ def test_the_fused_gdn_what_if_replaces_the_chunk_loop_by_its_flops():
     assert time_of(fused, "microbatch", h200).host_s < time_of(torch_form, "microbatch", h200).host_s
 
 
+def test_the_batched_gdn_form_is_traced_with_far_fewer_ops_than_the_chunk_loop():
+    """gdn="batched" pins GatedDeltaNet.kernel (the CUDA default where FLA is not checked) on the meta trace: at 8
+    chunks its ops and kernels per microbatch are under the loop's (measured 0.71 and 0.76 of them on this smoke
+    workload, whose attention and MoE ops both forms share; the gap grows with the chunk count), and its booked FLOPs
+    are not less (the same math, batched). A form the model cannot trace is refused with the choices."""
+    w = workloads(smoke=True)[1]
+    loop, batched = (trace_workload(w, "local", 1, 512, gdn=g) for g in ("torch", "batched"))
+    h200 = DEVICES["H200"]
+    t_loop, t_batched = time_of(loop, "microbatch", h200), time_of(batched, "microbatch", h200)
+    assert t_batched.ops < 0.8 * t_loop.ops and t_batched.kernels < 0.8 * t_loop.kernels
+    assert t_batched.flops >= 0.9 * t_loop.flops
+    with pytest.raises(ValueError, match="gdn='fla'"):
+        trace_workload(w, "local", 1, 512, gdn="fla")
+
+
 def test_dry_run_trace_prints_the_predicted_time_of_every_stage_and_the_job(tmp_path):
     cfg, model_cfg = job.resolve(job.compose([
         "model=tiny_dense", "parallel.pp=2", "dry_run=2", "dry_run_trace=true", "train.num_microbatches=2",
