@@ -14,6 +14,7 @@ from tools.report_data import (
     RunResult,
     Study,
     closes,
+    first_nonfinite,
     fmt_diff,
     fmt_stat,
     is_plain_2bw,
@@ -105,7 +106,7 @@ def smoothed(curve: tuple, window: int = SMOOTH_STEPS) -> plots.Curve:
 
 def when(r: RunResult) -> str:
     """When a run diverged (its first non-finite training loss), or where its validation loss bottomed out."""
-    bad = next((s for s, v in zip(*r.train_curve) if not math.isfinite(v)), None)
+    bad = first_nonfinite(r)
     if bad is not None:
         return f"non-finite at step {bad}"
     if r.status != "done" or not r.curve[0]:
@@ -126,8 +127,9 @@ def grad_ef_long(study: Study, plot_dir: Path) -> tuple[list[str], list[tuple[st
         for column in cell["columns"]:
             runs = study.results.get(("grad_ef_long", row, column), [])
             st = stat(study, "grad_ef_long", row, column)
-            vs = [fmt_diff(paired(st, stat(study, "grad_ef_long", row, ref))) if ref and ref != column else "—"
-                  for ref in (sync_col, base)]
+            # Δ vs sync for every other arm; Δ vs 2BW for the treatments only (not for sync itself)
+            vs = [fmt_diff(paired(st, stat(study, "grad_ef_long", row, ref))) if ref and column not in skip else "—"
+                  for ref, skip in ((sync_col, {sync_col}), (base, {sync_col, base}))]
             rows.append([row, column, fmt_stat(st), *vs,
                          "; ".join(f"seed {seed}: {when(r)}" for seed, r in runs)])
             train[column] = [smoothed(r.train_curve) for _, r in runs if len(r.train_curve[0]) >= SMOOTH_STEPS]

@@ -79,6 +79,11 @@ def _num(value: object) -> float:
         return math.nan
 
 
+def first_nonfinite(r: RunResult) -> int | None:
+    """The first step (1-based, as the curves) whose training loss was not finite, if any."""
+    return next((s for s, v in zip(*r.train_curve) if not math.isfinite(v)), None)
+
+
 def load_run(out: Path, planned: dict) -> RunResult:
     d = out / planned["name"]
     status = run_status(out, planned["name"])

@@ -27,6 +27,7 @@ from tools.report_data import (
     closes,
     columns_where,
     ended,
+    first_nonfinite,
     fmt_diff,
     gap_stat,
     is_plain_2bw,
@@ -178,7 +179,9 @@ def _treatments(study: Study, cell: str, row: str, claim: str, fig: str, expecte
         st, b = stat(study, cell, row, column), stat(study, cell, row, base)
         diverged = st.statuses.get("diverged", 0)
         diff = paired(st, b)
-        ours = (f"{diverged} of {st.planned} diverged; " if diverged else "") + f"{column} − 2BW {fmt_diff(diff)}"
+        steps = sorted(s for _, r in study.results[(cell, row, column)] if (s := first_nonfinite(r)) is not None)
+        ours = (f"{diverged} of {st.planned} diverged (non-finite at step {', '.join(map(str, steps))}); "
+                if diverged else "") + f"{column} − 2BW {fmt_diff(diff)}"
         key, paper = f"{cell}/{row}/{column}", f"{row}: {claim} ({column})"
         found = judge(key, paper, fig, ours, [st, b], paired_diffs(st, b), expected, _quarter(row_gap(study, cell, row)))
         if expected > 0 and diverged and diverged == st.planned and found.verdict.word != "pending":

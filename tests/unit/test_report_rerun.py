@@ -165,9 +165,12 @@ def test_gradient_level_ef_long_horizon_says_when_and_the_finding_reads_it(rende
     assert row[2] == "**3 diverged** (0/3)"
     assert row[-1] == "; ".join(f"seed {s}: non-finite at step {DIVERGE_AT + 1}" for s in SEEDS)
     sync = rows_after(rendered, "(`grad_ef_long`)", "adamw | sync_long")[0]
-    assert sync[-1].startswith("seed 1: lowest val at step 60, final − lowest +0.0000")
+    assert sync[3:] == ["—", "—"] + ["; ".join(f"seed {s}: lowest val at step 60, final − lowest +0.0000" for s in SEEDS)]
+    delayed = rows_after(rendered, "(`grad_ef_long`)", "adamw | 2bw_long")[0]
+    assert delayed[3:5] == ["+0.3000 ± 0.0000", "—"]
     finding = rows_after(rendered, "## Findings", "adamw: gradient-level EF diverges (grad_ef1_long)")[0]
     assert finding[3:5] == ["3 of 3 runs diverged", "agrees"]
+    assert finding[2].startswith(f"3 of 3 diverged (non-finite at step {DIVERGE_AT + 1}, {DIVERGE_AT + 1}, ")
     assert "![grad_ef_long](reproduction/grad_ef_long.png)" in rendered
 
 
