@@ -171,6 +171,9 @@ def _setup(study: Study) -> list[str]:
         "- optimizers (the same settings for every arm): " + "; ".join(
             f"{n} lr {o['lr']:g} wd {o['weight_decay']:g} betas {tuple(o['betas'])} momentum {o['momentum']:g}"
             for n, o in sorted(opts.items())),
+        "- seeds per cell (chosen from the paired SD the old study measured: with n seeds a paired t-test at 95% "
+        "detects |mean| / SD ≥ t(n−1)/√n; the plan file gives the table): "
+        + ", ".join(f"`{c['name']}` {len(c.get('seeds') or m['seeds'])}" for c in m["cells"]),
         "- what differs between the columns of a row (same seed), read from every run's config.json: "
         + (", ".join(f"`{k}`" for k in arm_differences(study)) or "nothing"),
     ]
@@ -268,7 +271,9 @@ def _cell_sections(study: Study, plot_dir: Path) -> tuple[list[str], list[tuple[
     doc, figures = [], []
     grids = report_cells.tune_cells(study)
     for name in grids:
-        doc += [f"## {study.cells[name]['title']} (`{name}`)", "", *report_cells.lr_grid(study, name)]
+        text, figs = report_cells.lr_grid(study, name, plot_dir)
+        doc += [f"## {study.cells[name]['title']} (`{name}`)", "", *text]
+        figures += figs
     if "main" in study.cells:
         doc += ["## " + study.cells["main"]["title"], "", main_table(study), "",
                 "Gap closed by EF = (async − async+EF) / (async − sync).", ""]

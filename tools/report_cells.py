@@ -12,6 +12,7 @@ from tools import plots
 from tools.report_data import (
     MAIN_COLUMNS,
     RunResult,
+    Stat,
     Study,
     closes,
     first_nonfinite,
@@ -39,29 +40,37 @@ def tune_cells(study: Study) -> list[str]:
     return [name for name in study.cells if name in grids]
 
 
-def lr_grid(study: Study, name: str) -> list[str]:
-    """Per optimizer: lr -> final validation loss on sync, the recorded winner (study.json "tune") marked."""
+def _grid_points(study: Study, name: str) -> dict[str, list[tuple[float, Stat]]]:
+    """optimizer -> [(lr, the grid cell's Stat there)] in lr order."""
+    by_opt: dict[str, list[tuple[float, Stat]]] = defaultdict(list)
+    for row in study.cells.get(name, {}).get("rows", []):
+        for column in study.cells[name]["columns"]:
+            runs = study.results.get((name, row, column), [])
+            if runs:
+                by_opt[runs[0][1].config["optimizer"]["name"]].append((study.xs[(name, row, column)],
+                                                                       stat(study, name, row, column)))
+    return {opt: sorted(points, key=lambda p: p[0]) for opt, points in by_opt.items()}
+
+
+def lr_grid(study: Study, name: str, plot_dir: Path) -> tuple[list[str], list[tuple[str, Path]]]:
+    """Per optimizer: lr -> final validation loss on sync, the recorded winner (study.json "tune") marked; the
+    report checks the recorded winner against the lowest mean it computes. One figure: loss against lr."""
     winners = _tune(study).get("winners") or {}
     out: list[str] = []
-    if True:
-        by_opt: dict[str, list[tuple[float, str]]] = defaultdict(list)
-        for row in study.cells.get(name, {}).get("rows", []):
-            for column in study.cells[name]["columns"]:
-                runs = study.results.get((name, row, column), [])
-                if runs:
-                    by_opt[runs[0][1].config["optimizer"]["name"]].append((study.xs[(name, row, column)], row, column))
-        for opt, points in by_opt.items():
-            stats = [(lr, stat(study, name, row, col)) for lr, row, col in sorted(points)]
-            ended = [s for _, s in stats if s.values]
-            best = min(stats, key=lambda p: p[1].mean)[0] if len(ended) == len(stats) else None
-            won = winners.get(opt)
-            rows = [[f"{lr:g}", fmt_stat(s), "**winner**" if won is not None and math.isclose(lr, float(won)) else ""]
-                    for lr, s in stats]
-            note = (f"winner {won} (study.json)" if won is not None else "winner pending: the grid has not ended")
-            if won is not None and best is not None and not math.isclose(best, float(won)):
-                note += f"; **the lowest mean here is at {best:g}**: the report and the study disagree"
-            out += [f"**{opt}** ({note})", "", table(["lr", "final val loss", ""], rows), ""]
-    return out
+    points = _grid_points(study, name)
+    for opt, stats in points.items():
+        best = min(stats, key=lambda p: p[1].mean)[0] if all(s.values for _, s in stats) else None
+        won = winners.get(opt)
+        rows = [[f"{lr:g}", fmt_stat(s), "**winner**" if won is not None and math.isclose(lr, float(won)) else ""]
+                for lr, s in stats]
+        note = f"winner {won} (study.json)" if won is not None else "winner pending: the grid has not ended"
+        if won is not None and best is not None and not math.isclose(best, float(won)):
+            note += f"; **the lowest mean here is at {best:g}**: the report and the study disagree"
+        out += [f"**{opt}** ({note})", "", table(["lr", "final val loss", ""], rows), ""]
+    series = {opt: [(lr, s.mean, s.std) for lr, s in stats] for opt, stats in points.items()}
+    path = plots.gap_vs_x(series, {}, plot_dir / f"{name}.png", study.cells[name]["title"], "optimizer.lr",
+                          "final val loss (sync)", log_x=True, zero_line=False)
+    return out, [(f"{study.cells[name]['title']}: final validation loss against the learning rate", path)]
 
 
 def _lr_arms(study: Study) -> list[tuple[float, str, str]]:

@@ -111,7 +111,7 @@ def study_dir(tmp_path_factory) -> Path:
                     else f"{row}__{column}__seed{seed}" if cell != "main" else f"adamw__{column}__seed{seed}")
             plan_run(name, cfg, {"cell": cell, "row": row, "column": column, "seed": seed, "x": x}, final)
     cells = [{"name": "lr_grid", "title": "LR grid", "x": "optimizer.lr", "rows": [f"adamw-lr{lr:g}" for lr in GRID],
-              "columns": ["sync"]}]
+              "columns": ["sync"], "seeds": [1]}]
     for name, title, x in (("main", "Main", None), ("adamw_lr", "AdamW lr", "optimizer.lr"),
                            ("grad_ef_long", "Gradient EF, long", "staleness.grad_ef_lambda"),
                            ("momentum", "Momentum", "optimizer.momentum")):
@@ -146,6 +146,8 @@ def test_lr_grid_table_marks_the_recorded_winner(rendered):
     assert rows == [[f"{lr:g}", f"{v:.4f}", "**winner**" if f"{lr:g}" == WINNER else ""] for lr, v in GRID.items()]
     assert "**adamw** (winner 0.002 (study.json))" in rendered
     assert "the report and the study disagree" not in rendered
+    assert "![lr_grid](reproduction/lr_grid.png)" in rendered
+    assert "- seeds per cell " in rendered and "`lr_grid` 1, `main` 3," in rendered
 
 
 def test_adamw_gap_and_ef_closure_per_learning_rate(rendered):
@@ -210,3 +212,19 @@ def test_an_explanation_replaces_its_slot(study_dir, monkeypatch):
     found = {f.key: f for f in report_findings.findings(report.load_study([study_dir]))}
     assert found["momentum/muon"].explanation() == "at 200 steps momentum's horizon is short"
     assert found["main/adamw/ef"].verdict.word == "pending" and found["main/adamw/ef"].explanation() == ""
+
+
+def test_complete_data_has_a_verdict_for_every_finding(study_dir, tmp_path):
+    """With the last missing run written, no finding is pending and each is agrees, disagrees or undecided."""
+    import shutil
+
+    out = tmp_path / "complete"
+    shutil.copytree(study_dir, out)
+    manifest = json.loads((out / study.MANIFEST).read_text())
+    missing = next(r for r in manifest["runs"] if r["name"] == "adamw__2bw_ef__seed3")
+    write_run(out, missing["name"], missing["config"], 5.65, [{"returncode": 0, "cpu_s": CPU_S, "host": "hostA"}])
+    loaded = report.load_study([out])
+    found = report_findings.findings(loaded)
+    assert {f.verdict.word for f in found} <= {"agrees", "disagrees", "undecided"}
+    assert {f.key: f.verdict.word for f in found}["main/adamw/ef"] == "agrees"  # EF − 2BW -0.40, -0.45, -0.45
+    assert report._banner(loaded) == []
