@@ -69,8 +69,9 @@ def judge(key: str, paper: str, figure: str, ours: str, arms: list[Stat], diffs:
           margin: float | None) -> Finding:
     """pending until every planned run of the arms has ended, then tools.report_stats.decide."""
     done, planned = ended(arms)
-    verdict = pending(done, planned) if done < planned or planned == 0 else decide(diffs, expected, margin)
-    return Finding(key, paper, figure, ours, verdict)
+    if done < planned or planned == 0:  # partial numbers are shown, marked as such, and decide nothing
+        return Finding(key, paper, figure, f"so far: {ours}", pending(done, planned))
+    return Finding(key, paper, figure, ours, decide(diffs, expected, margin))
 
 
 def row_gap(study: Study, cell: str, row: str) -> float:
