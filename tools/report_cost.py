@@ -86,7 +86,9 @@ def cost_section(study: Study) -> list[str]:
         table(["cell (first)", "runs finished", "CPU-hours spent", "CPU-s per step", "projected CPU-hours"],
               _cell_rows(costs, rate)),
         "",
-        "Where the runs ran (attempts per host): " + (", ".join(f"`{h}` {n}" for h, n in hosts.most_common()) or "—"),
+        "Where the runs ran (attempts per host): " + (", ".join(f"`{h}` {n}" for h, n in hosts.most_common()) or "—")
+        + "".join(f"; on `{h}`: " + ", ".join(c.name for c in costs if h in c.hosts)
+                  for h, _ in hosts.most_common()[1:]),  # the runs off the main host, by name
         "",
         table(["invoked (UTC)", "commit", "host", "command"],
               [[inv["time"], f"`{inv.get('commit') or 'unknown'}`", inv.get("host", "—"), f"`{inv['command']}`"]

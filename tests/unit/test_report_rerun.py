@@ -201,7 +201,7 @@ def test_cost_hosts_and_commits(rendered, study_dir):
                 for a in json.loads((d / study.STATUS).read_text())["attempts"]]
     assert len(attempts) == sum(v is not None for vs in FINAL.values() for v in vs) - 3 + len(GRID) + 1  # 3 shared
     assert f"Spent so far: **{len(attempts) * CPU_S / 3600:.2f} CPU-hours** over {len(attempts)} attempts" in rendered
-    assert "`hostA` " in rendered and "`hostB` 1" in rendered
+    assert f"(attempts per host): `hostA` {len(attempts) - 1}, `hostB` 1; on `hostB`: adamw__2bw__seed2\n" in rendered
     for commit in COMMITS:
         assert f"`{commit}`" in rendered
     assert "## What a CPU-scale study can and cannot say about the 360M and 10B results" in rendered
