@@ -124,7 +124,7 @@ def sweep_points(study: Study, name: str) -> tuple[dict[str, list[plots.Point]],
 
 def draw(study: Study, plot_dir: Path) -> list[tuple[str, Path]]:
     figures = []
-    if "main" in study.cells:
+    if study.cells.get("main", {}).get("rows"):  # no rows yet: the cell waits for the tune grid
         rows = study.cells["main"]["rows"]
         panels = {row: {c: curves(study, "main", row, c) for c in MAIN_COLUMNS} for row in rows}
         figures.append(("Validation loss, sync and async overlaid (mean over seeds; band: min to max)",
@@ -199,9 +199,11 @@ def _banner(study: Study) -> list[str]:
     if "pilot" not in labels:
         runs = {r.name: r.status for results in study.results.values() for _, r in results}
         done = sum(status not in ("pending", "interrupted") for status in runs.values())  # failed/diverged ended
-        if done == len(runs):
+        waiting = report_cells.waits_for_tune(study)
+        if done == len(runs) and not waiting:
             return []
-        return [(f"> **The study is still running: {done} of {len(runs)} runs have ended.** A cell whose runs have "
+        more = " (and the cells that use the tune grid's winners, not planned until it ends)" if waiting else ""
+        return [(f"> **The study is still running: {done} of {len(runs)} runs have ended{more}.** A cell whose runs have "
                  "not all ended is *pending* (n of N runs below) and gets no verdict. Rerunning the study command "
                  "resumes it; rerunning the report command updates this page."), ""]
     banner = (f"> **This is a {', '.join(sorted(labels))}, not the study.** Its runs are "
@@ -218,7 +220,8 @@ def cell_progress(study: Study) -> list[str]:
     for name in study.cells:
         stats = [stat(study, c, r, k) for (c, r, k) in study.results if c == name]
         done, planned = ended(stats)
-        rows.append([f"`{name}`", f"{done} of {planned}", "complete" if done == planned else "**pending**"])
+        state = "complete" if done == planned else "**pending**"
+        rows.append([f"`{name}`", f"{done} of {planned}", state if planned else "**pending** (waits for the tune grid)"])
     return [table(["cell", "runs ended", "state"], rows)]
 
 

@@ -34,6 +34,11 @@ def _tune(study: Study) -> dict:
     return next((m["tune"] for m in study.manifests if m.get("tune")), {})
 
 
+def waits_for_tune(study: Study) -> bool:
+    """The plan has a tune grid that has not ended: its other cells have no runs planned yet."""
+    return any(m.get("tune") and m["tune"].get("winners") is None for m in study.manifests)
+
+
 def tune_cells(study: Study) -> list[str]:
     """The tune grid's cells (study.json "tune"), in plan order."""
     grids = _tune(study).get("cells", [])
@@ -127,7 +132,7 @@ def when(r: RunResult) -> str:
 def grad_ef_long(study: Study, plot_dir: Path) -> tuple[list[str], list[tuple[str, Path]]]:
     """Each arm of grad_ef_long: final loss, Δ to 2BW, and per seed when it diverged; the loss curves."""
     cell = study.cells.get("grad_ef_long")
-    if not cell:
+    if not cell or not cell["rows"]:  # no rows yet: the cell waits for the tune grid
         return [], []
     rows, panels = [], {}
     for row in cell["rows"]:

@@ -7,6 +7,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 
+from tools.report_cells import waits_for_tune
 from tools.report_data import Study, table
 from tools.study import STATUS, run_status
 
@@ -80,6 +81,8 @@ def cost_section(study: Study) -> list[str]:
          f"{planned_steps} steps, so the whole study is {planned_steps} × {rate:.3f} = "
          f"**{planned_steps * rate / 3600:.2f} CPU-hours** against the budget of {BUDGET_CPU_HOURS:g}."
          if done else "Budget arithmetic: no finished run has recorded its CPU time yet."),
+        *([("**The tune grid has not ended, so the other cells have no runs planned yet: this projection covers the "
+            "grid alone.**")] if waits_for_tune(study) else []),
         ("CPU time per step grows with contention on a shared 2-core machine (short time slices, cold caches at "
         "nice 19), so this figure depends on what else ran beside the study."),
         "",

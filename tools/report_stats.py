@@ -100,7 +100,7 @@ class Verdict:
 
 def pending(ended: int, planned: int) -> Verdict:
     """No verdict while runs of the finding's arms are still to come."""
-    return Verdict("pending", "—", f"{ended} of {planned} runs")
+    return Verdict("pending", "—", f"{ended} of {planned} runs" if planned else "its runs wait for the tune grid")
 
 
 def _passes(mean: float, sd: float, n: int, margin: float | None) -> bool:

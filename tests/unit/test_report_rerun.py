@@ -228,3 +228,27 @@ def test_complete_data_has_a_verdict_for_every_finding(study_dir, tmp_path):
     assert {f.verdict.word for f in found} <= {"agrees", "disagrees", "undecided"}
     assert {f.key: f.verdict.word for f in found}["main/adamw/ef"] == "agrees"  # EF − 2BW -0.40, -0.45, -0.45
     assert report._banner(loaded) == []
+
+
+def test_while_the_tune_grid_runs_the_other_cells_are_pending(study_dir, tmp_path):
+    """Before the grid ends, study.json plans the grid alone (the other cells have no rows): nothing reads as
+    complete, no figure of an empty cell is drawn, and the cost projection says it covers the grid only."""
+    import shutil
+
+    out = tmp_path / "grid"
+    shutil.copytree(study_dir, out)
+    manifest = json.loads((out / study.MANIFEST).read_text())
+    manifest["tune"]["winners"] = None
+    for cell in manifest["cells"][1:]:
+        cell["rows"] = []
+    manifest["runs"] = [{**r, "cells": [m for m in r["cells"] if m["cell"] == "lr_grid"]} for r in manifest["runs"]
+                        if any(m["cell"] == "lr_grid" for m in r["cells"])]
+    (out / study.MANIFEST).write_text(json.dumps(manifest))
+    doc = tmp_path / "docs" / "reproduction.md"
+    assert report.main([str(out), "--out", str(doc)]) == 0
+    markdown = doc.read_text()
+    assert f"> **The study is still running: {len(GRID)} of {len(GRID)} runs have ended (and the cells" in markdown
+    assert "| `main` | 0 of 0 | **pending** (waits for the tune grid) |" in markdown
+    assert "**adamw** (winner pending: the grid has not ended)" in markdown
+    assert "this projection covers the grid alone" in markdown
+    assert "pending (its runs wait for the tune grid)" in markdown  # the momentum finding
