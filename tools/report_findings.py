@@ -156,16 +156,17 @@ def _best_lambda(study: Study, row: str) -> Finding:
     each group's best before the test slightly favours deciding: a selection effect, kept for so few arms)."""
     cols = [c for c in study.cells["ef_lambda"]["columns"] if study.xs.get(("ef_lambda", row, c)) is not None]
     stats = {c: stat(study, "ef_lambda", row, c) for c in cols}
+    arms = [stat(study, "ef_lambda", row, c) for c in study.cells["ef_lambda"]["columns"]]  # sync too: the margin
     lam = {c: study.xs[("ef_lambda", row, c)] for c in cols}
     high, low = [c for c in cols if lam[c] >= 1], [c for c in cols if lam[c] < 1]
     key, paper, fig = f"ef_lambda/{row}", f"{row}: the best EF λ is ≥ 1", "Fig. 15: best somewhat above 1"
     if not (high and low) or any(not s.values for s in stats.values()):
-        return judge(key, paper, fig, "some λ not finished", list(stats.values()), [], +1, None)
+        return judge(key, paper, fig, "some λ not finished", arms, [], +1, None)
     best_high, best_low = (min(group, key=lambda c: stats[c].mean) for group in (high, low))
     best = min(cols, key=lambda c: stats[c].mean)
     diff = paired(stats[best_low], stats[best_high])  # > 0: the best λ ≥ 1 is lower
     ours = f"best λ = {lam[best]:g} ({stats[best].mean:.4f}); λ={lam[best_low]:g} − λ={lam[best_high]:g} {fmt_diff(diff)}"
-    return judge(key, paper, fig, ours, list(stats.values()), paired_diffs(stats[best_low], stats[best_high]), +1,
+    return judge(key, paper, fig, ours, arms, paired_diffs(stats[best_low], stats[best_high]), +1,
                  _quarter(row_gap(study, "ef_lambda", row)))
 
 
@@ -184,7 +185,8 @@ def _treatments(study: Study, cell: str, row: str, claim: str, fig: str, expecte
         ours = (f"{diverged} of {st.planned} diverged (non-finite at step {', '.join(map(str, steps))}); "
                 if diverged else "") + f"{column} − 2BW {fmt_diff(diff)}"
         key, paper = f"{cell}/{row}/{column}", f"{row}: {claim} ({column})"
-        found = judge(key, paper, fig, ours, [st, b], paired_diffs(st, b), expected, _quarter(row_gap(study, cell, row)))
+        arms = [st, b] + ([stat(study, cell, row, sync_col)] if sync_col else [])  # sync: the margin's gap
+        found = judge(key, paper, fig, ours, arms, paired_diffs(st, b), expected, _quarter(row_gap(study, cell, row)))
         if expected > 0 and diverged and diverged == st.planned and found.verdict.word != "pending":
             found = Finding(key, paper, fig, ours, Verdict("agrees", f"{diverged} of {st.planned} runs diverged"))
         out.append(found)

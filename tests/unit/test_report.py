@@ -160,7 +160,8 @@ def test_paper_comparison_is_computed(rendered):
     assert claims["muon: one-step delay raises the loss"][4].startswith("*to write: EXPLANATIONS['main/muon/gap']")
     assert claims["muon: EF lowers the delayed loss"][3] == "pending (8 of 9 runs)"  # its seed 3 never ran
     assert claims["adamw's sync-async gap is larger than muon's"][3] == "agrees"
-    assert claims["muon: gradient-level EF diverges (grad_ef1)"][3] == "pending (5 of 6 runs)"
+    # grad_ef1: 2 diverged + 1 never ran; 2BW and sync (the margin's gap) ended: 8 of 9
+    assert claims["muon: gradient-level EF diverges (grad_ef1)"][3] == "pending (8 of 9 runs)"
     assert "PILOT" not in markdown.upper().split("## SETUP")[0]  # label "study": no pilot banner
 
 
