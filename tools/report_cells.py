@@ -68,7 +68,7 @@ def lr_grid(study: Study, name: str, plot_dir: Path) -> tuple[list[str], list[tu
         won = winners.get(opt)
         rows = [[f"{lr:g}", fmt_stat(s), "**winner**" if won is not None and math.isclose(lr, float(won)) else ""]
                 for lr, s in stats]
-        note = f"winner {won} (study.json)" if won is not None else "winner pending: the grid has not ended"
+        note = f"winner {won}, as study.json records it" if won is not None else "winner pending: the grid has not ended"
         if won is not None and best is not None and not math.isclose(best, float(won)):
             note += f"; **the lowest mean here is at {best:g}**: the report and the study disagree"
         out += [f"**{opt}** ({note})", "", table(["lr", "final val loss", ""], rows), ""]

@@ -144,7 +144,7 @@ def rows_after(markdown: str, heading: str, first: str) -> list[list[str]]:
 def test_lr_grid_table_marks_the_recorded_winner(rendered):
     rows = rows_after(rendered, "(`lr_grid`)", "0.00")[:3]
     assert rows == [[f"{lr:g}", f"{v:.4f}", "**winner**" if f"{lr:g}" == WINNER else ""] for lr, v in GRID.items()]
-    assert "**adamw** (winner 0.002 (study.json))" in rendered
+    assert "**adamw** (winner 0.002, as study.json records it)" in rendered
     assert "the report and the study disagree" not in rendered
     assert "![lr_grid](reproduction/lr_grid.png)" in rendered
     assert "- seeds per cell " in rendered and "`lr_grid` 1, `main` 3," in rendered
