@@ -93,9 +93,11 @@ class Verdict:
     """Why, in words: the reversed sign, the effect inside the margin, the seeds needed, the runs missing."""
 
     def text(self) -> str:
-        if self.word == "pending":
-            return f"pending ({self.reason})"
-        return f"{self.word}, {self.reason}" if self.reason else self.word
+        """"agrees", "disagrees, because …", "undecided at n seeds; … implies N seeds", "pending (n of N runs)"."""
+        if not self.reason:
+            return self.word
+        return {"pending": f"pending ({self.reason})", "disagrees": f"disagrees, because {self.reason}",
+                "undecided": f"undecided {self.reason}"}.get(self.word, f"{self.word}, {self.reason}")
 
 
 def pending(ended: int, planned: int) -> Verdict:

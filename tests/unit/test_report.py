@@ -155,7 +155,7 @@ def test_paper_comparison_is_computed(rendered):
     assert claims["adamw: one-step delay raises the loss"][::3] == ["2.612 → 2.890 (gap +0.278)", "agrees"]
     assert claims["adamw: EF lowers the delayed loss"][::3] == ["2.890 → 2.640 (90% of the gap)", "agrees"]
     # muon's 2BW is lower on every seed: the paper's sign reversed, at p < 0.05 (t(2) = -17.3)
-    assert claims["muon: one-step delay raises the loss"][3].startswith("disagrees, the sign is reversed: -0.1000")
+    assert claims["muon: one-step delay raises the loss"][3].startswith("disagrees, because the sign is reversed: -0.1000")
     assert claims["muon: one-step delay raises the loss"][2].startswith("paired t(2) = -17.32, p = 0.00332")
     assert claims["muon: one-step delay raises the loss"][4].startswith("*to write: EXPLANATIONS['main/muon/gap']")
     assert claims["muon: EF lowers the delayed loss"][3] == "pending (8 of 9 runs)"  # its seed 3 never ran

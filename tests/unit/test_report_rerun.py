@@ -181,7 +181,7 @@ def test_momentum_trend_is_decided_by_the_equivalence_margin(rendered):
     gap095 = sum(b - a for a, b in zip(*(FINAL[("momentum", "muon-momentum0.95", c)] for c in ("sync", "2bw")))) / 3
     margin = 0.25 * gap095
     assert f"TOST ±{margin:.4f}" in finding[3]
-    assert finding[4] == f"disagrees, the effect is absent here: within ±{margin:.4f} (TOST, 90%)"
+    assert finding[4] == f"disagrees, because the effect is absent here: within ±{margin:.4f} (TOST, 90%)"
     assert finding[5] == "*to write: EXPLANATIONS['momentum/muon'] in tools/report_findings.py*"
 
 

@@ -88,3 +88,9 @@ def test_complete_data_never_ends_without_a_verdict_or_a_seed_count():
 def test_pending_names_the_runs():
     verdict = pending(3, 10)
     assert verdict.word == "pending" and verdict.text() == "pending (3 of 10 runs)"
+
+
+def test_the_verdict_reads_as_the_issue_asks():
+    assert decide(with_mean_sd(-0.10, 0.02, 5), +1, None).text().startswith("disagrees, because the sign is reversed")
+    assert decide(with_mean_sd(0.02, 0.05, 5), +1, None).text().startswith("undecided at 5 seeds; the paired SD")
+    assert decide(with_mean_sd(0.30, 0.05, 5), +1, None).text() == "agrees"
