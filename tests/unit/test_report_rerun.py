@@ -130,10 +130,24 @@ def study_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def rendered(study_dir, tmp_path_factory) -> str:
+def report_path(study_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("docs") / "reproduction.md"
     assert report.main([str(study_dir), "--out", str(out)]) == 0
-    return out.read_text()
+    return out
+
+
+@pytest.fixture(scope="module")
+def rendered(report_path) -> str:
+    return report_path.read_text()
+
+
+def test_the_rerun_figures_are_drawn(report_path, rendered):
+    for name in ("lr_grid", "adamw_gap_vs_lr", "grad_ef_long"):
+        png = report_path.parent / "reproduction" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+        assert f"![{name}](reproduction/{name}.png)" in rendered
+    # their cells' generic sweep plots are not drawn besides them
+    assert not (report_path.parent / "reproduction" / "gap_vs_adamw_lr.png").exists()
 
 
 def rows_after(markdown: str, heading: str, first: str) -> list[list[str]]:
