@@ -237,15 +237,24 @@ def _commands(study: Study, argv: list[str]) -> list[str]:
 
 
 def _not_done(study: Study) -> list[str]:
-    seen, rows = set(), []
+    """Runs that ended without a result (failed, diverged) or were cut off (interrupted) by name; runs not
+    started yet as a count per cell (a study part-way through has hundreds)."""
+    seen, rows, waiting = set(), [], Counter()
     for (cell, row, column), runs in study.results.items():
         for seed, r in runs:
             if r.status != "done" and r.name not in seen:
                 seen.add(r.name)
-                rows.append([r.name, r.status, cell, f"{row} / {column} / seed {seed}"])
-    if not rows:
+                if r.status == "pending":
+                    waiting[cell] += 1
+                else:
+                    rows.append([r.name, r.status, cell, f"{row} / {column} / seed {seed}"])
+    if not rows and not waiting:
         return ["Every planned run finished."]
-    return [table(["run", "status", "first cell", "row / column / seed"], rows)]
+    out = [table(["run", "status", "first cell", "row / column / seed"], rows), ""] if rows else []
+    if waiting:
+        out.append(f"Not started yet: {sum(waiting.values())} runs (" + ", ".join(
+            f"`{cell}` {n}" for cell, n in waiting.items()) + "; a run shared by cells counts in the first).")
+    return out
 
 
 def tally(found: list[Finding]) -> str:

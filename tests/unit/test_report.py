@@ -137,7 +137,9 @@ def test_main_table_values(rendered, opt):
 
 def test_missing_and_diverged_runs_are_reported_not_dropped(rendered):
     markdown, _ = rendered
-    assert "| muon__2bw_ef__seed3 | pending | main |" in markdown
+    # runs not started are counted per cell (muon__2bw_ef__seed3 in main, grad_ef1's seed 3), not listed
+    assert "Not started yet: 2 runs (`main` 1, `grad_ef` 1; a run shared by cells counts in the first)." in markdown
+    assert "| muon__2bw_ef__seed3 |" not in markdown
     grad = next(r for r in markdown.splitlines() if r.startswith("| muon | grad_ef1 |"))
     # seed 3 has no directory: missing, not diverged; no loss, no differences
     assert grad == "| muon | grad_ef1 | **2 diverged, 1 missing** (0/3) | — | — | — |"
