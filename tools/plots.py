@@ -65,8 +65,9 @@ def curves_panels(panels: Mapping[str, Mapping[str, Sequence[Curve]]], path: Pat
 
 
 def gap_vs_x(series: Mapping[str, Sequence[Point]], references: Mapping[str, tuple[float, float]], path: Path,
-             title: str, xlabel: str, ylabel: str, log_x: bool = False) -> Path:
-    """Each series: gap (mean ± std over seeds) against x; each reference: a dashed horizontal level."""
+             title: str, xlabel: str, ylabel: str, log_x: bool = False, zero_line: bool = True) -> Path:
+    """Each series: gap (mean ± std over seeds) against x; each reference: a dashed horizontal level.
+    zero_line=False for a series that is not a difference (a loss against the learning rate)."""
     fig, ax = plt.subplots(figsize=(5.6, 3.8))
     for label, points in series.items():
         points = sorted(p for p in points if math.isfinite(p[1]))
@@ -78,7 +79,8 @@ def gap_vs_x(series: Mapping[str, Sequence[Point]], references: Mapping[str, tup
             ax.axhline(level, linestyle="--", linewidth=1, color="gray")
             ax.annotate(label, (0.01, level), xycoords=("axes fraction", "data"), fontsize=8, color="gray",
                         va="bottom")
-    ax.axhline(0.0, color="black", linewidth=0.8)
+    if zero_line:
+        ax.axhline(0.0, color="black", linewidth=0.8)
     if log_x:
         ax.set_xscale("log")
     ax.set_title(textwrap.fill(title, 60), fontsize=9)

@@ -1,237 +1,50 @@
 """Study directories -> docs/reproduction.md: tables, plots and a computed comparison with the paper.
 
-    python -m tools.report outputs/study --out docs/reproduction.md
+    python -m tools.report /root/asyncpp-study --out docs/reproduction.md
     python -m tools.report outputs/study outputs/study_extra --out docs/reproduction.md   # several sweeps
 
-Each directory is one `python -m tools.study run` output: its study.json says which runs the plan asked
-for and which cell/row/column/seed each serves; each run directory holds config.json, metrics.jsonl and
-summary.json. A planned run that has not finished is reported as missing (or failed/diverged), never
-dropped. Every number in the report is computed from those files; the paper's numbers are the only
-constants here (PAPER_360M), and the verdicts comparing the two are computed too.
+Every number in the report is computed from the study directories (tools.report_data reads them); the
+paper's numbers are the only constants (tools.report_findings.PAPER_360M), and the verdicts comparing the
+two are computed by a rule fixed in advance (tools.report_stats). The rerun plan's own cells (the LR grid,
+AdamW's learning rate, the long gradient-level EF runs) have their sections in tools.report_cells; the cost,
+hosts and commits in tools.report_cost. A planned run that has not finished is reported, never dropped,
+and a finding whose runs have not all ended is pending: no verdict.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
 import math
 import shlex
 import statistics
 import sys
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncpp.core.records import StepMetrics
-from asyncpp.schedules.registry import SYNC_KINDS
-from tools import plots
-from tools.study import PlanError, config_diff, read_manifest, run_status
+from tools import plots, report_cells
+from tools.report_cost import cost_section, scale_section
+from tools.report_data import (
+    MAIN_COLUMNS,
+    Study,
+    closes,
+    columns_where,
+    ended,
+    fmt_diff,
+    fmt_stat,
+    is_plain_2bw,
+    is_sync,
+    load_study,
+    paired,
+    reference,
+    stat,
+    table,
+)
+from tools.report_findings import Finding, findings
+from tools.report_stats import MARGIN_FRACTION
+from tools.study import PlanError, config_diff
 
-#: Table 1/2 of the paper, SmolLM2-360M final validation loss: (sync, async, async + EF). Digest §5.1-5.2.
-PAPER_360M = {"muon": (2.578, 2.590, 2.583), "adamw": (2.612, 2.890, 2.640), "soap": (2.581, 2.608, 2.590)}
-MAIN_COLUMNS = ("sync", "2bw", "2bw_ef")
-NOT_RESOLVED = "not resolved (seed noise)"
-
-
-@dataclass
-class RunResult:
-    name: str
-    status: str
-    """done | failed | interrupted | pending (tools.study.run_status), or diverged: failed or finished
-    with a non-finite loss or skipped (non-finite) steps."""
-    config: dict
-    final_val: float = math.nan
-    curve: tuple[list[int], list[float]] = ((), ())
-    step_time_s: float = math.nan
-
-
-@dataclass
-class Stat:
-    """Final validation loss of one (cell, row, column) over its planned seeds."""
-
-    values: dict[int, float] = field(default_factory=dict)
-    """seed -> final validation loss of the finished runs."""
-    planned: int = 0
-    statuses: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def mean(self) -> float:
-        return statistics.fmean(self.values.values()) if self.values else math.nan
-
-    @property
-    def std(self) -> float:
-        return statistics.stdev(self.values.values()) if len(self.values) > 1 else math.nan
-
-
-# ---- loading -------------------------------------------------------------------------------------------
-
-
-def read_metrics(path: Path) -> list[StepMetrics]:
-    """metrics.jsonl, one record per step: a resumed run rewrites the steps after its checkpoint, the last wins.
-    A line of an older run reads as StepMetrics.from_json says (a missing metric is NaN)."""
-    by_step: dict[int, StepMetrics] = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                record = StepMetrics.from_json(json.loads(line))
-                by_step[record.step] = record
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def _num(value: object) -> float:
-    """A summary.json value as a float: NaN/Inf are written as strings by asyncpp.train.metrics."""
-    try:
-        return float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def load_run(out: Path, planned: dict) -> RunResult:
-    d = out / planned["name"]
-    status = run_status(out, planned["name"])
-    result = RunResult(planned["name"], status, planned["config"])
-    records = read_metrics(d / "metrics.jsonl")
-    evals = [(r.step + 1, r.val_loss) for r in records if r.val_loss is not None]  # step+1: after the update
-    result.curve = ([s for s, _ in evals], [v for _, v in evals])
-    unstable = any(not math.isfinite(r.loss) or r.skipped for r in records)
-    if status == "done":
-        summary = json.loads((d / "summary.json").read_text())
-        result.final_val = _num(summary.get("final_val_loss"))
-        result.step_time_s = _num(summary.get("mean_step_time_s"))
-        saved = json.loads((d / "config.json").read_text())
-        diff = config_diff({k: v for k, v in saved.items() if k != "out_dir"}, planned["config"])
-        if diff:  # tools.study refuses this; a hand-edited directory could still do it
-            raise PlanError(f"{d}/config.json differs from the planned config of {out}/study.json in {diff[:5]}; "
-                            "remove the run or report it from its own study directory")
-    if unstable and status in ("done", "failed") or status == "done" and not math.isfinite(result.final_val):
-        result.status = "diverged"
-    return result
-
-
-@dataclass
-class Study:
-    dirs: list[Path]
-    manifests: list[dict]
-    cells: dict[str, dict]
-    """name -> {"title", "x", "rows": [...], "columns": [...]} (union over the manifests, plan order)."""
-    results: dict[tuple[str, str, str], list[tuple[int, RunResult]]]
-    """(cell, row, column) -> [(seed, result)] for every planned seed."""
-    xs: dict[tuple[str, str, str], float | None]
-    """(cell, row, column) -> the value of the cell's x-axis override there (None: not set)."""
-
-
-def load_study(dirs: list[Path]) -> Study:
-    manifests = [read_manifest(d) for d in dirs]
-    cells: dict[str, dict] = {}
-    results: dict[tuple[str, str, str], list[tuple[int, RunResult]]] = defaultdict(list)
-    xs: dict[tuple[str, str, str], float | None] = {}
-    for out, manifest in zip(dirs, manifests):
-        for cell in manifest["cells"]:
-            merged = cells.setdefault(cell["name"], {**cell, "rows": [], "columns": []})
-            merged["rows"] += [r for r in cell["rows"] if r not in merged["rows"]]
-            merged["columns"] += [c for c in cell["columns"] if c not in merged["columns"]]
-        for planned in manifest["runs"]:
-            result = load_run(out, planned)
-            for m in planned["cells"]:
-                key = (m["cell"], m["row"], m["column"])
-                if any(seed == m["seed"] for seed, _ in results[key]):
-                    raise PlanError(f"cell {key} seed {m['seed']} is planned in two study directories; report them "
-                                    "separately or remove one")
-                results[key].append((m["seed"], result))
-                xs[key] = m["x"]
-    return Study(dirs, manifests, cells, dict(results), xs)
-
-
-def stat(study: Study, cell: str, row: str, column: str) -> Stat:
-    s = Stat()
-    for seed, r in study.results.get((cell, row, column), []):
-        s.planned += 1
-        s.statuses[r.status] = s.statuses.get(r.status, 0) + 1
-        if r.status == "done":
-            s.values[seed] = r.final_val
-    return s
-
-
-def paired(a: Stat, b: Stat) -> tuple[float, float, int]:
-    """mean and std over seeds of a - b (both finished); seeds pair runs with the same init and data order."""
-    diffs = [a.values[s] - b.values[s] for s in sorted(a.values.keys() & b.values.keys())]
-    if not diffs:
-        return math.nan, math.nan, 0
-    return statistics.fmean(diffs), statistics.stdev(diffs) if len(diffs) > 1 else math.nan, len(diffs)
-
-
-# Two-sided 95% quantiles of Student's t with 1..10 degrees of freedom (then ~normal): with three seeds a
-# paired difference needs |mean| > 4.30 standard errors, not 2 -- the normal rule overstates few-seed evidence.
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
-
-
-def resolved(diff: tuple[float, float, int]) -> bool:
-    """A paired difference is told apart from seed noise: a two-sided paired t-test at 95%, >= 2 pairs."""
-    mean, std, n = diff
-    if n < 2 or not math.isfinite(std):
-        return False
-    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
-    return abs(mean) > t * std / math.sqrt(n)
-
-
-def is_sync(config: dict) -> bool:
-    return config["schedule"]["name"] in SYNC_KINDS
-
-
-def is_plain_2bw(config: dict) -> bool:
-    return config["schedule"]["name"] == "2bw" and not any(config["staleness"].values())
-
-
-def reference(study: Study, cell: str, row: str, test) -> str | None:
-    """The column of (cell, row) whose runs satisfy `test` (is_sync, is_plain_2bw), if there is one."""
-    for column in study.cells[cell]["columns"]:
-        runs = study.results.get((cell, row, column), [])
-        if runs and all(test(r.config) for _, r in runs):
-            return column
-    return None
-
-
-# ---- formatting ----------------------------------------------------------------------------------------
-
-
-def fmt_stat(s: Stat) -> str:
-    shortfall: dict[str, int] = {}
-    for status, count in s.statuses.items():  # pending and interrupted runs both have no result yet
-        if status != "done":
-            word = "missing" if status in ("pending", "interrupted") else status
-            shortfall[word] = shortfall.get(word, 0) + count
-    note = ", ".join(f"{v} {k}" for k, v in sorted(shortfall.items()))
-    if not s.values:
-        return f"**{note or 'missing'}** (0/{s.planned or '?'})"
-    text = f"{s.mean:.4f} ± {s.std:.4f}" if len(s.values) > 1 else f"{s.mean:.4f}"
-    return text + (f" ({len(s.values)}/{s.planned}; {note})" if note else "")
-
-
-def fmt_diff(diff: tuple[float, float, int]) -> str:
-    mean, std, n = diff
-    if n == 0:
-        return "—"
-    text = f"{mean:+.4f}" + (f" ± {std:.4f}" if math.isfinite(std) else "")
-    return text + ("" if resolved(diff) else " (n.s.)")
-
-
-def closes(study: Study, cell: str, row: str, column: str, sync_col: str, async_col: str) -> str:
-    """(async - column) / (async - sync) on the seeds all three finished: the fraction of the gap removed."""
-    s, a, c = (stat(study, cell, row, k) for k in (sync_col, async_col, column))
-    seeds = s.values.keys() & a.values.keys() & c.values.keys()
-    if not seeds:
-        return "—"
-    ms, ma, mc = (statistics.fmean(st.values[k] for k in seeds) for st in (s, a, c))
-    if ma == ms:
-        return "—"
-    note = "" if resolved(paired(a, s)) else " (gap n.s.)"
-    return f"{(ma - mc) / (ma - ms):.0%}{note}"
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+OWN_SECTIONS = ("adamw_lr", "grad_ef_long")
+"""Cells with their own section and figure (tools.report_cells) besides their table."""
 
 
 def main_table(study: Study) -> str:
@@ -250,7 +63,7 @@ def cell_table(study: Study, name: str) -> str:
     for row in cell["rows"]:
         sync_col, async_col = reference(study, name, row, is_sync), reference(study, name, row, is_plain_2bw)
         # "gap closed" describes a correction applied to 2BW, not another schedule (PipeDream at depth P)
-        on_2bw = _columns(study, name, row, lambda c: c["schedule"]["name"] == "2bw")
+        on_2bw = columns_where(study, name, row, lambda c: c["schedule"]["name"] == "2bw")
         for column in cell["columns"]:
             st = stat(study, name, row, column)
             x = study.xs.get((name, row, column))
@@ -283,11 +96,6 @@ def gap_curves(study: Study, cell: str, row: str, column: str, ref: str) -> list
     return out
 
 
-def gap_stat(study: Study, cell: str, row: str, column: str, ref: str) -> Stat:
-    """Per-seed final gap column - ref as a Stat (so gaps of two rows can be paired by seed in turn)."""
-    a, b = stat(study, cell, row, column), stat(study, cell, row, ref)
-    return Stat({s: a.values[s] - b.values[s] for s in a.values.keys() & b.values.keys()}, a.planned)
-
 
 def sweep_points(study: Study, name: str) -> tuple[dict[str, list[plots.Point]], dict[str, tuple[float, float]]]:
     """Gap to sync against the cell's x: a series per row when x varies over columns (lambda, P), a series
@@ -316,7 +124,7 @@ def sweep_points(study: Study, name: str) -> tuple[dict[str, list[plots.Point]],
 
 def draw(study: Study, plot_dir: Path) -> list[tuple[str, Path]]:
     figures = []
-    if "main" in study.cells:
+    if study.cells.get("main", {}).get("rows"):  # no rows yet: the cell waits for the tune grid
         rows = study.cells["main"]["rows"]
         panels = {row: {c: curves(study, "main", row, c) for c in MAIN_COLUMNS} for row in rows}
         figures.append(("Validation loss, sync and async overlaid (mean over seeds; band: min to max)",
@@ -325,8 +133,9 @@ def draw(study: Study, plot_dir: Path) -> list[tuple[str, Path]]:
         figures.append(("Gap to sync over training, runs paired by seed (mean; band: min to max over seeds)",
                         plots.curves_panels(gaps, plot_dir / "gap_over_time.png", "val loss − sync (same seed)",
                                             "Δ val loss", zero_line=True)))
+    grids = set(report_cells.tune_cells(study))
     for name, cell in study.cells.items():
-        if not cell.get("x"):
+        if not cell.get("x") or name in grids or name in OWN_SECTIONS:
             continue
         series, refs = sweep_points(study, name)
         xs = [p[0] for pts in series.values() for p in pts if p[0] > 0]
@@ -335,155 +144,6 @@ def draw(study: Study, plot_dir: Path) -> list[tuple[str, Path]]:
                               "final val loss − sync (paired)", log_x=log_x)
         figures.append((f"{cell['title']}: gap to sync against {cell['x']}", path))
     return figures
-
-
-# ---- the paper's claims, checked against the data ------------------------------------------------------
-
-
-def direction(diff: tuple[float, float, int], expected: int) -> str:
-    """agrees / disagrees when the paired difference is resolved from seed noise, else says why not."""
-    if diff[2] == 0:
-        return "missing"
-    if not resolved(diff):
-        return NOT_RESOLVED
-    return "agrees" if (diff[0] > 0) == (expected > 0) else "disagrees"
-
-
-def _columns(study: Study, cell: str, row: str, test) -> list[str]:
-    return [c for c in study.cells[cell]["columns"]
-            if study.results.get((cell, row, c)) and all(test(r.config) for _, r in study.results[(cell, row, c)])]
-
-
-def claims(study: Study) -> list[tuple[str, str, str]]:
-    """(the paper's finding, ours as computed, verdict) for every cell the study ran."""
-    out: list[tuple[str, str, str]] = []
-    cells = study.cells
-    main_rows = cells.get("main", {}).get("rows", [])
-    for opt, (ps, pa, pe) in PAPER_360M.items():
-        if opt not in main_rows:
-            continue
-        s, a, e = (stat(study, "main", opt, c) for c in MAIN_COLUMNS)
-        gap = paired(a, s)
-        out.append((f"{opt}: one-step delay raises the loss (360M: {ps:.3f} → {pa:.3f}, gap {pa - ps:+.3f})",
-                    f"gap {fmt_diff(gap)}", direction(gap, +1)))
-        ef = paired(e, a)
-        closed = closes(study, "main", opt, "2bw_ef", "sync", "2bw")
-        out.append((f"{opt}: EF lowers the delayed loss (360M: {pa:.3f} → {pe:.3f}, {(pa - pe) / (pa - ps):.0%} of the gap)",
-                    f"async+EF − async {fmt_diff(ef)}; gap closed {closed}", direction(ef, -1)))
-    ranked = [o for o in PAPER_360M if o in main_rows]
-    if len(ranked) > 1:
-        out.append(_gap_ordering(study, ranked))
-    for row in cells.get("ef_lambda", {}).get("rows", []):
-        out.append(_best_lambda(study, row))
-    for name, finding, expected in (("grad_ef", "gradient-level EF diverges (Fig. 19)", +1),
-                                    ("dc_asgd", "no DC-ASGD coefficient beats plain delay (Fig. 14)", 0)):
-        for row in cells.get(name, {}).get("rows", []):
-            out.append(_treatments_vs_2bw(study, name, row, finding, expected))
-    for row in cells.get("sync_start", {}).get("rows", []):
-        starts = _columns(study, "sync_start", row, lambda c: c["staleness"]["sync_start_steps"] > 0)
-        efs = _columns(study, "sync_start", row, lambda c: c["staleness"]["ef_lambda"] > 0)
-        diff = paired(stat(study, "sync_start", row, efs[0]), stat(study, "sync_start", row, starts[0])) \
-            if starts and efs else (math.nan, math.nan, 0)
-        out.append((f"{row}: EF beats synchronous start (Fig. 2)", f"EF − sync start {fmt_diff(diff)}", direction(diff, -1)))
-    for row in cells.get("pipedream", {}).get("rows", []):
-        out.append(_pipedream(study, row))
-    if "momentum" in cells:
-        out.append(_momentum(study))
-    return out
-
-
-def _gap_ordering(study: Study, ranked: list[str]) -> tuple[str, str, str]:
-    """The paper's order of the gaps, checked pair by pair (per-seed gaps of neighbours, paired t-test)."""
-    paper = sorted(ranked, key=lambda o: PAPER_360M[o][0] - PAPER_360M[o][1])  # largest gap first
-    gaps = {o: gap_stat(study, "main", o, "2bw", "sync") for o in paper}
-    if any(not g.values for g in gaps.values()):
-        return "gap ordering " + " > ".join(paper), "—", "missing"
-    steps = [paired(gaps[hi], gaps[lo]) for hi, lo in itertools.pairwise(paper)]
-    ours = " > ".join(f"{o} ({gaps[o].mean:+.4f})" for o in sorted(paper, key=lambda o: -gaps[o].mean))
-    ours += "; " + ", ".join(f"{hi} − {lo} {fmt_diff(d)}" for (hi, lo), d in zip(itertools.pairwise(paper), steps))
-    verdicts = [direction(d, +1) for d in steps]
-    verdict = "disagrees" if "disagrees" in verdicts else "agrees" if set(verdicts) == {"agrees"} else NOT_RESOLVED
-    return "gap ordering " + " > ".join(paper), ours, verdict
-
-
-def _best_lambda(study: Study, row: str) -> tuple[str, str, str]:
-    """The claim is about where the optimum lies, so the best arm at λ ≥ 1 is paired (over seeds) with the
-    best arm at λ < 1: which λ has the lowest mean is not evidence until that difference is resolved.
-    Picking each group's best before the test slightly favours resolving (a selection effect); with a
-    handful of arms and seeds that is kept rather than a multiple-comparison correction."""
-    cols = [c for c in study.cells["ef_lambda"]["columns"] if study.xs.get(("ef_lambda", row, c)) is not None]
-    stats = {c: stat(study, "ef_lambda", row, c) for c in cols}
-    finding = f"{row}: the best λ is ≥ 1 (Fig. 15: AdamW, Muon, SOAP best somewhat above 1)"
-    lam = {c: study.xs[("ef_lambda", row, c)] for c in cols}
-    high, low = [c for c in cols if lam[c] >= 1], [c for c in cols if lam[c] < 1]
-    if not (high and low) or any(not stats[c].values for c in cols):
-        return finding, "some λ missing", "missing"
-    best = min(cols, key=lambda c: stats[c].mean)
-    best_high, best_low = (min(group, key=lambda c: stats[c].mean) for group in (high, low))
-    diff = paired(stats[best_low], stats[best_high])  # > 0: the best λ ≥ 1 is lower
-    ours = (f"best λ = {lam[best]:g} ({stats[best].mean:.4f}); "
-            f"λ={lam[best_low]:g} − λ={lam[best_high]:g} {fmt_diff(diff)}")
-    return finding, ours, direction(diff, +1)
-
-
-def _treatments_vs_2bw(study: Study, cell: str, row: str, finding: str, expected: int) -> tuple[str, str, str]:
-    """expected +1: every treatment is worse than plain 2BW (or diverges); 0: none is better."""
-    base = _columns(study, cell, row, is_plain_2bw)
-    treat = [c for c in study.cells[cell]["columns"] if c not in base + _columns(study, cell, row, is_sync)]
-    if not base or not treat:
-        return f"{row}: {finding}", "—", "missing"
-    parts, verdicts = [], []
-    for c in treat:
-        st = stat(study, cell, row, c)
-        diverged = st.statuses.get("diverged", 0)
-        diff = paired(st, stat(study, cell, row, base[0]))
-        parts.append(f"{c}: " + (f"{diverged}/{st.planned} diverged" if diverged else f"vs 2BW {fmt_diff(diff)}"))
-        if expected > 0:
-            verdicts.append("agrees" if diverged == st.planned else direction(diff, +1))
-        else:
-            # "none is better" is only supported once a better treatment could have been detected (>= 2 pairs)
-            verdicts.append("missing" if diff[2] == 0 else "disagrees" if resolved(diff) and diff[0] < 0
-                            else "agrees" if diff[2] >= 2 else NOT_RESOLVED)
-    verdict = next((v for v in ("missing", "disagrees") if v in verdicts), None) or (
-        "agrees" if all(v == "agrees" for v in verdicts) else NOT_RESOLVED)
-    return f"{row}: {finding}", "; ".join(parts), verdict
-
-
-def _pipedream(study: Study, row: str) -> tuple[str, str, str]:
-    finding = f"{row}: original PipeDream degrades as P grows, 2BW does not (Fig. 6)"
-    sync_col, base = reference(study, "pipedream", row, is_sync), reference(study, "pipedream", row, is_plain_2bw)
-    pds = sorted((study.xs[("pipedream", row, c)], c) for c in study.cells["pipedream"]["columns"]
-                 if study.xs.get(("pipedream", row, c)) is not None)
-    if not (sync_col and base and pds):
-        return finding, "—", "missing"
-    gaps = [paired(stat(study, "pipedream", row, c), stat(study, "pipedream", row, sync_col)) for _, c in pds]
-    worst = paired(stat(study, "pipedream", row, pds[-1][1]), stat(study, "pipedream", row, base))
-    ours = ", ".join(f"P={p:g}: {fmt_diff(g)}" for (p, _), g in zip(pds, gaps)) + f"; P={pds[-1][0]:g} vs 2BW {fmt_diff(worst)}"
-    if any(g[2] == 0 for g in gaps) or worst[2] == 0:
-        return finding, ours, "missing"
-    rising = all(a[0] <= b[0] for a, b in itertools.pairwise(gaps))
-    if rising and resolved(worst) and worst[0] > 0:
-        return finding, ours, "agrees"
-    return finding, ours, "disagrees" if resolved(worst) and worst[0] < 0 or not rising and resolved(worst) \
-        else NOT_RESOLVED
-
-
-def _momentum(study: Study) -> tuple[str, str, str]:
-    finding = "higher momentum, smaller sync-async gap (Fig. 4)"
-    rows = study.cells["momentum"]["rows"]
-    keyed = []
-    for row in rows:
-        sync_col, base = reference(study, "momentum", row, is_sync), reference(study, "momentum", row, is_plain_2bw)
-        x = study.xs.get(("momentum", row, base)) if base else None
-        if sync_col and base and x is not None:
-            keyed.append((x, gap_stat(study, "momentum", row, base, sync_col)))
-    if len(keyed) < 2:
-        return finding, "—", "missing"
-    keyed.sort(key=lambda t: t[0])
-    diff = paired(keyed[-1][1], keyed[0][1])  # gap at the highest momentum minus gap at the lowest, per seed
-    ours = ", ".join(f"{x:g}: {g.mean:+.4f}" if g.values else f"{x:g}: —" for x, g in keyed)
-    ours += f"; highest − lowest {fmt_diff(diff)}"
-    return finding, ours, direction(diff, -1)
 
 
 # ---- the document --------------------------------------------------------------------------------------
@@ -511,6 +171,9 @@ def _setup(study: Study) -> list[str]:
         "- optimizers (the same settings for every arm): " + "; ".join(
             f"{n} lr {o['lr']:g} wd {o['weight_decay']:g} betas {tuple(o['betas'])} momentum {o['momentum']:g}"
             for n, o in sorted(opts.items())),
+        "- seeds per cell (chosen from the paired SD the old study measured: with n seeds a paired t-test at 95% "
+        "detects |mean| / SD ≥ t(n−1)/√n; the plan file gives the table): "
+        + ", ".join(f"`{c['name']}` {len(c.get('seeds') or m['seeds'])}" for c in m["cells"]),
         "- what differs between the columns of a row (same seed), read from every run's config.json: "
         + (", ".join(f"`{k}`" for k in arm_differences(study)) or "nothing"),
     ]
@@ -533,21 +196,33 @@ def arm_differences(study: Study) -> list[str]:
 
 def _banner(study: Study) -> list[str]:
     labels = {m["label"] for m in study.manifests}
-    if labels == {"study"}:
+    if "pilot" not in labels:
         runs = {r.name: r.status for results in study.results.values() for _, r in results}
-        ended = sum(status not in ("pending", "interrupted") for status in runs.values())  # failed/diverged ended
-        if ended == len(runs):
+        done = sum(status not in ("pending", "interrupted") for status in runs.values())  # failed/diverged ended
+        waiting = report_cells.waits_for_tune(study)
+        if done == len(runs) and not waiting:
             return []
-        return [(f"> **The study is still running: {ended} of {len(runs)} runs have ended.** Runs go seed by "
-                "seed, so most cells have fewer seeds than planned (n/planned below) and their verdicts are "
-                "provisional; with one seed no difference can be called significant. Rerunning the study command "
-                "resumes it; rerunning the report command updates this page."), ""]
+        more = " (and the cells that use the tune grid's winners, not planned until it ends)" if waiting else ""
+        return [(f"> **The study is still running: {done} of {len(runs)} runs have ended{more}.** A cell whose runs have "
+                 "not all ended is *pending* (n of N runs below) and gets no verdict. Rerunning the study command "
+                 "resumes it; rerunning the report command updates this page."), ""]
     banner = (f"> **This is a {', '.join(sorted(labels))}, not the study.** Its runs are "
               f"{', '.join(str(m['steps']) for m in study.manifests)} steps long and prove that the pipeline works "
               "end to end (runs → tables → plots → verdicts); they are far too short to confirm or refute the "
-              "paper. The study itself: `python -m tools.study run --plan full --out outputs/study --jobs 2`, "
-              "then `python -m tools.report outputs/study --out docs/reproduction.md`.")
+              "paper. The study itself: `python -m tools.study run --plan rerun --out /root/asyncpp-study --jobs 2`, "
+              "then `python -m tools.report /root/asyncpp-study --out docs/reproduction.md`.")
     return [banner, ""]
+
+
+def cell_progress(study: Study) -> list[str]:
+    """Runs ended per cell (n of N): the cells still pending are named, so no reader takes them as decided."""
+    rows = []
+    for name in study.cells:
+        stats = [stat(study, c, r, k) for (c, r, k) in study.results if c == name]
+        done, planned = ended(stats)
+        state = "complete" if done == planned else "**pending**"
+        rows.append([f"`{name}`", f"{done} of {planned}", state if planned else "**pending** (waits for the tune grid)"])
+    return [table(["cell", "runs ended", "state"], rows)]
 
 
 def _commands(study: Study, argv: list[str]) -> list[str]:
@@ -562,47 +237,89 @@ def _commands(study: Study, argv: list[str]) -> list[str]:
 
 
 def _not_done(study: Study) -> list[str]:
-    seen, rows = set(), []
+    """Runs that ended without a result (failed, diverged) or were cut off (interrupted) by name; runs not
+    started yet as a count per cell (a study part-way through has hundreds)."""
+    seen, rows, waiting = set(), [], Counter()
     for (cell, row, column), runs in study.results.items():
         for seed, r in runs:
             if r.status != "done" and r.name not in seen:
                 seen.add(r.name)
-                rows.append([r.name, r.status, cell, f"{row} / {column} / seed {seed}"])
-    if not rows:
+                if r.status == "pending":
+                    waiting[cell] += 1
+                else:
+                    rows.append([r.name, r.status, cell, f"{row} / {column} / seed {seed}"])
+    if not rows and not waiting:
         return ["Every planned run finished."]
-    return [table(["run", "status", "first cell", "row / column / seed"], rows)]
+    out = [table(["run", "status", "first cell", "row / column / seed"], rows), ""] if rows else []
+    if waiting:
+        out.append(f"Not started yet: {sum(waiting.values())} runs (" + ", ".join(
+            f"`{cell}` {n}" for cell, n in waiting.items()) + "; a run shared by cells counts in the first).")
+    return out
 
 
-def tally(found: list[tuple[str, str, str]]) -> str:
+def tally(found: list[Finding]) -> str:
     """One line that counts the verdicts, so a reader sees the balance before reading the rows."""
-    counts = Counter(verdict for _, _, verdict in found)
+    counts = Counter(f.verdict.word for f in found)
     parts = ", ".join(f"{n} {verdict}" for verdict, n in counts.most_common())
     return (f"Verdicts over {len(found)} findings: {parts}. Magnitudes are not comparable with the paper's "
             "(a far smaller model, far fewer tokens); the findings compare directions and orderings.")
+
+
+RULE = ("Each finding is decided on its per-seed paired differences once every planned run of its arms has ended: "
+        "**agrees** / **disagrees** when a two-sided paired t-test gives p < 0.05; otherwise, where the finding has "
+        f"an equivalence margin, a TOST at 90% against it (margins, fixed in tools/report_findings.py before the data: "
+        f"{MARGIN_FRACTION:g} of the delay's gap of the same row, or of the paper's relative gap for the gap itself, "
+        f"or of Muon's gap at momentum 0.95 for the momentum trend); an effect inside the margin is absent "
+        "(a disagreement where the paper reports it). Otherwise **undecided at n seeds**, with the seed count the "
+        "paired SD implies. **pending**: runs still to come; no verdict.")
+
+
+def findings_table(found: list[Finding]) -> str:
+    return table(["finding (the paper)", "the paper", "this study", "paired test", "verdict", "explanation"],
+                 [[f.paper, f.paper_figure, f.ours, f.verdict.test, f.verdict.text(), f.explanation()] for f in found])
+
+
+def _cell_sections(study: Study, plot_dir: Path) -> tuple[list[str], list[tuple[str, Path]]]:
+    doc, figures = [], []
+    grids = report_cells.tune_cells(study)
+    for name in grids:
+        text, figs = report_cells.lr_grid(study, name, plot_dir)
+        doc += [f"## {study.cells[name]['title']} (`{name}`)", "", *text]
+        figures += figs
+    if "main" in study.cells:
+        doc += ["## " + study.cells["main"]["title"], "", main_table(study), "",
+                "Gap closed by EF = (async − async+EF) / (async − sync).", ""]
+    own = {"adamw_lr": report_cells.adamw_lr, "grad_ef_long": report_cells.grad_ef_long}
+    for name, cell in study.cells.items():
+        if name == "main" or name in grids:
+            continue
+        doc += [f"## {cell['title']} (`{name}`)", ""]
+        if name in own:  # its own table replaces the generic one
+            text, figs = own[name](study, plot_dir)
+            doc += text
+            figures += figs
+        else:
+            doc += [cell_table(study, name), ""]
+    return doc, figures
 
 
 def render(study: Study, out: Path, argv: list[str]) -> str:
     plot_dir = out.parent / out.stem
     figures = draw(study, plot_dir)
     intro = ("Generated by `tools.report` from the run directories below; every number is computed from their "
-             "`summary.json`/`metrics.jsonl`. Values are the final validation loss, mean ± std over seeds (n/planned "
-             "when some are missing). Differences (Δ, gap) are paired by seed (same initialisation and data order) "
-             "and marked (n.s.) when a paired t-test over seeds does not tell them from zero at 95%.")
+             "`summary.json`/`metrics.jsonl`/`study_status.json`. Values are the final validation loss, mean ± std "
+             "over seeds (n/planned when some are missing). Differences (Δ, gap) are paired by seed (same "
+             "initialisation and data order) and marked (n.s.) when a paired t-test over seeds does not tell them "
+             "from zero at 95%.")
     doc = ["# Reproduction: sync vs one-step-delayed (PipeDream-2BW) training", "", *_banner(study), intro, "",
-           "## Setup", "", *_setup(study), "", "## Commands", "", *_commands(study, argv), ""]
-    if "main" in study.cells:
-        doc += ["## " + study.cells["main"]["title"], "", main_table(study), "",
-                "Gap closed by EF = (async − async+EF) / (async − sync).", ""]
-    for name, cell in study.cells.items():
-        if name != "main":
-            doc += [f"## {cell['title']} (`{name}`)", "", cell_table(study, name), ""]
-    found = claims(study)
-    doc += ["## Comparison with the paper (SmolLM2-360M and its ablations)", "",
-            ("The paper's findings as reported (digest of arXiv 2606.30634); ours computed from this study. "
-             "A verdict needs the difference to pass the paired t-test above; otherwise it is not resolved."), "",
-            table(["paper", "this study", "verdict"], [list(c) for c in found]), "",
-            tally(found), "", "## Figures", ""]
-    doc += [f"**{caption}**\n\n![{path.stem}]({plot_dir.name}/{path.name})\n" for caption, path in figures]
+           "## Setup", "", *_setup(study), "", *cell_progress(study), "", "## Commands", "", *_commands(study, argv), ""]
+    sections, cell_figures = _cell_sections(study, plot_dir)
+    found = findings(study)
+    doc += sections + ["## Findings: the paper against this study", "", RULE, "", findings_table(found), "",
+                       tally(found), "", "## What it cost, where it ran, on which commits", "", *cost_section(study), "",
+                       "## What a CPU-scale study can and cannot say about the 360M and 10B results", "",
+                       *scale_section(study), "", "## Figures", ""]
+    doc += [f"**{caption}**\n\n![{path.stem}]({plot_dir.name}/{path.name})\n" for caption, path in figures + cell_figures]
     doc += ["## Runs not finished", "", *_not_done(study), ""]
     return "\n".join(doc)
 
@@ -627,3 +344,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

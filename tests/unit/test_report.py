@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import report, study
+from tools import report, report_data, report_findings, study
 
 SEEDS = (1, 2, 3)
 # final validation loss per (row, column) and seed; None = the run never finished (no directory)
@@ -137,7 +137,9 @@ def test_main_table_values(rendered, opt):
 
 def test_missing_and_diverged_runs_are_reported_not_dropped(rendered):
     markdown, _ = rendered
-    assert "| muon__2bw_ef__seed3 | pending | main |" in markdown
+    # runs not started are counted per cell (muon__2bw_ef__seed3 in main, grad_ef1's seed 3), not listed
+    assert "Not started yet: 2 runs (`main` 1, `grad_ef` 1; a run shared by cells counts in the first)." in markdown
+    assert "| muon__2bw_ef__seed3 |" not in markdown
     grad = next(r for r in markdown.splitlines() if r.startswith("| muon | grad_ef1 |"))
     # seed 3 has no directory: missing, not diverged; no loss, no differences
     assert grad == "| muon | grad_ef1 | **2 diverged, 1 missing** (0/3) | — | — | — |"
@@ -149,25 +151,31 @@ def test_missing_and_diverged_runs_are_reported_not_dropped(rendered):
 
 def test_paper_comparison_is_computed(rendered):
     markdown, _ = rendered
-    claims = {r.split("|")[1].strip(): r.split("|")[3].strip() for r in markdown.splitlines()
-              if r.startswith(("| adamw:", "| muon:", "| gap ordering"))}
-    assert claims["adamw: one-step delay raises the loss (360M: 2.612 → 2.890, gap +0.278)"] == "agrees"
-    assert claims["adamw: EF lowers the delayed loss (360M: 2.890 → 2.640, 90% of the gap)"] == "agrees"
-    assert claims["muon: one-step delay raises the loss (360M: 2.578 → 2.590, gap +0.012)"] == "disagrees"
-    assert claims["gap ordering adamw > muon"] == "agrees"
-    assert "muon: gradient-level EF diverges (Fig. 19)" in claims
+    findings = markdown.split("## Findings")[1]
+    claims = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:7]] for r in findings.splitlines()
+              if r.startswith(("| adamw", "| muon"))}
+    assert claims["adamw: one-step delay raises the loss"][::3] == ["2.612 → 2.890 (gap +0.278)", "agrees"]
+    assert claims["adamw: EF lowers the delayed loss"][::3] == ["2.890 → 2.640 (90% of the gap)", "agrees"]
+    # muon's 2BW is lower on every seed: the paper's sign reversed, at p < 0.05 (t(2) = -17.3)
+    assert claims["muon: one-step delay raises the loss"][3].startswith("disagrees, because the sign is reversed: -0.1000")
+    assert claims["muon: one-step delay raises the loss"][2].startswith("paired t(2) = -17.32, p = 0.00332")
+    assert claims["muon: one-step delay raises the loss"][4].startswith("*to write: EXPLANATIONS['main/muon/gap']")
+    assert claims["muon: EF lowers the delayed loss"][3] == "pending (8 of 9 runs)"  # its seed 3 never ran
+    assert claims["adamw's sync-async gap is larger than muon's"][3] == "agrees"
+    # grad_ef1: 2 diverged + 1 never ran; 2BW and sync (the margin's gap) ended: 8 of 9
+    assert claims["muon: gradient-level EF diverges (grad_ef1)"][3] == "pending (8 of 9 runs)"
     assert "PILOT" not in markdown.upper().split("## SETUP")[0]  # label "study": no pilot banner
 
 
 def test_the_verdicts_are_tallied_from_the_table(rendered):
     markdown, _ = rendered
-    verdicts = [r.split("|")[3].strip() for r in markdown.split("## Comparison with the paper")[1].split("## Figures")[0]
-                .splitlines() if r.startswith("| ") and not r.startswith(("| paper", "|---"))]
+    verdicts = [r.split("|")[5].strip().split(",")[0].split(" (")[0] for r in markdown.split("## Findings")[1]
+                .split("Verdicts over")[0].splitlines() if r.startswith("| ") and not r.startswith("| finding")]
     line = next(r for r in markdown.splitlines() if r.startswith("Verdicts over"))
     head, counts = line.split(". ")[0].split(": ")
     assert head == f"Verdicts over {len(verdicts)} findings"
     assert dict(c.split(" ", 1)[::-1] for c in counts.split(", ")) == {v: str(verdicts.count(v)) for v in verdicts}
-    assert {"agrees", "disagrees"} <= set(verdicts)  # the fixture has both, so the counts are not trivially one kind
+    assert {"agrees", "disagrees", "pending"} <= set(verdicts)  # the fixture has both, so the counts are not trivially one kind
 
 
 def test_figures_are_written(rendered):
@@ -179,7 +187,7 @@ def test_figures_are_written(rendered):
 
 
 def test_curves_take_the_last_record_of_a_step(study_dir):
-    records = report.read_metrics(study_dir / "adamw__sync__seed1" / "metrics.jsonl")
+    records = report_data.read_metrics(study_dir / "adamw__sync__seed1" / "metrics.jsonl")
     assert [r.step for r in records] == list(range(EVAL_STEPS[-1]))
     assert records[19].val_loss == pytest.approx(3.00 + 0.1 * 10 / 10)
     curves = report.gap_curves(report.load_study([study_dir]), "main", "adamw", "2bw", "sync")
@@ -206,14 +214,18 @@ def test_the_report_lists_what_the_arms_differ_in(rendered):
     assert line.endswith("`schedule.name`, `staleness.ef_lambda`, `staleness.grad_ef_lambda`")
 
 
-def lambda_study(finals: dict[float, tuple[float, ...]]) -> report.Study:
-    """A Study with one ef_lambda row whose arms have these final losses per seed."""
+def lambda_study(finals: dict[float, tuple[float | None, ...]]) -> report_data.Study:
+    """A Study with one ef_lambda row whose arms have these final losses per seed (None: not run yet)."""
+    def run(lam: float, seed: int, v: float | None) -> report_data.RunResult:
+        config = {"schedule": {"name": "2bw"}, "staleness": {"ef_lambda": lam}}
+        return report_data.RunResult(f"ef{lam:g}_{seed}", "pending" if v is None else "done", config,
+                                     math.nan if v is None else v)
+
     cols = [f"ef{lam:g}" for lam in finals]
-    results = {("ef_lambda", "muon", f"ef{lam:g}"): [(seed, report.RunResult(f"ef{lam:g}_{seed}", "done", {}, v))
-                                                     for seed, v in enumerate(values, 1)]
+    results = {("ef_lambda", "muon", f"ef{lam:g}"): [(seed, run(lam, seed, v)) for seed, v in enumerate(values, 1)]
                for lam, values in finals.items()}
-    return report.Study([], [], {"ef_lambda": {"rows": ["muon"], "columns": cols}}, results,
-                        {("ef_lambda", "muon", f"ef{lam:g}"): lam for lam in finals})
+    return report_data.Study([], [], {"ef_lambda": {"rows": ["muon"], "columns": cols}}, results,
+                             {("ef_lambda", "muon", f"ef{lam:g}"): lam for lam in finals})
 
 
 @pytest.mark.parametrize("finals, verdict", [
@@ -221,56 +233,66 @@ def lambda_study(finals: dict[float, tuple[float, ...]]) -> report.Study:
     ({0.0: (3.5, 3.6, 3.7), 0.5: (3.4, 3.5, 3.6), 1.0: (3.3, 3.4, 3.5), 1.5: (3.2, 3.31, 3.4)}, "agrees"),
     ({0.0: (3.5, 3.6, 3.7), 0.5: (3.1, 3.2, 3.31), 1.0: (3.3, 3.4, 3.5), 1.5: (3.4, 3.5, 3.6)}, "disagrees"),
     # the lowest mean is at λ=1.5, but one seed cannot tell it from λ=0.5
-    ({0.0: (3.5,), 0.5: (3.4,), 1.0: (3.3,), 1.5: (3.2,)}, report.NOT_RESOLVED),
+    ({0.0: (3.5,), 0.5: (3.4,), 1.0: (3.3,), 1.5: (3.2,)}, "undecided"),
     # the lowest mean is at λ=1.5, but seeds disagree on the sign of the difference
-    ({0.5: (3.40, 3.10, 3.30), 1.5: (3.20, 3.25, 3.15)}, report.NOT_RESOLVED),
+    ({0.5: (3.40, 3.10, 3.30), 1.5: (3.20, 3.25, 3.15)}, "undecided"),
 ])
 def test_best_lambda_verdict_needs_a_resolved_difference(finals, verdict):
-    finding, ours, got = report._best_lambda(lambda_study(finals), "muon")
-    assert got == verdict, ours
-    assert finding.startswith("muon: the best λ is ≥ 1")
+    found = report_findings._best_lambda(lambda_study(finals), "muon")
+    assert found.verdict.word == verdict, found
+    assert found.paper.startswith("muon: the best EF λ is ≥ 1")
 
 
-def test_best_lambda_with_an_unfinished_arm_is_missing():
-    study_ = lambda_study({0.5: (3.4,), 1.5: ()})
-    assert report._best_lambda(study_, "muon")[2] == "missing"
+def test_best_lambda_with_an_unfinished_arm_is_pending():
+    found = report_findings._best_lambda(lambda_study({0.5: (3.4, 3.5), 1.5: (3.3, None)}), "muon")
+    assert found.verdict.text() == "pending (3 of 4 runs)"
 
 
-def dc_study(finals: dict[str, tuple[float, ...]]) -> report.Study:
-    """A Study with one dc_asgd row: a plain-2BW column and DC-ASGD columns with these losses per seed."""
+def dc_study(finals: dict[str, tuple[float, ...]]) -> report_data.Study:
+    """A Study with one dc_asgd row: sync, plain-2BW and DC-ASGD columns with these losses per seed."""
     def config(column: str) -> dict:
-        return {"schedule": {"name": "2bw"}, "staleness": {"dc_lambda": 0.0 if column == "2bw" else 100.0}}
+        return {"schedule": {"name": "sync" if column == "sync" else "2bw"},
+                "staleness": {"dc_lambda": 100.0 if column.startswith("dc") else 0.0}}
 
-    results = {("dc_asgd", "muon", c): [(seed, report.RunResult(f"{c}_{seed}", "done", config(c), v))
+    results = {("dc_asgd", "muon", c): [(seed, report_data.RunResult(f"{c}_{seed}", "done", config(c), v))
                                         for seed, v in enumerate(values, 1)] for c, values in finals.items()}
-    return report.Study([], [], {"dc_asgd": {"rows": ["muon"], "columns": list(finals)}}, results, {})
+    return report_data.Study([], [], {"dc_asgd": {"rows": ["muon"], "columns": list(finals)}}, results, {})
+
+
+SYNC, DELAYED = (3.5, 3.6, 3.7), (3.9, 4.0, 4.1)  # the delay's gap 0.4: the margin is 0.1
 
 
 @pytest.mark.parametrize("finals, verdict", [
-    ({"2bw": (3.9, 4.0, 4.1), "dc100": (3.95, 3.98, 4.12)}, "agrees"),          # no seed-resolved gain
-    ({"2bw": (3.9, 4.0, 4.1), "dc100": (3.80, 3.91, 4.00)}, "disagrees"),       # better on every seed
-    ({"2bw": (3.9,), "dc100": (3.95,)}, report.NOT_RESOLVED),                    # one seed cannot show "no gain"
+    # within the margin: diffs +0.05, -0.02, +0.02, 90% CI [-0.044, +0.077] inside ±0.1
+    ({"sync": SYNC, "2bw": DELAYED, "dc100": (3.95, 3.98, 4.12)}, "agrees"),
+    ({"sync": SYNC, "2bw": DELAYED, "dc100": (3.80, 3.91, 4.00)}, "disagrees"),     # better on every seed
+    ({"sync": SYNC[:1], "2bw": DELAYED[:1], "dc100": (3.95,)}, "undecided"),        # one seed shows nothing
+    # noisy: neither a gain at p < 0.05 nor a CI inside the margin
+    ({"sync": SYNC, "2bw": DELAYED, "dc100": (3.7, 4.1, 4.0)}, "undecided"),
 ])
-def test_a_no_gain_claim_needs_seeds_that_could_have_shown_a_gain(finals, verdict):
-    got = report._treatments_vs_2bw(dc_study(finals), "dc_asgd", "muon", "no DC-ASGD coefficient beats plain delay", 0)
-    assert got[2] == verdict, got[1]
+def test_a_no_gain_claim_needs_an_equivalence_margin_or_a_resolved_difference(finals, verdict):
+    [got] = report_findings._treatments(dc_study(finals), "dc_asgd", "muon", "no DC-ASGD coefficient beats plain delay",
+                                        "Fig. 14", 0)
+    assert got.verdict.word == verdict, got
+    if verdict == "undecided" and len(finals["sync"]) > 1:
+        assert "seeds; the paired SD" in got.verdict.reason
 
 
 def test_pending_and_interrupted_runs_are_counted_together_as_missing():
-    s = report.Stat(planned=3, statuses={"interrupted": 1, "pending": 2})
-    assert report.fmt_stat(s) == "**3 missing** (0/3)"
-    s = report.Stat(values={1: 3.5}, planned=3, statuses={"done": 1, "interrupted": 1, "failed": 1})
-    assert report.fmt_stat(s) == "3.5000 (1/3; 1 failed, 1 missing)"
+    s = report_data.Stat(planned=3, statuses={"interrupted": 1, "pending": 2})
+    assert report_data.fmt_stat(s) == "**3 missing** (0/3)"
+    s = report_data.Stat(values={1: 3.5}, planned=3, statuses={"done": 1, "interrupted": 1, "failed": 1})
+    assert report_data.fmt_stat(s) == "3.5000 (1/3; 1 failed, 1 missing)"
 
 
 def test_gap_closed_is_shown_for_corrections_of_2bw_only():
     """PipeDream at depth P is compared with 2BW, but it closes no gap: only a 2BW run with a correction does."""
     arms = {"sync": ("sync", 0.0, (3.0, 3.1)), "2bw": ("2bw", 0.0, (3.4, 3.5)),
             "2bw_ef": ("2bw", 1.0, (3.2, 3.3)), "pipedream_p4": ("pipedream", 0.0, (3.6, 3.7))}
-    results = {("pd", "muon", c): [(seed, report.RunResult(f"{c}_{seed}", "done",
+    results = {("pd", "muon", c): [(seed, report_data.RunResult(f"{c}_{seed}", "done",
                                                            {"schedule": {"name": sched}, "staleness": {"ef_lambda": ef}}, v))
                                    for seed, v in enumerate(values, 1)] for c, (sched, ef, values) in arms.items()}
-    study_ = report.Study([], [], {"pd": {"rows": ["muon"], "columns": list(arms)}}, results, {})
+    study_ = report_data.Study([], [], {"pd": {"rows": ["muon"], "columns": list(arms)}}, results, {})
     lines = {ln.split("|")[2].strip(): [c.strip() for c in ln.strip("|").split("|")]
              for ln in report.cell_table(study_, "pd").splitlines()[2:]}
     assert lines["2bw_ef"][-1] == "50%"                 # (3.45 - 3.25) / (3.45 - 3.05)

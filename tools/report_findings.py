@@ -1,0 +1,237 @@
+"""The paper's findings checked against a study: one Finding per claim, decided by tools.report_stats.decide.
+
+Each finding names its arms (cell, row, column), the per-seed paired difference it tests, the sign the paper
+reports and its equivalence margin. Margins are rules fixed before the data (MARGIN_FRACTION = 1/4 of a
+reference effect measured in the same study, on the same seeds):
+- the delay's own gap (2BW − sync): 1/4 of the paper's relative gap for that optimizer, scaled to our sync
+  loss: a gap under a quarter of what the paper measured (relative to the loss) is taken as absent;
+- a correction (EF, DC-ASGD, sync start vs EF, gradient-level EF, λ, PipeDream vs 2BW): 1/4 of the row's
+  2BW − sync gap: moving the loss by less than a quarter of what the delay costs changes no conclusion;
+- the gap ordering: 1/4 of the larger of the two gaps;
+- the momentum trend: 1/4 of Muon's 2BW gap at momentum 0.95 (the paper's default; proposed in the plan's
+  seed table, notes h46).
+A disagreement's explanation is written by whoever reads the data, in EXPLANATIONS (key -> text); until
+then the report shows the empty slot by name.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from tools.report_data import (
+    MAIN_COLUMNS,
+    Stat,
+    Study,
+    closes,
+    columns_where,
+    ended,
+    first_nonfinite,
+    fmt_diff,
+    gap_stat,
+    is_plain_2bw,
+    is_sync,
+    paired,
+    paired_diffs,
+    reference,
+    stat,
+)
+from tools.report_stats import MARGIN_FRACTION, Verdict, decide, pending
+
+#: Table 1/2 of the paper, SmolLM2-360M final validation loss: (sync, async, async + EF). Digest §5.1-5.2.
+PAPER_360M = {"muon": (2.578, 2.590, 2.583), "adamw": (2.612, 2.890, 2.640), "soap": (2.581, 2.608, 2.590)}
+MOMENTUM_REFERENCE = 0.95
+"""Muon's momentum whose 2BW gap sets the momentum trend's margin (the paper's and the optimizer's default)."""
+
+EXPLANATIONS: dict[str, str] = {}
+"""Finding key -> why this study disagrees with the paper there, written after reading the data."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    key: str
+    """A stable name (EXPLANATIONS' key), e.g. "main/adamw/ef"."""
+    paper: str
+    """The paper's finding in words."""
+    paper_figure: str
+    """What the paper reports (its numbers, or the figure that shows it)."""
+    ours: str
+    verdict: Verdict
+
+    def explanation(self) -> str:
+        if self.verdict.word != "disagrees":
+            return ""
+        return EXPLANATIONS.get(self.key, f"*to write: EXPLANATIONS[{self.key!r}] in tools/report_findings.py*")
+
+
+def judge(key: str, paper: str, figure: str, ours: str, arms: list[Stat], diffs: list[float], expected: int,
+          margin: float | None) -> Finding:
+    """pending until every planned run of the arms has ended, then tools.report_stats.decide."""
+    done, planned = ended(arms)
+    if done < planned or planned == 0:  # partial numbers are shown, marked as such, and decide nothing
+        return Finding(key, paper, figure, f"so far: {ours}", pending(done, planned))
+    return Finding(key, paper, figure, ours, decide(diffs, expected, margin))
+
+
+def row_gap(study: Study, cell: str, row: str) -> float:
+    """Mean over paired seeds of (plain 2BW − sync) in (cell, row); NaN without both columns."""
+    sync_col, base = reference(study, cell, row, is_sync), reference(study, cell, row, is_plain_2bw)
+    if not (sync_col and base):
+        return math.nan
+    return paired(stat(study, cell, row, base), stat(study, cell, row, sync_col))[0]
+
+
+def _quarter(effect: float) -> float | None:
+    return MARGIN_FRACTION * effect if math.isfinite(effect) and effect > 0 else None
+
+
+def findings(study: Study) -> list[Finding]:
+    """Every finding the study's cells can test, in the report's order."""
+    cells, out = study.cells, []
+    for row in cells.get("main", {}).get("rows", []):
+        out += _main(study, row)
+    out += _gap_ordering(study)
+    for row in cells.get("ef_lambda", {}).get("rows", []):
+        out.append(_best_lambda(study, row))
+    long_rows = set(cells.get("grad_ef_long", {}).get("rows", []))
+    for name in ("grad_ef", "grad_ef_long"):
+        for row in cells.get(name, {}).get("rows", []):
+            if name == "grad_ef_long" or row not in long_rows:  # the longer horizon decides where it ran
+                out += _treatments(study, name, row, "gradient-level EF diverges", "Fig. 19: diverges", +1)
+    for row in cells.get("dc_asgd", {}).get("rows", []):
+        out += _treatments(study, "dc_asgd", row, "no DC-ASGD coefficient beats plain delay", "Fig. 14", 0)
+    for row in cells.get("sync_start", {}).get("rows", []):
+        out.append(_sync_start(study, row))
+    for row in cells.get("pipedream", {}).get("rows", []):
+        out.append(_pipedream(study, row))
+    if "momentum" in cells:
+        out.append(_momentum(study))
+    return out
+
+
+def _main(study: Study, opt: str) -> list[Finding]:
+    s, a, e = (stat(study, "main", opt, c) for c in MAIN_COLUMNS)
+    paper = PAPER_360M.get(opt)
+    gap = paired(a, s)
+    if paper:
+        ps, pa, pe = paper
+        gap_fig, ef_fig = f"{ps:.3f} → {pa:.3f} (gap {pa - ps:+.3f})", f"{pa:.3f} → {pe:.3f} ({(pa - pe) / (pa - ps):.0%} of the gap)"
+        gap_margin = _quarter((pa - ps) / ps * s.mean)
+    else:
+        gap_fig, ef_fig, gap_margin = "—", "EF closes most of the gap for most optimizers", None
+    closed = closes(study, "main", opt, "2bw_ef", "sync", "2bw")
+    return [judge(f"main/{opt}/gap", f"{opt}: one-step delay raises the loss", gap_fig, f"gap {fmt_diff(gap)}",
+                  [s, a], paired_diffs(a, s), +1, gap_margin),
+            judge(f"main/{opt}/ef", f"{opt}: EF lowers the delayed loss", ef_fig,
+                  f"async+EF − async {fmt_diff(paired(e, a))}; gap closed {closed}",
+                  [s, a, e], paired_diffs(e, a), -1, _quarter(gap[0]))]
+
+
+def _gap_pair(study: Study, hi: str, lo: str) -> Finding:
+    """hi's sync-async gap exceeds lo's: per-seed gaps paired by seed, from gap_order when it has both rows."""
+    cell = "gap_order" if {hi, lo} <= set(study.cells.get("gap_order", {}).get("rows", [])) else "main"
+    arms = [stat(study, cell, o, c) for o in (hi, lo) for c in ("sync", "2bw")]
+    g_hi, g_lo = gap_stat(study, cell, hi, "2bw", "sync"), gap_stat(study, cell, lo, "2bw", "sync")
+    ph, pl = (PAPER_360M[o][1] - PAPER_360M[o][0] for o in (hi, lo))
+    diff = paired(g_hi, g_lo)
+    means = [g.mean for g in (g_hi, g_lo) if g.values]
+    ours = f"{hi} {_signed(g_hi.mean)}, {lo} {_signed(g_lo.mean)}; {hi} − {lo} {fmt_diff(diff)} (`{cell}`)"
+    return judge(f"{cell}/{hi}>{lo}", f"{hi}'s sync-async gap is larger than {lo}'s", f"{ph:+.3f} vs {pl:+.3f}",
+                 ours, arms, paired_diffs(g_hi, g_lo), +1, _quarter(max(means)) if len(means) == 2 else None)
+
+
+def _signed(x: float) -> str:
+    return f"{x:+.4f}" if math.isfinite(x) else "—"
+
+
+def _gap_ordering(study: Study) -> list[Finding]:
+    rows = study.cells.get("main", {}).get("rows", [])
+    ranked = sorted((o for o in PAPER_360M if o in rows), key=lambda o: PAPER_360M[o][0] - PAPER_360M[o][1])
+    return [_gap_pair(study, hi, lo) for hi, lo in itertools.pairwise(ranked)]
+
+
+def _best_lambda(study: Study, row: str) -> Finding:
+    """The claim is where the optimum lies, so the best arm at λ ≥ 1 is paired with the best at λ < 1 (picking
+    each group's best before the test slightly favours deciding: a selection effect, kept for so few arms)."""
+    cols = [c for c in study.cells["ef_lambda"]["columns"] if study.xs.get(("ef_lambda", row, c)) is not None]
+    stats = {c: stat(study, "ef_lambda", row, c) for c in cols}
+    arms = [stat(study, "ef_lambda", row, c) for c in study.cells["ef_lambda"]["columns"]]  # sync too: the margin
+    lam = {c: study.xs[("ef_lambda", row, c)] for c in cols}
+    high, low = [c for c in cols if lam[c] >= 1], [c for c in cols if lam[c] < 1]
+    key, paper, fig = f"ef_lambda/{row}", f"{row}: the best EF λ is ≥ 1", "Fig. 15: best somewhat above 1"
+    if not (high and low) or any(not s.values for s in stats.values()):
+        return judge(key, paper, fig, "some λ not finished", arms, [], +1, None)
+    best_high, best_low = (min(group, key=lambda c: stats[c].mean) for group in (high, low))
+    best = min(cols, key=lambda c: stats[c].mean)
+    diff = paired(stats[best_low], stats[best_high])  # > 0: the best λ ≥ 1 is lower
+    ours = f"best λ = {lam[best]:g} ({stats[best].mean:.4f}); λ={lam[best_low]:g} − λ={lam[best_high]:g} {fmt_diff(diff)}"
+    return judge(key, paper, fig, ours, arms, paired_diffs(stats[best_low], stats[best_high]), +1,
+                 _quarter(row_gap(study, "ef_lambda", row)))
+
+
+def _treatments(study: Study, cell: str, row: str, claim: str, fig: str, expected: int) -> list[Finding]:
+    """Each treatment column of (cell, row) against plain 2BW. expected +1: worse than 2BW or every run diverged
+    (a diverged run has no final loss to pair); 0: not better than 2BW by more than the margin."""
+    base = reference(study, cell, row, is_plain_2bw)
+    sync_col = reference(study, cell, row, is_sync)
+    treated = [c for c in study.cells[cell]["columns"] if c not in (base, sync_col)]
+    out = []
+    for column in treated if base else []:
+        st, b = stat(study, cell, row, column), stat(study, cell, row, base)
+        diverged = st.statuses.get("diverged", 0)
+        diff = paired(st, b)
+        steps = sorted(s for _, r in study.results[(cell, row, column)] if (s := first_nonfinite(r)) is not None)
+        ours = (f"{diverged} of {st.planned} diverged (non-finite at step {', '.join(map(str, steps))}); "
+                if diverged else "") + f"{column} − 2BW {fmt_diff(diff)}"
+        key, paper = f"{cell}/{row}/{column}", f"{row}: {claim} ({column})"
+        arms = [st, b] + ([stat(study, cell, row, sync_col)] if sync_col else [])  # sync: the margin's gap
+        found = judge(key, paper, fig, ours, arms, paired_diffs(st, b), expected, _quarter(row_gap(study, cell, row)))
+        if expected > 0 and diverged and diverged == st.planned and found.verdict.word != "pending":
+            found = Finding(key, paper, fig, ours, Verdict("agrees", f"{diverged} of {st.planned} runs diverged"))
+        out.append(found)
+    return out
+
+
+def _sync_start(study: Study, row: str) -> Finding:
+    starts = columns_where(study, "sync_start", row, lambda c: c["staleness"]["sync_start_steps"] > 0)
+    efs = columns_where(study, "sync_start", row, lambda c: c["staleness"]["ef_lambda"] > 0)
+    arms = [stat(study, "sync_start", row, c) for c in study.cells["sync_start"]["columns"]]
+    e, s = (stat(study, "sync_start", row, cols[0]) if cols else Stat() for cols in (efs, starts))
+    return judge(f"sync_start/{row}", f"{row}: EF beats a synchronous start", "Fig. 2",
+                 f"EF − sync start {fmt_diff(paired(e, s))}", arms, paired_diffs(e, s), -1,
+                 _quarter(row_gap(study, "sync_start", row)))
+
+
+def _pipedream(study: Study, row: str) -> Finding:
+    key, paper, fig = f"pipedream/{row}", f"{row}: original PipeDream degrades as P grows, 2BW does not", "Fig. 6"
+    sync_col, base = reference(study, "pipedream", row, is_sync), reference(study, "pipedream", row, is_plain_2bw)
+    pds = sorted((study.xs[("pipedream", row, c)], c) for c in study.cells["pipedream"]["columns"]
+                 if study.xs.get(("pipedream", row, c)) is not None)
+    arms = [stat(study, "pipedream", row, c) for c in study.cells["pipedream"]["columns"]]
+    if not (sync_col and base and pds):
+        return judge(key, paper, fig, "—", arms, [], +1, None)
+    gaps = [paired(stat(study, "pipedream", row, c), stat(study, "pipedream", row, sync_col)) for _, c in pds]
+    deepest, b = stat(study, "pipedream", row, pds[-1][1]), stat(study, "pipedream", row, base)
+    ours = ", ".join(f"P={p:g}: {fmt_diff(g)}" for (p, _), g in zip(pds, gaps))
+    ours += f"; P={pds[-1][0]:g} − 2BW {fmt_diff(paired(deepest, b))}"
+    return judge(key, paper, fig, ours, arms, paired_diffs(deepest, b), +1, _quarter(row_gap(study, "pipedream", row)))
+
+
+def _momentum(study: Study) -> Finding:
+    key, paper, fig = "momentum/muon", "higher momentum, smaller sync-async gap", "Fig. 4"
+    keyed, arms = [], []
+    for row in study.cells["momentum"]["rows"]:
+        sync_col, base = reference(study, "momentum", row, is_sync), reference(study, "momentum", row, is_plain_2bw)
+        x = study.xs.get(("momentum", row, base)) if base else None
+        if sync_col and base and x is not None:
+            keyed.append((x, gap_stat(study, "momentum", row, base, sync_col)))
+            arms += [stat(study, "momentum", row, sync_col), stat(study, "momentum", row, base)]
+    if len(keyed) < 2:
+        return judge(key, paper, fig, "—", arms, [], -1, None)
+    keyed.sort(key=lambda t: t[0])
+    ref = next((g for x, g in keyed if math.isclose(x, MOMENTUM_REFERENCE)), keyed[len(keyed) // 2][1])
+    diff = paired(keyed[-1][1], keyed[0][1])  # gap at the highest momentum minus gap at the lowest, per seed
+    ours = ", ".join(f"{x:g}: {_signed(g.mean)}" for x, g in keyed)
+    ours += f"; highest − lowest {fmt_diff(diff)}"
+    return judge(key, paper, fig, ours, arms, paired_diffs(keyed[-1][1], keyed[0][1]), -1, _quarter(ref.mean))
