@@ -27,7 +27,9 @@ def suggest_split(sizes: Sequence[int], busy_s: Sequence[float], layer_weights: 
     stages or more, the middle stages (or, at P=2, the first stage with the embedding counted as layers)
     give the unit; the last stage's excess over its layers is the head."""
     sizes, n = list(sizes), len(sizes)
-    if n < 2:
+    if n < 2 or n > len(layer_weights):
+        # More stages than layers (layer-less stages, issue 44): no split gives every stage a layer, which is what
+        # balanced_split's suggestions keep (its min_layers); the user's layout stands.
         return sizes
     ranges, start = [], 0
     for size in sizes:
