@@ -14,8 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from asyncpp.train.checkpoint import list_checkpoints
+from tests.dist.harness import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.dist
@@ -111,3 +114,22 @@ def test_fail_fast_at_every_injection_point_and_the_rerun_equals_the_uninterrupt
     full, _ = torchrun(tmp_path / "full", nproc, 8)
     assert full.returncode == 0, full.stderr[-3000:]
     assert r["losses"] == losses(tmp_path / "full")
+
+
+def raises_while_its_peer_waits(rank: int) -> None:
+    if rank == 1:
+        raise RuntimeError("rank 1's bug")
+    dist.all_reduce(torch.ones(1))  # rank 1 never joins: rank 0 waits until it sees the broken link
+
+
+def test_a_raising_rank_ends_a_run_ranks_test_in_seconds():
+    """The dist tests' harness takes the fail-fast path too (tests/dist/harness.py): the raising rank aborts its
+    process group instead of a teardown that waits on its peers, so its peer, blocked in a collective it never
+    joins, fails on the broken link at once and the test fails in seconds, not at its timeout (600 s here; before,
+    the harness waited all of it). One 2-rank spawn: ~10-20 s here, most of it two imports of torch."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1's bug") as failure:
+        run_ranks(raises_while_its_peer_waits, 2, timeout=600)
+    took = time.monotonic() - start
+    assert "rank 0:" in str(failure.value), str(failure.value)[-2000:]  # the peer reported its broken link
+    assert took < 120, took  # far below the 600 s the harness would otherwise wait
