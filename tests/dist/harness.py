@@ -42,18 +42,24 @@ def _entry(rank: int, world_size: int, port: int, fn, args, queue) -> None:
         queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - re-raised in the parent with the rank's traceback
         queue.put((rank, "error", traceback.format_exc()))
-        abort_process_groups()  # never destroy_process_group's teardown, which waits on peers that may wait on us
-        return
+        # As a failed rank of a run (asyncpp/parallel/failfast.py): abort, flush the report, leave at once. Neither
+        # destroy_process_group nor the interpreter's teardown: both wait on work in flight with peers that may be
+        # waiting on us; os._exit closes this rank's links, so its peers fail on them at once.
+        abort_process_groups()
+        queue.close()
+        queue.join_thread()
+        os._exit(1)
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, expect_dead: bool = False) -> list:
+def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, expect_dead: bool = False,
+              grace: float = FAIL_FAST_GRACE_S) -> list:
     """fn(rank, *args) on every rank; returns [result of rank 0, ...]. fn must be importable (pickled).
 
     A rank that exits without reporting counts as an error, or, with expect_dead=True, yields
     ("died", exitcode) in its slot so a test can check how the survivors reacted. Without expect_dead, the first
-    error ends the wait FAIL_FAST_GRACE_S later: the ranks that have not reported by then are killed.
+    error ends the wait `grace` seconds later: the ranks that have not reported by then are killed.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -74,7 +80,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, expect_dead: b
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
                 if not expect_dead:
-                    deadline = min(deadline, time.monotonic() + FAIL_FAST_GRACE_S)
+                    deadline = min(deadline, time.monotonic() + grace)
             results[rank] = value if status == "error" else torch.load(io.BytesIO(value), weights_only=False)
     finally:
         failed = bool(errors) and not expect_dead  # whoever has not exited by now is stuck: no grace twice
@@ -84,7 +90,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, expect_dead: b
                 p.kill()
     missing = [r for r in range(world_size) if r not in results]
     if missing and errors and not expect_dead:
-        errors.append(f"ranks {missing} had not reported {FAIL_FAST_GRACE_S:g} s after the first error: killed")
+        errors.append(f"ranks {missing} had not reported {grace:g} s after the first error: killed")
     elif missing:
         raise TimeoutError(f"ranks {missing} neither reported nor exited within {timeout}s")
     died = [r for r, v in results.items() if isinstance(v, tuple) and v[:1] == ("died",)]
