@@ -93,6 +93,24 @@ def with_head_resolved(cfg: RunConfig, model):
     return cfg.replace(parallel=dataclasses.replace(p, head=head))
 
 
+def check_stages_hold_weights(cfg: RunConfig, model) -> None:
+    """A multi-process pipeline needs a weight on every stage: a stage without layers (parallel.stage_layers with
+    zeros, issue 44) runs when it still holds the first stage's embedding, the last stage's norm, or rows of a
+    vocabulary-parallel head; one holding nothing at all has no optimizer to build (torch: "optimizer got an empty
+    parameter list", found by tests/matrix's layer-less cases), so it is refused here, before any process group,
+    for the dry run and the real run alike."""
+    layout = Layout.of(cfg, model)
+    sizes, rows, last = layout.sizes, layout.shards, len(layout.sizes) - 1
+    empty = [s for s, n in enumerate(sizes) if n == 0 and s != last and not (s == 0 and not layout.embedding)
+             and (rows is None or rows[s] == 0)]
+    if empty:
+        holds = "no vocabulary rows" if rows is not None else "the LM head is whole on the last stage"
+        raise ConfigError(
+            f"parallel.stage_layers={list(sizes)}: stage(s) {empty} would hold no weight at all (no layer, and "
+            f"{holds}); give each a layer, or set parallel.head=vocab so that they hold rows of the LM head "
+            "(parallel.vocab_shards without zero rows for them)")
+
+
 def vocab_shards_of(cfg: RunConfig, model) -> tuple[int, ...] | None:
     """Every stage's rows of the head under parallel.head=vocab (None otherwise)."""
     return Layout.of(cfg, model).shards

@@ -156,6 +156,14 @@ def vocab_parallel_weights(cfg: RunConfig, results: list[dict]) -> dict[str, tor
             **({"embed.weight": by_offset(embeds, vocab)} if sharded else {})}
 
 
+def layers_of_stage(results: list[dict]) -> list[int]:
+    """How many transformer layers each stage really held (the layer indices of its weights' names)."""
+    held: dict[int, set[int]] = {}
+    for r in results:
+        held.setdefault(r["stage"], set()).update(int(n.split(".")[1]) for n in r["params"] if n.startswith("layers."))
+    return [len(held[s]) for s in sorted(held)]
+
+
 def run_case(case: dict, tmp_path) -> dict:
     """Run `case` (accepted by the validator) and assert it equals the simulator; returns what it measured."""
     cfg = RunConfig.from_dict(container(case, str(tmp_path / "checkpoints")))
@@ -201,4 +209,5 @@ def run_case(case: dict, tmp_path) -> dict:
     return {"stopped_at": stop, "worst_weight_error": worst,  # (error, its bound, the tensor)
             "vocab_rows": [r["vocab"]["rows"] for r in results if r["dp"] == 0] if results[0]["vocab"] else None,
             "embedding_sharded": "embed.weight" in vocab_weights,
+            "layers_of_stage": layers_of_stage(results),
             "ops": sum(len(r["nccl_log"]) for r in results)}
