@@ -37,7 +37,7 @@ from asyncpp.config import ConfigError, RunConfig, check_pipeline_options, parse
 from asyncpp.config.parallel import TOKEN_SPLIT_REMOVED
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.memory import simulator_run_report
-from asyncpp.core.partition import with_head_resolved
+from asyncpp.core.partition import check_stages_hold_weights, with_head_resolved
 from asyncpp.core.update import NonFiniteUpdate
 from asyncpp.host.measured import host_rss_bytes
 from asyncpp.optim import build_from_config
@@ -88,6 +88,7 @@ def resolve(container: dict, world_size: int = 1) -> tuple[RunConfig, ModelConfi
     cfg = cfg.validate(model_cfg)
     if ranks > 1:  # what a multi-process pipeline cannot run: refused for a dry run and a launcher's check too
         check_pipeline_options(cfg, model_cfg)
+        check_stages_hold_weights(cfg, model_cfg)
     return with_head_resolved(cfg, model_cfg), model_cfg
 
 

@@ -242,7 +242,7 @@ class Bench:
                f"hydra.run.dir={run_dir}", *TINY, f"parallel.pp={nproc}", "schedule=2bw", *overrides]
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=self.repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(self.repo), **(env or {})})
         signalled = None
         if sigterm_after is not None:
             while proc.poll() is None and len(_steps(run_dir)) < sigterm_after:
@@ -295,32 +295,41 @@ class Bench:
         exception to torchrun's exit, what the exit file says, and the rerun (the fault gone) resuming from the
         last complete checkpoint and ending with the uninterrupted run's losses and weights."""
         def scenario(out: Outcome, d: Path) -> None:
-            steps, every, step = 12, 3, (6 if at == "checkpoint" else 5)
-            args = [f"train.steps={steps}", f"checkpoint.every={every}", "train.num_microbatches=4",
-                    f"train.timeout_s={self.fault_timeout:g}"]
-            full = self.torchrun(out, "uninterrupted", d / "full", *args, nproc=nproc)
-            mark, exit_file = d / "fault_time", d / "exit"
-            a = self.torchrun(out, f"rank 1 raises in {at} at step {step}", d / "crash", *args, nproc=nproc,
-                              script=str(REPO / "tests" / "dist" / "raise_once.py"),
-                              env={"FAULT_AT": at, "FAULT_RANK": "1", "FAULT_STEP": str(step),
-                                   "FAULT_MARK": str(mark), "ASYNCPP_EXIT_FILE": str(exit_file)})
-            if mark.exists():
-                a.seconds = a.ended - float(mark.read_text())  # from the exception, not from the start
-                a.what += f": {a.seconds:.1f} s from the exception to the job's exit"
-            said = exit_file.read_text() if exit_file.exists() else ""
-            out.checks["the job failed (exit != 0)"] = a.exit_code != 0 and mark.exists()
+            steps, every = 12, 3
+            full = self.torchrun(out, "uninterrupted", d / "full", *self.raise_args(), nproc=nproc)
+            a, step = self.raise_once(out, d, at, nproc)
+            said = (d / "exit").read_text() if (d / "exit").exists() else ""
+            out.checks["the job failed (exit != 0)"] = a.exit_code != 0 and (d / "fault_time").exists()
             out.checks["exit file names rank 1, the step and the action"] = (
                 "rank 1" in said and f"step {step}" in said and "action" in said and "injected fault" in said)
             newest = (step - 1) // every * every
             out.checks[f"last complete checkpoint is step {newest}"] = (
                 _checkpoints(d / "crash" / "checkpoints")[-1:] == [f"step_{newest:08d}"])
-            b = self.torchrun(out, "the same command again", d / "crash", *args, nproc=nproc)
+            b = self.torchrun(out, "the same command again", d / "crash", *self.raise_args(), nproc=nproc)
             out.checks[f"rerun resumes at step {newest}"] = b.exit_code == 0 and f"at step {newest}" in b.resumed
             out.checks["losses equal the uninterrupted run's"] = full.exit_code == 0 and (
                 _losses(d / "full") == _losses(d / "crash") and len(_losses(d / "full")) == steps)
             out.checks["final weights bit-identical"] = _same_checkpoint(
                 d / "full" / "checkpoints" / f"step_{steps:08d}", d / "crash" / "checkpoints" / f"step_{steps:08d}")
         return scenario
+
+    def raise_args(self) -> list[str]:
+        """The raise_* runs: 12 steps, a checkpoint every 3, train.timeout_s=--fault-timeout."""
+        return ["train.steps=12", "checkpoint.every=3", "train.num_microbatches=4",
+                f"train.timeout_s={self.fault_timeout:g}"]
+
+    def raise_once(self, out: Outcome, d: Path, at: str, nproc: int) -> tuple[Attempt, int]:
+        """The faulty run of raise_in in d/crash (exit file d/exit): (its attempt, whose `seconds` run from the
+        exception to torchrun's exit; the step of the fault)."""
+        step, mark = (6 if at == "checkpoint" else 5), d / "fault_time"
+        a = self.torchrun(out, f"rank 1 raises in {at} at step {step}", d / "crash", *self.raise_args(), nproc=nproc,
+                          script=str(REPO / "tests" / "dist" / "raise_once.py"),
+                          env={"FAULT_AT": at, "FAULT_RANK": "1", "FAULT_STEP": str(step),
+                               "FAULT_MARK": str(mark), "ASYNCPP_EXIT_FILE": str(d / "exit")})
+        if mark.exists():
+            a.seconds = a.ended - float(mark.read_text())  # from the exception, not from the start
+            a.what += f": {a.seconds:.1f} s from the exception to the job's exit"
+        return a, step
 
     def kill9_torchrun_restarts(self, out: Outcome, d: Path) -> None:
         """Rank 1 dies mid-run (os._exit, like kill -9: tests/dist/crash_once.py) under torchrun --max-restarts=2,

@@ -27,7 +27,9 @@ def suggest_split(sizes: Sequence[int], busy_s: Sequence[float], layer_weights: 
     stages or more, the middle stages (or, at P=2, the first stage with the embedding counted as layers)
     give the unit; the last stage's excess over its layers is the head."""
     sizes, n = list(sizes), len(sizes)
-    if n < 2:
+    if n < 2 or n > len(layer_weights):
+        # More stages than layers (layer-less stages, issue 44): no split gives every stage a layer, which is what
+        # balanced_split's suggestions keep (its min_layers); the user's layout stands.
         return sizes
     ranges, start = [], 0
     for size in sizes:
@@ -89,6 +91,24 @@ def with_head_resolved(cfg: RunConfig, model):
                           f"here ({why}), and only a vocabulary-parallel head reads them. Set parallel.head=vocab, or "
                           "drop them (parallel.embedding=first)")
     return cfg.replace(parallel=dataclasses.replace(p, head=head))
+
+
+def check_stages_hold_weights(cfg: RunConfig, model) -> None:
+    """A multi-process pipeline needs a weight on every stage: a stage without layers (parallel.stage_layers with
+    zeros, issue 44) runs when it still holds the first stage's embedding, the last stage's norm, or rows of a
+    vocabulary-parallel head; one holding nothing at all has no optimizer to build (torch: "optimizer got an empty
+    parameter list", found by tests/matrix's layer-less cases), so it is refused here, before any process group,
+    for the dry run and the real run alike."""
+    layout = Layout.of(cfg, model)
+    sizes, rows, last = layout.sizes, layout.shards, len(layout.sizes) - 1
+    empty = [s for s, n in enumerate(sizes) if n == 0 and s != last and not (s == 0 and not layout.embedding)
+             and (rows is None or rows[s] == 0)]
+    if empty:
+        holds = "no vocabulary rows" if rows is not None else "the LM head is whole on the last stage"
+        raise ConfigError(
+            f"parallel.stage_layers={list(sizes)}: stage(s) {empty} would hold no weight at all (no layer, and "
+            f"{holds}); give each a layer, or set parallel.head=vocab so that they hold rows of the LM head "
+            "(parallel.vocab_shards without zero rows for them)")
 
 
 def vocab_shards_of(cfg: RunConfig, model) -> tuple[int, ...] | None:

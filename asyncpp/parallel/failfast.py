@@ -69,7 +69,7 @@ def abandon(error: BaseException, rank: int, step: int | None, action: str) -> R
     culprits = getattr(error, "failed_ranks", ())
     first = _publish(mine) if not culprits or rank in culprits else f"rank(s) {list(culprits)}: {_first_line(error)}"
     comm_ops = flight.dump(f"rank {rank} failed", mine)
-    _abort_process_groups()
+    abort_process_groups()
     evidence = f"; this rank's recent communication ops {comm_ops}" if comm_ops else ""
     if first is None or first == mine:
         message = (f"{mine}{evidence}. The other ranks stop now (process groups aborted); the newest complete "
@@ -101,7 +101,7 @@ def _publish(mine: str) -> str | None:
         return None
 
 
-def _abort_process_groups() -> None:
+def abort_process_groups() -> None:
     """Abort every process group of this rank (the default one and all created after it) without waiting for
     peers; a backend without an abort is left to os._exit, which closes its sockets all the same."""
     if not dist.is_initialized():

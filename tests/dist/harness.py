@@ -12,6 +12,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from asyncpp.parallel.failfast import abort_process_groups
+
+FAIL_FAST_GRACE_S = 15.0
+"""Once a rank reports an error, how long the others get to report theirs before they are killed (unless the test
+expects a rank to die): a failed rank aborts its process groups (as asyncpp/parallel/failfast.py does in a run), so
+a peer blocked in a collective with it sees the broken link within a second or two; one blocked elsewhere would
+otherwise hold the test until its timeout."""
+
 
 def rendezvous_store(world_size: int) -> dist.TCPStore:
     """The ranks' rendezvous, hosted by the parent on a port the OS picks and held until every rank is done. A
@@ -34,16 +42,24 @@ def _entry(rank: int, world_size: int, port: int, fn, args, queue) -> None:
         queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - re-raised in the parent with the rank's traceback
         queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # As a failed rank of a run (asyncpp/parallel/failfast.py): abort, flush the report, leave at once. Neither
+        # destroy_process_group nor the interpreter's teardown: both wait on work in flight with peers that may be
+        # waiting on us; os._exit closes this rank's links, so its peers fail on them at once.
+        abort_process_groups()
+        queue.close()
+        queue.join_thread()
+        os._exit(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, expect_dead: bool = False) -> list:
+def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, expect_dead: bool = False,
+              grace: float = FAIL_FAST_GRACE_S) -> list:
     """fn(rank, *args) on every rank; returns [result of rank 0, ...]. fn must be importable (pickled).
 
     A rank that exits without reporting counts as an error, or, with expect_dead=True, yields
-    ("died", exitcode) in its slot so a test can check how the survivors reacted.
+    ("died", exitcode) in its slot so a test can check how the survivors reacted. Without expect_dead, the first
+    error ends the wait `grace` seconds later: the ranks that have not reported by then are killed.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -63,14 +79,19 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, expect_dead: b
                 continue
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
+                if not expect_dead:
+                    deadline = min(deadline, time.monotonic() + grace)
             results[rank] = value if status == "error" else torch.load(io.BytesIO(value), weights_only=False)
     finally:
+        failed = bool(errors) and not expect_dead  # whoever has not exited by now is stuck: no grace twice
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=0.5 if failed else 10)
             if p.is_alive():
                 p.kill()
     missing = [r for r in range(world_size) if r not in results]
-    if missing:
+    if missing and errors and not expect_dead:
+        errors.append(f"ranks {missing} had not reported {grace:g} s after the first error: killed")
+    elif missing:
         raise TimeoutError(f"ranks {missing} neither reported nor exited within {timeout}s")
     died = [r for r, v in results.items() if isinstance(v, tuple) and v[:1] == ("died",)]
     if died and not expect_dead:

@@ -14,8 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from asyncpp.train.checkpoint import list_checkpoints
+from tests.dist.harness import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.dist
@@ -111,3 +114,27 @@ def test_fail_fast_at_every_injection_point_and_the_rerun_equals_the_uninterrupt
     full, _ = torchrun(tmp_path / "full", nproc, 8)
     assert full.returncode == 0, full.stderr[-3000:]
     assert r["losses"] == losses(tmp_path / "full")
+
+
+def raises_while_its_peer_waits(rank: int) -> None:
+    """Rank 1 raises with an all_reduce in flight that rank 0 never joins (rank 0 waits for a message instead): a
+    teardown that waits for that all_reduce holds rank 1, and so rank 0, until a timeout (h44a's reproduction)."""
+    if rank == 1:
+        dist.all_reduce(torch.ones(1), async_op=True)
+        raise RuntimeError("rank 1's bug")
+    dist.recv(torch.zeros(1), src=1)  # never sent: rank 0 waits until it sees the broken link
+
+
+def test_a_raising_rank_ends_a_run_ranks_test_in_seconds():
+    """The dist tests' harness takes the fail-fast path too (tests/dist/harness.py): the raising rank aborts its
+    process group and leaves at once, the first error ends the wait `grace` seconds later, and the test fails in
+    seconds with rank 1's error, not with a TimeoutError at its timeout (600 s here). Before, the same function
+    held the old harness for its whole timeout (135 s with timeout=120: TimeoutError "ranks [0] neither reported
+    nor exited"). One 2-rank spawn: ~25 s here, most of it two imports of torch, plus the 5 s grace."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1's bug") as failure:
+        run_ranks(raises_while_its_peer_waits, 2, timeout=600, grace=5.0)
+    took = time.monotonic() - start
+    # rank 0 either failed on the broken link or, still waiting in its recv, was ended after the grace
+    assert "rank 0:" in str(failure.value) or "ranks [0] had not reported 5 s after" in str(failure.value)
+    assert took < 120, took  # far below the 600 s timeout the harness used to wait out

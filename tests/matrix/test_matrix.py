@@ -15,7 +15,7 @@ import pytest
 from tests.matrix.cover import COVER_FILE, SEED, accepts, build, load, oracle
 from tests.matrix.covering import all_pairs, covering_array
 from tests.matrix.run import run_case
-from tests.matrix.space import DIMENSIONS, feasible, label, world
+from tests.matrix.space import DIMENSIONS, feasible, label, layerless_cases, world
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
 
@@ -91,3 +91,24 @@ def test_every_expected_bf16_failure_names_a_random_case():
 def test_a_random_accepted_configuration_equals_the_simulator(case, tmp_path):
     measured = run_case(case, tmp_path)
     print(f"{label(case)}: {measured}")
+
+
+LAYERLESS = layerless_cases()
+
+
+def test_every_layerless_case_is_accepted_and_has_a_stage_without_layers():
+    """Issue 44's layouts on top of the cover (tests/matrix/space.py LAYERLESS): each accepted by the validator at
+    its world size, inside the machine's rank limit, with a stage of no layer (the dry run steps such stages:
+    tests/unit/test_dryrun.py)."""
+    for name, case in LAYERLESS.items():
+        assert feasible(case) and oracle(case) is None, (name, oracle(case))
+        assert 0 in case["stage_layers"] and len(case["stage_layers"]) == case["pp"], name
+
+
+@pytest.mark.slow  # 2-4 gloo ranks and the simulator each (a minute or more on the shared 2 cores)
+@pytest.mark.parametrize("name", list(LAYERLESS))
+def test_a_layerless_case_equals_the_simulator(name, tmp_path):
+    case = LAYERLESS[name]
+    measured = run_case(case, tmp_path)
+    print(f"{name} ({label(case)}): {measured}")
+    assert measured["layers_of_stage"] == case["stage_layers"], measured["layers_of_stage"]  # the layout really ran

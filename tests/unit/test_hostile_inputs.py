@@ -850,6 +850,33 @@ def issue_44_cases(add: Callable[..., None]) -> None:
     add("config", "auto-head-vocab-with-embedding", config("parallel.pp=2", "schedule=2bw", "parallel.head=auto",
                                                            "parallel.embedding=vocab", "dry_run=2", expect="ok"))
 
+    # -- layer-less stages (parallel.stage_layers with zeros, issue 44): accepted where they run (and equal the
+    # simulator: tests/dist/test_layerless_stages.py, tests/matrix/space.py LAYERLESS), refused naming the field
+    # otherwise; the dry run's check as the real run's
+    for id_, overrides, expect in [
+        ("issue-layout-pp6", ["dry_run=6", "parallel.pp=6", "parallel.stage_layers=[1,1,1,1,0,0]"], "ok"),
+        ("every-layer-on-the-first-stage", ["dry_run=3", "parallel.pp=3", "parallel.stage_layers=[4,0,0]"], "ok"),
+        ("first-stage-only-the-embedding", ["dry_run=2", "parallel.pp=2", "parallel.stage_layers=[0,4]"], "ok"),
+        ("zeros-short-of-the-layers", ["dry_run=3", "parallel.pp=3", "parallel.stage_layers=[2,0,0]"],
+         "parallel.stage_layers"),
+        ("negative-entry", ["dry_run=2", "parallel.pp=2", "parallel.stage_layers=[5,-1]"], "parallel.stage_layers"),
+        ("shorter-than-pp", ["dry_run=4", "parallel.pp=4", "parallel.stage_layers=[4,0]"], "parallel.stage_layers"),
+        ("more-stages-than-layers-without-a-split", ["dry_run=6", "parallel.pp=6"], "parallel.pp"),
+        # a middle stage with no layer and the head last holds no weight at all: its optimizer crashed the real run
+        ("a-stage-holding-nothing", ["dry_run=4", "parallel.pp=4", "parallel.head=last",
+                                     "parallel.stage_layers=[2,0,0,2]"], "parallel.stage_layers"),
+        ("a-stage-holding-nothing-head-last", ["dry_run=4", "parallel.pp=4", "parallel.head=last",
+                                               "parallel.stage_layers=[2,2,0,0]"], "parallel.stage_layers"),
+        ("a-stage-holding-nothing-but-vocab-rows", ["dry_run=4", "parallel.pp=4", "schedule=2bw",
+                                                    "parallel.head=vocab", "parallel.stage_layers=[2,0,0,2]"], "ok"),
+        ("a-stage-holding-nothing-zero-rows", ["dry_run=3", "parallel.pp=3", "schedule=2bw", "parallel.head=vocab",
+                                               "parallel.stage_layers=[2,0,2]", "parallel.vocab_shards=[4096,0,4096]"],
+         "parallel.stage_layers"),
+    ]:
+        add("config", f"layerless-{id_}", config(*overrides, expect=expect))
+    add("config", "dry-run-layerless-issue-layout-pp6", dry("dry_run=6", "parallel.pp=6",
+                                                            "parallel.stage_layers=[1,1,1,1,0,0]", expect="ok"))
+
     # -- a sweep whose points after a bad one were dropped: every point runs, the bad one is reported, exit 2
     add("config", "sweep-bad-point-first", sweep_case(["train.steps=0,1"], expect="train.steps=0", ran=1), slow=True)
 

@@ -104,6 +104,16 @@ def test_stage_balance_names_the_imbalance_and_the_fix():
     assert "suggested_stage_layers" not in balanced and "imbalanced" not in balanced["stage_balance"]
 
 
+def test_stage_balance_of_more_stages_than_layers_keeps_the_layout():
+    """pp=6 with stage_layers=[1,1,1,1,0,0] (issue 44): the end-of-run report of an imbalanced run raised "4 layers
+    cannot give 6 stages 1 layer(s) each" after the last step; no split gives every stage a layer, so none is
+    suggested (the run's own layout stands), and the report still names the imbalance."""
+    report = stage_balance([1, 1, 1, 1, 0, 0], [2.0, 1.0, 1.0, 1.0, 0.3, 0.4], [1.0] * 4)
+    assert report["busy_max_over_mean"] > 1.1 and "suggested_stage_layers" not in report
+    assert report["stage_layers"] == [1, 1, 1, 1, 0, 0]
+    assert suggest_split([2, 2, 0, 0], [2.0, 2.0, 0.3, 0.4], [1.0] * 4) == [1, 1, 1, 1]  # pp == layers: suggested
+
+
 def _config(stage_layers, pp=2, **train) -> RunConfig:
     return RunConfig.from_dict({"model": {"name": "tiny_dense"}, "parallel": {"pp": pp, "stage_layers": stage_layers},
                                 "train": {"micro_batch_size": 4, "seq_len": 128, **train}})
