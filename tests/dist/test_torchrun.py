@@ -17,7 +17,7 @@ pytestmark = pytest.mark.dist
 def torchrun(tmp_path: Path, nproc: int, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc_per_node={nproc}",
            "pretrain.py", f"hydra.run.dir={tmp_path}", "logging=disabled", "logging.progress=false", *overrides]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def test_two_stage_2bw_run_writes_one_metrics_file_and_a_timeline(tmp_path):
@@ -49,12 +49,13 @@ def test_two_stage_2bw_run_writes_one_metrics_file_and_a_timeline(tmp_path):
     assert [line.split("iteration ")[1].split(" |")[0].strip() for line in lines] == ["6/12", "10/12", "12/12"], log
     assert all(re.search(r"bubble -?[\d.]+ mean, -?[\d.]+ max \(stage [01]; so far\)", line)
                and "TFLOP/s/device" in line for line in lines), log
-    assert "summary: " in log
+    assert "summary (" in log and "  bubble " in log  # the summary table (asyncpp/train/metrics.py summary_table)
 
 
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.pp=2", "parallel.dp=2"], "parallel.dp=2 but 2 ranks"),
-    (["parallel.pp=2", "schedule=2bw", "train.num_microbatches=1"], "train.num_microbatches=1 < parallel.pp=2"),
+    (["parallel.pp=2", "schedule=2bw", "train.num_microbatches=1"],
+     "at least parallel.pp=2 microbatches per replica, got train.num_microbatches=1"),
     (["parallel.pp=2", "parallel.tp=2"], "not divisible by parallel.tp=2 x parallel.pp=2"),
     # dp = 2 ranks / pp 1 = 2: 24 sequences do not split into microbatches of 8 on 2 replicas
     (["parallel.pp=1", "schedule=sync", "train.global_batch_size=24"], "train.micro_batch_size=8 x dp=2 = 16"),
@@ -63,5 +64,5 @@ def test_bad_layouts_fail_before_any_process_group(tmp_path, overrides, message)
     proc = torchrun(tmp_path, 2, *overrides)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]
-    assert "config error" in proc.stderr
+    assert proc.stderr.count("config error") == 1  # one line per run: rank 0's (both ranks resolve alike)
     assert "init_process_group" not in proc.stderr and "Traceback" not in proc.stderr.split("config error")[0]

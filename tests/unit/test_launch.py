@@ -413,6 +413,15 @@ def test_local_launcher_command_and_dry_run(capsys):
     assert "rerun up to 2 times" in out
 
 
+def test_local_launcher_refuses_a_config_error_in_one_line_before_torchrun(capsys, monkeypatch):
+    """A config error is said once, by the launcher, and no torchrun starts (whose failure report is ~30 lines)."""
+    monkeypatch.setattr(local, "run_with_restarts", lambda *a, **k: pytest.fail("torchrun started"))
+    assert local.main(["--nproc-per-node", "2", "--", "parallel.pp=2", "schedule=2bw", "train.num_microbatches=1"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith("[launch.local] config error: schedule=2bw needs at least parallel.pp=2")
+    assert err[1] == "[launch.local] nothing started (exit 2)"
+
+
 class _Attempts:
     """A fake subprocess.run: attempt i exits codes[i] (torchrun's 1 for any failed rank); `meant` maps an
     attempt to the (code, message) pretrain.py leaves in $ASYNCPP_EXIT_FILE when it exits on purpose."""
