@@ -33,8 +33,11 @@ CACHE = ROOT / "docs" / "numbers.json"
 GIB = 2**30
 MARKER = re.compile(r"<!-- n:(?P<name>[\w.]+) -->(?P<value>.*?)<!-- /n -->")
 
-#: recipe: its world size for the plan (tests/unit/test_paper_recipes.py's RECIPES; docs/recipes.md's command)
-RECIPE_WORLD = {"smollm2_135m": 1, "smollm2_360m": 1, "moe_2b": 8, "hybrid_moe_10b": 8}
+#: plan name: (recipe, world size, extra overrides) (tests/unit/test_paper_recipes.py's RECIPES; docs/recipes.md's
+#: and the README's commands)
+RECIPE_PLANS = {"smollm2_135m": ("smollm2_135m", 1, ()), "smollm2_360m": ("smollm2_360m", 1, ()),
+                "moe_2b": ("moe_2b", 8, ()), "hybrid_moe_10b": ("hybrid_moe_10b", 8, ()),
+                "hybrid_moe_10b_32gpu": ("hybrid_moe_10b", 32, ("parallel=hybrid_moe_10b_32gpu",))}
 
 
 def documents(root: Path = ROOT) -> list[Path]:
@@ -52,9 +55,10 @@ def params(model: str) -> str:
     return _count(c.total, unit) if c.total == c.active else f"{_count(c.total, unit)} / {_count(c.active, unit)}"
 
 
-def recipe_memory(recipe: str) -> str:
+def recipe_memory(plan: str) -> str:
     """The largest rank of the recipe's dry run at its world size (docs/recipes.md's command), GiB."""
-    overrides = [f"+experiment=paper/{recipe}", "data=default", "logging=disabled", f"dry_run={RECIPE_WORLD[recipe]}",
+    recipe, world, extra = RECIPE_PLANS[plan]
+    overrides = [f"+experiment=paper/{recipe}", *extra, "data=default", "logging=disabled", f"dry_run={world}",
                  "out_dir=/tmp/asyncpp-docs-numbers"]
     cfg, model_cfg = job.resolve(job.compose(overrides))
     reports = job.run_dry(cfg, model_cfg, echo=lambda text: None)
@@ -82,7 +86,7 @@ class Number:
 def numbers() -> dict[str, Number]:
     found = [Number(f"params.{m}", lambda m=m: params(m), slow=False)
              for m in ("smollm2_135m", "smollm2_360m", "moe_2b", "hybrid_moe_10b", "tiny_dense", "tiny_moe", "tiny_hybrid")]
-    found += [Number(f"recipe_memory.{r}", lambda r=r: recipe_memory(r), slow=True) for r in RECIPE_WORLD]
+    found += [Number(f"recipe_memory.{r}", lambda r=r: recipe_memory(r), slow=True) for r in RECIPE_PLANS]
     found.append(Number("default_suite_tests", default_suite_tests, slow=True))
     return {n.name: n for n in found}
 
