@@ -134,6 +134,9 @@ class MetricsLogger:
                 dir=str(self.out_dir),
                 config=config,
                 reinit="finish_previous",
+                # No run history and summary footer (~30 lines) after the run's own summary table: summary.json
+                # and the offline directory hold them (`wandb sync <run dir>/wandb/offline-run-*` uploads it).
+                settings=wandb.Settings(quiet=True),
             )
 
     def log(self, record: StepMetrics) -> None:
