@@ -369,9 +369,9 @@ def _run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | No
     return summary
 
 
-DELIBERATE = (ConfigError, TrainingAborted, NonFiniteUpdate)
-"""Errors every rank raises at the same point (pretrain.py's exit codes 2 and 3); any other is a failure
-(asyncpp/parallel/failfast.py)."""
+DELIBERATE = (ConfigError, TrainingAborted, NonFiniteUpdate, preflight.RunComplete)
+"""Errors every rank raises at the same point (pretrain.py's exit codes 2 and 3, and a finished run's rerun: one
+line, exit 0); any other is a failure (asyncpp/parallel/failfast.py)."""
 
 
 MEMORY_PLAN_FILE = "memory_plan.txt"

@@ -52,6 +52,19 @@ def test_two_stage_2bw_run_writes_one_metrics_file_and_a_timeline(tmp_path):
     assert "summary (" in log and "  bubble " in log  # the summary table (asyncpp/train/metrics.py summary_table)
 
 
+def test_a_rerun_of_a_finished_pipeline_run_is_one_line_and_exit_0(tmp_path):
+    """Issue 47: under torchrun the rerun's RunComplete (every rank raises it after rank 0's broadcast) was taken for
+    a rank's failure (exit 1, torchrun's ChildFailedError report); it is one line from rank 0 and exit 0."""
+    small = ("parallel.pp=2", "schedule=2bw", "model=tiny_dense", "train.steps=2", "train.eval_every=0",
+             "train.seq_len=32", "train.micro_batch_size=2")
+    assert torchrun(tmp_path, 2, *small).returncode == 0
+    proc = torchrun(tmp_path, 2, *small)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    assert said.count("run complete: ") == 1 and "is at step 2 = train.steps" in said
+    assert "Traceback" not in said and "failed" not in said
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.pp=2", "parallel.dp=2"], "parallel.dp=2 but 2 ranks"),
     (["parallel.pp=2", "schedule=2bw", "train.num_microbatches=1"],
