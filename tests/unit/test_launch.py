@@ -312,7 +312,12 @@ def test_launch_validation_refuses_what_pretrain_would(world, overrides, message
 def test_launch_validation_accepts_the_docs_layout(capsys):
     from launch import validate
 
-    assert validate.main(["--world-size", "16", "--", "model=smollm2_135m", "parallel.pp=4", "train.device=cuda"]) == 0
+    # Megatron's fixed global batch (the default, issue 47): at dp=4 the default mbs 8 x 4 = 32 would leave one
+    # microbatch per replica, fewer than 2BW's 4 stages, so the job states its global batch, as a Megatron job does.
+    layout = ["model=smollm2_135m", "parallel.pp=4", "train.device=cuda"]
+    assert validate.main(["--world-size", "16", "--", *layout]) == 2
+    assert "raise train.global_batch_size to 128" in capsys.readouterr().err
+    assert validate.main(["--world-size", "16", "--", *layout, "train.global_batch_size=128"]) == 0
     assert "16 ranks: pp=4 dp=4" in capsys.readouterr().out
 
 
