@@ -23,10 +23,11 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 	@echo "[setup] done: $(VENV)"
 
-# The default job as a real 2-stage PipeDream-2BW pipeline: two processes, one stage each (gloo on CPU).
+# The default job as a real 2-stage PipeDream-2BW pipeline: two processes, one stage each (gloo on CPU). Through
+# launch.local (torchrun underneath): a config error is one line before anything starts, Ctrl-C checkpoints.
 NPROC ?= 2
 train: setup
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) pretrain.py parallel.pp=$(NPROC) schedule=2bw
+	$(VENV)/bin/python -m launch.local --nproc-per-node $(NPROC) -- parallel.pp=$(NPROC) schedule=2bw
 
 # Lint first: it takes a second and fails before twenty minutes of tests do.
 lint: setup

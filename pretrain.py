@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import sys
+import time
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -34,6 +35,7 @@ from asyncpp.train.preemption import StopFlag
 from asyncpp.train.run_identity import EXIT_CRASHED, EXIT_DIVERGED, EXIT_NO_SPACE, record_exit
 from asyncpp.train.trainer import TrainingAborted
 
+PEER_SAYS_S = 60.0  # how long a rank > 0 waits for rank 0 to say a config error they share (let_rank_zero_say_it)
 STARTED = False  # main was entered (hydra resets its own HydraConfig after a failed job, so it cannot tell)
 SWEEP_FAILED: list[tuple[int, str]] = []  # a multirun's points refused or diverged: (code, why), reported at the end
 STOP = StopFlag()  # set by SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C); the loops checkpoint and stop at a step boundary
@@ -46,6 +48,10 @@ def main(dcfg: DictConfig) -> float:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
         cfg, model_cfg = job.resolve(job.to_container(dcfg), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:  # every rank resolves the same command line alike, so one of them says it (rank 0)
+        let_rank_zero_say_it()
+        return point_failed(preflight.EXIT_CONFIG_ERROR, f"config error: {e}", quiet=not is_rank_zero())
+    try:
         if cfg.dry_run:
             preflight.check_dry_run(cfg, model_cfg)  # what the real run would refuse, the dry run refuses
             job.run_dry(cfg, model_cfg)
@@ -79,16 +85,29 @@ def main(dcfg: DictConfig) -> float:
     return float(summary.get("final_val_loss", float("nan")))  # the value hydra sweepers optimize
 
 
-def point_failed(code: int, message: str) -> float:
+def point_failed(code: int, message: str, quiet: bool = False) -> float:
     """A run that cannot go on: leave with `code`; in a multirun (-m), only this point fails: it is reported and
     the sweep's other points still run (leaving at once dropped every point after it), and run_main exits with
-    the code once the sweep is done."""
+    the code once the sweep is done. `quiet`: another rank prints the same message."""
     if not in_multirun():
-        leave(code, message)
+        leave(code, message, quiet=quiet)
     point = " ".join(HydraConfig.get().overrides.task)
     print(f"sweep point [{point}] failed: {message}", file=sys.stderr, flush=True)
     SWEEP_FAILED.append((code, f"[{point}] {message}"))
     return float("nan")
+
+
+def is_rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def let_rank_zero_say_it() -> None:
+    """A config error every rank finds alike is said once, by rank 0 (one line per run, not per rank). Another rank
+    that left first would have torchrun stop rank 0 before it said anything, so it waits: torchrun (or srun's
+    --kill-on-bad-exit) ends it once rank 0 has left, by a SIGTERM whose default action still holds (the stop
+    handler is armed only when training starts); PEER_SAYS_S bounds the wait should nobody end it."""
+    if not is_rank_zero() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not in_multirun():
+        time.sleep(PEER_SAYS_S)
 
 
 def in_multirun() -> bool:
@@ -137,8 +156,9 @@ def check_command_line(argv: list[str]) -> None:
         return
     try:
         job.compose(argv)
-    except ConfigError as e:
-        leave(preflight.EXIT_CONFIG_ERROR, f"config error: {e}")
+    except ConfigError as e:  # the same on every rank: rank 0 says it
+        let_rank_zero_say_it()
+        leave(preflight.EXIT_CONFIG_ERROR, f"config error: {e}", quiet=not is_rank_zero())
 
 
 def _quiet_hydra_on_other_ranks() -> None:

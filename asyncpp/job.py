@@ -18,7 +18,7 @@ import difflib
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -200,6 +200,18 @@ def build_data(cfg: RunConfig, model_cfg: ModelConfig):
     return source
 
 
+def warn_data_repeats(cfg: RunConfig, data, say: Callable[[str], None]) -> int:
+    """Say when the run will read its training data more than once, and how many times (the issue-47 user's
+    10k-token corpus was read 8 times over in silence). Returns the epoch count."""
+    epochs = data.epochs() if hasattr(data, "epochs") else 1
+    if epochs > 1:
+        say(f"[data] warning: the run reads its training data {epochs} times over ({epochs} epochs: train.steps="
+            f"{cfg.train.steps} x a global batch of {cfg.train.global_batch_size} sequences of {cfg.train.seq_len} "
+            f"tokens = {data.sizes[0]:,} samples); megatron-core reshuffles each epoch. More data (data.blend) or "
+            "fewer train.steps reads each document once")
+    return epochs
+
+
 def run(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | None = None) -> dict:
     """Build everything from a validated config and train. Returns the run summary."""
     done = preflight.completed(cfg)
@@ -210,6 +222,7 @@ def run(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | None = None) ->
     data = build_data(cfg, model_cfg)
     model = build_whole_model(cfg, model_cfg, device).model  # the stage builder's, as one stage of one
     metrics = make_metrics(cfg, model_cfg)
+    warn_data_repeats(cfg, data, metrics.message)
     # Layers swapped (train.backend) and compiled before the optimizer sees their Parameters.
     prepare_model(model, backend=cfg.train.backend, compile=cfg.train.compile, device=device, log=metrics.message)
     optimizer = build_from_config(model, cfg.optimizer)
@@ -316,6 +329,8 @@ def _run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | No
                 dist.barrier()
         torch.manual_seed(cfg.seed)
         metrics = make_metrics(cfg, model_cfg, dims.world_size, device) if mesh.is_writer else None
+        if metrics is not None:  # the writer reads data (the last stage's labels): one warning per run
+            warn_data_repeats(cfg, data, metrics.message)
         baseline = host_rss_bytes()  # the process before the model: what the memory plan does not count
         stage = build_rank_stage(cfg, model_cfg, mesh, device)  # only this rank's layers and shards
         # Layers swapped and compiled before the optimizer is built on the stage's Parameters.
@@ -355,9 +370,9 @@ def _run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | No
     return summary
 
 
-DELIBERATE = (ConfigError, TrainingAborted, NonFiniteUpdate)
-"""Errors every rank raises at the same point (pretrain.py's exit codes 2 and 3); any other is a failure
-(asyncpp/parallel/failfast.py)."""
+DELIBERATE = (ConfigError, TrainingAborted, NonFiniteUpdate, preflight.RunComplete)
+"""Errors every rank raises at the same point (pretrain.py's exit codes 2 and 3, and a finished run's rerun: one
+line, exit 0); any other is a failure (asyncpp/parallel/failfast.py)."""
 
 
 MEMORY_PLAN_FILE = "memory_plan.txt"

@@ -222,6 +222,16 @@ class IndexedDataSource:
                 digest.update(np.ascontiguousarray(index).tobytes())
         return digest.hexdigest()[:24]
 
+    def epochs(self) -> int:
+        """How many times the run reads its training documents over: megatron-core's epoch count (its document index
+        repeats the split's documents once per epoch), the largest over a blend's datasets."""
+        train = self.datasets()[0]
+        parts = list(train.datasets) if hasattr(train, "dataset_index") else [train]
+        for dataset in parts:
+            if dataset.shuffle_index is None:  # megatron maps its .npy indices lazily, on the first read
+                dataset[0]
+        return max(len(d.document_index) // max(1, len(d.indices)) for d in parts)
+
     def val_batches(self) -> list[Tensor]:
         """The first eval_samples validation samples as full microbatches; the same every evaluation."""
         if self._val is None:

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true",
                    help="validate the overrides at this world size (as launch.slurm does) and print the command")
     p.add_argument("--no-validate", dest="check_config", action="store_false",
-                   help="with --dry-run: print the command without composing the config")
+                   help="start (or with --dry-run print) the command without composing the config first")
     args = p.parse_args(options)
     try:
         if args.max_restarts < 0:
@@ -198,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_restarts:
             print(f"# rerun up to {args.max_restarts} times after a failure (not after a config error, exit 2)")
         return 0
+    if args.check_config:  # a config error in one line, before torchrun (whose failure report is ~30 lines)
+        try:
+            validate_overrides(with_device(overrides, "cuda") if args.gpus else overrides, args.nproc_per_node)
+        except ValueError as e:
+            print(f"[launch.local] {e}\n[launch.local] nothing started (exit {EXIT_CONFIG_ERROR})", file=sys.stderr)
+            return EXIT_CONFIG_ERROR
     rerun = shlex.join([Path(sys.executable).name, "-m", "launch.local", *(sys.argv[1:] if argv is None else argv)])
     return run_with_restarts(cmd, args.max_restarts, rerun=rerun)
 

@@ -18,6 +18,7 @@ What differs from a run on the GPU, and how it is handled:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from contextlib import contextmanager
@@ -323,6 +324,9 @@ def trace_stage(cfg: RunConfig, model_cfg: ModelConfig, world_size: int, stage: 
 
 def _trace(cfg: RunConfig, model_cfg: ModelConfig, dims, stage, rank, target, build_optimizer, steps, stand_ins, record,
            as_gpu, evaluate, tracer_cls) -> StageTrace:
+    # The trace saves nothing, and an async save's background gloo group cannot be made on the fake backend (a
+    # recipe with checkpoint.async_save=true failed here: "ProcessGroupGloo ... Not implemented").
+    cfg = cfg.replace(checkpoint=dataclasses.replace(cfg.checkpoint, async_save=False))
     mesh = mesh_for(cfg, model_cfg, dims, "cpu")
     mesh.device = target  # the groups are the fake backend's; the stage's tensors live on `device`
     built = build_rank_stage(cfg, model_cfg, mesh, target)

@@ -142,11 +142,29 @@ def check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
             f"parallel.pp={p.pp} is more stages than model '{model.name}' has layers ({model.num_layers}); "
             f"set parallel.pp<={model.num_layers}"
         )
+    _check_microbatches_serve(cfg)
     try:  # the registry knows which (P, m) each kind serves (2bw: m >= P)
         kind_of(cfg.schedule.name).check(p.pp, m)
     except ScheduleKindError as e:
         raise ConfigError(str(e)) from None
     _check_vocab_head(cfg, model)
+
+
+def _check_microbatches_serve(cfg: RunConfig) -> None:
+    """2BW's m >= P, said in the global batch's terms: under Megatron's fixed global batch (the default) m is
+    train.global_batch_size / (train.micro_batch_size x dp), so adding replicas can leave fewer than the stages."""
+    p, t = cfg.parallel, cfg.train
+    m, dp = t.num_microbatches, p.dp or 1
+    if p.pp < 1 or m is None or m < 1 or kind_of(cfg.schedule.name).serves(p.pp, m):
+        return
+    raise ConfigError(
+        f"schedule={cfg.schedule.name} needs at least parallel.pp={p.pp} microbatches per replica, got "
+        f"train.num_microbatches={m} = train.global_batch_size={t.global_batch_size} / (train.micro_batch_size="
+        f"{t.micro_batch_size} x dp={dp}): with fewer microbatches than stages two weight versions cannot cover the "
+        f"in-flight work; raise train.global_batch_size to {p.pp * t.micro_batch_size * dp} (Megatron's "
+        f"--global-batch-size) or, where train.num_microbatches is given instead, raise train.num_microbatches to "
+        f"{p.pp}"
+    )
 
 
 def _check_vocab_head(cfg: RunConfig, model: ModelLimits) -> None:

@@ -36,10 +36,11 @@ class TrainConfig:
     batch_scaling: Literal["fixed", "per_replica"] = "per_replica"
     """The batch when neither num_microbatches nor global_batch_size is given: "fixed" (Megatron; configs/
     pretrain.yaml's default, so every command line's) fixes global_batch_size = micro_batch_size x
-    DEFAULT_MICROBATCHES, whatever dp is (each replica runs its share); "per_replica" runs DEFAULT_MICROBATCHES on
-    every replica, so the global batch grows with dp (the behaviour before issue 47). A given num_microbatches is
-    always per replica (m), a given global_batch_size always global. The Python default stays per_replica: configs
-    built in code (tests, tools) keep the meaning they were written with."""
+    DEFAULT_MICROBATCHES, whatever dp is (each replica runs its share; at dp x pp > DEFAULT_MICROBATCHES under 2BW
+    give train.global_batch_size, as with Megatron); "per_replica" runs DEFAULT_MICROBATCHES on every replica, so
+    the global batch grows with dp (the behaviour before issue 47). A given num_microbatches is always per replica
+    (m), a given global_batch_size always global. The Python default stays per_replica: configs built in code
+    (the DP equivalence tests' "two replicas = one with twice the microbatches", tools) keep their meaning."""
     batch_rampup: tuple[int, int, int] | None = None
     """[start, increment, samples]: Megatron's --rampup-batch-size. The global batch starts at `start` sequences
     and grows by `increment` every samples / ((global_batch_size - start) / increment) consumed samples until it
@@ -112,10 +113,11 @@ def derive_num_microbatches(t: TrainConfig, dp: int) -> int:
     m, rest = divmod(t.global_batch_size, per_step)
     if rest or m < 1:
         lower, upper = max(per_step, t.global_batch_size - rest), (m + 1) * per_step
+        use = f"{lower}" if lower == upper else f"{lower} or {upper}"
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
             f"{t.micro_batch_size} x dp={dp} = {per_step} (every replica runs whole microbatches); use "
-            f"train.global_batch_size={lower} or {upper}, or change train.micro_batch_size"
+            f"train.global_batch_size={use}, or change train.micro_batch_size"
         )
     if t.num_microbatches is not None and t.num_microbatches != m:
         raise ConfigError(

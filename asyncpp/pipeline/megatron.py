@@ -208,7 +208,7 @@ def _check_optimizer_layouts(model: nn.Module, optimizer, mesh: Mesh) -> None:
                                      f"shards it along dim {want} (partition_dim): {fix}")
 
 
-# ---- megatron-core's own gradient machinery: refused (README, "Inside Megatron-LM") ---------------------
+# ---- megatron-core's own gradient machinery: refused (docs/pipeline.md, "Inside Megatron-LM") ---------------------
 _MEGATRON_GRAD_SYNC = ("finalize_model_grads_func", "grad_sync_func", "no_sync_func", "param_sync_func")
 _NOT_UNDER_2BW = (
     "it keeps one gradient buffer per parameter (param.main_grad, a view of _ParamAndGradBuffer.grad_data: "

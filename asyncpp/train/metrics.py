@@ -134,6 +134,9 @@ class MetricsLogger:
                 dir=str(self.out_dir),
                 config=config,
                 reinit="finish_previous",
+                # No run history and summary footer (~30 lines) after the run's own summary table: summary.json
+                # and the offline directory hold them (`wandb sync <run dir>/wandb/offline-run-*` uploads it).
+                settings=wandb.Settings(quiet=True),
             )
 
     def log(self, record: StepMetrics) -> None:
@@ -222,7 +225,7 @@ class MetricsLogger:
         self._bar.close()
         self._redirect.close()
         if summary:
-            self._logger.info("summary: " + json.dumps({k: _jsonable(v) for k, v in summary.items()}))
+            self._logger.info(summary_table(summary, self.out_dir / "summary.json"))
         self._file.close()
         if summary:
             tmp = self.out_dir / "summary.json.tmp"
@@ -236,6 +239,32 @@ class MetricsLogger:
                 self._wandb.summary.update(summary)
             self._wandb.finish(exit_code=0 if summary else 1)
         self._logger.close()
+
+
+def summary_table(summary: dict[str, Any], path: Path) -> str:
+    """The run's end in a few aligned rows (summary.json, at `path`, holds every field; the console used to get
+    it as one JSON line of ~3,000 characters)."""
+    def num(key: str, fmt: str) -> str | None:
+        value = summary.get(key)
+        return None if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
+
+    steps = f"{summary.get('steps')} of {summary.get('planned_steps')}"
+    if summary.get("stopped_at") is not None:
+        steps += f" (stopped at step {summary['stopped_at']}, checkpointed)"
+    rows = [("steps", steps), ("final loss", num("final_loss", ".4f")), ("final val loss", num("final_val_loss", ".4f")),
+            ("skipped steps", num("skipped_steps", "d")), ("tokens", num("tokens", ",d")),
+            ("wall time", num("wall_time_s", ".1f") and f"{summary['wall_time_s']:.1f} s"),
+            ("tokens/s", num("tokens_per_s", ",.0f")),
+            ("mean step", num("mean_step_time_s", ".3f") and f"{summary['mean_step_time_s'] * 1e3:.1f} ms")]
+    per_rank = summary.get("bubble_fraction_per_rank")
+    if per_rank:
+        rows.append(("bubble", f"{summary['bubble_fraction']:.3f} mean; per rank "
+                               + " ".join(f"{b:.3f}" for b in per_rank)))
+    if summary.get("suggested_stage_layers") is not None:
+        rows.append(("suggested stage_layers", str(summary["suggested_stage_layers"])))
+    width = max(len(name) for name, _ in rows)
+    lines = [f"summary ({path}):"] + [f"  {name:<{width}}  {value}" for name, value in rows if value is not None]
+    return "\n".join(lines)
 
 
 def bubble_part(bubble: PipelineBubble | None) -> str:

@@ -53,8 +53,9 @@ def test_global_batch_size_errors_name_field_value_and_fix(overrides, world, mus
 
 
 def test_global_batch_below_the_pipeline_depth_is_refused_by_the_schedule_rule():
-    # 2BW needs m >= pp: a global batch that derives m=1 at pp=2 is refused with the registry's message.
-    with pytest.raises(ConfigError, match="num_microbatches >= parallel.pp"):
+    # 2BW needs m >= pp: a global batch that derives m=1 at pp=2 is refused, naming the global batch that serves.
+    with pytest.raises(ConfigError, match=r"at least parallel.pp=2 microbatches .* train.global_batch_size=16 .*"
+                       r"raise train.global_batch_size to 32"):
         check(["train.global_batch_size=16", "train.micro_batch_size=8", "parallel.pp=2"], world_size=4)
 
 

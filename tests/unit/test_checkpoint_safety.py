@@ -200,12 +200,13 @@ def test_wandb_resumes_the_run_id_stored_in_the_run_directory(tmp_path, monkeypa
         def finish(self, exit_code=0):
             inits[-1]["exit_code"] = exit_code
 
-    fake = types.SimpleNamespace(init=lambda **kw: inits.append(kw) or Run())
+    fake = types.SimpleNamespace(init=lambda **kw: inits.append(kw) or Run(), Settings=dict)
     monkeypatch.setitem(sys.modules, "wandb", fake)
     for _ in range(2):  # a run and its restart
         MetricsLogger(tmp_path, total_steps=1, progress=False, wandb_mode="offline").close()
     assert inits[0]["id"] == inits[1]["id"] == (tmp_path / "wandb_run_id").read_text()
     assert inits[0]["resume"] == inits[1]["resume"] == "allow"
+    assert inits[0]["settings"] == {"quiet": True}  # no ~30-line history footer on the console (issue 47)
     assert inits[0]["exit_code"] == 1  # closed without a summary: a failed attempt
     (tmp_path / "other").mkdir()
     assert wandb_run_id(tmp_path / "other") != inits[0]["id"]

@@ -12,7 +12,7 @@ import pytest
 
 from asyncpp.config import RunConfig
 from asyncpp.core.records import StepMetrics
-from asyncpp.train.metrics import LOG_FILE, MetricsLogger
+from asyncpp.train.metrics import LOG_FILE, MetricsLogger, summary_table
 from asyncpp.train.throughput import PEAK_TFLOPS, Throughput, device_peak_tflops, peak_memory_bytes
 from asyncpp.train.trainer import Trainer
 from model_zoo import flops_per_token, get_model_config
@@ -51,7 +51,8 @@ def test_a_line_every_log_every_iterations_to_stdout_and_pretrain_log(tmp_path, 
         assert fragment in second, (fragment, second)
     text = (tmp_path / LOG_FILE).read_text()
     assert first.split("] ", 1)[1] in text and second.split("] ", 1)[1] in text
-    assert "a message" in text and "summary: " in text and '"final_loss": 5.0' in text
+    assert "a message" in text and f"summary ({tmp_path / 'summary.json'}):" in text
+    assert re.search(r"\n  final loss\s+5\.0000\n", text)
     assert re.match(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] ", text)  # timestamped
 
 
@@ -119,3 +120,24 @@ def test_flops_per_token_is_at_least_six_n(name):
     per_layer = h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * h * cfg.ffn_hidden_size
     expected = 6 * (cfg.num_layers * per_layer + h * cfg.vocab_size) + cfg.num_layers * 6 * 128 * cfg.num_heads * cfg.head_dim
     assert math.isclose(flops_per_token(cfg, 128), expected, rel_tol=1e-12)
+
+
+def test_the_summary_is_a_short_table():
+    """The console's end of a pipeline run: one row per figure, the per-rank lists summary.json keeps left out."""
+    summary = {"steps": 8, "planned_steps": 10, "stopped_at": 8, "final_loss": 4.25, "final_val_loss": math.nan,
+               "skipped_steps": 0, "tokens": 16384, "tokens_this_attempt": 8192, "wall_time_s": 12.34,
+               "mean_step_time_s": 0.5, "tokens_per_s": 663.9, "bubble_fraction": 0.05,
+               "bubble_fraction_per_rank": [0.04, 0.06], "memory_per_rank": [{"peak": 1}] * 2,
+               "mean_forward_s_per_rank": [0.1, 0.2], "suggested_stage_layers": [3, 1]}
+    text = summary_table(summary, "out/summary.json")
+    assert text.splitlines() == [
+        "summary (out/summary.json):",
+        "  steps                   8 of 10 (stopped at step 8, checkpointed)",
+        "  final loss              4.2500",
+        "  skipped steps           0",
+        "  tokens                  16,384",
+        "  wall time               12.3 s",
+        "  tokens/s                664",
+        "  mean step               500.0 ms",
+        "  bubble                  0.050 mean; per rank 0.040 0.060",
+        "  suggested stage_layers  [3, 1]"]

@@ -63,7 +63,8 @@ def test_extending_4_to_8_steps_equals_a_straight_8_step_run(tmp_path, capsys):
 
 def test_a_longer_run_over_more_epochs_says_its_first_samples_differ(tmp_path):
     """The digest is what tells: the same stream built for a sample count past one epoch orders even its first
-    samples differently (megatron-core shuffles over every epoch), and the resume says so."""
+    samples differently (megatron-core shuffles over every epoch), and the resume says so; the run's start says
+    how many epochs it reads (job.warn_data_repeats)."""
     cfg, model_cfg = job.resolve(job.compose([*SMALL, "train.steps=4", f"out_dir={tmp_path}"]))
     short = job.build_data(cfg, model_cfg)
     epoch = len(short.datasets()[0])
@@ -76,6 +77,10 @@ def test_a_longer_run_over_more_epochs_says_its_first_samples_differ(tmp_path):
     manifest = {"data": {"identity": short.identity(), "consumed_samples": 16, "order": short.order_digest(16)}}
     ckpt.check_data_position(manifest, longer, long_cfg, warn=warned.append)
     assert len(warned) == 1 and "span another number of epochs" in warned[0]
+    said: list[str] = []  # the start of a run says how many times it reads its data (once: nothing)
+    assert job.warn_data_repeats(cfg, short, said.append) == 1 and said == []
+    assert job.warn_data_repeats(long_cfg, longer, said.append) == 3
+    assert len(said) == 1 and f"reads its training data 3 times over (3 epochs: train.steps={steps} x" in said[0]
 
 
 def test_a_rerun_of_a_finished_run_is_one_line_and_exit_0(tmp_path):

@@ -312,7 +312,12 @@ def test_launch_validation_refuses_what_pretrain_would(world, overrides, message
 def test_launch_validation_accepts_the_docs_layout(capsys):
     from launch import validate
 
-    assert validate.main(["--world-size", "16", "--", "model=smollm2_135m", "parallel.pp=4", "train.device=cuda"]) == 0
+    # Megatron's fixed global batch (the default, issue 47): at dp=4 the default mbs 8 x 4 = 32 would leave one
+    # microbatch per replica, fewer than 2BW's 4 stages, so the job states its global batch, as a Megatron job does.
+    layout = ["model=smollm2_135m", "parallel.pp=4", "train.device=cuda"]
+    assert validate.main(["--world-size", "16", "--", *layout]) == 2
+    assert "raise train.global_batch_size to 128" in capsys.readouterr().err
+    assert validate.main(["--world-size", "16", "--", *layout, "train.global_batch_size=128"]) == 0
     assert "16 ranks: pp=4 dp=4" in capsys.readouterr().out
 
 
@@ -411,6 +416,15 @@ def test_local_launcher_command_and_dry_run(capsys):
     # torchrun itself never restarts (it would retry config errors); launch.local does
     assert "--nproc-per-node=4 --max-restarts=0 pretrain.py parallel.pp=4" in out and out.startswith("cd ")
     assert "rerun up to 2 times" in out
+
+
+def test_local_launcher_refuses_a_config_error_in_one_line_before_torchrun(capsys, monkeypatch):
+    """A config error is said once, by the launcher, and no torchrun starts (whose failure report is ~30 lines)."""
+    monkeypatch.setattr(local, "run_with_restarts", lambda *a, **k: pytest.fail("torchrun started"))
+    assert local.main(["--nproc-per-node", "2", "--", "parallel.pp=2", "schedule=2bw", "train.num_microbatches=1"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith("[launch.local] config error: schedule=2bw needs at least parallel.pp=2")
+    assert err[1] == "[launch.local] nothing started (exit 2)"
 
 
 class _Attempts:

@@ -1,6 +1,6 @@
 """The layers cannot erode: imports run downward only, no module cycle, no first-party import inside a function.
 
-The order, bottom first (the README's layout section draws it). A module may import from its own layer and the
+The order, bottom first (docs/development.md's layout section draws it). A module may import from its own layer and the
 layers below it; asyncpp/job.py, the composition root, is the only module that sees them all:
 
     typed, host < schedules < config < parallel < model_zoo, data < optim < core < train < pipeline
@@ -50,7 +50,7 @@ def layer_of(module: str) -> int:
     found = [(len(m), level) for level, members in enumerate(LAYERS) for m in members
              if module == m or module.startswith(m + ".")]
     if not found:
-        raise AssertionError(f"{module} is in no layer: add its package to LAYERS (and to the README's picture)")
+        raise AssertionError(f"{module} is in no layer: add its package to LAYERS (and to docs/development.md's picture)")
     return max(found)[1]
 
 

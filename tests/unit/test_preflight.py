@@ -155,6 +155,21 @@ def test_too_little_disk_for_the_checkpoints_kept_is_refused(tmp_path):
     assert preflight.checkpoints_on_disk(timed) == 4  # timed saves come at any step: keep_last + 1
 
 
+def test_a_dry_run_warns_where_the_real_run_refuses_the_checkpoints_disk(tmp_path, monkeypatch):
+    """A dry run plans another machine's job (issue 47: the 8-GPU recipe's plan was refused on a laptop for want of
+    759 GiB of checkpoint space): the shortfall is a warning there, and the real run's refusal stays."""
+    real = preflight.check_disk_space
+    monkeypatch.setattr(preflight, "check_disk_space", lambda *a, **k: real(
+        *a, **k, disk_usage=lambda path: types.SimpleNamespace(free=2**20)))
+    said: list[str] = []
+    dry, model_cfg = config(tmp_path, "dry_run=1")
+    preflight.check_dry_run(dry, model_cfg, warn=said.append)
+    assert len(said) == 1 and said[0].startswith("warning: checkpoint.dir") and "the plan goes on" in said[0]
+    cfg, model_cfg = config(tmp_path)
+    with pytest.raises(ConfigError, match=r"checkpoint.dir .* GiB free, but this run needs room"):
+        preflight.check(cfg, model_cfg)
+
+
 def test_the_estimate_matches_a_real_checkpoint(tmp_path):
     """The size the disk check asks for is the size a save writes (within DCP's metadata overhead)."""
     import torch
