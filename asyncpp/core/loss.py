@@ -14,6 +14,9 @@ from asyncpp.parallel.tp import VOCAB_GROUP_ATTR, vocab_parallel_cross_entropy
 LossFn = Callable[[nn.Module, Tensor], Tensor]
 """loss_fn(model, tokens [B, T+1]) -> scalar loss of the whole model."""
 
+LogitsLoss = Callable[[Tensor, Tensor], Tensor]
+"""loss(logits, labels) -> scalar loss: what a last stage's whole head ends with (logits_loss_for)."""
+
 
 def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     """Mean next-token cross entropy in fp32."""
@@ -25,7 +28,7 @@ def lm_loss(model: nn.Module, tokens: Tensor) -> Tensor:
     return cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
 
 
-def logits_loss_for(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
+def logits_loss_for(model: nn.Module) -> LogitsLoss:
     """The loss (logits, labels) -> scalar the last stage must use for `model`'s logits: the
     vocab-parallel cross entropy over the head's TP group when a plan left them sharded, otherwise
     the project's plain cross entropy (`cross_entropy` above)."""

@@ -39,6 +39,7 @@ class VocabEmbedding(Part):
     stage's entry (parts.StageEntry)."""
 
     gradient_op = Op.EMBED_BACKWARD
+    reads_batches = True  # every stage's rows look the input ids up
 
     def __init__(self, mesh: Mesh, shard: VocabShard, param: nn.Parameter, inputs: Callable[[int, int], Tensor],
                  wait: Wait):
@@ -58,6 +59,7 @@ class VocabEmbedding(Part):
         self._held = HeldCollectives(wait, "the sharded embedding's collectives")  # retired at UPDATE(step)
         self._acc: dict[int, Tensor] = {}  # step -> the sum of its G's row gradients (fp32)
         self.lookups = self.gradients = 0  # E and G passes run: what the tests read
+        self._eval_input: Tensor | None = None  # the first stage's summed embedding of the evaluation batch running
 
     # ---- the StagePart (parts.py): E and G through the engine's table --------------------------------------
     def actions(self) -> dict[Op, PartAction]:
@@ -148,6 +150,17 @@ class VocabEmbedding(Part):
         self._held.flush()
 
     # ---- evaluation (forward only, blocking) ---------------------------------------------------------------
+    def evaluate_before(self, inputs: Tensor) -> None:
+        """Every stage's part of the batch's lookup, reduced onto the first stage before its layers run."""
+        self._eval_input = self.evaluate(inputs)
+
+    def post_evaluation_input(self) -> None:
+        pass  # the reduce is posted by every stage's evaluate_before
+
+    def evaluation_input(self, inputs: Tensor) -> Tensor:
+        summed, self._eval_input = self._eval_input, None
+        return summed
+
     @torch.no_grad()
     def evaluate(self, ids: Tensor) -> Tensor | None:
         """One validation batch's embedding: on the first stage the sum of every stage's part, None elsewhere."""

@@ -120,6 +120,8 @@ class VocabHead(Part):
     StagePart on every stage (it owns S and T), and the last stage's exit (parts.StageExit: its FORWARD's output,
     the normed hidden states, goes to every S; its BACKWARD's output gradient is the reduce of every T's)."""
 
+    reads_batches = True  # every stage's rows need the labels
+
     def __init__(self, mesh: Mesh, shard: VocabShard, param: nn.Parameter, row0: int,
                  labels: Callable[[int, int], Tensor], hidden_shape: tuple[int, ...], dtype: torch.dtype, wait: Wait):
         """The rank's rows of the head, `shard` (its TP rank's piece of its stage's rows), are `param`'s rows
@@ -144,6 +146,7 @@ class VocabHead(Part):
         self.passes = 0  # S passes run, and the logits' widths they had: what the report and the tests read
         self.logits_widths: set[int] = set()
         self.held_peak = 0  # the most S->T passes held at once (1 + the placement's slack in the steady state)
+        self._eval_hidden: Tensor | None = None  # the last stage's hidden states of the evaluation batch running
 
     # ---- the StagePart (parts.py): S and T through the engine's table --------------------------------------
     def actions(self) -> dict[Op, PartAction]:
@@ -179,6 +182,10 @@ class VocabHead(Part):
 
     def output_grad(self, a: Action) -> Tensor:
         return self.input_grad(a.step, a.microbatch, str(a))
+
+    def evaluation_output(self, out: Tensor) -> None:
+        """The last stage's normed hidden states of an evaluation batch, for its evaluate_after."""
+        self._eval_hidden = out
 
     def send_hidden(self, step: int, microbatch: int, hidden: Tensor) -> None:
         """After the last stage's FORWARD of (t, j): broadcast its normed hidden states (not waited for here)."""
@@ -293,6 +300,13 @@ class VocabHead(Part):
         self._held.flush()
 
     # ---- evaluation (forward only, blocking: one batch at a time) ------------------------------------------
+    def evaluate_after(self, labels: Tensor) -> float | None:
+        """Every stage joins the head's pass of the batch (after the last stage's exit took its hidden states); the
+        loss is the last stage's to report."""
+        hidden, self._eval_hidden = self._eval_hidden, None
+        loss = self.evaluate(hidden, labels)
+        return loss if self.mesh.is_last_stage else None
+
     def evaluate(self, hidden: Tensor | None, targets: Tensor) -> float:
         """The loss of one validation batch over the whole vocabulary, on every stage (blocking)."""
         if hidden is None:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from asyncpp import job
 from asyncpp.pipeline.build import build_rank_stage
+from asyncpp.pipeline.compose import pipeline_executor
 from asyncpp.pipeline.executor import PipelineExecutor
 from asyncpp.pipeline.parts import Part, PartAction
 from asyncpp.schedules.actions import Action, Op
@@ -69,9 +70,9 @@ def run_once(cfg, model_cfg, mesh, probe: VersionProbe | None) -> dict:
     stage = build_rank_stage(cfg, model_cfg, mesh, "cpu")
     data, optimizer = data_for(cfg, model_cfg.vocab_size), job.optimizer_for(cfg, mesh)
     if probe is None:
-        run = PipelineExecutor(cfg, stage, mesh, data, optimizer)
+        run = pipeline_executor(cfg, stage, mesh, data, optimizer)
     else:
-        run = ProbedExecutor(cfg, stage, mesh, data, optimizer, parts=[probe])
+        run = pipeline_executor(cfg, stage, mesh, data, optimizer, parts=[probe], executor_cls=ProbedExecutor)
         probe.versions = run.engine.versions
     before = [p.detach().clone() for p in run.model.parameters()]
     sink = Collect()
