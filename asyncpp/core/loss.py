@@ -1,5 +1,21 @@
 """The one loss reduction of the project: the simulator and the pipeline's last stage both call it, so
-their losses are the same floats."""
+their losses are the same floats.
+
+Over whole logits the cross entropy is `cross_entropy` here, and only here. Logits sharded over the vocabulary
+need the shards' maxima and sums of exponentials combined across ranks, and two forms do that, each in the
+floating-point order its runs are tested and resumed in:
+
+- tensor parallelism (parallel/tp.vocab_parallel_cross_entropy): an autograd function with two all-reduces, the
+  global max first, then the target logit and sum of exp(logit - global max): one blocking pass inside the
+  TP layers' forward;
+- the vocabulary-parallel head over pipeline stages (pipeline/vocab_head.py: shard_statistics_, mean_loss): each
+  shard's own max and sum of exp(logit - its max), all-gathered asynchronously at S and combined at T (the online
+  softmax), so that S never waits inside its pass.
+
+Writing the TP form as the gathered statistics would make S/T's one all-gather serve both, but it changes the order
+of the TP loss's sums (a rescale by exp(max_i - max) per shard), so a TP run's losses and its resumed checkpoints
+would no longer be the floats they are: the two stay apart.
+"""
 
 from __future__ import annotations
 
