@@ -20,7 +20,6 @@ from torch import Tensor
 
 from asyncpp.config import RunConfig
 from asyncpp.core.records import PipelineBubble, StepResult
-from asyncpp.core.transfer import to_device
 from asyncpp.core.vocab_split import VocabSplit, vocab_pipeline
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.pipeline.bubble import BubbleGather
@@ -114,8 +113,7 @@ class PipelineExecutor:
         if batches:
             engine.entry.post_evaluation_input()
         for i, b in enumerate(batches):
-            b = to_device(b, self.mesh.device) if b is not None else None
-            inputs, labels = (b[:, :-1], b[:, 1:]) if b is not None else (None, None)
+            inputs, labels = self.data.evaluation_batch(b)
             if i + 1 < len(batches):
                 engine.entry.post_evaluation_input()  # one batch ahead: the next activation lands while this computes
             for part in engine.parts:

@@ -31,6 +31,14 @@ class StageData:
         """The next-token ids of (step, microbatch): every stage's rows of a vocabulary-parallel head need them."""
         return self.tokens(step, microbatch)[:, 1:]
 
+    def evaluation_batch(self, batch: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+        """A validation batch's input ids and labels on this rank's device; (None, None) on a stage that only relays
+        activations (val_batches gave it None)."""
+        if batch is None:
+            return None, None
+        batch = to_device(batch, self.device)
+        return batch[:, :-1], batch[:, 1:]
+
     def tokens_in(self, step: int) -> int:
         """The tokens step `step` trains on, over every DP replica."""
         return self.batches.global_batch(step) * self.seq_len
