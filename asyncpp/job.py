@@ -42,8 +42,9 @@ from asyncpp.core.update import NonFiniteUpdate
 from asyncpp.host.measured import host_rss_bytes
 from asyncpp.optim import build_from_config
 from asyncpp.parallel import failfast, flight
-from asyncpp.parallel.mesh import ParallelDims, init_distributed
+from asyncpp.parallel.mesh import Mesh, ParallelDims, init_distributed
 from asyncpp.pipeline.build import build_rank_stage, build_whole_model, mesh_for
+from asyncpp.pipeline.compose import pipeline_executor
 from asyncpp.pipeline.executor import PipelineExecutor
 from asyncpp.pipeline.p2p import naming_the_peer
 from asyncpp.reference.executor import ReferenceExecutor
@@ -336,8 +337,8 @@ def _run_distributed(cfg: RunConfig, model_cfg: ModelConfig, stop: StopFlag | No
         # Layers swapped and compiled before the optimizer is built on the stage's Parameters.
         prepare_model(stage.model, backend=cfg.train.backend, compile=cfg.train.compile, device=device,
                       log=metrics.message if metrics is not None else (lambda text: None))
-        executor = PipelineExecutor(cfg, stage, mesh, data, optimizer_for(cfg, mesh), process_baseline_bytes=baseline)
-        _print_stage_memory(mesh, executor, metrics)
+        executor = pipeline_executor(cfg, stage, mesh, data, optimizer_for(cfg, mesh), process_baseline_bytes=baseline)
+        _print_stage_memory(cfg, mesh, executor, metrics)
         trainer = Trainer(cfg, executor, metrics, stop=stop)
         position[0] = trainer.position  # what a failure report names: the step and the action
         trainer.resume()
@@ -391,14 +392,14 @@ def report_memory_plan(out_dir: str | Path, plans: list[tuple[int, str, int]], m
             f"the tables: {path}")
 
 
-def _print_stage_memory(mesh, run, metrics) -> None:
+def _print_stage_memory(cfg: RunConfig, mesh: Mesh, run: PipelineExecutor, metrics) -> None:
     """Every stage's memory plan (tp/dp rank 0 of each), reported once by the metrics rank. Collective."""
     mine = run.memory_plan()
     plans = [None] * dist.get_world_size()
-    with naming_the_peer(mesh, "every stage's memory table (all_gather)", run.cfg.train.timeout_s):
+    with naming_the_peer(mesh, "every stage's memory table (all_gather)", cfg.train.timeout_s):
         dist.all_gather_object(plans, (mesh.pp_rank, mine.table(), mine.total) if mesh.dp_rank == 0 and mesh.tp_rank == 0 else None)
     if metrics is not None:
-        report_memory_plan(run.cfg.out_dir, [p for p in plans if p is not None], metrics.message)
+        report_memory_plan(cfg.out_dir, [p for p in plans if p is not None], metrics.message)
 
 
 def trace_dry_run(cfg: RunConfig, model_cfg: ModelConfig, reports: list[dict], build_optimizer, echo) -> None:

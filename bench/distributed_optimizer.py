@@ -35,15 +35,15 @@ _MIB = 1024 * 1024
 def _rank(rank: int, cfg_dict: dict) -> dict:
     from asyncpp import job
     from asyncpp.pipeline.build import build_rank_stage
-    from asyncpp.pipeline.executor import PipelineExecutor
+    from asyncpp.pipeline.compose import pipeline_executor
     from asyncpp.pipeline.memory import stage_memory
     from asyncpp.train.trainer import Trainer
     from tests.dist.workers import Collect, data_for, rank_layout
 
     cfg, model_cfg, mesh = rank_layout(cfg_dict)
     torch.manual_seed(cfg.seed)
-    run = PipelineExecutor(cfg, build_rank_stage(cfg, model_cfg, mesh, "cpu"), mesh,
-                           data_for(cfg, model_cfg.vocab_size), job.optimizer_for(cfg, mesh))
+    run = pipeline_executor(cfg, build_rank_stage(cfg, model_cfg, mesh, "cpu"), mesh,
+                            data_for(cfg, model_cfg.vocab_size), job.optimizer_for(cfg, mesh))
     e = run.engine.update
     plan = stage_memory(cfg, model_cfg, mesh, run.spec, e.versions, e.optimizer, e.error_feedback.prev_update)
     Trainer(cfg, run, Collect()).run()

@@ -210,7 +210,7 @@ def run_ours(args) -> dict:
     from asyncpp.job import compose, optimizer_for, resolve
     from asyncpp.parallel.mesh import ParallelDims
     from asyncpp.pipeline.build import build_rank_stage, mesh_for
-    from asyncpp.pipeline.executor import PipelineExecutor
+    from asyncpp.pipeline.compose import pipeline_executor
     from asyncpp.schedules.actions import Op
 
     overrides = [f"model={MODEL}", "optimizer=adamw", f"optimizer.lr={LR}", "optimizer.weight_decay=0.0",
@@ -227,7 +227,7 @@ def run_ours(args) -> dict:
     data = PoolData(tokens_pool(args.m, args.micro_batch, args.seq, model_cfg.vocab_size, 0))
     torch.manual_seed(cfg.seed)
     stage = build_rank_stage(cfg, model_cfg, mesh, mesh.device)  # pretrain.py's per-rank build
-    executor = PipelineExecutor(cfg, stage, mesh, data, optimizer_for(cfg, mesh))
+    executor = pipeline_executor(cfg, stage, mesh, data, optimizer_for(cfg, mesh))
     rec = Recorder()
     # Two segments: the warm-up, then the measured steps. A segment drains at its end, so the measured one
     # includes one pipeline fill and drain (2BW: about one microbatch slot in 35 * m; a flushing schedule

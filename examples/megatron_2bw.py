@@ -43,9 +43,9 @@ from megatron.core.transformer import TransformerConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without an install
 from asyncpp.config.data import is_number
 from asyncpp.optim import build_optimizer
+from asyncpp.parallel import megatron_cpu
 from asyncpp.parallel.mesh import Mesh, init_distributed
 from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func, optimizer_sharding
-from asyncpp.reference import megatron_cpu
 from data.source import IndexedDataSource
 
 

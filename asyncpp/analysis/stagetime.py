@@ -25,6 +25,7 @@ from asyncpp.analysis.traced import StageTrace
 from asyncpp.config import RunConfig
 from asyncpp.parallel.mesh import ParallelDims
 from asyncpp.schedules.costmodel import OpCosts, predict
+from model_zoo import ModelConfig
 
 NVLINK_BYTES_PER_S = 450e9
 IB_BYTES_PER_S = 50e9
@@ -118,7 +119,7 @@ def job_time(cfg: RunConfig, hidden_size: int, dims: ParallelDims, stages: list[
             / result["step_time"] / world / device.peak_flops}
 
 
-def prediction_report(cfg: RunConfig, model_cfg, dims: ParallelDims, traces: list[StageTrace],
+def prediction_report(cfg: RunConfig, model_cfg: ModelConfig, dims: ParallelDims, traces: list[StageTrace],
                       num_microbatches: int | None = None) -> tuple[str, dict]:
     """The table `dry_run_trace` prints: per stage and device the predicted time per microbatch, what bounds it,
     the MFU and the top ops; per device the job's step and tokens/s per GPU. Returns (text, JSON-able dict)."""

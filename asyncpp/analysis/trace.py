@@ -62,7 +62,7 @@ NEEDED = {
                                                            "non-finite update on every stage, and the host decides "
                                                            "the restore, the router bias and the stop before the "
                                                            "next forward reads x_{t+1}",
-    ("asyncpp/pipeline/executor.py", "evaluate"): "the validation loss (evaluation only)",
+    ("asyncpp/pipeline/parts.py", "evaluation_output"): "the validation loss of the whole head (evaluation only)",
     ("asyncpp/pipeline/vocab_head.py", "evaluate"): "the validation loss of the vocabulary-parallel head (evaluation "
                                                     "only)",
     ("asyncpp/pipeline/reduction.py", "all_reduce_norms"): "the last update norms at a drain (once per segment)",

@@ -1,8 +1,8 @@
 """One pipeline stage's training step at real size, on meta tensors: `dry_run=N dry_run_trace=true`.
 
 The stage is the run's own: the mesh on a fake process group (dryrun.py), `build_rank_stage` on meta, the
-trainer's `PipelineExecutor` (so `build_stage_runtime` builds its engine, and its microbatch forward is the
-run's), the run's optimizer. The engine then executes the stage's schedule for `steps` steps, drained at both
+trainer's `PipelineExecutor`, composed as a run composes it (pipeline/compose.py: `build_stage_runtime` builds its
+engine, and its microbatch forward is the run's), the run's optimizer. The engine then executes the stage's schedule for `steps` steps, drained at both
 ends like one segment of a run: every FORWARD, BACKWARD, UPDATE_START and UPDATE, the drain, then the
 checkpoint state a save would write. A StepTracer (trace.py) watches it: live storage bytes per action, every
 host read with its call site, every collective and p2p op. Nothing is allocated and nothing is sent.
@@ -37,6 +37,7 @@ from asyncpp.config import RunConfig
 from asyncpp.core.masters import compute_dtype_of
 from asyncpp.parallel.mesh import ParallelDims
 from asyncpp.pipeline.build import build_rank_stage, mesh_for
+from asyncpp.pipeline.compose import pipeline_executor
 from asyncpp.pipeline.executor import PipelineExecutor
 from asyncpp.pipeline.memory import STEADY_STEPS
 from asyncpp.pipeline.p2p import StageComm
@@ -334,8 +335,8 @@ def _trace(cfg: RunConfig, model_cfg: ModelConfig, dims, stage, rank, target, bu
     # The GPU's GDN form is the batched one unless FLA passes its check there (unknowable before the GPU is yours).
     kernels = pin_gpu_kernels(built.model, target, dtype, as_gpu, gdn="batched") if as_gpu is not None else {}
     data = TokenSource(cfg, model_cfg.vocab_size, target)
-    executor = PipelineExecutor(cfg, built, mesh, data, lambda model, plan: build_optimizer(model, plan, mesh),
-                                comm_cls=FilledComm)
+    executor = pipeline_executor(cfg, built, mesh, data, lambda model, plan: build_optimizer(model, plan, mesh),
+                                 comm_cls=FilledComm)
     plan = executor.report.memory_plan()
     actions = executor.actions_of(0, steps)
     tracer = tracer_cls(target.type, stand_ins if stand_ins is not None else balanced_stand_ins(cfg, model_cfg, dims),

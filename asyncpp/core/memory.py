@@ -325,7 +325,7 @@ def activation_bytes(cfg: LayerShapes, layers: Iterable[int], *, dtype: torch.dt
     `moe_imbalance`: mean over MoE layers of busiest / mean expert load (1.0 = balanced router).
     `recompute`: the train.recompute mode of every layer of the model (None: none). `head=False`
     (parallel.head=vocab): the last stage's forward ends with the final norm; the head's logits and labels
-    are every stage's, held from S to T (`vocab_head_items`)."""
+    are every stage's, held from S to T (VocabHead.memory_items)."""
     tokens = micro_batch_size * seq_len
     layers = list(layers)
     per_token = sum(recomputed_layer_bytes_per_token(cfg, i, recompute[i] if recompute else "none", dtype, seq_len,
@@ -497,105 +497,6 @@ def _held_after(actions: Sequence[Action], last: bool, recycled_grads: bool = Fa
             most_sets if recycled_grads else len(summing)
 
 
-def vocab_head_items(held: VocabHeld, *, tokens: int, rows: int, hidden: int, num_stages: int,
-                     dtype: torch.dtype) -> list[MemoryItem]:
-    """A stage's buffers of a vocabulary-parallel head (`tokens` = micro_batch_size x seq_len, `rows` its
-    shard) and the scratch of its T (`vocab_backward_scratch_bytes`)."""
-    c = dtype.itemsize
-    per_pass = 4 * tokens * rows + 8 * tokens + 4 * 3 * num_stages * tokens  # logits, labels, gathered stats
-    return [
-        MemoryItem(f"vocab head: fp32 logits [{tokens}, {rows}] + labels + statistics ({held.passes} held S->T)",
-                   held.passes * per_pass, ESTIMATED),
-        MemoryItem(f"vocab head: hidden-state broadcast buffers [{tokens}, {hidden}] {_dtype_name(dtype)} "
-                   f"({held.hidden} held)", held.hidden * c * tokens * hidden, ESTIMATED),
-        MemoryItem(f"vocab head: fp32 partial input gradients [{tokens}, {hidden}] ({held.input_grads} held)",
-                   held.input_grads * 4 * tokens * hidden, ESTIMATED),
-        MemoryItem(f"vocab head: fp32 shard gradient accumulators [{rows}, {hidden}] ({held.accumulators} steps)",
-                   held.accumulators * 4 * rows * hidden, ESTIMATED),
-        MemoryItem("vocab head: T scratch (the cast logits gradient, the GEMMs' copies, the weight gradient)",
-                   vocab_backward_scratch_bytes(tokens=tokens, rows=rows, hidden=hidden, itemsize=c), ESTIMATED),
-        MemoryItem("vocab head: S scratch (the GEMM's logits below fp32)",
-                   vocab_forward_scratch_bytes(tokens=tokens, rows=rows, itemsize=c), ESTIMATED),
-    ]
-
-
-def vocab_forward_scratch_bytes(*, tokens: int, rows: int, itemsize: int) -> int:
-    """What S (pipeline/vocab_head.VocabHead.forward) allocates for a moment above the logits it keeps: below fp32
-    the GEMM's logits in the compute dtype until their fp32 copy exists (c T R); in fp32 the GEMM's output is the
-    kept buffer, and shard_statistics_ exponentiates it in place (only [T]-sized statistics beside it)."""
-    return itemsize * tokens * rows if itemsize < 4 else 0
-
-
-@dataclass(frozen=True)
-class EmbeddingHeld:
-    """The most of each of a sharded embedding's buffers (pipeline/vocab_embedding.VocabEmbedding) a stage holds at once,
-    read off its placed schedule (costmodel.place_embedding_passes: the E and G positions the engine runs)."""
-
-    lookups: int
-    """[mb, seq, h] in the compute dtype: the first stage's summed embeddings from E until its F; a later stage's
-    partials from E until UPDATE(t) retires their reduce (an upper bound: they are freed once complete)."""
-    grads: int
-    """The first stage's broadcast input gradients [mb, seq, h], from its B until UPDATE(t) retires the broadcast
-    (an upper bound, as above); a later stage receives each inside its G (1)."""
-    accumulators: int
-    """Steps whose rows' gradient [rows, h] (fp32) waits to join the step's gradient (at the later of
-    UPDATE_START(t) and the step's last G)."""
-
-
-def embedding_held(actions: Sequence[Action], first: bool) -> EmbeddingHeld:
-    """The peaks of EmbeddingHeld's buffers over one stage's action list, each taken on its own."""
-    lookups: set[tuple[int, int]] = set()
-    grads: set[tuple[int, int]] = set()
-    steps: set[int] = set()
-    started: set[int] = set()
-    last_g = {a.step: i for i, a in enumerate(actions) if a.op is Op.EMBED_BACKWARD}
-    peaks = [0, 0 if first else 1, 0]
-    for i, a in enumerate(actions):
-        key = (a.step, a.microbatch)
-        if a.op is Op.EMBED_FORWARD:
-            lookups.add(key)
-        elif a.op is Op.FORWARD and first:
-            lookups.discard(key)
-        elif a.op is Op.BACKWARD and first:
-            grads.add(key)
-        elif a.op is Op.EMBED_BACKWARD:
-            steps.add(a.step)
-        elif a.op is Op.UPDATE_START:
-            started.add(a.step)
-        elif a.op is Op.UPDATE:
-            lookups = {k for k in lookups if first or k[0] > a.step}
-            grads = {k for k in grads if k[0] > a.step}
-        steps = {t for t in steps if not (t in started and last_g.get(t, -1) <= i)}
-        peaks = [max(peaks[0], len(lookups)), max(peaks[1], len(grads)), max(peaks[2], len(steps))]
-    return EmbeddingHeld(*peaks)
-
-
-def embedding_items(held: EmbeddingHeld, *, tokens: int, rows: int, hidden: int,
-                    dtype: torch.dtype) -> list[MemoryItem]:
-    """A stage's buffers of a sharded embedding (`tokens` = micro_batch_size x seq_len, `rows` its shard) and the
-    scratch of its G (the rows' gradient of one microbatch in the weight's dtype, before it joins the fp32 sum)."""
-    c = dtype.itemsize
-    return [
-        MemoryItem(f"sharded embedding: lookups [{tokens}, {hidden}] {_dtype_name(dtype)} ({held.lookups} held)",
-                   held.lookups * c * tokens * hidden, ESTIMATED),
-        MemoryItem(f"sharded embedding: input gradients [{tokens}, {hidden}] {_dtype_name(dtype)} "
-                   f"({held.grads} held)", held.grads * c * tokens * hidden, ESTIMATED),
-        MemoryItem(f"sharded embedding: fp32 row gradient accumulators [{rows}, {hidden}] "
-                   f"({held.accumulators} steps)", held.accumulators * 4 * rows * hidden, ESTIMATED),
-        MemoryItem(f"sharded embedding: G scratch [{rows}, {hidden}]", c * rows * hidden, ESTIMATED),
-    ]
-
-
-def vocab_backward_scratch_bytes(*, tokens: int, rows: int, hidden: int, itemsize: int) -> int:
-    """What T (pipeline/vocab_head.VocabHead.backward) allocates for a moment above the held logits: the logits'
-    gradient is formed in place in them (logits_gradient(inplace=True)); then below fp32 its cast to the compute
-    dtype and the fp32 copies the partial input gradient's GEMM reads (4 T R + 4 R h), and the shard's weight
-    gradient [R, h] in the compute dtype. The partial input gradient itself is a held buffer."""
-    if itemsize == 4:
-        return 4 * rows * hidden
-    return itemsize * (tokens * rows + rows * hidden) + 4 * (tokens * rows + rows * hidden)
-
-
 # ---- reports -----------------------------------------------------------------------------------
 
 def versions_report(versions, optimizer: AnyOptimizer, *, error_feedback: Sequence[Tensor], activation_bytes_per_mb: int,
@@ -613,7 +514,7 @@ def versions_report(versions, optimizer: AnyOptimizer, *, error_feedback: Sequen
     counted: set[int] = set()
     buffers = [t for version in versions.buffers for t in version]
     dtype = buffers[0].dtype if buffers else torch.float32
-    items = [MemoryItem(f"weight versions ({versions.num_buffers} x {_dtype_name(dtype)})",
+    items = [MemoryItem(f"weight versions ({versions.num_buffers} x {dtype_name(dtype)})",
                         storage_bytes(buffers, counted), ALLOCATED)]
     held = [q for q in versions.masters if q is not None]  # bf16 + distributed optimizer: the owned share
     masters = storage_bytes(held, counted)
@@ -644,8 +545,8 @@ def simulator_report(sim, *, activation_bytes_per_mb: int, title: str) -> Memory
     history = [t for version in sim.history for t in version]
     past_bytes = storage_bytes(history, counted) if len(sim.history) == past else _numel_bytes(sim.params) * past
     items = [
-        MemoryItem(f"weights ({_dtype_name(dtype)})", params_bytes, ALLOCATED),
-        MemoryItem(f"past versions ({past} x {_dtype_name(dtype)})", past_bytes,
+        MemoryItem(f"weights ({dtype_name(dtype)})", params_bytes, ALLOCATED),
+        MemoryItem(f"past versions ({past} x {dtype_name(dtype)})", past_bytes,
                    ALLOCATED if len(sim.history) == past else ESTIMATED),
         MemoryItem("fp32 master weights" + ("" if sim.mixed else " (are the weights)"),
                    storage_bytes(sim.masters, counted), ALLOCATED),
@@ -680,7 +581,7 @@ def _phase_note(phase: str) -> str:
     return f"; {phase} only" if phase else ""
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 

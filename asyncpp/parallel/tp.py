@@ -286,11 +286,11 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, group: Group |
                                  ignore_index: int = -100, vocab_start: int | None = None) -> Tensor:
     """logits [B, T, V/tp] (this rank's vocabulary chunk, rank order), targets [B, T] full-vocabulary
     ids -> scalar mean loss, equal to F.cross_entropy(full logits.float(), targets) up to reduction
-    order, with the matching gradient for this rank's chunk. Plain fp32 cross entropy with one rank.
-    vocab_start: the first vocabulary id of this rank's chunk when the chunks are not equal (default:
-    rank x width, TP's equal chunks)."""
+    order, with the matching gradient for this rank's chunk. `group`: two or more ranks (one rank's logits are
+    whole: asyncpp.core.loss.cross_entropy, which core.loss.logits_loss_for picks then). vocab_start: the first
+    vocabulary id of this rank's chunk when the chunks are not equal (default: rank x width, TP's equal chunks)."""
     if group_size(group) == 1:
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                               ignore_index=ignore_index)
+        raise ValueError("vocab_parallel_cross_entropy: the group has one rank, whose logits are whole; use "
+                         "asyncpp.core.loss.cross_entropy (core.loss.logits_loss_for chooses between them)")
     start = group_rank(group) * logits.shape[-1] if vocab_start is None else vocab_start
     return _VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index, start)

@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from asyncpp.config import RunConfig
 from asyncpp.core.layout import Layout
-from asyncpp.core.loss import cross_entropy, logits_loss_for
+from asyncpp.core.loss import LogitsLoss, cross_entropy, logits_loss_for
 from asyncpp.core.partition import stage_split
 from asyncpp.core.recompute import apply_recompute, modes_per_layer
 from asyncpp.parallel.mesh import Mesh
@@ -31,8 +31,6 @@ from model_zoo.init import ParamSlice
 from model_zoo.parallelize import apply_tensor_parallel
 from model_zoo.transformer import materialize
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
-
 
 @dataclass
 class BuiltStage:
@@ -42,7 +40,7 @@ class BuiltStage:
     spec: StageSpec
     sharding: ShardingPlan
     """The TP/EP layout of every sharded parameter ({} without TP/EP)."""
-    loss_fn: LossFn
+    loss_fn: LogitsLoss
     """The loss for the last stage's logits (vocabulary-parallel cross entropy when the head is sharded)."""
 
 
@@ -83,7 +81,7 @@ def param_slice(name: str, local_shape: torch.Size, layout: ParamSharding, at: S
     return ParamSlice(name, tuple(shape), tuple(offsets))
 
 
-Parallelize = Callable[[nn.Module], tuple[ShardingPlan, LossFn]]
+Parallelize = Callable[[nn.Module], tuple[ShardingPlan, LogitsLoss]]
 
 
 def build_stage(model_cfg: ModelConfig, spec: StageSpec, device: torch.device | str, seed: int,
@@ -110,7 +108,7 @@ def tp_ep_plan(mesh, sequence_parallel: bool = False) -> Parallelize | None:
     if dims.tp == 1 and dims.ep == 1:
         return None
 
-    def apply(stage: nn.Module) -> tuple[ShardingPlan, LossFn]:
+    def apply(stage: nn.Module) -> tuple[ShardingPlan, LogitsLoss]:
         plan = apply_tensor_parallel(stage, mesh.tp_group if dims.tp > 1 else None,
                                      ep_group=mesh.ep_group if dims.ep > 1 else None,
                                      sequence_parallel=sequence_parallel and dims.tp > 1)

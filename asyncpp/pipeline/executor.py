@@ -1,7 +1,7 @@
 """The multi-process training loop: one pipeline stage per rank, under torchrun.
 
-Wiring only: the stage's part of the model (stage.py), its weight versions (weights.py), the
-schedule (schedules/), the engine that executes it (engine.py). The run is cut into segments at
+It steps and evaluates a stage composed elsewhere (compose.py: the plan, the engine that executes the schedule,
+what the stage reads). The run is cut into segments at
 evaluation points; between segments every stage has drained (a 2BW pipeline drains only there),
 so evaluation runs a plain forward-only pass on the newest weights x_{t+1}, the same weights the
 single-process simulator evaluates.
@@ -12,31 +12,27 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from asyncpp.config import RunConfig
-from asyncpp.core.batches import BatchPlan
-from asyncpp.core.records import DataSource, PipelineBubble, StepResult
-from asyncpp.core.transfer import to_device
+from asyncpp.core.records import PipelineBubble, StepResult
 from asyncpp.core.vocab_split import VocabSplit, vocab_pipeline
 from asyncpp.parallel.mesh import Mesh
-from asyncpp.parallel.sharding import layout_of
-from asyncpp.parallel.tp import enter_region
 from asyncpp.pipeline.bubble import BubbleGather
 from asyncpp.pipeline.build import BuiltStage
-from asyncpp.pipeline.p2p import StageComm, naming_the_peer
-from asyncpp.pipeline.parts import StagePart
-from asyncpp.pipeline.plan import StagePlan, build_stage_runtime
+from asyncpp.pipeline.engine import StageEngine
+from asyncpp.pipeline.p2p import naming_the_peer
+from asyncpp.pipeline.plan import StagePlan
 from asyncpp.pipeline.report import StageReport
-from asyncpp.pipeline.stage import stage_forward, tied_parameters
+from asyncpp.pipeline.stage import StageForward
+from asyncpp.pipeline.stage_data import StageData
 from asyncpp.pipeline.state import StageCheckpoint
 from asyncpp.pipeline.stopping import ActionStream, StopAgreement, stop_lookahead
 from asyncpp.pipeline.update import StepRecord
-from asyncpp.pipeline.vocab_embedding import VocabEmbedding
-from asyncpp.pipeline.vocab_head import VocabHead
 from asyncpp.schedules.actions import MICROBATCH_OPS, Action, Op
 from asyncpp.schedules.build import build_schedule
 from asyncpp.schedules.costmodel import VocabPlacement
@@ -65,120 +61,77 @@ def segment_actions(kind: str, stage: int, P: int, m: int, delays: Sequence[int]
     return out
 
 
+@dataclass(frozen=True)
+class Cadence:
+    """When the trainer logs and evaluates: the executor posts the bubble's gather on the steps whose log line reads
+    it (a pure function of the step and the segment, so every rank posts the same collectives)."""
+
+    steps: int
+    eval_every: int
+    eval_batches: int
+    log_every: int
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> Cadence:
+        t = cfg.train
+        return cls(steps=t.steps, eval_every=t.eval_every, eval_batches=t.eval_batches, log_every=cfg.logging.log_every)
+
+
 class PipelineExecutor:
-    """One pipeline stage on this rank, behind the trainer's executor protocol (asyncpp/train/trainer.py)."""
+    """One pipeline stage on this rank, behind the trainer's executor protocol (asyncpp/train/trainer.py): it steps
+    and evaluates what it is given (compose.pipeline_executor builds it)."""
 
     stops_at_any_step = False
     """A stop ends a segment at the step every rank agrees on (steps(), stopping.py), not after any step."""
 
-    def __init__(self, cfg: RunConfig, stage: BuiltStage, mesh: Mesh, data: DataSource, build_optimizer,
-                 comm_cls: type[StageComm] = StageComm, parts: Sequence[StagePart] = (),
-                 process_baseline_bytes: int | None = None):
-        """`stage` is this rank's built part of the model (asyncpp/pipeline/build.py: pruned, sharded,
-        initialized); `build_optimizer(stage_model, sharding_plan)` builds the stage's optimizer; `comm_cls` the
-        stage links (a test stages them through host memory: tests/gpu/workers.py); `parts` more parts the stage
-        runs (parts.py: their actions are in `actions_of`'s lists); `process_baseline_bytes` the process's RSS
-        before the build (what the memory plan does not count), for the summary."""
-        self.cfg, self.mesh, self.data = cfg, mesh, data
+    def __init__(self, plan: StagePlan, stage: BuiltStage, mesh: Mesh, engine: StageEngine, data: StageData,
+                 forward: StageForward, cadence: Cadence, report: StageReport, checkpoint: StageCheckpoint):
+        """`plan` is the stage's resolved plan and `engine` the runtime built from it (plan.build_stage_runtime),
+        running `forward` on `stage` (this rank's built part of the model: pipeline/build.py); `data` what the
+        stage reads; `report` and `checkpoint` its summary and its checkpoints."""
+        self.plan, self.mesh, self.engine, self.data, self.forward = plan, mesh, engine, data, forward
+        self.cadence, self.report, self.checkpoint = cadence, report, checkpoint
+        self.spec, self.model, self.sharding = stage.spec, stage.model, stage.sharding
+        self.batches = data.batches
         self.is_writer = mesh.is_writer
         self.decides_time = mesh.rank == 0  # rank 0's clock decides timed checkpoints (CheckpointClock)
         self._started: float | None = None  # set when the first segment starts (the timeline's origin)
         self._last_end = math.nan  # when the last stage finished the previous logged step's backward
         self._last_loss = math.nan  # the last logged step's loss (last stage; nan elsewhere)
-        self.spec, self.model, self.sharding, self.loss_fn = stage.spec, stage.model, stage.sharding, stage.loss_fn
-        self.batches = BatchPlan.of(cfg, mesh.dims.dp)
         self.m = self.batches.microbatches(0)  # of the running segment: steps() sets it (a batch rampup changes it)
-        self.stop_lookahead = stop_lookahead(cfg.schedule.name, mesh.num_stages)
+        self.stop_lookahead = stop_lookahead(plan.schedule, plan.num_stages)
         self._agreement: StopAgreement | None = None  # created by the first segment, on every rank
         self._bubbles: BubbleGather | None = None  # on the agreement's group, created with it
-        self.plan = StagePlan.of(cfg, self.model.config, self.spec, mesh.dims)
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        self.engine = build_stage_runtime(
-            self.plan, self.spec, self.model, mesh, build_optimizer(self.model, self.sharding), self._forward,
-            grad_scale=1.0 / self.m, layouts=[layout_of(self.sharding, n) for n, _ in named],
-            tied=tied_parameters(self.model, self.spec),
-            head_labels=self._labels,
-            embed_inputs=self._inputs, comm_cls=comm_cls, extra_parts=parts)
-        self.report = StageReport(cfg, self.model.config, mesh, self.spec, self.engine, self._naming,
-                                  process_baseline_bytes)
-        self.checkpoint = StageCheckpoint(cfg, mesh, self.spec, self.model, self.engine, data, self.batches,
-                                          self._naming)
-
-    def _tokens(self, step: int, microbatch: int) -> Tensor:
-        """The global microbatch index of the plan: DP=2 with m equals DP=1 with 2m (asyncpp/core/batches.py)."""
-        index = self.batches.microbatch_index(step, self.mesh.dp_rank, microbatch)
-        return to_device(self.data.train_microbatch(index), self.mesh.device)  # CUDA: pinned, no host sync
-
-    def _forward(self, step: int, microbatch: int, x: Tensor | None) -> Tensor:
-        # The last stage reads the labels here unless a vocabulary-parallel head reads them at S (`_labels`); the
-        # first stage its tokens unless a sharded embedding looked them up at E (x is then their embedding).
-        embedded = self.spec.embed is not None
-        reads = (self.spec.is_first and not embedded) or (self.spec.is_last and self.spec.vocab is None)
-        tokens = self._tokens(step, microbatch) if reads else None
-        if self.spec.vocab is not None and self.spec.is_last:  # the normed hidden states: the head is every stage's
-            return self._head_input(stage_forward(self.model, self.spec, x, head=False))  # P >= 2: never first
-        out = stage_forward(self.model, self.spec, tokens[:, :-1] if self.spec.is_first and not embedded else x)
-        if not self.spec.is_last:
-            return out
-        return self.loss_fn(out, tokens[:, 1:])
-
-    def _head_input(self, h: Tensor) -> Tensor:
-        """The last stage's final norm, entering the head's TP region as the TP head does (tp.enter_region: under
-        sequence parallelism the all-gather of the sequence, whose backward sums the TP ranks' partial input
-        gradients; else a copy whose backward all-reduces them)."""
-        d = self.mesh.dims
-        normed = self.model.norm(h)
-        return enter_region(normed, self.mesh.tp_group, self.cfg.parallel.sequence_parallel) if d.tp > 1 else normed
-
-    def _inputs(self, step: int, microbatch: int) -> Tensor:
-        """The input token ids of (step, microbatch): every stage's rows of a sharded embedding look them up."""
-        return self._tokens(step, microbatch)[:, :-1]
-
-    def _labels(self, step: int, microbatch: int) -> Tensor:
-        """The next-token ids of (step, microbatch): every stage's rows of a vocabulary-parallel head need them."""
-        return self._tokens(step, microbatch)[:, 1:]
 
     @torch.no_grad()
-    def evaluate(self, batches: list[Tensor]) -> float:
-        """Forward-only pass through the drained pipeline on the newest weights (last stage's value)."""
-        self.engine.versions.use(self.engine.versions.newest)
-        comm, total = self.engine.comm, 0.0
-        receives = not self.spec.is_first
-        if receives and batches:
-            comm.post_recv_forward()
-        vocab, embedding = self.engine.part(VocabHead), self.engine.part(VocabEmbedding)
+    def evaluate(self, batches: list[Tensor | None]) -> float:
+        """Forward-only pass through the drained pipeline on the newest weights (last stage's value). Each batch
+        runs through the stage's pieces in parts.py's evaluation order, the same collectives on every stage."""
+        engine = self.engine
+        engine.versions.use(engine.versions.newest)
+        total = 0.0
+        if batches:
+            engine.entry.post_evaluation_input()
         for i, b in enumerate(batches):
-            b = to_device(b, self.mesh.device) if b is not None else None
-            if receives and i + 1 < len(batches):
-                comm.post_recv_forward()  # one batch ahead: the next activation lands while this one computes
-            embedded = embedding.evaluate(b[:, :-1]) if embedding is not None else None  # every stage's part
-            if self.spec.is_first:
-                x = embedded if embedding is not None else b[:, :-1]
-            else:
-                x = comm.recv_forward("a validation activation")
-            out = stage_forward(self.model, self.spec, x, head=vocab is None)
-            if vocab is not None:  # every stage joins the head's pass of the batch (its labels: val_batches)
-                if not self.spec.is_last:
-                    comm.send_forward(out)
-                hidden = self._head_input(out) if self.spec.is_last else None
-                loss = vocab.evaluate(hidden, b[:, 1:])
-                total += loss if self.spec.is_last else 0.0
-            elif self.spec.is_last:
-                total += self.loss_fn(out, b[:, 1:]).item()
-            else:
-                comm.send_forward(out)
-        comm.flush()
+            inputs, labels = self.data.evaluation_batch(b)
+            if i + 1 < len(batches):
+                engine.entry.post_evaluation_input()  # one batch ahead: the next activation lands while this computes
+            for part in engine.parts:
+                part.evaluate_before(inputs)
+            out = self.forward.through(engine.entry.evaluation_input(inputs), labels)
+            losses = [engine.exit.evaluation_output(out)]
+            losses += [part.evaluate_after(labels) for part in engine.parts]
+            total += sum(loss for loss in losses if loss is not None)
+        engine.comm.flush()
         return total / len(batches)
 
     # ---- the trainer's executor protocol (asyncpp/train/trainer.py) ------------------------------------
     def val_batches(self) -> list:
-        """Middle stages only relay activations: they need the number of validation batches, not the data."""
-        t = self.cfg.train
-        needs_data = self.spec.is_first or self.spec.is_last or self.spec.vocab is not None  # a head shard: labels
-        val = self.data.val_batches() if needs_data else [None] * t.eval_batches
-        if len(val) != t.eval_batches:  # every stage must relay the same count
-            raise ValueError(f"the data source gave {len(val)} validation batches, train.eval_batches={t.eval_batches}")
-        return val
+        """A stage none of whose pieces reads the tokens only relays activations: it needs the number of validation
+        batches, not the data."""
+        engine = self.engine
+        reads = any(piece.reads_batches for piece in (engine.entry, engine.exit, *engine.parts))
+        return self.data.val_batches(self.cadence.eval_batches, reads)
 
     def steps(self, t0: int, t1: int, stop: StopFlag | None = None,
               clock: CheckpointClock | None = None) -> Iterator[StepResult]:
@@ -192,7 +145,7 @@ class PipelineExecutor:
             with self._naming("every rank's first step (the start barrier)"):
                 dist.barrier()  # a common time origin for every stage's timeline (same-host clocks)
             self._started = self._last_end = self.engine.timer.restart()
-            self._agreement = StopAgreement(self.cfg.train.timeout_s)  # collective: same point on every rank
+            self._agreement = StopAgreement(self.plan.timeout_s)  # collective: same point on every rank
             self._bubbles = BubbleGather(self._agreement.group, self.mesh.rank, dist.get_world_size(),
                                          keep=self.is_writer)
         self._start_segment(t0, t1)
@@ -245,9 +198,9 @@ class PipelineExecutor:
 
     def actions_of(self, t0: int, t1: int) -> list[Action]:
         """This stage's actions for steps [t0, t1) as one stream (segment_actions with the plan's delays, head and m)."""
-        vocab = (self.plan.vocab, self.plan.vocab_placement) if self.plan.vocab is not None else None
-        return segment_actions(self.cfg.schedule.name, self.spec.stage, self.mesh.num_stages, self.m,
-                               self.plan.delays, t0, t1, vocab=vocab)
+        plan = self.plan
+        vocab = (plan.vocab, plan.vocab_placement) if plan.vocab is not None else None
+        return segment_actions(plan.schedule, plan.stage, plan.num_stages, self.m, plan.delays, t0, t1, vocab=vocab)
 
     def _ready(self, todo: list[int], drained: bool = False) -> Iterator[StepResult]:
         """The results of the steps at the head of `todo` that are complete, in order. Collective over the
@@ -262,8 +215,7 @@ class PipelineExecutor:
                 end = self.engine.timer.end_of(Op.BACKWARD, step)
                 dt, self._last_end = end - self._last_end, end
             self._last_loss = loss
-            tokens = self.batches.global_batch(step) * self.cfg.train.seq_len
-            yield StepResult(step, loss, rec.grad_norm, rec.update_norm, rec.lr, rec.skipped, tokens,
+            yield StepResult(step, loss, rec.grad_norm, rec.update_norm, rec.lr, rec.skipped, self.data.tokens_in(step),
                              dt, rec.router_loads)
 
     def position(self) -> tuple[int | None, str]:
@@ -284,14 +236,14 @@ class PipelineExecutor:
 
     def _naming(self, what: str):
         """A blocking collective over every rank whose raw backend error (a dead peer) names this stage."""
-        return naming_the_peer(self.mesh, what, self.cfg.train.timeout_s)
+        return naming_the_peer(self.mesh, what, self.plan.timeout_s)
 
     def _logs_line(self, step: int, t1: int) -> bool:
         """Whether the trainer writes a log line at `step` (it reads the bubble then): every logging.log_every
         steps, the run's last, and an evaluation (at the end of the segment [t0, t1)). A pure function of the
         step and the segment, so every rank posts the same bubble all-reduces."""
-        t = self.cfg.train
-        return line_due(step, t.steps, self.cfg.logging.log_every, evaluates_after(step + 1, t1, t.eval_every, t.steps))
+        c = self.cadence
+        return line_due(step, c.steps, c.log_every, evaluates_after(step + 1, t1, c.eval_every, c.steps))
 
     def running_bubble(self, step: int) -> PipelineBubble | None:
         """The pipeline's idle share so far, as every rank's timer saw it at UPDATE(step) (bubble.py: gathered

@@ -18,12 +18,9 @@ from asyncpp.core.memory import (
     action_loads,
     activation_bytes,
     backward_scratch_bytes,
-    embedding_held,
-    embedding_items,
     error_feedback_scratch_bytes,
     stage_actions,
     versions_report,
-    vocab_head_items,
     vocab_held,
 )
 from asyncpp.core.partition import stage_split
@@ -32,6 +29,8 @@ from asyncpp.core.vocab_split import vocab_pipeline
 from asyncpp.optim.build import AnyOptimizer
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.pipeline.stage import StageSpec
+from asyncpp.pipeline.vocab_embedding import VocabEmbedding
+from asyncpp.pipeline.vocab_head import VocabHead
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.invariants import peak_in_flight
 from asyncpp.schedules.registry import kind_of
@@ -74,14 +73,14 @@ def stage_memory(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh, spec: Stage
         actions = vocab_actions(cfg, model_cfg, spec.stage, mesh.num_stages)
 
         def vocab_items(held):
-            return vocab_head_items(held, tokens=tokens, rows=spec.vocab.rows, hidden=model_cfg.hidden_size,
-                                    num_stages=mesh.num_stages, dtype=dtype)
+            return VocabHead.memory_items(held, tokens=tokens, rows=spec.vocab.rows, hidden=model_cfg.hidden_size,
+                                          num_stages=mesh.num_stages, dtype=dtype)
 
         extra = [dataclasses.replace(i, phase=FORWARD_BACKWARD)
                  for i in vocab_items(vocab_held(actions, spec.is_last))]
         if spec.embed is not None:  # its E and G buffers, read off the same placed schedule
-            embedding = embedding_items(embedding_held(actions, spec.is_first), tokens=tokens, rows=spec.embed.rows,
-                                        hidden=model_cfg.hidden_size, dtype=dtype)
+            embedding = VocabEmbedding.memory_items(actions, first=spec.is_first, tokens=tokens, rows=spec.embed.rows,
+                                                    hidden=model_cfg.hidden_size, dtype=dtype)
             extra += [dataclasses.replace(i, phase=FORWARD_BACKWARD) for i in embedding]
             embedding_bytes = sum(i.nbytes for i in embedding)  # not walked per action: every action, at its peaks
     else:
@@ -113,7 +112,7 @@ def action_peaks(loads: list[ActionLoad], per_microbatch: int, per_grad_set: int
                  vocab_items=None, embedding_bytes: int = 0) -> list[ActionPeak]:
     """The largest share above the held items of each kind of action in the stage's list (core/memory.action_loads):
     its gradient sets and microbatches' activations, the vocabulary head's buffers while it runs
-    (`vocab_items(held)`: core/memory.vocab_head_items, whose S and T scratch count only in S and T), and its own
+    (`vocab_items(held)`: VocabHead.memory_items, whose S and T scratch count only in S and T), and its own
     scratch (`scratch_of`: the loss backward's, the update's). A sharded embedding's buffers (parallel.embedding=vocab,
     `embedding_bytes`) are not walked action by action yet: each action counts all of them at their peaks."""
     best: dict[Op, ActionPeak] = {}

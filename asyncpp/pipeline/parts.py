@@ -16,6 +16,11 @@ start (`add_into`: at UPDATE_START(t), or once the step's last `gradient_op` has
 
 The whole head and the whole embedding are parts too (with nothing to run), so the engine has no "no part" branch:
 it loops over what it was built with.
+
+An evaluation batch (forward only, on a drained pipeline: executor.PipelineExecutor.evaluate) runs through the same
+pieces in this order, on every stage: each part's `evaluate_before` (a sharded embedding's lookup and its reduce),
+the entry's `evaluation_input`, the layers, the exit's `evaluation_output`, then each part's `evaluate_after` (a
+vocabulary-parallel head's broadcast and loss).
 """
 
 from __future__ import annotations
@@ -69,6 +74,16 @@ class StagePart(Protocol):
     def flush(self) -> None:
         """At a drain: everything posted has been used; what is held completes."""
 
+    reads_batches: bool
+    """An evaluation needs the validation batches' tokens on this stage (a stage none of whose pieces does only
+    relays activations)."""
+
+    def evaluate_before(self, inputs: Tensor | None) -> None:
+        """An evaluation batch's input ids, before the stage's layers run it."""
+
+    def evaluate_after(self, labels: Tensor | None) -> float | None:
+        """After the stage's layers and its exit ran the batch: its loss when this part reports it."""
+
 
 class StageEntry(Protocol):
     """What gives the stage's layers their input, and takes its gradient back."""
@@ -81,6 +96,12 @@ class StageEntry(Protocol):
 
     def send_input_grad(self, a: Action, x: Tensor | None) -> Tensor | None:
         """After BACKWARD `a`: pass the input's gradient on; returns it (None without an input)."""
+
+    def post_evaluation_input(self) -> None:
+        """One evaluation batch ahead: post the receive of its input."""
+
+    def evaluation_input(self, inputs: Tensor | None) -> Tensor:
+        """An evaluation batch's input to the layers (the token ids themselves on a first stage that embeds them)."""
 
 
 class StageExit(Protocol):
@@ -97,11 +118,15 @@ class StageExit(Protocol):
     def output_grad(self, a: Action) -> Tensor | None:
         """BACKWARD `a`'s output gradient (None: `out` is the scalar loss)."""
 
+    def evaluation_output(self, out: Tensor) -> float | None:
+        """After the layers ran an evaluation batch: pass `out` on; returns the batch's loss when it is this end's."""
+
 
 class Part:
     """A part with nothing of its own: the defaults of every StagePart method."""
 
     gradient_op: Op | None = None
+    reads_batches = False
 
     def actions(self) -> Mapping[Op, PartAction]:
         return {}
@@ -118,9 +143,17 @@ class Part:
     def flush(self) -> None:
         pass
 
+    def evaluate_before(self, inputs: Tensor | None) -> None:
+        pass
+
+    def evaluate_after(self, labels: Tensor | None) -> float | None:
+        return None
+
 
 class WholeEmbedding(Part):
     """The first stage's entry when it holds the whole embedding: its layers look the tokens up (no input)."""
+
+    reads_batches = True
 
     def post_input(self, a: Action) -> None:
         pass
@@ -131,9 +164,17 @@ class WholeEmbedding(Part):
     def send_input_grad(self, a: Action, x: Tensor | None) -> None:
         return None
 
+    def post_evaluation_input(self) -> None:
+        pass
+
+    def evaluation_input(self, inputs: Tensor) -> Tensor:
+        return inputs
+
 
 class WholeHead(Part):
     """The last stage's exit when it holds the whole head: its forward ends with the microbatch's scalar loss."""
+
+    reads_batches = True
 
     def post_output_grad(self, a: Action) -> None:
         pass
@@ -144,9 +185,14 @@ class WholeHead(Part):
     def output_grad(self, a: Action) -> None:
         return None
 
+    def evaluation_output(self, out: Tensor) -> float:
+        return out.item()
+
 
 class UpstreamLink:
     """The entry of a stage past the first: the activation from stage s-1, its gradient sent back."""
+
+    reads_batches = False
 
     def __init__(self, comm: StageComm):
         self.comm = comm
@@ -163,9 +209,17 @@ class UpstreamLink:
         self.comm.release(x)  # the graph that read it is gone; its .grad is in the send's hands
         return sent
 
+    def post_evaluation_input(self) -> None:
+        self.comm.post_recv_forward()
+
+    def evaluation_input(self, inputs: Tensor | None) -> Tensor:
+        return self.comm.recv_forward("a validation activation")
+
 
 class DownstreamLink:
     """The exit of a stage before the last: the activation to stage s+1, its gradient received back."""
+
+    reads_batches = False
 
     def __init__(self, comm: StageComm):
         self.comm = comm
@@ -178,6 +232,9 @@ class DownstreamLink:
 
     def output_grad(self, a: Action) -> Tensor:
         return self.comm.recv_backward(f"the output gradient of {a}")
+
+    def evaluation_output(self, out: Tensor) -> None:
+        self.comm.send_forward(out)
 
 
 class HeldCollectives:

@@ -6,8 +6,8 @@ activation shape on its links, the head placement, the timeout and the update's 
 turns a plan, a built stage module and its optimizer into the engine that runs it: the weight versions, the
 links (`comm_cls`, injectable), the head split's ends, the router-bias versions and the engine itself.
 
-Three callers build a stage, and all go through here so they cannot drift apart: the trainer's executor
-(executor.py, from a RunConfig), the Megatron front-end (megatron.py, from its keyword arguments) and the dry
+Three callers build a stage, and all go through here so they cannot drift apart: a trainer run's composition
+(compose.py, from a RunConfig), the Megatron front-end (megatron.py, from its keyword arguments) and the dry
 run (asyncpp/analysis/dryrun.py, on meta tensors: it asks the plan how many versions the run allocates).
 """
 

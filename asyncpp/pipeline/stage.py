@@ -12,8 +12,12 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
+from asyncpp.core.loss import LogitsLoss
 from asyncpp.core.partition import stage_layer_ranges
+from asyncpp.parallel.mesh import Mesh
+from asyncpp.parallel.tp import enter_region
 from asyncpp.parallel.vocab_parallel import VocabShard, split_for_tp
+from asyncpp.pipeline.stage_data import StageData
 
 
 class StageSpec:
@@ -84,6 +88,43 @@ def stage_forward(model: nn.Module, spec: StageSpec, x: Tensor, head: bool = Tru
     for i in spec.layers:
         h = model.layers[i](h)
     return model.head(h) if spec.is_last and head else h
+
+
+class StageForward:
+    """The stage's layers between its two ends (parts.py), for a trainer run: the engine's ForwardFn (a microbatch
+    of the plan, its tokens read where the layers read them) and the same pass on an evaluation batch. It returns
+    what the stage's exit takes: the activation, the whole head's loss on the last stage, or, under a
+    vocabulary-parallel head, the last stage's normed hidden states."""
+
+    def __init__(self, model: nn.Module, spec: StageSpec, loss_fn: LogitsLoss, mesh: Mesh, sequence_parallel: bool,
+                 data: StageData):
+        self.model, self.spec, self.loss_fn, self.mesh, self.data = model, spec, loss_fn, mesh, data
+        self.sequence_parallel = sequence_parallel
+
+    def __call__(self, step: int, microbatch: int, x: Tensor | None) -> Tensor:
+        # The last stage reads the labels here unless a vocabulary-parallel head reads them at S; the first stage its
+        # tokens unless a sharded embedding looked them up at E (x is then their embedding).
+        spec = self.spec
+        own_tokens = spec.is_first and spec.embed is None
+        reads = own_tokens or (spec.is_last and spec.vocab is None)
+        tokens = self.data.tokens(step, microbatch) if reads else None
+        return self.through(tokens[:, :-1] if own_tokens else x, tokens[:, 1:] if tokens is not None else None)
+
+    def through(self, x: Tensor, labels: Tensor | None) -> Tensor:
+        """x (the token ids on a first stage with the whole embedding) through the stage's layers."""
+        if self.spec.vocab is not None and self.spec.is_last:  # the head is every stage's; P >= 2: never first
+            return self.head_input(stage_forward(self.model, self.spec, x, head=False))
+        out = stage_forward(self.model, self.spec, x)
+        return self.loss_fn(out, labels) if self.spec.is_last else out
+
+    def head_input(self, h: Tensor) -> Tensor:
+        """The last stage's final norm, entering the head's TP region as the TP head does (tp.enter_region: under
+        sequence parallelism the all-gather of the sequence, whose backward sums the TP ranks' partial input
+        gradients; else a copy whose backward all-reduces them)."""
+        normed = self.model.norm(h)
+        if self.mesh.dims.tp == 1:
+            return normed
+        return enter_region(normed, self.mesh.tp_group, self.sequence_parallel)
 
 
 def vocab_rows(model: nn.Module, spec: StageSpec) -> tuple[nn.Parameter, int]:

@@ -4,16 +4,62 @@ asyncpp/core/vocab_split.py; the schedule's E and G actions: asyncpp/schedules/a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from asyncpp.core.memory import ESTIMATED, MemoryItem, dtype_name
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.vocab_parallel import VocabShard, embedding_partial
 from asyncpp.pipeline.parts import HeldCollectives, Part, PartAction, Wait
 from asyncpp.schedules.actions import Action, Op
+
+
+@dataclass(frozen=True)
+class EmbeddingHeld:
+    """The most of each of a sharded embedding's buffers (VocabEmbedding) a stage holds at once,
+    read off its placed schedule (costmodel.place_embedding_passes: the E and G positions the engine runs)."""
+
+    lookups: int
+    """[mb, seq, h] in the compute dtype: the first stage's summed embeddings from E until its F; a later stage's
+    partials from E until UPDATE(t) retires their reduce (an upper bound: they are freed once complete)."""
+    grads: int
+    """The first stage's broadcast input gradients [mb, seq, h], from its B until UPDATE(t) retires the broadcast
+    (an upper bound, as above); a later stage receives each inside its G (1)."""
+    accumulators: int
+    """Steps whose rows' gradient [rows, h] (fp32) waits to join the step's gradient (at the later of
+    UPDATE_START(t) and the step's last G)."""
+
+
+def embedding_held(actions: Sequence[Action], first: bool) -> EmbeddingHeld:
+    """The peaks of EmbeddingHeld's buffers over one stage's action list, each taken on its own."""
+    lookups: set[tuple[int, int]] = set()
+    grads: set[tuple[int, int]] = set()
+    steps: set[int] = set()
+    started: set[int] = set()
+    last_g = {a.step: i for i, a in enumerate(actions) if a.op is Op.EMBED_BACKWARD}
+    peaks = [0, 0 if first else 1, 0]
+    for i, a in enumerate(actions):
+        key = (a.step, a.microbatch)
+        if a.op is Op.EMBED_FORWARD:
+            lookups.add(key)
+        elif a.op is Op.FORWARD and first:
+            lookups.discard(key)
+        elif a.op is Op.BACKWARD and first:
+            grads.add(key)
+        elif a.op is Op.EMBED_BACKWARD:
+            steps.add(a.step)
+        elif a.op is Op.UPDATE_START:
+            started.add(a.step)
+        elif a.op is Op.UPDATE:
+            lookups = {k for k in lookups if first or k[0] > a.step}
+            grads = {k for k in grads if k[0] > a.step}
+        steps = {t for t in steps if not (t in started and last_g.get(t, -1) <= i)}
+        peaks = [max(peaks[0], len(lookups)), max(peaks[1], len(grads)), max(peaks[2], len(steps))]
+    return EmbeddingHeld(*peaks)
 
 
 class VocabEmbedding(Part):
@@ -39,6 +85,7 @@ class VocabEmbedding(Part):
     stage's entry (parts.StageEntry)."""
 
     gradient_op = Op.EMBED_BACKWARD
+    reads_batches = True  # every stage's rows look the input ids up
 
     def __init__(self, mesh: Mesh, shard: VocabShard, param: nn.Parameter, inputs: Callable[[int, int], Tensor],
                  wait: Wait):
@@ -58,6 +105,26 @@ class VocabEmbedding(Part):
         self._held = HeldCollectives(wait, "the sharded embedding's collectives")  # retired at UPDATE(step)
         self._acc: dict[int, Tensor] = {}  # step -> the sum of its G's row gradients (fp32)
         self.lookups = self.gradients = 0  # E and G passes run: what the tests read
+        self._eval_input: Tensor | None = None  # the first stage's summed embedding of the evaluation batch running
+
+    @classmethod
+    def memory_items(cls, actions: Sequence[Action], *, first: bool, tokens: int, rows: int, hidden: int,
+                     dtype: torch.dtype) -> list[MemoryItem]:
+        """A stage's buffers of a sharded embedding at their peaks over its placed schedule `actions` (the memory
+        plan and the dry run ask without an engine; `first`: the first stage), `tokens` = micro_batch_size x seq_len
+        and `rows` its shard, and the scratch of its G (the rows' gradient of one microbatch in the weight's dtype,
+        before it joins the fp32 sum)."""
+        held = embedding_held(actions, first)
+        c = dtype.itemsize
+        return [
+            MemoryItem(f"sharded embedding: lookups [{tokens}, {hidden}] {dtype_name(dtype)} ({held.lookups} held)",
+                       held.lookups * c * tokens * hidden, ESTIMATED),
+            MemoryItem(f"sharded embedding: input gradients [{tokens}, {hidden}] {dtype_name(dtype)} "
+                       f"({held.grads} held)", held.grads * c * tokens * hidden, ESTIMATED),
+            MemoryItem(f"sharded embedding: fp32 row gradient accumulators [{rows}, {hidden}] "
+                       f"({held.accumulators} steps)", held.accumulators * 4 * rows * hidden, ESTIMATED),
+            MemoryItem(f"sharded embedding: G scratch [{rows}, {hidden}]", c * rows * hidden, ESTIMATED),
+        ]
 
     # ---- the StagePart (parts.py): E and G through the engine's table --------------------------------------
     def actions(self) -> dict[Op, PartAction]:
@@ -148,6 +215,17 @@ class VocabEmbedding(Part):
         self._held.flush()
 
     # ---- evaluation (forward only, blocking) ---------------------------------------------------------------
+    def evaluate_before(self, inputs: Tensor) -> None:
+        """Every stage's part of the batch's lookup, reduced onto the first stage before its layers run."""
+        self._eval_input = self.evaluate(inputs)
+
+    def post_evaluation_input(self) -> None:
+        pass  # the reduce is posted by every stage's evaluate_before
+
+    def evaluation_input(self, inputs: Tensor) -> Tensor:
+        summed, self._eval_input = self._eval_input, None
+        return summed
+
     @torch.no_grad()
     def evaluate(self, ids: Tensor) -> Tensor | None:
         """One validation batch's embedding: on the first stage the sum of every stage's part, None elsewhere."""

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from asyncpp.core.memory import ESTIMATED, MemoryItem, VocabHeld, dtype_name
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.vocab_parallel import VocabShard
 from asyncpp.pipeline.parts import HeldCollectives, Part, PartAction, Wait
@@ -120,6 +121,8 @@ class VocabHead(Part):
     StagePart on every stage (it owns S and T), and the last stage's exit (parts.StageExit: its FORWARD's output,
     the normed hidden states, goes to every S; its BACKWARD's output gradient is the reduce of every T's)."""
 
+    reads_batches = True  # every stage's rows need the labels
+
     def __init__(self, mesh: Mesh, shard: VocabShard, param: nn.Parameter, row0: int,
                  labels: Callable[[int, int], Tensor], hidden_shape: tuple[int, ...], dtype: torch.dtype, wait: Wait):
         """The rank's rows of the head, `shard` (its TP rank's piece of its stage's rows), are `param`'s rows
@@ -144,6 +147,30 @@ class VocabHead(Part):
         self.passes = 0  # S passes run, and the logits' widths they had: what the report and the tests read
         self.logits_widths: set[int] = set()
         self.held_peak = 0  # the most S->T passes held at once (1 + the placement's slack in the steady state)
+        self._eval_hidden: Tensor | None = None  # the last stage's hidden states of the evaluation batch running
+
+    @classmethod
+    def memory_items(cls, held: VocabHeld, *, tokens: int, rows: int, hidden: int, num_stages: int,
+                     dtype: torch.dtype) -> list[MemoryItem]:
+        """A stage's buffers of the head when it holds `held` of each at once (core/memory.vocab_held, read off the
+        placed schedule: the memory plan and the dry run ask without an engine), `tokens` = micro_batch_size x
+        seq_len and `rows` its shard, and the scratch of its S and T."""
+        c = dtype.itemsize
+        per_pass = 4 * tokens * rows + 8 * tokens + 4 * 3 * num_stages * tokens  # logits, labels, gathered stats
+        return [
+            MemoryItem(f"vocab head: fp32 logits [{tokens}, {rows}] + labels + statistics ({held.passes} held S->T)",
+                       held.passes * per_pass, ESTIMATED),
+            MemoryItem(f"vocab head: hidden-state broadcast buffers [{tokens}, {hidden}] {dtype_name(dtype)} "
+                       f"({held.hidden} held)", held.hidden * c * tokens * hidden, ESTIMATED),
+            MemoryItem(f"vocab head: fp32 partial input gradients [{tokens}, {hidden}] ({held.input_grads} held)",
+                       held.input_grads * 4 * tokens * hidden, ESTIMATED),
+            MemoryItem(f"vocab head: fp32 shard gradient accumulators [{rows}, {hidden}] ({held.accumulators} steps)",
+                       held.accumulators * 4 * rows * hidden, ESTIMATED),
+            MemoryItem("vocab head: T scratch (the cast logits gradient, the GEMMs' copies, the weight gradient)",
+                       vocab_backward_scratch_bytes(tokens=tokens, rows=rows, hidden=hidden, itemsize=c), ESTIMATED),
+            MemoryItem("vocab head: S scratch (the GEMM's logits below fp32)",
+                       vocab_forward_scratch_bytes(tokens=tokens, rows=rows, itemsize=c), ESTIMATED),
+        ]
 
     # ---- the StagePart (parts.py): S and T through the engine's table --------------------------------------
     def actions(self) -> dict[Op, PartAction]:
@@ -179,6 +206,10 @@ class VocabHead(Part):
 
     def output_grad(self, a: Action) -> Tensor:
         return self.input_grad(a.step, a.microbatch, str(a))
+
+    def evaluation_output(self, out: Tensor) -> None:
+        """The last stage's normed hidden states of an evaluation batch, for its evaluate_after."""
+        self._eval_hidden = out
 
     def send_hidden(self, step: int, microbatch: int, hidden: Tensor) -> None:
         """After the last stage's FORWARD of (t, j): broadcast its normed hidden states (not waited for here)."""
@@ -293,6 +324,13 @@ class VocabHead(Part):
         self._held.flush()
 
     # ---- evaluation (forward only, blocking: one batch at a time) ------------------------------------------
+    def evaluate_after(self, labels: Tensor) -> float | None:
+        """Every stage joins the head's pass of the batch (after the last stage's exit took its hidden states); the
+        loss is the last stage's to report."""
+        hidden, self._eval_hidden = self._eval_hidden, None
+        loss = self.evaluate(hidden, labels)
+        return loss if self.mesh.is_last_stage else None
+
     def evaluate(self, hidden: Tensor | None, targets: Tensor) -> float:
         """The loss of one validation batch over the whole vocabulary, on every stage (blocking)."""
         if hidden is None:
@@ -306,3 +344,20 @@ class VocabHead(Part):
 
     def hidden_shape_of(self, targets: Tensor) -> tuple[int, ...]:
         return (*targets.shape, self.hidden_shape[-1])
+
+
+def vocab_forward_scratch_bytes(*, tokens: int, rows: int, itemsize: int) -> int:
+    """What S (VocabHead.forward) allocates for a moment above the logits it keeps: below fp32 the GEMM's logits in
+    the compute dtype until their fp32 copy exists (c T R); in fp32 the GEMM's output is the kept buffer, and
+    shard_statistics_ exponentiates it in place (only [T]-sized statistics beside it)."""
+    return itemsize * tokens * rows if itemsize < 4 else 0
+
+
+def vocab_backward_scratch_bytes(*, tokens: int, rows: int, hidden: int, itemsize: int) -> int:
+    """What T (VocabHead.backward) allocates for a moment above the held logits: the logits' gradient is formed in
+    place in them (logits_gradient(inplace=True)); then below fp32 its cast to the compute dtype and the fp32 copies
+    the partial input gradient's GEMM reads (4 T R + 4 R h), and the shard's weight gradient [R, h] in the compute
+    dtype. The partial input gradient itself is a held buffer."""
+    if itemsize == 4:
+        return 4 * rows * hidden
+    return itemsize * (tokens * rows + rows * hidden) + 4 * (tokens * rows + rows * hidden)

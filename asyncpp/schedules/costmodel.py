@@ -255,75 +255,90 @@ def place_vocab_passes(skeleton: Sequence[Sequence[Action]], costs: OpCosts, sla
     the same lists from the same costs. Each stage keeps its skeleton's order of F, B and updates, and S(i) and T(i)
     go in ascending i on every stage (one order per communicator). The result is checked like any schedule
     (invariants.check_schedules) by the callers that build it."""
-    P = len(skeleton)
-    items = [(a.step, a.microbatch, a.version) for a in skeleton[-1] if a.op is Op.FORWARD]
-    nxt, heads, tails = [0] * P, [0] * P, [0] * P
-    free = [0.0] * P
-    done: dict[tuple[Op, int, int, int], float] = {}  # (op, stage, step, microbatch) -> end
-    everyone = _EveryStage(P)
-    out: list[list[Action]] = [[] for _ in range(P)]
-    max_comm = max(costs.at("comm", r) for r in range(P))
+    return _VocabPlacer(skeleton, costs).place(slack)
 
-    def end(op: Op, stage: int, step: int, j: int) -> float:
-        return done.get((op, stage, step, j), INF)
 
-    def ready_skeleton(s: int) -> float:
-        if nxt[s] >= len(skeleton[s]):
+class _VocabPlacer:
+    """place_vocab_passes' list scheduler: per stage, the next skeleton action (`nxt`), the next S (`heads`) and the
+    next T (`tails`) to place, when the stage is free, and when each placed action ends."""
+
+    def __init__(self, skeleton: Sequence[Sequence[Action]], costs: OpCosts):
+        self.skeleton, self.costs, self.P = skeleton, costs, len(skeleton)
+        P = self.P
+        self.items = [(a.step, a.microbatch, a.version) for a in skeleton[-1] if a.op is Op.FORWARD]
+        self.nxt, self.heads, self.tails = [0] * P, [0] * P, [0] * P
+        self.free = [0.0] * P
+        self.done: dict[tuple[Op, int, int, int], float] = {}  # (op, stage, step, microbatch) -> end
+        self.everyone = _EveryStage(P)
+        self.out: list[list[Action]] = [[] for _ in range(P)]
+        self.max_comm = max(costs.at("comm", r) for r in range(P))
+
+    def end(self, op: Op, stage: int, step: int, j: int) -> float:
+        return self.done.get((op, stage, step, j), INF)
+
+    def ready_skeleton(self, s: int) -> float:
+        if self.nxt[s] >= len(self.skeleton[s]):
             return INF
-        a = skeleton[s][nxt[s]]
+        a, costs, last = self.skeleton[s][self.nxt[s]], self.costs, self.P - 1
         if a.op is Op.FORWARD and s > 0:
-            return end(Op.FORWARD, s - 1, a.step, a.microbatch) + costs.at("comm", s - 1)
-        if a.op is Op.BACKWARD and s == P - 1:
-            return everyone.end(Op.VOCAB_BACKWARD, a.step, a.microbatch) + costs.vocab_reduce
+            return self.end(Op.FORWARD, s - 1, a.step, a.microbatch) + costs.at("comm", s - 1)
+        if a.op is Op.BACKWARD and s == last:
+            return self.everyone.end(Op.VOCAB_BACKWARD, a.step, a.microbatch) + costs.vocab_reduce
         if a.op is Op.BACKWARD:
-            return end(Op.BACKWARD, s + 1, a.step, a.microbatch) + costs.at("comm", s + 1)
+            return self.end(Op.BACKWARD, s + 1, a.step, a.microbatch) + costs.at("comm", s + 1)
         if a.op is Op.UPDATE:  # the strictest engine: every stage's UPDATE_START(t) first
-            return everyone.end(Op.UPDATE_START, a.step, -1) + max_comm
+            return self.everyone.end(Op.UPDATE_START, a.step, -1) + self.max_comm
         return 0.0
 
-    def ready_head(s: int) -> float:
-        if heads[s] >= len(items):
+    def ready_head(self, s: int) -> float:
+        if self.heads[s] >= len(self.items):
             return INF
-        t, j, _ = items[heads[s]]
-        own = end(Op.FORWARD, s, t, j)  # after the stage's own F of the item, in list order too
-        return max(own, end(Op.FORWARD, P - 1, t, j) + (costs.vocab_broadcast if s < P - 1 else 0.0))
+        t, j, _ = self.items[self.heads[s]]
+        own = self.end(Op.FORWARD, s, t, j)  # after the stage's own F of the item, in list order too
+        return max(own, self.end(Op.FORWARD, self.P - 1, t, j) + (self.costs.vocab_broadcast if s < self.P - 1 else 0.0))
 
-    def ready_tail(s: int, slack: int) -> float:
-        if tails[s] >= heads[s] or (tails[s] + slack >= heads[s] and heads[s] < len(items)):
+    def ready_tail(self, s: int, slack: int) -> float:
+        heads, tails = self.heads, self.tails
+        if tails[s] >= heads[s] or (tails[s] + slack >= heads[s] and heads[s] < len(self.items)):
             return INF  # T(i) after the stage's own S(i + slack), while there is one
-        t, j, _ = items[tails[s]]
-        return everyone.end(Op.VOCAB_FORWARD, t, j) + costs.vocab_allreduce
+        t, j, _ = self.items[tails[s]]
+        return self.everyone.end(Op.VOCAB_FORWARD, t, j) + self.costs.vocab_allreduce
 
-    def earliest(slack: int) -> tuple[float, int, int] | None:
+    def earliest(self, slack: int) -> tuple[float, int, int] | None:
         best = None
-        for s in range(P):
-            for rank, ready in enumerate((ready_tail(s, slack), ready_head(s), ready_skeleton(s))):
+        for s in range(self.P):
+            for rank, ready in enumerate((self.ready_tail(s, slack), self.ready_head(s), self.ready_skeleton(s))):
                 if ready < INF:
-                    best = min(best or (INF,), (max(free[s], ready), rank, s))
+                    best = min(best or (INF,), (max(self.free[s], ready), rank, s))
         return best
 
-    remaining = sum(len(x) for x in skeleton) + 2 * len(items) * P
-    while remaining:
-        # Without the slack where it would deadlock: where S(i + 1) needs T(i) first (a flush between steps,
-        # 1F1B's last microbatch of a step), T(i) goes when nothing else can.
-        best = earliest(slack) or earliest(0)
-        if best is None:
-            raise DeadlockError("vocabulary-parallel placement is stuck: " + ", ".join(
-                f"stage {s} at #{nxt[s]}" for s in range(P)))
-        start, rank, s = best
+    def take(self, rank: int, s: int) -> Action:
+        """The action of kind `rank` (0: T, 1: S, 2: the skeleton's next) that stage s starts next."""
         if rank == 2:
-            a = skeleton[s][nxt[s]]
-            nxt[s] += 1
-        else:
-            counter = tails if rank == 0 else heads
-            t, j, v = items[counter[s]]
-            counter[s] += 1
-            a = Action(Op.VOCAB_BACKWARD if rank == 0 else Op.VOCAB_FORWARD, t, j, v)
-        free[s] = done[(a.op, s, a.step, a.microbatch)] = start + costs.duration(a.op, s)
-        everyone.add(a, free[s])
-        out[s].append(a)
-        remaining -= 1
-    return out
+            a = self.skeleton[s][self.nxt[s]]
+            self.nxt[s] += 1
+            return a
+        counter = self.tails if rank == 0 else self.heads
+        t, j, v = self.items[counter[s]]
+        counter[s] += 1
+        return Action(Op.VOCAB_BACKWARD if rank == 0 else Op.VOCAB_FORWARD, t, j, v)
+
+    def place(self, slack: int) -> list[list[Action]]:
+        remaining = sum(len(x) for x in self.skeleton) + 2 * len(self.items) * self.P
+        while remaining:
+            # Without the slack where it would deadlock: where S(i + 1) needs T(i) first (a flush between steps,
+            # 1F1B's last microbatch of a step), T(i) goes when nothing else can.
+            best = self.earliest(slack) or self.earliest(0)
+            if best is None:
+                raise DeadlockError("vocabulary-parallel placement is stuck: " + ", ".join(
+                    f"stage {s} at #{self.nxt[s]}" for s in range(self.P)))
+            start, rank, s = best
+            a = self.take(rank, s)
+            self.free[s] = self.done[(a.op, s, a.step, a.microbatch)] = start + self.costs.duration(a.op, s)
+            self.everyone.add(a, self.free[s])
+            self.out[s].append(a)
+            remaining -= 1
+        return self.out
 
 
 def placed_vocab_pipeline(kind: str, num_microbatches: int, step_delays: Sequence[Sequence[int]], costs: OpCosts,

@@ -69,7 +69,7 @@ def check(cfg: RunConfig, model_cfg: ModelConfig, *, rank: int = 0, local_world_
         keep_an_earlier_run(cfg, warn)
 
 
-def check_dry_run(cfg: RunConfig, model_cfg, warn: Warn = _stderr) -> None:
+def check_dry_run(cfg: RunConfig, model_cfg: ModelConfig, warn: Warn = _stderr) -> None:
     """dry_run=N: the real run's checks, so that what it would refuse the dry run refuses (the head's placement,
     the sample index, the directories, the resume, the checkpoints' disk space, the data; job.resolve checks the
     multi-process pipeline's options at N > 1 ranks), without those about this machine's devices and memory (the dry run lays out a job for
@@ -82,7 +82,7 @@ def check_dry_run(cfg: RunConfig, model_cfg, warn: Warn = _stderr) -> None:
         raise RunComplete(done)
 
 
-def _check_run(cfg: RunConfig, model_cfg, warn: Warn, tidy: bool, dry: bool = False) -> tuple[Path, int] | None:
+def _check_run(cfg: RunConfig, model_cfg: ModelConfig, warn: Warn, tidy: bool, dry: bool = False) -> tuple[Path, int] | None:
     """Rank 0's checks of what the run reads and writes; `tidy`: remove the directories of saves that died;
     `dry`: a dry run, which plans a job for another machine, so this disk's room for its checkpoints is a warning
     (a newcomer planning the 8-GPU recipe on a laptop was refused for want of 759 GiB). Returns the resume point."""

@@ -1,6 +1,6 @@
 """megatron-core's GPTModel as asyncpp's 2BW pipeline stages, and the single-process reference they must equal.
 
-Each rank initializes megatron-core's parallel_state (gloo, CPU mode: asyncpp/reference/megatron_cpu.py), builds
+Each rank initializes megatron-core's parallel_state (gloo, CPU mode: asyncpp/parallel/megatron_cpu.py), builds
 its GPTModel stage (pre_process/post_process, the local layer spec), takes asyncpp's mesh from megatron's groups
 (Mesh.from_megatron) and trains with get_forward_backward_func("2bw") from a pretrain_gpt-style loop. The
 reference is the same GPTModel unsplit in one process, under DelayedUpdateSimulator (x_{t+1} = x_t - U(g(x_{t-1})),
@@ -41,9 +41,9 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor, nn
 
 from asyncpp.optim import build_optimizer, muon_sharded
+from asyncpp.parallel import megatron_cpu
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func, optimizer_sharding
-from asyncpp.reference import megatron_cpu
 from asyncpp.reference.simulator import DelayedUpdateSimulator
 from tests.dist.workers import SyntheticData
 

@@ -20,7 +20,7 @@ from asyncpp import job
 from asyncpp.parallel import collectives, experts
 from asyncpp.parallel.collectives import CollectiveTimeout
 from asyncpp.pipeline.build import build_rank_stage
-from asyncpp.pipeline.executor import PipelineExecutor
+from asyncpp.pipeline.compose import pipeline_executor
 from tests.dist.harness import run_ranks
 from tests.dist.workers import data_for, make_config, pipeline_rank, rank_layout
 
@@ -84,7 +84,7 @@ def silent_in_the_async_save_group(rank: int, cfg_dict: dict) -> dict:
     closed connection). Rank 0 reports how long it waited and what it raised."""
     cfg, model_cfg, mesh = rank_layout(cfg_dict)
     stage = build_rank_stage(cfg, model_cfg, mesh, "cpu")
-    run = PipelineExecutor(cfg, stage, mesh, data_for(cfg, model_cfg.vocab_size), job.optimizer_for(cfg, mesh))
+    run = pipeline_executor(cfg, stage, mesh, data_for(cfg, model_cfg.vocab_size), job.optimizer_for(cfg, mesh))
     group = run.checkpoint.saver._group
     assert group is not None, "async_save built no background group"
     if rank == 1:

@@ -15,7 +15,7 @@ import pytest
 
 from asyncpp import job
 from asyncpp.pipeline.build import build_rank_stage
-from asyncpp.pipeline.executor import PipelineExecutor
+from asyncpp.pipeline.compose import pipeline_executor
 from asyncpp.pipeline.vocab_head import VocabHead
 from asyncpp.train.trainer import Trainer
 from tests.dist.harness import run_ranks
@@ -31,7 +31,7 @@ def pending_after_retire(rank: int, cfg_dict: dict) -> dict:
     cfg, model_cfg, mesh = rank_layout(cfg_dict)
     torch.manual_seed(cfg.seed)
     stage = build_rank_stage(cfg, model_cfg, mesh, "cpu")
-    run = PipelineExecutor(cfg, stage, mesh, data_for(cfg, model_cfg.vocab_size), job.optimizer_for(cfg, mesh))
+    run = pipeline_executor(cfg, stage, mesh, data_for(cfg, model_cfg.vocab_size), job.optimizer_for(cfg, mesh))
     engine, seen = run.engine, []
     retire = engine._retire_sends
 

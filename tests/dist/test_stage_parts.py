@@ -3,12 +3,14 @@
 The toy part owns an action kind of its own (P, placed after every FORWARD), and its share of the step's gradient
 is complete at the step's last P (its `gradient_op`). It is run beside a vocabulary-parallel head and a sharded
 embedding on a 2-stage pipeline. It does no arithmetic, so the run with it must equal the run without it bit for
-bit, and it records what the engine did for it: every P ran once, on its action's weight version (the module
-pointed at that version's buffer), and its share joined every step's gradient once, in step order."""
+bit (its evaluations too), and it records what the engine and the executor did for it: every P ran once, on its
+action's weight version (the module pointed at that version's buffer), its share joined every step's gradient once,
+in step order, and every evaluation batch passed its two evaluation hooks, before and after the stage's layers."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from enum import Enum
 
 import pytest
@@ -17,6 +19,7 @@ from torch import Tensor, nn
 
 from asyncpp import job
 from asyncpp.pipeline.build import build_rank_stage
+from asyncpp.pipeline.compose import pipeline_executor
 from asyncpp.pipeline.executor import PipelineExecutor
 from asyncpp.pipeline.parts import Part, PartAction
 from asyncpp.schedules.actions import Action, Op
@@ -40,6 +43,7 @@ class VersionProbe(Part):
         self.versions = None  # the engine's, set once it is built
         self.ran: list[tuple[int, int, int, bool]] = []  # (step, microbatch, version, module on that version)
         self.added: list[int] = []
+        self.evaluated: list[str] = []  # "before" / "after", one pair per evaluation batch
 
     def actions(self) -> dict:
         return {ToyOp.PROBE: PartAction(self._run)}
@@ -52,6 +56,13 @@ class VersionProbe(Part):
 
     def add_into(self, step: int, grads: list[Tensor], params: list[nn.Parameter]) -> None:
         self.added.append(step)
+
+    def evaluate_before(self, inputs: Tensor | None) -> None:
+        assert inputs is not None  # a part of every stage reads the batches (reads_batches: the head's labels)
+        self.evaluated.append("before")
+
+    def evaluate_after(self, labels: Tensor | None) -> None:
+        self.evaluated.append("after")
 
 
 class ProbedExecutor(PipelineExecutor):
@@ -69,9 +80,9 @@ def run_once(cfg, model_cfg, mesh, probe: VersionProbe | None) -> dict:
     stage = build_rank_stage(cfg, model_cfg, mesh, "cpu")
     data, optimizer = data_for(cfg, model_cfg.vocab_size), job.optimizer_for(cfg, mesh)
     if probe is None:
-        run = PipelineExecutor(cfg, stage, mesh, data, optimizer)
+        run = pipeline_executor(cfg, stage, mesh, data, optimizer)
     else:
-        run = ProbedExecutor(cfg, stage, mesh, data, optimizer, parts=[probe])
+        run = pipeline_executor(cfg, stage, mesh, data, optimizer, parts=[probe], executor_cls=ProbedExecutor)
         probe.versions = run.engine.versions
     before = [p.detach().clone() for p in run.model.parameters()]
     sink = Collect()
@@ -86,27 +97,33 @@ def probed_rank(rank: int, cfg_dict: dict) -> dict:
     plain = run_once(cfg, model_cfg, mesh, None)
     probe = VersionProbe()
     probed = run_once(cfg, model_cfg, mesh, probe)
-    return {"stage": mesh.pp_rank, "plain": plain, "probed": probed, "ran": probe.ran, "added": probe.added}
+    return {"stage": mesh.pp_rank, "plain": plain, "probed": probed, "ran": probe.ran, "added": probe.added,
+            "evaluated": probe.evaluated}
 
 
 def values(records: list[dict]) -> list[tuple]:
     """What a step computed (not how long it took)."""
-    return [(r["step"], r["loss"], r["grad_norm"], r["update_norm"], r["lr"], r["skipped"]) for r in records]
+    return [(r["step"], r["loss"], r["grad_norm"], r["update_norm"], r["lr"], r["skipped"], r.get("val_loss"))
+            for r in records]
 
 
 def test_a_toy_part_runs_in_a_pipeline_without_changing_it():
-    steps, m = 4, 2
+    steps, m, eval_batches = 4, 2, 2
     cfg = make_config(parallel={"pp": 2, "head": "vocab", "embedding": "vocab"},
                       model={"name": "tiny_dense", "overrides": {"tie_embeddings": False}},
-                      train={"steps": steps, "num_microbatches": m}, optimizer={"name": "adamw"})
+                      train={"steps": steps, "num_microbatches": m, "eval_every": 2, "eval_batches": eval_batches},
+                      optimizer={"name": "adamw"})
     results = run_ranks(probed_rank, 2, cfg.to_dict())
     assert [len(r["plain"]["records"]) for r in results] == [0, steps]  # the writer, the last stage, logs them
+    evaluated = [v["val_loss"] for v in results[1]["probed"]["records"] if v.get("val_loss") is not None]
+    assert len(evaluated) == steps // 2 and all(math.isfinite(v) for v in evaluated)  # compared with plain below
     for r in results:
         assert r["probed"]["parts"] == ["VocabHead", "VocabEmbedding", "VersionProbe"]
         assert sorted((t, j) for t, j, _, _ in r["ran"]) == [(t, j) for t in range(steps) for j in range(m)]
         assert all(on for *_, on in r["ran"]), r["ran"]  # the engine switched to each P's version first
         assert len({v for _, _, v, _ in r["ran"]}) > 1  # ... and the versions did change over the run
         assert r["added"] == list(range(steps))
+        assert r["evaluated"] == ["before", "after"] * (steps // 2) * eval_batches  # evaluations at steps 2 and 4
         assert values(r["probed"]["records"]) == values(r["plain"]["records"])
         for name, p in r["plain"]["params"].items():
             assert torch.equal(r["probed"]["params"][name], p), (r["stage"], name)

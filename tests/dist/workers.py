@@ -16,7 +16,7 @@ from asyncpp.optim import build_from_config
 from asyncpp.parallel.experts import ExpertDispatcher
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.pipeline.build import build_rank_stage, mesh_for
-from asyncpp.pipeline.executor import PipelineExecutor
+from asyncpp.pipeline.compose import pipeline_executor
 from asyncpp.pipeline.reduction import GradientReduction
 from asyncpp.pipeline.vocab_embedding import VocabEmbedding
 from asyncpp.pipeline.vocab_head import VocabHead
@@ -100,7 +100,7 @@ def pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     cfg, model_cfg, mesh = rank_layout(cfg_dict)
     torch.manual_seed(cfg.seed)
     stage = build_rank_stage(cfg, model_cfg, mesh, "cpu")
-    run = PipelineExecutor(cfg, stage, mesh, data_for(cfg, model_cfg.vocab_size), job.optimizer_for(cfg, mesh))
+    run = pipeline_executor(cfg, stage, mesh, data_for(cfg, model_cfg.vocab_size), job.optimizer_for(cfg, mesh))
     sink = Collect()
     trainer = Trainer(cfg, run, sink)
     trainer.resume()

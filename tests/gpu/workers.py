@@ -16,7 +16,7 @@ from asyncpp.config import RunConfig
 from asyncpp.optim import build_from_config
 from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.pipeline.build import build_rank_stage
-from asyncpp.pipeline.executor import PipelineExecutor
+from asyncpp.pipeline.compose import pipeline_executor
 from asyncpp.pipeline.p2p import StageComm
 from asyncpp.reference.executor import build_simulator
 from asyncpp.train.trainer import Trainer
@@ -47,8 +47,8 @@ def gpu_pipeline_rank(rank: int, cfg_dict: dict) -> dict:
     mesh = Mesh(ParallelDims.for_world(torch.distributed.get_world_size(), pp=cfg.parallel.pp), device)
     torch.manual_seed(cfg.seed)
     stage = build_rank_stage(cfg, model_cfg, mesh, device)
-    run = PipelineExecutor(cfg, stage, mesh, data_for(cfg, model_cfg.vocab_size),
-                           lambda stage, *_: build_from_config(stage, cfg.optimizer), comm_cls=HostStagedComm)
+    run = pipeline_executor(cfg, stage, mesh, data_for(cfg, model_cfg.vocab_size),
+                            lambda stage, *_: build_from_config(stage, cfg.optimizer), comm_cls=HostStagedComm)
     sink = Collect()
     Trainer(cfg, run, sink).run()
     params = {n: p.detach().cpu().clone() for n, p in run.model.named_parameters()}

@@ -75,8 +75,10 @@ def test_applying_twice_is_refused() -> None:
         apply_tensor_parallel(model, None)
 
 
-@pytest.mark.equivalence
-def test_one_rank_vocab_parallel_cross_entropy_is_the_plain_loss() -> None:
+def test_one_rank_has_one_cross_entropy() -> None:
+    """One rank's logits are whole: the plain cross entropy is the only one (logits_loss_for picks it, test above),
+    and the vocabulary-parallel one refuses a one-rank group, naming it."""
     logits = torch.randn(2, 5, 11)
     targets = torch.randint(0, 11, (2, 5))
-    assert torch.equal(vocab_parallel_cross_entropy(logits, targets, None), cross_entropy(logits, targets))
+    with pytest.raises(ValueError, match="core.loss.cross_entropy"):
+        vocab_parallel_cross_entropy(logits, targets, None)

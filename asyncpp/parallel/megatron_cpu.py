@@ -211,7 +211,7 @@ def enable(device: torch.device, seed: int = 1234) -> None:
     The tracker gets megatron's three named states (model-parallel, data-parallel, expert-parallel), seeded as
     `model_parallel_cuda_manual_seed(seed)` seeds them (per TP/EP rank offsets included)."""
     if device.type != "cpu" or torch.cuda.is_available() and torch.cuda.is_initialized():
-        raise RuntimeError(f"asyncpp.reference.megatron_cpu is megatron-core's CPU mode for tests and examples; "
+        raise RuntimeError(f"asyncpp.parallel.megatron_cpu is megatron-core's CPU mode for tests and examples; "
                            f"device={device} (CUDA initialized: {torch.cuda.is_available() and torch.cuda.is_initialized()}) "
                            "must use megatron-core's own buffer and RNG tracker")
     if not parallel_state.model_parallel_is_initialized():
