@@ -13,7 +13,7 @@ A Megatron-LM user keeps megatron-core's parallel_state, GPTModel, forward_step_
 - the optimizer is asyncpp's (Muon or AdamW) and its update runs inside the schedule, one step late
   (x_{t+1} = x_t - U(g(x_{t-1}))); `optimizer_step()` only reports it;
 - asyncpp's mesh is megatron's groups (Mesh.from_megatron); drain() before evaluation and exit.
-On a CPU, megatron-core runs in asyncpp's CPU mode (asyncpp/reference/megatron_cpu.py, for tests and examples;
+On a CPU, megatron-core runs in asyncpp's CPU mode (asyncpp/parallel/megatron_cpu.py, for tests and examples;
 with --sequence-parallel its norms are megatron_cpu.SequenceParallelLayerNorm, the CPU stand-in of apex's).
 The data: --data-path prefixes of megatron indexed datasets (.bin/.idx, data.preprocess's output) read through
 megatron-core's BlendedMegatronDatasetBuilder and GPTDataset (data.source.IndexedDataSource); without it, a synthetic
