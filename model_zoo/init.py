@@ -21,9 +21,11 @@ they stay layout-free.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -160,3 +162,51 @@ class KeyedInit:
             raise RuntimeError(f"parameters {missed} were not initialized through the model's Initializer; "
                                "call init.normal_/uniform_/ones_ in their module's init_weights "
                                "(model_zoo/init.py), not torch.nn.init")
+
+
+
+def load_weights_(params: Iterable[tuple[str, Tensor]], slices: dict[int, ParamSlice],
+                  weights: Mapping[str, Tensor]) -> None:
+    """Every parameter becomes its slice of the full-model `weights` (continued pretraining: checkpoint.init_from),
+    cut by the ParamSlice its KeyedInit draw used, so any layout (a pipeline stage, a TP column, an EP slice of
+    experts, a vocabulary shard) starts from the same weights and no rank copies more than its slice. Called after
+    init_weights, which keeps doing what it does for buffers; the parameters' draws (and GDN's transforms after
+    them) are then overwritten."""
+    for name, p in params:
+        where = slices[id(p)]
+        full = weights.get(where.name)
+        if full is None:
+            raise KeyError(f"the initial weights have no tensor '{where.name}' (for {name}): their model must be "
+                           "the run's")
+        if tuple(full.shape) != where.global_shape:
+            raise ValueError(f"the initial weights' '{where.name}' has shape {tuple(full.shape)}, the run's model "
+                             f"{where.global_shape}: their model must be the run's")
+        piece = full
+        for dim, (offset, size) in enumerate(zip(where.offsets, p.shape)):
+            piece = piece.narrow(dim, offset, size)
+        with torch.no_grad():
+            p.copy_(piece)
+
+
+# Fields of a ModelConfig that do not shape the weights: a file's model may differ from the run's in these.
+NOT_WEIGHTS = ("name", "init_std", "scale_residual_init", "max_seq_len")
+
+
+@functools.lru_cache(maxsize=2)
+def read_weights_file(path: str) -> tuple[dict[str, Tensor], dict | None]:
+    """(full-model tensors by name, the model config they were written with or None) of a file `python -m
+    tools.hf import` wrote ({"state_dict", "model_config"}) or a plain torch.save'd state dict. Memory-mapped:
+    each rank then reads only the slices it copies."""
+    obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if isinstance(obj, dict) and "state_dict" in obj:
+        return obj["state_dict"], obj.get("model_config")
+    return obj, None
+
+
+def weight_config_differences(written: Mapping, run: Mapping) -> list[str]:
+    """'field (file x, run y)' for every weight-shaping field where a file's model config and the run's differ."""
+    def norm(v):  # tuples read back as lists; nested configs as dicts
+        return json.loads(json.dumps(v, default=list))
+
+    keys = sorted((set(written) | set(run)) - set(NOT_WEIGHTS))
+    return [f"{k} (file {written.get(k)!r}, run {run.get(k)!r})" for k in keys if norm(written.get(k)) != norm(run.get(k))]

@@ -8,7 +8,7 @@ cut `layers` into stages anywhere and ship a single activation between processes
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from model_zoo.attention import Attention
 from model_zoo.config import ModelConfig
 from model_zoo.gated_deltanet import GatedDeltaNet
-from model_zoo.init import Initializer, KeyedInit, ParamSlice
+from model_zoo.init import Initializer, KeyedInit, ParamSlice, load_weights_
 from model_zoo.layers import RMSNorm, SwiGLU, check_seq_len
 from model_zoo.moe import MoE
 
@@ -160,14 +160,18 @@ def keyed_init(model: CausalLM, seed: int, slice_of: Callable[[str, Tensor], Par
 
 
 def materialize(model: CausalLM, device: str | torch.device, seed: int,
-                slice_of: Callable[[str, Tensor], ParamSlice] | None = None) -> CausalLM:
+                slice_of: Callable[[str, Tensor], ParamSlice] | None = None,
+                weights: Mapping[str, Tensor] | None = None) -> CausalLM:
     """Allocate a meta-device model (or stage, or shard of one) on `device` and initialize it: each
-    parameter from (seed, its full-model name, global shape, the slice held), model_zoo/init.py."""
+    parameter from (seed, its full-model name, global shape, the slice held), model_zoo/init.py; with
+    `weights` (full-model tensors by name), each parameter is then its slice of them (init.load_weights_)."""
     model.to_empty(device=torch.device(device))
     model.tie_weights()
     init = keyed_init(model, seed, slice_of)
     model.init_weights(init)
     init.check_complete(model.named_parameters())
+    if weights is not None:
+        load_weights_(model.named_parameters(remove_duplicate=False), init.slices, weights)
     return model
 
 

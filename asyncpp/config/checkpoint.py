@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncpp.config.base import ModelLimits
@@ -32,6 +33,11 @@ class CheckpointConfig:
     async_save: bool = False
     """Write shards in the background (DCP async_save); rank 0 commits the checkpoint from DCP's completion
     callback as soon as every shard is written, so a crash after that never loses it."""
+    init_from: str | None = None
+    """Continued pretraining: a run that starts from scratch (nothing to resume) takes its weights from this file
+    instead of drawing them: the .pt `python -m tools.hf import <hf dir> --out <file>` writes (or a torch.save'd
+    full-model state dict). Every layout loads it (each rank copies its slices); the optimizer, the Error Feedback
+    state and the data start fresh at step 0, like Megatron's --finetune. A resumed run reads its checkpoint."""
 
 
 def check_checkpoint(cfg: RunConfig, model: ModelLimits) -> None:
@@ -43,8 +49,20 @@ def check_checkpoint(cfg: RunConfig, model: ModelLimits) -> None:
     for name in ("every_minutes", "warn_loss_minutes"):
         if getattr(c, name) < 0:
             raise ConfigError(f"checkpoint.{name}={getattr(c, name)} must be >= 0 (0 = off)")
+    if c.init_from is not None:
+        _check_init_from(c.init_from)
     if c.resume not in ("auto", "none") and not c.resume.rstrip("/").split("/")[-1].startswith("step_"):
         raise ConfigError(
             f"checkpoint.resume={c.resume!r} must be 'auto', 'none', a path to a step_* checkpoint directory, or a "
             "run directory that holds checkpoints (outputs/<name>: its newest); this path holds no complete checkpoint"
         )
+
+
+def _check_init_from(path: str) -> None:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ConfigError(f"checkpoint.init_from={path!r} is a directory; a Hugging Face model is imported first: "
+                          f"`python -m tools.hf import {path} --out <file>.pt`, then checkpoint.init_from=<file>.pt")
+    if not p.is_file():
+        raise ConfigError(f"checkpoint.init_from={path!r}: no such file; give the .pt that `python -m tools.hf import "
+                          "<hf dir> --out <file>.pt` wrote")

@@ -11,11 +11,11 @@ run sizes memory from the shard shapes).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from asyncpp.config import RunConfig
 from asyncpp.core.layout import Layout
@@ -27,7 +27,7 @@ from asyncpp.parallel.sharding import ParamSharding, ShardingPlan, layout_of
 from asyncpp.parallel.vocab_parallel import VocabShard, vocab_shards
 from asyncpp.pipeline.stage import StageSpec, prune_to_stage
 from model_zoo import ModelConfig, build_model
-from model_zoo.init import ParamSlice
+from model_zoo.init import ParamSlice, read_weights_file
 from model_zoo.parallelize import apply_tensor_parallel
 from model_zoo.transformer import materialize
 
@@ -86,16 +86,17 @@ Parallelize = Callable[[nn.Module], tuple[ShardingPlan, LogitsLoss]]
 
 def build_stage(model_cfg: ModelConfig, spec: StageSpec, device: torch.device | str, seed: int,
                 parallelize: Parallelize | None = None, coords: ShardCoords = ShardCoords(),
-                recompute: Sequence[str] | None = None) -> BuiltStage:
+                recompute: Sequence[str] | None = None, weights: Mapping[str, Tensor] | None = None) -> BuiltStage:
     """This rank's stage: built on meta, pruned to `spec`, sharded by `parallelize` (the TP/EP plan, applied
-    on meta: shapes only), then, unless `device` is meta, allocated on `device` and initialized.
+    on meta: shapes only), then, unless `device` is meta, allocated on `device` and initialized (from `weights`,
+    full-model tensors by name, where given: checkpoint.init_from).
     `recompute`: the activation-recomputation mode of every layer of the model (core/recompute.py)."""
     model = prune_to_stage(build_model(model_cfg, device="meta"), spec)
     sharding, loss_fn = parallelize(model) if parallelize is not None else ({}, cross_entropy)
     if torch.device(device).type != "meta":
         rows = (spec.vocab, model_cfg.vocab_size) if spec.vocab is not None else None
         materialize(model, device, seed,
-                    lambda name, p: param_slice(name, p.shape, layout_of(sharding, name), coords, rows))
+                    lambda name, p: param_slice(name, p.shape, layout_of(sharding, name), coords, rows), weights)
     if recompute is not None:
         apply_recompute(model, recompute)
     return BuiltStage(model, spec, sharding, loss_fn)
@@ -138,7 +139,8 @@ def build_rank_stage(cfg: RunConfig, model_cfg: ModelConfig, mesh, device: torch
     """The stage this rank of `mesh` owns under run config `cfg` (seed, stage split, sequence parallelism)."""
     spec = stage_spec_of(cfg, model_cfg, mesh.pp_rank)
     return build_stage(model_cfg, spec, device, cfg.seed, tp_ep_plan(mesh, cfg.parallel.sequence_parallel),
-                       ShardCoords.of(mesh), recompute=recompute_modes(cfg, model_cfg, mesh.num_stages))
+                       ShardCoords.of(mesh), recompute=recompute_modes(cfg, model_cfg, mesh.num_stages),
+                       weights=initial_weights(cfg))
 
 
 def build_whole_model(cfg: RunConfig, model_cfg: ModelConfig, device: torch.device | str) -> BuiltStage:
@@ -146,7 +148,14 @@ def build_whole_model(cfg: RunConfig, model_cfg: ModelConfig, device: torch.devi
     layout by the same build as every rank's stage; each layer recomputes as its simulated stage would
     (train.recompute per stage of parallel.pp)."""
     spec = StageSpec(0, 1, model_cfg.num_layers)
-    return build_stage(model_cfg, spec, device, cfg.seed, recompute=recompute_modes(cfg, model_cfg, cfg.parallel.pp))
+    return build_stage(model_cfg, spec, device, cfg.seed, recompute=recompute_modes(cfg, model_cfg, cfg.parallel.pp),
+                       weights=initial_weights(cfg))
+
+
+def initial_weights(cfg: RunConfig) -> Mapping[str, Tensor] | None:
+    """checkpoint.init_from's full-model tensors (memory-mapped), or None: the weights are drawn from the seed. A
+    resumed run builds with them too and then reads its checkpoint over them."""
+    return read_weights_file(cfg.checkpoint.init_from)[0] if cfg.checkpoint.init_from else None
 
 
 def recompute_modes(cfg: RunConfig, model_cfg: ModelConfig, num_stages: int) -> list[str]:

@@ -11,6 +11,7 @@ the storage, resume and data checks run on rank 0 only; the device check runs on
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -34,6 +35,7 @@ from data.default import default_cache_dir, default_prefix
 from data.indexed import IndexedDataError, check_prefix, check_token_ids
 from data.source import resolve_tokenizer
 from model_zoo import ModelConfig, build_model
+from model_zoo.init import read_weights_file, weight_config_differences
 
 __all__ = [
     "EXIT_CONFIG_ERROR",
@@ -101,7 +103,32 @@ def _check_run(cfg: RunConfig, model_cfg: ModelConfig, warn: Warn, tidy: bool, d
                 raise
             warn(f"warning: {e} (the run itself refuses this; the plan goes on)")
     check_data(cfg, model_cfg)
+    check_init_from(cfg, model_cfg)
     return point
+
+
+def check_init_from(cfg: RunConfig, model_cfg: ModelConfig) -> None:
+    """checkpoint.init_from holds weights of the run's model: its recorded model config agrees on every field that
+    shapes the weights (config/checkpoint.py checked that the file exists); every tensor's shape is checked again
+    where it is copied (model_zoo/init.load_weights_)."""
+    path = cfg.checkpoint.init_from
+    if path is None:
+        return
+    try:
+        tensors, written = read_weights_file(path)
+    except Exception as e:  # a file torch cannot read: say which option points at it
+        raise ConfigError(f"checkpoint.init_from={path!r} cannot be read as weights ({type(e).__name__}: {e}); give "
+                          "the .pt that `python -m tools.hf import <hf dir> --out <file>.pt` wrote") from e
+    differs = weight_config_differences(written, dataclasses.asdict(model_cfg)) if written is not None else []
+    if differs:
+        raise ConfigError(f"checkpoint.init_from={path!r} holds a model that differs from model={model_cfg.name} in "
+                          f"{'; '.join(differs)}; choose the model (or model.overrides) the weights were written for")
+    tied = {"lm_head.weight": "embed.weight"} if model_cfg.tie_embeddings else {}
+    names = {tied.get(n, n) for n, _ in build_model(model_cfg, device="meta").named_parameters(remove_duplicate=False)}
+    missing = sorted(n for n in names if n not in tensors)
+    if missing:
+        raise ConfigError(f"checkpoint.init_from={path!r} lacks {len(missing)} of model={model_cfg.name}'s tensors "
+                          f"({', '.join(missing[:3])}, ...); choose the model the weights were written for")
 
 
 def check_vocab_placement(cfg: RunConfig, model_cfg: ModelConfig) -> None:

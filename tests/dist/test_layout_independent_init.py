@@ -10,6 +10,8 @@ well inside the 1e-5 relative bound the other TP/EP equivalence tests derive).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -62,3 +64,30 @@ def test_fresh_tiny_hybrid_layouts_start_from_the_same_weights(layout):
 def test_fresh_layouts_start_from_the_same_weights(model, layout):
     _check_layout(model, layout)
 
+
+
+def test_init_from_loads_the_files_weights_into_every_shard_and_trains_as_the_simulator(tmp_path):
+    """checkpoint.init_from (continued pretraining): a pp=2 x tp=2 run of tiny_hybrid builds every stage and TP
+    shard from the file, not from its seed. Gathered back, the ranks hold the file's weights bit for bit (GDN's
+    A_log and dt_bias included, whose seeded draws are transformed after the draw: they must be overwritten, not
+    transformed again), which differ from the seed's; the first loss equals the simulator's from the same file
+    (the 1e-5 TP bound of the module docstring)."""
+    model_cfg = get_model_config("tiny_hybrid")
+    source = build_model(model_cfg, seed=99).state_dict()
+    path = tmp_path / "weights.pt"
+    unique = {k: v for k, v in source.items() if not (model_cfg.tie_embeddings and k == "lm_head.weight")}
+    torch.save({"state_dict": unique, "model_config": dataclasses.asdict(model_cfg)}, path)
+    layout = LAYOUTS["pp2_tp2"]
+    cfg = make_config(model={"name": "tiny_hybrid"}, parallel=layout, train={"steps": 1, "num_microbatches": 2},
+                      checkpoint={"enabled": False, "init_from": str(path)}, seed=1234)
+    results = run_ranks(fresh_stage_rank, 4, cfg.to_dict())
+    gathered = assemble(results)
+    seeded = build_model(model_cfg, seed=cfg.seed).state_dict()
+    assert {n for n in gathered if "A_log" in n}, "the layout holds GDN layers"
+    for name, tensor in gathered.items():
+        ref_name = "embed.weight" if name == "lm_head.weight" and model_cfg.tie_embeddings else name
+        assert torch.equal(tensor, source[ref_name]), name
+        assert not torch.equal(tensor, seeded[ref_name]) or tensor.unique().numel() == 1, name  # ones: norms
+    records = next(r["records"] for r in results if r["records"])
+    ref = reference_run(cfg)
+    assert records[0]["loss"] == pytest.approx(ref["stats"][0].loss, rel=1e-5)

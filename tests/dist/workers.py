@@ -23,6 +23,7 @@ from asyncpp.pipeline.vocab_head import VocabHead
 from asyncpp.reference.executor import build_simulator, evaluate
 from asyncpp.train.trainer import Trainer
 from model_zoo import ModelConfig, build_model, get_model_config
+from model_zoo.init import read_weights_file
 from tests.threads import single_thread
 
 
@@ -149,6 +150,8 @@ def _reference_run(cfg: RunConfig, loss_fn: LossFn) -> dict:
     cfg = cfg.validate(model_cfg)  # resolved like the ranks' (rank_layout)
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg)
+    if cfg.checkpoint.init_from:  # the file's weights, as every rank's stage build copies them
+        model.load_state_dict(read_weights_file(cfg.checkpoint.init_from)[0], strict=not model_cfg.tie_embeddings)
     sim = build_simulator(cfg, model, optimizer_factory(cfg)(model), loss_fn)
     data = data_for(cfg, model_cfg.vocab_size)
     plan = BatchPlan.of(cfg)  # m_t * dp microbatches from the step's first global index (a rampup grows m_t)
