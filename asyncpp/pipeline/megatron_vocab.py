@@ -23,11 +23,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from torch import Tensor, nn
 
 from asyncpp.core.layer_costs import layer_costs
 from asyncpp.core.vocab_split import VocabSplit, plan_vocab_split, shard_granule
+from asyncpp.parallel.mesh import Mesh
 from model_zoo.config import ModelConfig, MoEConfig
 
 HEAD = "output_layer.weight"
@@ -110,6 +112,46 @@ def vocab_split_of(model: nn.Module, *, seq_len: int, micro_batch_size: int, emb
                             granule=shard_granule(model_cfg.vocab_size, pp, tp))
 
 
+# ---- the rows ------------------------------------------------------------------------------------------------
+def _whole(gpt: nn.Module, mesh: Mesh, name: str, owner: int) -> Tensor:
+    """The whole [vocab, hidden] weight `name` of the stage `owner`, broadcast over megatron's pipeline group."""
+    if mesh.pp_rank == owner:
+        weight = gpt.get_parameter(name)
+        buffer = weight.detach().clone()
+    else:
+        buffer = torch.empty((gpt.vocab_size, gpt.config.hidden_size), dtype=gpt.config.params_dtype,
+                             device=mesh.device)
+    dist.broadcast(buffer, src=mesh.global_rank(owner), group=mesh.pp_group)
+    return buffer
+
+
+def spread_rows(model: nn.Module, split: VocabSplit, mesh: Mesh, *, embedding: bool) -> dict[str, nn.Parameter]:
+    """This stage's rows of megatron's head (`HEAD`, the last stage's output_layer; a tied model's head rows are the
+    first stage's word embeddings) and, with the embedding sharded, of its input embedding (`EMBEDDING`, the first
+    stage's word embeddings), [split.shards[stage], hidden] each, taken from the stage that holds the whole weight
+    by a broadcast over megatron's pipeline group (every stage calls it, once, after building its GPTModel). A tied
+    model's head rows are rows of its embedding: returned as EMBEDDING only (one tensor; without `embedding` they
+    are a copy of those rows of the first stage's whole table, and the first stage's checkpoint saves the table)."""
+    gpt = _gpt(model)
+    if mesh.dims.tp > 1:
+        raise NotImplementedError(f"tensor_model_parallel_size={mesh.dims.tp}: megatron's output_layer and word "
+                                  "embeddings are already split by vocabulary over TP; spreading them over the "
+                                  "pipeline stages too is not supported (use tensor_model_parallel_size=1)")
+    if len(split.shards) != mesh.num_stages:
+        raise ValueError(f"the split has {len(split.shards)} stages' rows, the pipeline {mesh.num_stages} stages")
+    s, last = mesh.pp_rank, mesh.num_stages - 1
+    start, n = sum(split.shards[:s]), split.shards[s]
+    tied = gpt.share_embeddings_and_output_weights
+    out = {}
+    if tied or embedding:
+        table = _whole(gpt, mesh, EMBEDDING, 0)
+        out[EMBEDDING] = nn.Parameter(table[start:start + n].clone())
+    if not tied:
+        head = _whole(gpt, mesh, HEAD, last)
+        out[HEAD] = nn.Parameter(head[start:start + n].clone())
+    return out
+
+
 # ---- checkpoints --------------------------------------------------------------------------------------------
 @dataclass
 class StageCheckpoint:
@@ -188,3 +230,18 @@ def stage_checkpoint(state: Mapping[str, Tensor], rows: Mapping[str, Tensor], sp
         placed[name] = (0 if whole else start, value)
     kept = {k: v for k, v in state.items() if k not in (HEAD, EMBEDDING)}
     return StageCheckpoint(kept, sum(split.sizes[:stage]), placed)
+
+
+def checkpoint_of(model: nn.Module, rows: Mapping[str, Tensor], split: VocabSplit, mesh: Mesh, *,
+                  embedding: bool) -> StageCheckpoint:
+    """This stage's checkpoint: its GPTModel's state dict (without TE's _extra_state) and its rows (spread_rows's).
+    With the embedding not sharded, the first stage saves its whole table, and a tied model's other stages save no
+    rows (theirs are copies of the table's)."""
+    gpt = _gpt(model)
+    state = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
+    saved = dict(rows)
+    if not embedding:
+        saved.pop(EMBEDDING, None)
+        if mesh.is_first_stage:
+            saved[EMBEDDING] = gpt.embedding.word_embeddings.weight.detach()
+    return stage_checkpoint(state, saved, split, mesh.pp_rank, embedding=embedding)

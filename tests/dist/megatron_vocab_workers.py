@@ -4,6 +4,7 @@ pipeline stages by setting megatron's pipeline rank before each is built (parall
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
@@ -14,13 +15,16 @@ from asyncpp.pipeline.megatron_vocab import (
     EMBEDDING,
     HEAD,
     assemble_state_dict,
+    checkpoint_of,
     model_config_of,
+    spread_rows,
     stage_checkpoint,
     stage_layers_of,
     vocab_split_of,
 )
 from asyncpp.reference import megatron_cpu
 from model_zoo.registry import MOE_2B
+from tests.dist.megatron_core_workers import global_name, setup_megatron
 
 
 def _megatron_on_cpu() -> None:
@@ -75,7 +79,7 @@ def tiny_gpt(pp: int, pre: bool, post: bool, tied: bool) -> GPTModel:
                                add_bias_linear=False, use_cpu_initialization=True, pipeline_model_parallel_size=pp,
                                pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0)
     return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
-                    pre_process=pre, post_process=post, share_embeddings_and_output_weights=tied and pre and post)
+                    pre_process=pre, post_process=post, share_embeddings_and_output_weights=tied)
 
 
 def vocab_rank(rank: int, cases: list[tuple[int, bool, bool]], moe_2b: tuple[int, int, int, str]) -> dict:
@@ -100,7 +104,7 @@ def checkpoint_case(pp: int, tied: bool, embedding: bool) -> dict:
     stages = []
     for s in range(pp):
         parallel_state.set_pipeline_model_parallel_rank(s)
-        stages.append(tiny_gpt(pp, s == 0, s == pp - 1, tied))
+        stages.append(tiny_gpt(pp, s == 0, s == pp - 1, False))  # tied: see the docstring
     split = vocab_split_of(stages[0], seq_len=SEQ, micro_batch_size=2, embedding=embedding)
     table = stages[0].embedding.word_embeddings.weight.detach()
     head = table if tied else stages[-1].output_layer.weight.detach()
@@ -152,4 +156,39 @@ def refusals() -> dict:
             out[name] = None
         except ValueError as e:
             out[name] = str(e)
+    return out
+
+
+# ---- the rows spread over real pipeline ranks -----------------------------------------------------------------
+def spread_rank(rank: int, cases: list[tuple[bool, bool]]) -> list[dict]:
+    """On `world` pipeline ranks (megatron's groups, one stage each): every (tied, embedding) case builds its stage
+    of the tiny GPTModel, spreads the rows (spread_rows) and saves its StageCheckpoint (checkpoint_of); rank 0
+    gathers them, assembles the unsplit state dict and loads it into an unsplit GPTModel (strict). Returns, per
+    case: this stage's own tensors by unsplit name (its layers, and the whole table/head it built), the rows' shapes
+    and starts, and on rank 0 the loaded model's state."""
+    pp = dist.get_world_size()
+    out = []
+    for tied, embedding in cases:
+        mesh = setup_megatron(1, pp)
+        torch.manual_seed(1 + rank)  # each stage its own init: the rows must come from the right stage
+        gpt = tiny_gpt(pp, mesh.is_first_stage, mesh.is_last_stage, tied)
+        split = vocab_split_of(gpt, seq_len=SEQ, micro_batch_size=2, embedding=embedding)
+        rows = spread_rows(gpt, split, mesh, embedding=embedding)
+        ckpt = checkpoint_of(gpt, rows, split, mesh, embedding=embedding)
+        own = {global_name(gpt, n): p.detach().clone() for n, p in gpt.named_parameters()}
+        gathered = [None] * pp
+        dist.all_gather_object(gathered, ckpt)
+        result = {"own": own, "shards": split.shards, "rank": rank,
+                  "rows": {k: (start, tuple(v.shape)) for k, (start, v) in ckpt.rows.items()},
+                  "spread": {k: tuple(v.shape) for k, v in rows.items()}}
+        # The unsplit model on one pipeline stage (megatron_cpu's tied-embedding shim all-reduces over the
+        # process's embedding group, which under pp=2 would wait for the other stage: noted for the lead).
+        setup_megatron(1, 1)
+        if rank == 0:
+            unsplit = tiny_gpt(1, True, True, tied)
+            missing, unexpected = unsplit.load_state_dict(assemble_state_dict(gathered, VOCAB, tied=tied))
+            result.update(loaded={k: v.clone() for k, v in unsplit.state_dict().items()
+                                  if not k.endswith("_extra_state")}, missing=list(missing),
+                          unexpected=list(unexpected))
+        out.append(result)
     return out

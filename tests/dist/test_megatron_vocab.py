@@ -18,6 +18,7 @@ from tests.dist.megatron_vocab_workers import (
     EMBEDDING,
     HEAD,
     VOCAB,
+    spread_rank,
     vocab_rank,
 )
 
@@ -97,3 +98,43 @@ def test_an_incomplete_checkpoint_and_wrong_rows_are_refused(megatron):
     assert "embedding.word_embeddings.weight: the stages' rows cover [0, " in got["missing_stage"]
     assert "of a vocabulary of 96" in got["missing_stage"]
     assert "has 1 rows; its shard has" in got["wrong_rows"]
+
+
+SPREAD = [(False, False), (False, True), (True, True), (True, False)]
+"""(tied, embedding sharded) on two real pipeline ranks."""
+
+
+@pytest.mark.parametrize("pp", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_rows_spread_over_megatron_stages_and_saved_load_into_the_unsplit_model(pp):
+    """On P megatron pipeline ranks (each stage its own random init): spread_rows gives every stage its shard of the
+    last stage's output_layer and, sharded, of the first stage's word embeddings (a tied model: of the first
+    stage's embedding, which megatron copied to the last); the stage checkpoints assembled by offset load strictly
+    into an unsplit GPTModel, whose every tensor is the stage's that owned it."""
+    results = run_ranks(spread_rank, pp, SPREAD)
+    for case, (tied, embedding) in enumerate(SPREAD):
+        stages = [r[case] for r in results]
+        first, last = stages[0], stages[-1]
+        shards = first["shards"]
+        assert sum(shards) == VOCAB and all(s["shards"] == shards for s in stages)
+        assert first["missing"] == first["unexpected"] == []
+        loaded = first["loaded"]
+        table = first["own"][EMBEDDING]
+        assert torch.equal(loaded[EMBEDDING], table)
+        if tied:
+            assert HEAD not in loaded and torch.equal(last["own"][EMBEDDING], table)  # megatron's tied copy
+        else:
+            assert torch.equal(loaded[HEAD], last["own"][HEAD])
+            assert not torch.equal(last["own"][HEAD][:8], table[:8])  # two inits: a row from the wrong one shows
+        layers = {n for s in stages for n in s["own"] if n.startswith("decoder.")}
+        assert layers == {n for n in loaded if n.startswith("decoder.")}
+        for s in stages:
+            for name in s["own"]:
+                if name.startswith("decoder."):
+                    assert torch.equal(loaded[name], s["own"][name]), name
+        start = 0
+        for s, rows in zip(stages, shards):
+            spread = {EMBEDDING: (rows, 32)} if tied or embedding else {}
+            if not tied:
+                spread[HEAD] = (rows, 32)
+            assert s["spread"] == spread
+            start += rows
