@@ -137,4 +137,10 @@ def test_rows_spread_over_megatron_stages_and_saved_load_into_the_unsplit_model(
             if not tied:
                 spread[HEAD] = (rows, 32)
             assert s["spread"] == spread
+            saved = {} if tied else {HEAD: (start, (rows, 32))}
+            if embedding:
+                saved[EMBEDDING] = (start, (rows, 32))
+            elif s is first:
+                saved[EMBEDDING] = (0, (VOCAB, 32))
+            assert s["rows"] == saved
             start += rows
