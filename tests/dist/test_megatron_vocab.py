@@ -110,7 +110,7 @@ def test_rows_spread_over_megatron_stages_and_saved_load_into_the_unsplit_model(
     last stage's output_layer and, sharded, of the first stage's word embeddings (a tied model: of the first
     stage's embedding, which megatron copied to the last); the stage checkpoints assembled by offset load strictly
     into an unsplit GPTModel, whose every tensor is the stage's that owned it."""
-    results = run_ranks(spread_rank, pp, SPREAD)
+    results = run_ranks(spread_rank, pp, SPREAD, timeout=300.0 * pp / 2)  # P ranks importing megatron on 2 cores
     for case, (tied, embedding) in enumerate(SPREAD):
         stages = [r[case] for r in results]
         first, last = stages[0], stages[-1]
