@@ -1,0 +1,247 @@
+"""A megatron-core GPTModel's vocabulary over the pipeline stages: the cost model's shards for it, and its
+checkpoint's rows assembled into the unsplit model's state dict.
+
+The shards. asyncpp's own pipeline sizes every stage's rows of the LM head (and of a sharded input embedding) with
+the cost model (core/vocab_split.plan_vocab_split, water filling over the stages' layer costs). A Megatron user
+builds the stages themselves, so the layers per stage are megatron's (its get_num_layers_to_build, per pipeline
+rank), and the costs come from the model's TransformerConfig read as a model_zoo ModelConfig (`model_config_of`):
+the same layer costs (core/layer_costs) and so the same rows as asyncpp's own pipeline for the same model and
+split (`vocab_split_of`). Every rank derives the same split from its own stage: the config is the whole model's.
+
+The checkpoint. A stage of a vocabulary-spread model saves `StageCheckpoint`: its megatron state dict (its layers
+numbered from 0, as megatron numbers a stage's modules) and its rows of `output_layer.weight` and
+`embedding.word_embeddings.weight` at their offset in the vocabulary. `assemble_state_dict` builds the unsplit
+GPTModel's state dict from every stage's: the layers at their global index, the rows concatenated by offset (each
+row once, every row present), a tied model's head rows being its embedding rows (megatron's
+share_embeddings_and_output_weights: no output_layer.weight of its own). Tensor and expert parallelism are not
+assembled here (one TP and EP rank per stage; megatron's dist_checkpointing owns those layouts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from torch import Tensor, nn
+
+from asyncpp.core.layer_costs import layer_costs
+from asyncpp.core.vocab_split import VocabSplit, plan_vocab_split, shard_granule
+from asyncpp.parallel.mesh import Mesh
+from model_zoo.config import ModelConfig, MoEConfig
+
+HEAD = "output_layer.weight"
+EMBEDDING = "embedding.word_embeddings.weight"
+LAYERS = "decoder.layers."
+
+
+def _gpt(model: nn.Module) -> nn.Module:
+    """The GPTModel inside any `.module` wrapper chain (DDP, Float16Module)."""
+    while not hasattr(model, "share_embeddings_and_output_weights") and hasattr(model, "module"):
+        model = model.module
+    if not hasattr(model, "share_embeddings_and_output_weights"):
+        raise TypeError(f"{type(model).__name__} is not a megatron-core GPTModel (nor a wrapper of one)")
+    return model
+
+
+def _swiglu_width(config, width: int) -> int:
+    """The cost model counts a SwiGLU MLP (three [h, f] matrices). Megatron's gated MLP is one; its plain MLP (two
+    matrices, GELU) has the FLOPs of a SwiGLU of 2/3 its width, which is what it is counted as (rounded to a whole
+    column: a cost estimate off by less than one column's FLOPs)."""
+    return width if config.gated_linear_unit else round(2 * width / 3)
+
+
+def _moe_of(config) -> MoEConfig | None:
+    if config.num_moe_experts is None:
+        return None
+    if config.moe_layer_freq != 1:
+        raise NotImplementedError(f"moe_layer_freq={config.moe_layer_freq!r}: the cost model reads a megatron MoE "
+                                  "model whose every layer is MoE (moe_layer_freq=1)")
+    shared = config.moe_shared_expert_intermediate_size or 0
+    return MoEConfig(num_experts=config.num_moe_experts, top_k=config.moe_router_topk,
+                     expert_ffn_hidden_size=_swiglu_width(config, config.moe_ffn_hidden_size),
+                     shared_expert_ffn_hidden_size=_swiglu_width(config, shared))
+
+
+def model_config_of(model: nn.Module) -> ModelConfig:
+    """`model` (a megatron-core GPTModel stage, or a wrapper) as the model_zoo ModelConfig the cost model reads: the
+    whole model's sizes (its TransformerConfig, vocab_size, max_sequence_length, share_embeddings_and_output_weights).
+    Only what the costs read is mapped; the rest (norm eps, rope base, init) keeps ModelConfig's defaults."""
+    gpt = _gpt(model)
+    c = gpt.config
+    moe = _moe_of(c)
+    return ModelConfig(name=f"megatron-gpt-{c.num_layers}x{c.hidden_size}", vocab_size=gpt.vocab_size,
+                       hidden_size=c.hidden_size, num_layers=c.num_layers, num_heads=c.num_attention_heads,
+                       num_kv_heads=c.num_query_groups or c.num_attention_heads, head_dim=c.kv_channels,
+                       ffn_hidden_size=0 if moe is not None else _swiglu_width(c, c.ffn_hidden_size),
+                       max_seq_len=gpt.max_sequence_length, tie_embeddings=gpt.share_embeddings_and_output_weights,
+                       qk_norm=bool(c.qk_layernorm), moe=moe)
+
+
+def stage_layers_of(config) -> tuple[int, ...]:
+    """The layers megatron builds on each pipeline rank (get_num_layers_to_build at every pp_rank: even, or with
+    num_layers_in_first/last_pipeline_stage)."""
+    for name in ("pipeline_model_parallel_layout", "virtual_pipeline_model_parallel_size"):
+        if getattr(config, name, None) is not None:
+            raise NotImplementedError(f"{name}={getattr(config, name)!r}: the vocabulary-parallel head spreads the "
+                                      "rows over one model chunk per pipeline rank; build the model without it")
+    sizes = tuple(get_num_layers_to_build(config, pp_rank=s) for s in range(config.pipeline_model_parallel_size))
+    if sum(sizes) != config.num_layers:
+        raise ValueError(f"megatron builds {list(sizes)} layers on the pipeline ranks, {sum(sizes)} in all, but "
+                         f"num_layers={config.num_layers} (account_for_embedding/loss_in_pipeline_split leave a "
+                         "stage without layers, which the vocabulary-parallel head replaces): build it without them")
+    return sizes
+
+
+def vocab_split_of(model: nn.Module, *, seq_len: int, micro_batch_size: int, embedding: bool = False,
+                   device_type: str = "cpu") -> VocabSplit:
+    """The cost model's layers and rows per stage for a megatron-core GPTModel (any stage of it): megatron's layer
+    split, and the rows water-filled over it at this work shape, in granules a multiple of the model's TP size
+    (core/vocab_split.shard_granule). `embedding`: the input embedding sharded by the same rows."""
+    gpt = _gpt(model)
+    config = gpt.config
+    model_cfg = model_config_of(gpt)
+    pp, tp = config.pipeline_model_parallel_size, config.tensor_model_parallel_size
+    if pp < 2:
+        raise ValueError(f"pipeline_model_parallel_size={pp}: the vocabulary is spread over the pipeline stages, "
+                         "so it needs at least 2")
+    costs = layer_costs(model_cfg, seq_len, micro_batch_size, device_type)
+    return plan_vocab_split(costs, pp, model_cfg.vocab_size, sizes=stage_layers_of(config), embedding=embedding,
+                            granule=shard_granule(model_cfg.vocab_size, pp, tp))
+
+
+# ---- the rows ------------------------------------------------------------------------------------------------
+def _whole(gpt: nn.Module, mesh: Mesh, name: str, owner: int) -> Tensor:
+    """The whole [vocab, hidden] weight `name` of the stage `owner`, broadcast over megatron's pipeline group."""
+    if mesh.pp_rank == owner:
+        weight = gpt.get_parameter(name)
+        buffer = weight.detach().clone()
+    else:
+        buffer = torch.empty((gpt.vocab_size, gpt.config.hidden_size), dtype=gpt.config.params_dtype,
+                             device=mesh.device)
+    dist.broadcast(buffer, src=mesh.global_rank(owner), group=mesh.pp_group)
+    return buffer
+
+
+def spread_rows(model: nn.Module, split: VocabSplit, mesh: Mesh, *, embedding: bool) -> dict[str, nn.Parameter]:
+    """This stage's rows of megatron's head (`HEAD`, the last stage's output_layer; a tied model's head rows are the
+    first stage's word embeddings) and, with the embedding sharded, of its input embedding (`EMBEDDING`, the first
+    stage's word embeddings), [split.shards[stage], hidden] each, taken from the stage that holds the whole weight
+    by a broadcast over megatron's pipeline group (every stage calls it, once, after building its GPTModel). A tied
+    model's head rows are rows of its embedding: returned as EMBEDDING only (one tensor; without `embedding` they
+    are a copy of those rows of the first stage's whole table, and the first stage's checkpoint saves the table)."""
+    gpt = _gpt(model)
+    if mesh.dims.tp > 1:
+        raise NotImplementedError(f"tensor_model_parallel_size={mesh.dims.tp}: megatron's output_layer and word "
+                                  "embeddings are already split by vocabulary over TP; spreading them over the "
+                                  "pipeline stages too is not supported (use tensor_model_parallel_size=1)")
+    if len(split.shards) != mesh.num_stages:
+        raise ValueError(f"the split has {len(split.shards)} stages' rows, the pipeline {mesh.num_stages} stages")
+    s, last = mesh.pp_rank, mesh.num_stages - 1
+    start, n = sum(split.shards[:s]), split.shards[s]
+    tied = gpt.share_embeddings_and_output_weights
+    out = {}
+    if tied or embedding:
+        table = _whole(gpt, mesh, EMBEDDING, 0)
+        out[EMBEDDING] = nn.Parameter(table[start:start + n].clone())
+    if not tied:
+        head = _whole(gpt, mesh, HEAD, last)
+        out[HEAD] = nn.Parameter(head[start:start + n].clone())
+    return out
+
+
+# ---- checkpoints --------------------------------------------------------------------------------------------
+@dataclass
+class StageCheckpoint:
+    """One stage's share of a vocabulary-spread GPTModel: its megatron state dict (layers numbered from 0, no whole
+    head or embedding), the global index of its first layer, and its rows: name (`HEAD`, `EMBEDDING`) ->
+    (the vocabulary row they start at, [rows, hidden])."""
+
+    state: dict[str, Tensor]
+    layer_offset: int
+    rows: dict[str, tuple[int, Tensor]]
+
+
+def _global_layer(name: str, offset: int) -> str:
+    if not name.startswith(LAYERS):
+        return name
+    index, rest = name[len(LAYERS):].split(".", 1)
+    return f"{LAYERS}{int(index) + offset}.{rest}"
+
+
+def _assembled_rows(stages: Sequence[StageCheckpoint], name: str, vocab: int) -> Tensor:
+    """The stages' rows of `name` in vocabulary order, checked to cover [0, vocab) once."""
+    pieces = sorted((s.rows[name] for s in stages if name in s.rows), key=lambda p: p[0])
+    at = 0
+    for start, rows in pieces:
+        if start != at:
+            raise ValueError(f"{name}: the stages' rows leave a gap or overlap at row {at} (a stage's start at "
+                             f"{start}): every stage's checkpoint of the same run is needed, once each")
+        at += rows.shape[0]
+    if at != vocab:
+        raise ValueError(f"{name}: the stages' rows cover [0, {at}) of a vocabulary of {vocab}")
+    return torch.cat([rows for _, rows in pieces])
+
+
+def assemble_state_dict(stages: Sequence[StageCheckpoint], vocab_size: int, *, tied: bool) -> dict[str, Tensor]:
+    """The unsplit GPTModel's state dict (megatron's names; load it with load_state_dict(strict=True)) from every
+    stage's checkpoint: layers at their global index, the head's and the embedding's rows by offset. `tied`
+    (share_embeddings_and_output_weights): the head rows are the embedding's, saved under EMBEDDING only."""
+    out: dict[str, Tensor] = {}
+    for stage in stages:
+        for name, value in stage.state.items():
+            if name in (HEAD, EMBEDDING):
+                raise ValueError(f"the stage at layer offset {stage.layer_offset} saved a whole {name} in its "
+                                 "state: a vocabulary-spread stage saves its rows in StageCheckpoint.rows")
+            key = _global_layer(name, stage.layer_offset)
+            if key in out:
+                raise ValueError(f"{key} is saved by two stages")
+            out[key] = value
+    out[EMBEDDING] = _assembled_rows(stages, EMBEDDING, vocab_size)
+    if tied and any(HEAD in s.rows for s in stages):
+        raise ValueError(f"tied=True, but a stage saved {HEAD} rows: a tied model's head rows are its {EMBEDDING} "
+                         "rows (save those)")
+    if not tied:
+        out[HEAD] = _assembled_rows(stages, HEAD, vocab_size)
+    return out
+
+
+def stage_checkpoint(state: Mapping[str, Tensor], rows: Mapping[str, Tensor], split: VocabSplit, stage: int,
+                     *, embedding: bool) -> StageCheckpoint:
+    """Stage `stage`'s checkpoint from its module's state dict and its `rows` (HEAD and/or EMBEDDING). The rows
+    are its shard's, [split.shards[stage], hidden], placed at the shard's start; with the embedding not sharded
+    (`embedding` False) EMBEDDING is the first stage's whole table, at row 0. A whole head or embedding the stage
+    module still holds itself (a GPTModel built with post_process keeps its output_layer) is what the rows
+    replace: it is not saved."""
+    start, hold = sum(split.shards[:stage]), split.shards[stage]
+    placed = {}
+    for name, value in rows.items():
+        if name not in (HEAD, EMBEDDING):
+            raise ValueError(f"rows[{name!r}]: a stage's rows are {HEAD} and/or {EMBEDDING}")
+        whole = name == EMBEDDING and not embedding
+        if whole and stage != 0:
+            raise ValueError(f"stage {stage} saved {EMBEDDING} rows, but the embedding is not sharded "
+                             "(embedding=False): the first stage holds it whole")
+        want = sum(split.shards) if whole else hold
+        if value.shape[0] != want:
+            raise ValueError(f"rows[{name!r}] of stage {stage} has {value.shape[0]} rows; its shard has {want}")
+        placed[name] = (0 if whole else start, value)
+    kept = {k: v for k, v in state.items() if k not in (HEAD, EMBEDDING)}
+    return StageCheckpoint(kept, sum(split.sizes[:stage]), placed)
+
+
+def checkpoint_of(model: nn.Module, rows: Mapping[str, Tensor], split: VocabSplit, mesh: Mesh, *,
+                  embedding: bool) -> StageCheckpoint:
+    """This stage's checkpoint: its GPTModel's state dict (without TE's _extra_state) and its rows (spread_rows's).
+    With the embedding not sharded, the first stage saves its whole table, and a tied model's other stages save no
+    rows (theirs are copies of the table's)."""
+    gpt = _gpt(model)
+    state = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
+    saved = dict(rows)
+    if not embedding:
+        saved.pop(EMBEDDING, None)
+        if mesh.is_first_stage:
+            saved[EMBEDDING] = gpt.embedding.word_embeddings.weight.detach()
+    return stage_checkpoint(state, saved, split, mesh.pp_rank, embedding=embedding)
