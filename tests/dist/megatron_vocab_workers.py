@@ -11,6 +11,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
+from asyncpp.parallel import megatron_cpu
 from asyncpp.pipeline.megatron_vocab import (
     EMBEDDING,
     HEAD,
@@ -22,7 +23,6 @@ from asyncpp.pipeline.megatron_vocab import (
     stage_layers_of,
     vocab_split_of,
 )
-from asyncpp.reference import megatron_cpu
 from model_zoo.registry import MOE_2B
 from tests.dist.megatron_core_workers import global_name, setup_megatron
 
