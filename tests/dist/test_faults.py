@@ -40,15 +40,15 @@ def test_neighbour_of_a_dead_rank_fails_with_a_named_stage(victim):
 
 def poisoned_rank(rank: int, cfg_dict: dict, poison: list[int]) -> dict:
     """The last stage's loss is NaN at the `poison` steps (a bad batch)."""
-    import asyncpp.pipeline.executor as pipeline
+    import asyncpp.pipeline.stage as stage
 
-    original = pipeline.PipelineExecutor._forward
+    original = stage.StageForward.__call__
 
     def forward(self, step, microbatch, x):
         out = original(self, step, microbatch, x)
         return out * float("nan") if self.spec.is_last and step in poison else out
 
-    pipeline.PipelineExecutor._forward = forward
+    stage.StageForward.__call__ = forward
     try:
         return pipeline_rank(rank, cfg_dict)
     except Exception as e:  # noqa: BLE001 - the message is what the test checks
