@@ -53,8 +53,9 @@ def silent_before(rank: int, cfg_dict: dict, victim: int, target: str, after_cal
 
 
 @pytest.mark.parametrize("layout, target, op, group", [
-    ({"model": {"name": "tiny_moe"}, "parallel": {"pp": 1, "dp": 2, "ep": 2}}, "dispatch",
-     "the expert dispatcher's all-to-all of the token counts", "the data-parallel and expert-parallel group"),
+    pytest.param({"model": {"name": "tiny_moe"}, "parallel": {"pp": 1, "dp": 2, "ep": 2}}, "dispatch",
+                 "the expert dispatcher's all-to-all of the token counts", "the data-parallel and expert-parallel group",
+                 marks=pytest.mark.slow),  # 18 s: re-tiered (session 8); the async-save group's bound stays default
     pytest.param({"model": {"name": "tiny_dense"}, "parallel": {"pp": 1, "tp": 2}}, "_all_reduce",
                  "the tensor-parallel all-reduce of a region's partial outputs (reduce_from)", "the tensor-parallel group",
                  marks=pytest.mark.slow),

@@ -29,7 +29,7 @@ def config(tmp_path, pp: int, **extra):
                        checkpoint={"enabled": True, "every": 3, "dir": str(tmp_path / "ckpt")}, **extra)
 
 
-@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)])  # 13 s each: session 8
 def test_pipeline_resume_is_bitwise_exact(tmp_path, async_save):
     full, full_params = pipeline(config(tmp_path, 2).replace(
         checkpoint=config(tmp_path, 2).checkpoint.__class__(enabled=True, every=3, dir=str(tmp_path / "ckpt"),
@@ -69,6 +69,8 @@ def test_checkpoint_saved_by_two_stages_resumes_in_one_process(tmp_path):
         assert float((p.detach() - ref).norm() / ref.norm()) < 1e-5, name
 
 
+@pytest.mark.slow  # re-tiered (session 8): the default suite's budget; 30 s; resharding across pp stays in the default tier through
+# tests/unit (restore) and test_pipeline_resume_is_bitwise_exact
 def test_checkpoint_saved_by_two_stages_resumes_on_four(tmp_path):
     """Save at PP=2, load at PP=4 (each rank reads the layers it now owns) and continue."""
     full4, full4_params = pipeline(config(tmp_path / "a", 4, model={"name": "tiny_dense"}))
@@ -84,6 +86,7 @@ def test_checkpoint_saved_by_two_stages_resumes_on_four(tmp_path):
         assert float((p - ref).norm() / ref.norm()) < 1e-5, name
 
 
+@pytest.mark.slow  # re-tiered (session 8): the default suite's budget; 32 s (4 ranks twice, then one)
 def test_tp2_moe_resume_is_exact_and_reshards_to_tp1(tmp_path):
     """A TP=2 x PP=2 run of tiny_moe with aux-loss-free balancing: its checkpoint resumes bit for bit on
     the same layout (TP shards, both weight versions, the router-bias versions, Muon state) and loads into

@@ -26,7 +26,10 @@ CORRECTIONS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CORRECTIONS))
+# Default tier: every correction at once (all_with_ef) at 2 stages and weight prediction at 4; each alone is slow
+# (re-tiered in session 8: ~7-11 s each).
+@pytest.mark.parametrize("name", [n if n == "all_with_ef" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in CORRECTIONS])
 def test_two_stage_2bw_with_correction_equals_simulator(name):
     # tiny_dense ties its embedding and head: the last stage corrects the tied gradient in UPDATE.
     cfg = make_config(parallel={"pp": 2}, optimizer={"name": "adamw", "lr": 3e-3}, staleness=CORRECTIONS[name])
@@ -36,7 +39,8 @@ def test_two_stage_2bw_with_correction_equals_simulator(name):
     assert max(relative_error(ref["params"][n], p) for n, p in plain["params"].items()) > 1e-4
 
 
-@pytest.mark.parametrize("name", ["grad_ef", "dc_asgd", "weight_prediction"])
+@pytest.mark.parametrize("name", [pytest.param("grad_ef", marks=pytest.mark.slow),
+                                  pytest.param("dc_asgd", marks=pytest.mark.slow), "weight_prediction"])
 def test_four_stage_2bw_with_correction_and_sync_start_equals_simulator(name):
     # A synchronous first step: its update is eager, and the first delayed step reads (and predicts from) x_0.
     cfg = make_config(parallel={"pp": 4}, train={"steps": 5, "num_microbatches": 4},

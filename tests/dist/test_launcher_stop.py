@@ -88,6 +88,8 @@ def newest_step(run: Path) -> int | None:
     return json.loads(steps[-1].read_text())["step"] if steps else None
 
 
+@pytest.mark.slow  # re-tiered (session 8): the default suite's budget; 63 s on a quiet machine (a torchrun job of 2 ranks, stopped and resumed); launch.local's signal
+# forwarding keeps default unit tests (tests/unit/test_launch.py)
 def test_sigterm_to_launch_local_checkpoints_says_so_and_leaves_no_orphan(tmp_path):
     run = tmp_path / "run"
     proc, tree = start(run)
@@ -102,7 +104,7 @@ def test_sigterm_to_launch_local_checkpoints_says_so_and_leaves_no_orphan(tmp_pa
     assert not wait_gone(tree, 30), "processes of the job outlived its launcher"
 
 
-@pytest.mark.slow  # ~70 s of CPU for a torchrun job of 2 ranks; the SIGTERM test above runs by default
+@pytest.mark.slow  # ~70 s of CPU for a torchrun job of 2 ranks
 def test_a_killed_launcher_leaves_no_orphan(tmp_path):
     run = tmp_path / "run"
     proc, tree = start(run)

@@ -142,7 +142,7 @@ def assert_parallel_equivalent(cfg, rel: float = 1e-5, worker=pipeline_rank, *wo
     return records, ref, results
 
 
-@pytest.mark.parametrize("model", ["tiny_moe", "tiny_hybrid"])
+@pytest.mark.parametrize("model", [pytest.param("tiny_moe", marks=pytest.mark.slow), "tiny_hybrid"])  # moe: EP tests
 def test_tp2_x_pp2_2bw_equals_simulator(model):
     """Four ranks: two stages, each split over two TP ranks (heads, GDN heads, ffn/experts, vocab)."""
     cfg = make_config(model={"name": model}, parallel={"pp": 2, "tp": 2},

@@ -28,7 +28,8 @@ def without_recompute():
     return _run("none")
 
 
-@pytest.mark.parametrize("recompute", ["full", ["selective", "full"]])
+@pytest.mark.parametrize("recompute", [pytest.param("full", marks=pytest.mark.slow),  # 13 s: re-tiered (session 8)
+                                       ["selective", "full"]])
 def test_2bw_with_recompute_equals_2bw_without_bit_for_bit(recompute, without_recompute):
     ref_losses, ref_params = without_recompute
     losses, params = _run(recompute)

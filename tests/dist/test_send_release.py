@@ -48,7 +48,7 @@ def pending_after_retire(rank: int, cfg_dict: dict) -> dict:
     return {"stage": mesh.pp_rank, "seen": seen}
 
 
-@pytest.mark.parametrize("pp, head", [(3, "last"), (2, "vocab")])
+@pytest.mark.parametrize("pp, head", [pytest.param(3, "last", marks=pytest.mark.slow), (2, "vocab")])  # 9 s: session 8
 def test_sends_of_finished_steps_are_freed_at_the_update(pp, head):
     m, steps = 3, 8
     cfg = make_config(parallel={"pp": pp, "head": head},

@@ -75,6 +75,7 @@ def test_a_stop_mid_segment_checkpoints_the_agreed_step_and_the_rerun_is_bit_ide
         assert torch.equal(resumed_params[name], p), name
 
 
+@pytest.mark.slow  # re-tiered (session 8, the default suite's budget): 14 s
 def test_timed_checkpoints_cut_the_stream_where_rank_0_asks_and_change_no_number(tmp_path):
     """checkpoint.every_minutes tiny: rank 0's clock asks at every step; every rank saves at the same agreed
     steps (mid-segment), and losses and weights equal the run without timed checkpoints, bit for bit."""

@@ -52,6 +52,7 @@ def test_two_stage_2bw_run_writes_one_metrics_file_and_a_timeline(tmp_path):
     assert "summary (" in log and "  bubble " in log  # the summary table (asyncpp/train/metrics.py summary_table)
 
 
+@pytest.mark.slow  # re-tiered (session 8, the default suite's budget): 20 s; the one-process rerun stays default (tests/unit/test_continue_run.py)
 def test_a_rerun_of_a_finished_pipeline_run_is_one_line_and_exit_0(tmp_path):
     """Issue 47: under torchrun the rerun's RunComplete (every rank raises it after rank 0's broadcast) was taken for
     a rank's failure (exit 1, torchrun's ChildFailedError report); it is one line from rank 0 and exit 0."""
@@ -69,9 +70,12 @@ def test_a_rerun_of_a_finished_pipeline_run_is_one_line_and_exit_0(tmp_path):
     (["parallel.pp=2", "parallel.dp=2"], "parallel.dp=2 but 2 ranks"),
     (["parallel.pp=2", "schedule=2bw", "train.num_microbatches=1"],
      "at least parallel.pp=2 microbatches per replica, got train.num_microbatches=1"),
-    (["parallel.pp=2", "parallel.tp=2"], "not divisible by parallel.tp=2 x parallel.pp=2"),
+    # One torchrun start per case (~6 s): two in the default tier; the validator's own tests check every message.
+    pytest.param(["parallel.pp=2", "parallel.tp=2"], "not divisible by parallel.tp=2 x parallel.pp=2",
+                 marks=pytest.mark.slow),
     # dp = 2 ranks / pp 1 = 2: 24 sequences do not split into microbatches of 8 on 2 replicas
-    (["parallel.pp=1", "schedule=sync", "train.global_batch_size=24"], "train.micro_batch_size=8 x dp=2 = 16"),
+    pytest.param(["parallel.pp=1", "schedule=sync", "train.global_batch_size=24"], "train.micro_batch_size=8 x dp=2 = 16",
+                 marks=pytest.mark.slow),
 ])
 def test_bad_layouts_fail_before_any_process_group(tmp_path, overrides, message):
     proc = torchrun(tmp_path, 2, *overrides)
