@@ -22,6 +22,7 @@ PRETRAIN = [c for c in COMMANDS if c.kind == "pretrain"]
 #: Commands that read something this machine does not have; the check stops at that, with this message.
 NEEDS = {
     "data=fineweb_edu": "fineweb",  # the FineWeb-Edu prefix is made by docs/data.md's preprocessing command
+    "checkpoint.init_from=smollm2.pt": "checkpoint.init_from",  # docs/hf.md's `tools.hf import` writes it
 }
 
 
@@ -65,6 +66,11 @@ def test_slurm_command_renders(command: DocCommand, tmp_path):
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c.kind == "launch.local"], ids=lambda c: c.id)
 def test_local_command_builds(command: DocCommand, capsys):
+    need = next((k for k in NEEDS if k in command.overrides), None)
+    if need is not None:  # launch.local validates before it builds: refused naming what is missing, exit 2
+        assert local.main(_with_options(command.overrides, "--dry-run")) == 2
+        assert NEEDS[need] in capsys.readouterr().err
+        return
     assert local.main(_with_options(command.overrides, "--dry-run")) == 0  # prints the command, runs nothing
     assert "pretrain.py" in capsys.readouterr().out
 
