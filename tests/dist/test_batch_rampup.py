@@ -50,6 +50,7 @@ def test_2bw_pipeline_with_a_batch_rampup_equals_the_simulator():
         assert r["bubble_fraction"] == pytest.approx(sum(stages) / 2, rel=1e-12)  # dp 1: a rank is a stage
 
 
+@pytest.mark.slow  # re-tiered (session 8, the default suite's budget): 13 s; the ramp itself equals the simulator by default
 def test_pipeline_resumed_in_the_middle_of_the_ramp_equals_the_uninterrupted_run(tmp_path):
     def run(checkpoint: dict) -> tuple[dict, dict]:
         cfg = make_config(parallel={"pp": 2}, train=RAMP, checkpoint=checkpoint)

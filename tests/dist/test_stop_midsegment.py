@@ -45,11 +45,12 @@ def params_of(results) -> dict:
 
 
 @pytest.mark.parametrize("kind, P, requester, at_step", [
-    ("2bw", 2, 1, 3),
+    pytest.param("2bw", 2, 1, 3, marks=pytest.mark.slow),  # 17 s; session 8: the stop streams' unit test and the
     pytest.param("2bw", 3, 0, 2, marks=pytest.mark.slow),
     pytest.param("1f1b", 2, 0, 4, marks=pytest.mark.slow),
     pytest.param("pipedream", 3, 2, 1, marks=pytest.mark.slow),
 ])
+# (session 8) NCCL replay of 2bw-P2-stop-midsegment stay in the default tier
 def test_a_stop_mid_segment_checkpoints_the_agreed_step_and_the_rerun_is_bit_identical(tmp_path, kind, P,
                                                                                        requester, at_step):
     full = run_ranks(pipeline_rank, P, config(tmp_path / "full", kind, P).to_dict())

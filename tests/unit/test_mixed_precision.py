@@ -204,6 +204,7 @@ def test_fp32_precision_is_bit_identical_to_no_precision_option():
     assert with_option == plain
 
 
+@pytest.mark.slow  # re-tiered (session 8, the default suite's budget): 14 s; the bf16 pipeline equals the bf16 simulator by default
 def test_bf16_training_tracks_fp32():
     """25 steps of 2BW (two simulated stages, delayed updates) on tiny_hybrid (GDN + attention + MoE),
     Muon: every step's bf16 loss is within 2% of the fp32 loss (measured: < 0.8%), and both learn."""

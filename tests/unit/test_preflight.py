@@ -77,6 +77,7 @@ def test_a_config_error_exits_2_before_any_model_and_tells_the_launcher(tmp_path
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no model, no metrics: nothing started
 
 
+@pytest.mark.slow  # re-tiered (session 8, the default suite's budget): 26 s (pretrain.py subprocesses)
 def test_an_override_hydra_refuses_is_a_config_error_and_a_crash_is_not(tmp_path):
     """hydra refuses `trian.steps=3` before main runs (its own sys.exit(1)); pretrain.py makes that exit 2 with the
     launcher's note, as for any config error (torchrun and the slurm script retried it as a crash). A crash inside
@@ -340,6 +341,7 @@ def test_the_run_name_is_the_command_not_the_clock():
     assert sweep_name(None) == "sweep" and sweep_name("x") == "x"
 
 
+@pytest.mark.slow  # re-tiered (session 8, the default suite's budget): 12 s (two pretrain.py runs)
 def test_rerunning_the_same_command_finds_the_same_directory(tmp_path):
     """hydra.run.dir as pretrain.py resolves it: no timestamp, the same for the same overrides."""
     def run_dir(*overrides):

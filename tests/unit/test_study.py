@@ -48,6 +48,7 @@ def memberships(runs: list[study.Run]) -> dict[tuple[str, str, str, int], study.
     return {(c["cell"], c["row"], c["column"], c["seed"]): r for r in runs for c in r.cells}
 
 
+@pytest.mark.slow  # re-tiered (session 8, the default suite's budget): 11 s (composes every run of the plan)
 def test_full_plan_has_every_cell_and_shares_runs(full_runs):
     cells = memberships(full_runs)
     # 5 optimizers x {sync, 2bw, 2bw_ef} x 3 seeds
