@@ -30,11 +30,44 @@ def rendezvous_store(world_size: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, queue) -> None:
+PRELOAD = ("torch", "torch.distributed", "asyncpp.job", "asyncpp.pipeline.compose", "asyncpp.reference.executor",
+           "model_zoo", "tests.dist.harness", "tests.dist.workers", "tests.dist.tp_workers", "tests.dist.ep_workers",
+           "tests.dist.muon_workers", "tests.dist.megatron_core_workers", "tests.dist.megatron_vocab_workers")
+"""What the fork server imports once, so that a rank starts as a fork of it instead of a fresh interpreter that
+imports torch and asyncpp again: 6-7 s of imports per rank on this 2-core machine, paid by every rank of every
+multi-process test under the spawn start method, were most of the default suite's time (tests/dist: 130 tests,
+933 s). Nothing here runs a kernel or starts a thread before the fork (torch's intra-op pool starts lazily), so a
+forked rank begins in the state a freshly spawned one reaches after its imports."""
+
+
+def _context():
+    """The fork server's context: a clean process (not a fork of pytest, which holds threads and state), started
+    once per test session and kept; each rank is a fork of it."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server starts (the first rank), then ignored
+    return ctx
+
+
+def _pack(fn, args: tuple) -> bytes:
+    """fn and its arguments as bytes: tensors travel by value. Passed as objects, torch.multiprocessing's pickler
+    would hand each tensor's storage to the rank as a file descriptor, and the fork server takes at most ~250 per
+    process (a state dict of a model exceeds that: 'too many fds')."""
+    buf = io.BytesIO()
+    torch.save((fn, args), buf)
+    return buf.getvalue()
+
+
+def _entry(rank: int, world_size: int, port: int, packed: bytes, queue, environ: dict | None = None) -> None:
+    if environ is not None:
+        # The fork server's environment is the parent's when the server started; a spawned rank would see the
+        # parent's now (a test may have set a variable since).
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), TORCHELASTIC_USE_AGENT_STORE="True",
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # N processes share 2 cores: oversubscribed OpenMP threads spin for seconds
     try:
+        fn, args = torch.load(io.BytesIO(packed), weights_only=False)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         # bytes, not tensors: tensors would travel as shared-memory handles that die with this process
         buf = io.BytesIO()
@@ -61,10 +94,12 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, expect_dead: b
     ("died", exitcode) in its slot so a test can check how the survivors reacted. Without expect_dead, the first
     error ends the wait `grace` seconds later: the ranks that have not reported by then are killed.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     store = rendezvous_store(world_size)
-    procs = [ctx.Process(target=_entry, args=(r, world_size, store.port, fn, args, queue)) for r in range(world_size)]
+    environ, packed = dict(os.environ), _pack(fn, args)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, store.port, packed, queue, environ))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results, errors, deadline = {}, [], time.monotonic() + timeout
