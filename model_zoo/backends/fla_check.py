@@ -11,6 +11,7 @@ are logged once and kept (`FlaChecks.decisions`); a refused shape runs the PyTor
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,6 +99,18 @@ def check_kernel(fused: Callable, t: int, h: int, dk: int, dv: int, dtype: torch
     return FlaDecision(True, f"forward and backward within their bounds (closest: {worst[1]})")
 
 
+def _outside_compiled_graphs(method: Callable) -> Callable:
+    """torch.compiler.disable, applied at the first call instead of at import: the decorator imports torch._dynamo
+    (~3 s of a process's ~7 s of imports on 2 cores), which a process that never checks a kernel (a refused config,
+    a dry run, a launcher) need not pay. Under a trace the first call breaks the graph once and runs eagerly."""
+
+    @functools.wraps(method)
+    def call(self, *args):  # a wrapper per call: `decide` runs once per shape, and a cache would warn under dynamo
+        return torch.compiler.disable(method)(self, *args)
+
+    return call
+
+
 class FlaChecks:
     """The decisions of one process: each shape checked once (`check_kernel`), logged with its reason, kept."""
 
@@ -106,7 +119,7 @@ class FlaChecks:
         self.find_kernel, self.log = find_kernel, log
         self.decisions: dict[Key, FlaDecision] = {}
 
-    @torch.compiler.disable  # a check runs real kernels and keeps Python state: never inside a compiled graph
+    @_outside_compiled_graphs  # a check runs real kernels and keeps Python state: never inside a compiled graph
     def decide(self, t: int, h: int, dk: int, dv: int, dtype: torch.dtype, device: torch.device) -> FlaDecision:
         key = (t, h, dk, dv, dtype, device)
         if key not in self.decisions:

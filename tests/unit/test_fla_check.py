@@ -4,6 +4,9 @@ its reason, and a shape is checked once per process."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -96,3 +99,29 @@ def test_no_kernel_or_no_device_is_refused_without_running_anything(monkeypatch)
     traced = FlaChecks(find_kernel=lambda: raises, log=lambda m: None)  # raises if it were run
     decision = traced.decide(*SHAPE, torch.bfloat16, torch.device("cuda", 0))
     assert not decision.use and decision.reason == "no CUDA device to check it on"
+
+
+def test_a_shape_first_met_inside_a_compiled_graph_is_checked_once_outside_it():
+    """`decide` keeps Python state and runs real kernels, so torch.compile must leave it out of the graph: the first
+    call of a shape inside a compiled function runs the check eagerly (the kernel looked up and the decision logged
+    once), the second call reads the decision. (The disable is applied at the first call, not at import, so that
+    importing the model imports no torch._dynamo: the next test.)"""
+    looked_up, logged = [], []
+    checks = FlaChecks(find_kernel=lambda: looked_up.append(1), log=logged.append)
+
+    @torch.compile(backend="eager")
+    def layer(x):
+        kernel = checks.kernel_for(*SHAPE, torch.bfloat16, CPU)
+        return x * 2 if kernel is None else x
+
+    for _ in range(2):
+        torch.testing.assert_close(layer(torch.ones(3)), torch.full((3,), 2.0))
+    assert len(looked_up) == 1 and len(logged) == 1 and len(checks.decisions) == 1
+
+
+def test_the_entry_imports_no_compiler():
+    """`python pretrain.py <a typo>` answers in ~5 s here, not ~9.5: importing torch._dynamo (what a decorator
+    `torch.compiler.disable` at import costs) is ~3 s of every process's start, every rank's and every refusal's."""
+    probe = "import sys, asyncpp.job, model_zoo, data; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
