@@ -30,10 +30,15 @@ pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
 ARGS = ["--train-iters", "6", "--eval-interval", "3", "--ef-lambda", "1", "--num-layers", "2"]
 
 
-def run(*argv: str) -> dict:
-    """The last stage's log (rank 1 under PP=2)."""
-    logs = run_ranks(example_rank, 2, [*ARGS, *map(str, argv)], timeout=300.0)
-    return logs[1]
+LAYOUTS = {"pp2": [], "pp2_tp2": ["--tp", "2"]}
+
+
+def run(layout: str, *argv: str) -> dict:
+    """The log of the last stage's first rank (rank 1 under PP=2, rank 2 under PP=2 x TP=2: megatron's rank order
+    is tp fastest)."""
+    tp = 2 if "--tp" in LAYOUTS[layout] else 1
+    logs = run_ranks(example_rank, 2 * tp, [*ARGS, *LAYOUTS[layout], *map(str, argv)], timeout=600.0)
+    return logs[tp]
 
 
 def tensors(path) -> dict[str, torch.Tensor]:
@@ -43,14 +48,16 @@ def tensors(path) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=False)
 
 
-def test_stopped_and_resumed_equals_uninterrupted(tmp_path):
-    whole = run("--save", tmp_path / "whole")
-    first = run("--save", tmp_path / "a", "--exit-interval", "3")
+@pytest.mark.parametrize("layout", [pytest.param("pp2"),
+                                    pytest.param("pp2_tp2", marks=pytest.mark.slow)])  # TP shards as DTensors; ~2 min
+def test_stopped_and_resumed_equals_uninterrupted(tmp_path, layout):
+    whole = run(layout, "--save", tmp_path / "whole")
+    first = run(layout, "--save", tmp_path / "a", "--exit-interval", "3")
     saved = tmp_path / "a" / "step_00000003"
     # the mechanism ran: the stop wrote a committed checkpoint of iteration 3 and stopped there
     assert first["saved"] == [str(saved)] and len(first["train"]) == 3
     assert json.loads((saved / "manifest.json").read_text())["step"] == 3 and (saved / ".metadata").is_file()
-    resumed = run("--load", tmp_path / "a", "--save", tmp_path / "b")
+    resumed = run(layout, "--load", tmp_path / "a", "--save", tmp_path / "b")
     assert resumed["start_iteration"] == 3 and len(resumed["train"]) == 3
 
     assert first["train"] == whole["train"][:3]
@@ -64,6 +71,9 @@ def test_stopped_and_resumed_equals_uninterrupted(tmp_path):
     kinds = {k.split("/")[0] for k in end}
     assert kinds == {"weights", "ef", "optim"}, kinds
     assert {k.split("/")[1] for k in end if k.startswith("weights/")} == {"0", "1"}  # x_t and x_{t-1}
+    # the unsplit model's names and shapes whatever the layout: layer 1 lives on stage 1 (its local layer 0), and a
+    # TP-sharded matrix is whole (megatron's fc1: [ffn = 4 x hidden, hidden], split over TP along dim 0)
+    assert end["weights/0/decoder.layers.1.mlp.linear_fc1.weight"].shape == (4 * 64, 64)
     different = [k for k in end if not torch.equal(end[k], end_resumed[k])]
     assert not different, different[:5]  # every weight of both versions, u_5 and the optimizer state
     # ... and not vacuously: the state moved after the resume, and EF's buffer held something to restore
