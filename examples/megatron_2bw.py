@@ -7,12 +7,19 @@
         --data-path /data/tokens/shard_text_document               # an indexed dataset (python -m data.preprocess)
     torchrun --standalone --nproc_per_node=4 examples/megatron_2bw.py --num-experts 4 \
         --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall                 # PP=2 x DP=2 x EP=2 MoE
+    torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --save ckpt --save-interval 10 --exit-interval 10
+    torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --load ckpt --save ckpt     # resumes at 10
 
 A Megatron-LM user keeps megatron-core's parallel_state, GPTModel, forward_step_func and loop. What changes:
 - get_forward_backward_func("2bw", engine_factory=...) from asyncpp.pipeline.megatron;
 - the optimizer is asyncpp's (Muon or AdamW) and its update runs inside the schedule, one step late
   (x_{t+1} = x_t - U(g(x_{t-1}))); `optimizer_step()` only reports it;
-- asyncpp's mesh is megatron's groups (Mesh.from_megatron); drain() before evaluation and exit.
+- asyncpp's mesh is megatron's groups (Mesh.from_megatron); drain() before evaluation, a checkpoint and exit;
+- checkpoints: --save/--save-interval/--load as Megatron's, through asyncpp's own checkpoint (DCP step_* directories
+  with a manifest: asyncpp/pipeline/megatron_checkpoint.py); --load resumes at the saved iteration, the data skipped
+  to it, and continues the same trajectory bit for bit (tests/dist/test_megatron_checkpoint.py);
+- a log line is printed once its iteration's update was applied (two calls later under 2BW, or at a drain), so its
+  grad norm is its own iteration's, beside its loss.
 On a CPU, megatron-core runs in asyncpp's CPU mode (asyncpp/parallel/megatron_cpu.py, for tests and examples;
 with --sequence-parallel its norms are megatron_cpu.SequenceParallelLayerNorm, the CPU stand-in of apex's).
 The data: --data-path prefixes of megatron indexed datasets (.bin/.idx, data.preprocess's output) read through
@@ -46,6 +53,7 @@ from asyncpp.optim import build_optimizer
 from asyncpp.parallel import megatron_cpu
 from asyncpp.parallel.mesh import Mesh, init_distributed
 from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func, optimizer_sharding
+from asyncpp.pipeline.megatron_checkpoint import MegatronCheckpoint, checkpoint_dir
 from data.source import IndexedDataSource
 
 
@@ -62,6 +70,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-microbatches", type=int, default=4, help="global batch / (micro batch x dp)")
     p.add_argument("--train-iters", type=int, default=30)
     p.add_argument("--eval-interval", type=int, default=10)
+    p.add_argument("--save", type=Path, default=None, help="checkpoint directory (written at --save-interval and at "
+                   "the end)")
+    p.add_argument("--save-interval", type=int, default=None, help="drain and save every N iterations")
+    p.add_argument("--load", type=Path, default=None, help="resume from this --save directory's newest checkpoint "
+                   "(or a step_* directory in it)")
+    p.add_argument("--exit-interval", type=int, default=None, help="stop after an iteration divisible by N (saved "
+                   "first with --save)")
     p.add_argument("--optimizer", choices=("muon", "adamw"), default="muon")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--clip-grad", type=float, default=1.0)
@@ -93,6 +108,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "(pretrain.py parallel.head=vocab parallel.embedding=vocab). Drop the flag")
     if args.sequence_parallel and args.tp == 1:
         p.error("--sequence-parallel needs --tp > 1 (it splits the sequence over the tensor-parallel group)")
+    for flag in ("save_interval", "exit_interval"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+    if args.save_interval is not None and args.save is None:
+        p.error(f"--save-interval={args.save_interval} needs --save DIR (where to write the checkpoints)")
+    if args.save is not None and args.save.exists() and not args.save.is_dir():
+        p.error(f"--save={args.save} is a file; give a directory for the checkpoints")
+    if args.load is not None:
+        try:
+            checkpoint_dir(args.load)
+        except FileNotFoundError as e:
+            p.error(str(e))
     if args.expert_model_parallel_size > 1 and args.num_experts is None:
         p.error(f"--expert-model-parallel-size={args.expert_model_parallel_size} needs --num-experts")
     problem = argument_problem(args)
@@ -184,10 +211,10 @@ def forward_step(data_iterator, model: GPTModel, device: torch.device):
     return output_tensor, functools.partial(loss_func, loss_mask)
 
 
-def synthetic_tokens(args, stream: int, dp: int = 1, dp_rank: int = 0):
-    """This replica's microbatches of a stream (global microbatch i * dp + dp_rank): random tokens where every odd
-    position is its predecessor + 1."""
-    for i in itertools.count():
+def synthetic_tokens(args, stream: int, dp: int = 1, dp_rank: int = 0, start: int = 0):
+    """This replica's microbatches of a stream (global microbatch i * dp + dp_rank, from i = start): random tokens
+    where every odd position is its predecessor + 1."""
+    for i in itertools.count(start):
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + (i * dp + dp_rank) * 7 + stream)
         x = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g)
         x[:, 1::2] = (x[:, 0:-1:2] + 1) % args.vocab_size
@@ -213,9 +240,9 @@ def indexed_source(args, dp: int) -> IndexedDataSource:
                              cache_dir=args.data_cache_path)
 
 
-def indexed_microbatches(source: IndexedDataSource, m: int, dp: int, dp_rank: int):
-    """This replica's microbatches: step t's global microbatches (t * dp + dp_rank) * m + j, j < m."""
-    for t in itertools.count():
+def indexed_microbatches(source: IndexedDataSource, m: int, dp: int, dp_rank: int, start: int = 0):
+    """This replica's microbatches: step t's global microbatches (t * dp + dp_rank) * m + j, j < m, from t = start."""
+    for t in itertools.count(start):
         for j in range(m):
             yield source.train_microbatch((t * dp + dp_rank) * m + j)
 
@@ -229,8 +256,9 @@ def reduced_loss(store: list[dict], mesh: Mesh) -> float:
 
 
 def megatron_log_line(args, iteration: int, elapsed_s: float, lr: float, loss: float, loss_scale: float,
-                      grad_norm: float | None, skipped: int, nans: int, dp: int, applied: int | None) -> str:
-    """One line of Megatron-LM's training_log (megatron/training/training.py), plus the step asyncpp applied."""
+                      grad_norm: float | None, skipped: int, nans: int, dp: int) -> str:
+    """One line of Megatron-LM's training_log (megatron/training/training.py): iteration's loss and its own
+    update's learning rate and grad norm (LogLines prints it once that update was applied)."""
     batch = args.num_microbatches * args.micro_batch_size * dp
     line = (f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{args.train_iters:8d} |"
             f" consumed samples: {iteration * batch:12d} | elapsed time per iteration (ms): {elapsed_s * 1e3:.1f} |"
@@ -238,11 +266,61 @@ def megatron_log_line(args, iteration: int, elapsed_s: float, lr: float, loss: f
             f" loss scale: {loss_scale:.1f} |")
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
-    line += f" number of skipped iterations: {skipped:3d} | number of nan iterations: {nans:3d} |"
-    return line + f" applied step: {'-' if applied is None else applied} |"
+    return line + f" number of skipped iterations: {skipped:3d} | number of nan iterations: {nans:3d} |"
+
+
+class LogLines:
+    """Megatron's training log under 2BW: iteration k's update (its grad norm, its learning rate) is applied two
+    calls later (or at a drain), so each line waits until then and prints the loss and the grad norm of one
+    iteration together, in order (Megatron's 1F1B has both after its call)."""
+
+    def __init__(self, args, pipeline: Pipeline2BW, dp: int, printing: bool):
+        self.args, self.pipeline, self.dp, self.printing = args, pipeline, dp, printing
+        self.pending: list[tuple[int, float, float]] = []  # (iteration, elapsed s, loss) waiting for the update
+        self.skipped = self.nans = 0
+        self.grad_norms: dict[int, float] = {}
+        """iteration -> its own update's grad norm, as printed."""
+
+    def add(self, iteration: int, elapsed_s: float, loss: float) -> None:
+        self.pending.append((iteration, elapsed_s, loss))
+
+    def flush(self) -> None:
+        """Print every pending line whose update was applied (iteration k is step k-1)."""
+        applied = self.pipeline.applied_step
+        while self.pending and applied is not None and self.pending[0][0] - 1 <= applied:
+            iteration, elapsed_s, loss = self.pending.pop(0)
+            record = self.pipeline.records[iteration - 1]
+            self.skipped += record.skipped
+            self.nans += not math.isfinite(record.grad_norm)
+            self.grad_norms[iteration] = record.grad_norm
+            if self.printing:
+                print(megatron_log_line(self.args, iteration, elapsed_s, record.lr, loss, 1.0, record.grad_norm,
+                                        self.skipped, self.nans, self.dp), flush=True)
+        records = self.pipeline.records  # every stage: keep the newest applied one (a checkpoint saves it)
+        for step in [t for t in records if applied is not None and t < applied]:
+            del records[step]
 
 
 # ---- the loop ---------------------------------------------------------------------------------------------
+def evaluate(args, forward_backward_func, step_func, source, mesh: Mesh, model, iteration: int, log: dict) -> None:
+    """Megatron's evaluate_and_print_results on the drained pipeline's newest weights."""
+    dp = mesh.dims.dp
+    valid = iter(source.val_batches()) if source is not None else synthetic_tokens(args, 1, dp, mesh.dp_rank)
+    store = forward_backward_func(forward_step_func=step_func, data_iterator=valid, model=[model],
+                                  num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                                  micro_batch_size=args.micro_batch_size, forward_only=True)
+    if store:
+        value = log["valid"][iteration] = reduced_loss(store, mesh)
+        if mesh.tp_rank == 0 and mesh.dp_rank == 0:
+            print(f" validation loss at iteration {iteration} | lm loss value: {value:.6E} | "
+                  f"lm loss PPL: {math.exp(min(20.0, value)):.6E} |", flush=True)
+
+
+def vars_of(args: argparse.Namespace) -> dict:
+    """The arguments as the checkpoint's manifest records them (JSON: paths as strings)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
+
 def train(args) -> dict:
     device = init_distributed(args.device)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp,
@@ -270,46 +348,51 @@ def train(args) -> dict:
         weight_prediction=args.weight_prediction, sync_start_steps=args.sync_start_steps, tied=tied,
         sequence_first=True))
     pipeline = forward_backward_func.pipeline
+    checkpoint = MegatronCheckpoint(pipeline) if args.save or args.load else None
+    start = saved_at = 0
+    if args.load is not None:  # Megatron's load_checkpoint: the iteration, the weights, the optimizer, ...
+        manifest = checkpoint.load(args.load)
+        start = saved_at = manifest["step"]
+        if dist.get_rank() == 0:
+            print(f" successfully loaded checkpoint from {args.load} at iteration {start}", flush=True)
     step_func = functools.partial(forward_step, device=device)
-    if source is not None:
-        train_data = indexed_microbatches(source, args.num_microbatches, dp, mesh.dp_rank)
+    if source is not None:  # skipped to the first iteration this run trains (Megatron's consumed samples)
+        train_data = indexed_microbatches(source, args.num_microbatches, dp, mesh.dp_rank, start=start)
     else:
-        train_data = synthetic_tokens(args, stream=0, dp=dp, dp_rank=mesh.dp_rank)
-    log = {"train": [], "valid": {}, "vocab_size": args.vocab_size, "data": "indexed" if source else "synthetic"}
+        train_data = synthetic_tokens(args, stream=0, dp=dp, dp_rank=mesh.dp_rank, start=start * args.num_microbatches)
+    log = {"train": [], "valid": {}, "vocab_size": args.vocab_size, "data": "indexed" if source else "synthetic",
+           "start_iteration": start, "saved": []}
+    lines = LogLines(args, pipeline, dp, printing=mesh.is_last_stage and mesh.tp_rank == 0 and mesh.dp_rank == 0)
     started = time.perf_counter()
-    skipped = nans = 0
-    for iteration in range(args.train_iters):
+    for iteration in range(start + 1, args.train_iters + 1):  # 1-based, as Megatron's log
         call_started = time.perf_counter()
         losses = forward_backward_func(forward_step_func=step_func, data_iterator=train_data, model=[model],
                                        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                                        micro_batch_size=args.micro_batch_size)
-        update_successful, grad_norm, _ = pipeline.optimizer_step()  # the update of step iteration-2
-        if grad_norm is not None:
-            skipped += not update_successful
-            nans += not math.isfinite(grad_norm)
+        pipeline.optimizer_step()  # reports the newest applied update (LogLines prints it beside its own loss)
         if losses:  # the last pipeline stage
             log["train"].append(reduced_loss(losses, mesh))
-            if mesh.tp_rank == 0 and mesh.dp_rank == 0:
-                record = pipeline.records.get(pipeline.applied_step) if pipeline.applied_step is not None else None
-                print(megatron_log_line(args, iteration + 1, time.perf_counter() - call_started,
-                                        record.lr if record else args.lr, log["train"][-1], 1.0, grad_norm, skipped,
-                                        nans, dp, pipeline.applied_step), flush=True)
-        if (iteration + 1) % args.eval_interval == 0:
-            pipeline.drain()  # every in-flight microbatch and update done: the module holds x_{iteration+1}
-            valid = iter(source.val_batches()) if source is not None else synthetic_tokens(args, 1, dp, mesh.dp_rank)
-            store = forward_backward_func(forward_step_func=step_func, data_iterator=valid,
-                                          model=[model], num_microbatches=args.num_microbatches,
-                                          seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                                          forward_only=True)
-            if store:
-                log["valid"][iteration + 1] = reduced_loss(store, mesh)
-                if mesh.tp_rank == 0 and mesh.dp_rank == 0:
-                    value = log["valid"][iteration + 1]  # Megatron's evaluate_and_print_results line
-                    print(f" validation loss at iteration {iteration + 1} | lm loss value: {value:.6E} | "
-                          f"lm loss PPL: {math.exp(min(20.0, value)):.6E} |", flush=True)
+            lines.add(iteration, time.perf_counter() - call_started, log["train"][-1])
+        lines.flush()
+        if iteration % args.eval_interval == 0:
+            pipeline.drain()  # every in-flight microbatch and update done: the module holds x_iteration
+            lines.flush()
+            evaluate(args, forward_backward_func, step_func, source, mesh, model, iteration, log)
+        stop = args.exit_interval is not None and iteration % args.exit_interval == 0
+        if args.save is not None and (stop or args.save_interval and iteration % args.save_interval == 0):
+            pipeline.drain()
+            lines.flush()
+            log["saved"].append(str(checkpoint.save(args.save, config=vars_of(args))))
+            saved_at = iteration
+        if stop:
+            break
     pipeline.drain()
+    lines.flush()
+    if args.save is not None and saved_at != pipeline.next_step:  # Megatron saves at the end too
+        log["saved"].append(str(checkpoint.save(args.save, config=vars_of(args))))
     log["wall_s"] = time.perf_counter() - started
     log["applied_step"] = pipeline.applied_step
+    log["grad_norm"] = lines.grad_norms
     log["model_class"] = f"{type(model).__module__}.{type(model).__name__}"
     log["sequence_parallel"] = model.config.sequence_parallel
     log["dispatchers"] = sorted({type(m.token_dispatcher).__name__ for m in model.modules()

@@ -24,6 +24,7 @@ orphan.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import re
@@ -32,6 +33,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,6 +55,7 @@ from launch.torchrun import (
     validate_overrides,
     with_device,
 )
+from launch.torchrun_report import TorchrunReport
 
 STOPPED = (130, 143, -2, -15)  # Ctrl-C / SIGTERM: the run checkpointed and stopped on purpose
 
@@ -94,16 +98,29 @@ def _die_with_launcher(launcher: int) -> Callable[[], None]:
 
 class Forwarding:
     """subprocess.run's shape (cmd, cwd, env, check) -> CompletedProcess, with this process's stop signals passed
-    on to the child while it runs and the child tied to this process's life. `stopped` records a forwarded stop."""
+    on to the child while it runs and the child tied to this process's life. `stopped` records a forwarded stop.
+    With `condense`, the child's stderr (torchrun's and its ranks') is passed on through TorchrunReport: torchrun's
+    own reports in one line each, everything else as it came."""
 
-    def __init__(self) -> None:
+    def __init__(self, condense: bool = True) -> None:
         self.stopped = False
+        self.condense = condense
 
     def __call__(self, cmd: list[str], cwd, env, check: bool = False) -> subprocess.CompletedProcess:
         # A session of its own: a terminal's Ctrl-C reaches the launcher only, which passes it on once (torchrun
         # and the ranks would otherwise get it twice, and a second signal means "exit now, no checkpoint").
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True,
-                                preexec_fn=_die_with_launcher(os.getpid()))  # noqa: PLW1509 - no threads here
+        with contextlib.ExitStack() as stack:
+            stderr = StderrFile() if self.condense else None
+            if stderr is not None:
+                stack.callback(stderr.close)
+            proc = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True,
+                                    stderr=stderr.writer if stderr else None,
+                                    preexec_fn=_die_with_launcher(os.getpid()))  # noqa: PLW1509 - no thread yet
+            if stderr is not None:
+                stderr.pass_on()
+            return self._wait(cmd, proc, stderr)
+
+    def _wait(self, cmd: list[str], proc: subprocess.Popen, stderr: StderrFile | None) -> subprocess.CompletedProcess:
 
         def forward(signum, frame) -> None:
             self.stopped = True
@@ -114,12 +131,70 @@ class Forwarding:
         try:
             while True:
                 try:
-                    return subprocess.CompletedProcess(cmd, proc.wait())
+                    rc = proc.wait()
+                    break
                 except InterruptedError:  # (PEP 475 retries the wait itself; kept for a handler that raises it)
                     continue
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+        if stderr is not None:
+            stderr.finish()  # torchrun waited for its ranks: what they wrote is in the file
+        return subprocess.CompletedProcess(cmd, rc)
+
+
+class StderrFile:
+    """The child's stderr as an unlinked temporary file that a thread follows and passes on to ours through
+    TorchrunReport. A file, not a pipe: if this launcher dies (SIGKILL), torchrun and the ranks stop in order
+    (PR_SET_PDEATHSIG) and may still write; into a pipe without a reader that would fail (EPIPE) in the middle of
+    their checkpoint, into the file it just lands. Unlinked at once, so nothing is left behind either way."""
+
+    POLL_S = 0.05
+
+    def __init__(self, out=None) -> None:
+        self.out = out
+        fd, path = tempfile.mkstemp(prefix="asyncpp-torchrun-stderr-")
+        self.writer = os.fdopen(fd, "ab", buffering=0)
+        self.reader = open(path, "rb")  # noqa: SIM115 - closed by close()
+        os.unlink(path)
+        self.report = TorchrunReport()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def close(self) -> None:
+        self.finish()
+        self.writer.close()
+        self.reader.close()
+
+    def pass_on(self) -> None:
+        """Start following the file (after the child holds its own copy of the writer)."""
+        self._thread = threading.Thread(target=self._follow, name="torchrun-stderr", daemon=True)
+        self._thread.start()
+
+    def finish(self) -> None:
+        """The child has exited: pass on the rest and stop following."""
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _follow(self) -> None:
+        out = self.out or sys.stderr
+        pending = b""
+        while True:
+            done = self._done.is_set()  # read before the last read: nothing written after it is missed
+            chunk = self.reader.read(1 << 16)
+            if chunk:
+                *lines, pending = (pending + chunk).split(b"\n")
+                out.write("".join(x for line in lines for x in self.report.feed(line.decode(errors="replace") + "\n")))
+                out.flush()
+            elif done:
+                break
+            else:
+                time.sleep(self.POLL_S)
+        rest = self.report.feed(pending.decode(errors="replace")) if pending else []
+        out.write("".join(rest + self.report.close()))
+        out.flush()
 
 
 def stopped_line(meant: tuple[int, str] | None, rerun: str) -> str:
@@ -177,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--dry-run", action="store_true",
                    help="validate the overrides at this world size (as launch.slurm does) and print the command")
+    p.add_argument("--raw-torchrun-output", dest="condense", action="store_false",
+                   help="pass torchrun's own stderr on unchanged (by default its reports are one line each)")
     p.add_argument("--no-validate", dest="check_config", action="store_false",
                    help="start (or with --dry-run print) the command without composing the config first")
     args = p.parse_args(options)
@@ -205,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[launch.local] {e}\n[launch.local] nothing started (exit {EXIT_CONFIG_ERROR})", file=sys.stderr)
             return EXIT_CONFIG_ERROR
     rerun = shlex.join([Path(sys.executable).name, "-m", "launch.local", *(sys.argv[1:] if argv is None else argv)])
-    return run_with_restarts(cmd, args.max_restarts, rerun=rerun)
+    return run_with_restarts(cmd, args.max_restarts, run=Forwarding(condense=args.condense), rerun=rerun)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from asyncpp import job
+from asyncpp.train.checkpoint.size import checkpoint_size
 from model_zoo.counting import count_parameters
 from model_zoo.registry import get_model_config
 
@@ -65,6 +66,17 @@ def recipe_memory(plan: str) -> str:
     return f"{max(r['memory']['total_bytes'] for r in reports) / GIB:.2f} GiB"
 
 
+def recipe_checkpoint(recipe: str) -> str:
+    """One checkpoint of the recipe (every rank's share together; asyncpp/train/checkpoint/size.py), GiB, by part."""
+    _, world, extra = RECIPE_PLANS[recipe]
+    cfg, model_cfg = job.resolve(job.compose([f"+experiment=paper/{recipe}", *extra, "data=default",
+                                              "logging=disabled"]), world_size=world)
+    s = checkpoint_size(cfg, model_cfg)
+    parts = [f"x_t {s.newest / GIB:.2f}", f"older versions {s.older / GIB:.2f}", f"EF {s.error_feedback / GIB:.2f}",
+             f"optimizer {s.optimizer / GIB:.2f}"]
+    return f"{s.total / GIB:.2f} GiB ({', '.join(parts)})"
+
+
 def default_suite_tests() -> str:
     """The default suite's test count (pytest's addopts: not slow, gpu or slurm), to the nearest 50 (a few tests
     more or fewer do not make the docs stale)."""
@@ -87,6 +99,8 @@ def numbers() -> dict[str, Number]:
     found = [Number(f"params.{m}", lambda m=m: params(m), slow=False)
              for m in ("smollm2_135m", "smollm2_360m", "moe_2b", "hybrid_moe_10b", "tiny_dense", "tiny_moe", "tiny_hybrid")]
     found += [Number(f"recipe_memory.{r}", lambda r=r: recipe_memory(r), slow=True) for r in RECIPE_PLANS]
+    found += [Number(f"recipe_checkpoint.{r}", lambda r=r: recipe_checkpoint(r), slow=True)
+              for r in ("smollm2_135m", "smollm2_360m", "moe_2b", "hybrid_moe_10b")]
     found.append(Number("default_suite_tests", default_suite_tests, slow=True))
     return {n.name: n for n in found}
 

@@ -52,6 +52,7 @@ from asyncpp.core.update import NO_CORRECTIONS, Corrections
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
 from asyncpp.pipeline.plan import StagePlan, UpdateSpec, build_stage_runtime
+from asyncpp.pipeline.update import StepRecord
 from asyncpp.schedules.actions import Action, Op
 from asyncpp.schedules.build import build_schedule
 from asyncpp.schedules.registry import kind_of
@@ -400,6 +401,21 @@ class Pipeline2BW:
     @property
     def drained(self) -> bool:
         return self._stream_start is None
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale the open stream runs at (config.grad_scale_func's; 1.0 without one)."""
+        return self._loss_scale
+
+    def restore_position(self, next_step: int, applied: StepRecord | None, loss_scale: float) -> None:
+        """After a checkpoint's state was loaded into this fresh, drained pipeline (megatron_checkpoint.py): the
+        next call consumes b_{next_step}; `applied` is the newest applied update's record (optimizer_step's
+        report until the next update), `loss_scale` the scale the saved stream ran at."""
+        self.next_step = next_step
+        self.applied_step = None if applied is None else applied.step
+        if applied is not None:
+            self.engine.records[applied.step] = applied
+        self._set_loss_scale(loss_scale)
 
     # ---- Megatron's forward_backward_func ------------------------------------------------------------
     def forward_backward(

@@ -24,12 +24,11 @@ import torch
 from asyncpp.config import ConfigError, RunConfig, parse_blend
 from asyncpp.core.batches import BatchPlan
 from asyncpp.core.layout import Layout
-from asyncpp.core.memory import activation_bytes, optimizer_state_bytes
+from asyncpp.core.memory import activation_bytes
 from asyncpp.core.vocab_split import validate_vocab_placement
-from asyncpp.optim import build_from_config
 from asyncpp.schedules.invariants import ScheduleError
-from asyncpp.schedules.registry import kind_of
 from asyncpp.train import checkpoint as ckpt
+from asyncpp.train.checkpoint.size import checkpoint_size
 from asyncpp.train.run_identity import EXIT_CONFIG_ERROR
 from data.default import default_cache_dir, default_prefix
 from data.indexed import IndexedDataError, check_prefix, check_token_ids
@@ -312,7 +311,7 @@ def planned_bytes(cfg: RunConfig, model_cfg: ModelConfig, distributed: bool) -> 
     """A lower bound of one rank's memory: every weight version, the gradient and EF buffer and the optimizer's
     state (the checkpoint's estimate), and one microbatch's saved activations; a pipeline rank holds its share
     (1 / pp*tp*ep of the weights, 1 / pp of the activations). Shapes only (a meta model): allocates nothing."""
-    state = _estimated_checkpoint_bytes(cfg, model_cfg)
+    state = checkpoint_size(cfg, model_cfg).total
     p, t = cfg.parallel, cfg.train
     dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
     acts = activation_bytes(model_cfg, range(len(model_cfg.layer_types)), dtype=dtype,
@@ -349,23 +348,12 @@ def check_memory(cfg: RunConfig, model_cfg: ModelConfig, local_world_size: int =
 
 
 def checkpoint_bytes(cfg: RunConfig, model_cfg: ModelConfig, point: tuple[Path, int] | None = None) -> int:
-    """The size of one checkpoint of this run: the newest existing one's if any, else an estimate (every
-    weight version the schedule keeps, the Error-Feedback buffers and the optimizer's state, fp32)."""
+    """The size of one checkpoint of this run: the newest existing one's if any, else its tensors' bytes
+    (checkpoint/size.py: every weight version the schedule keeps, the Error-Feedback buffers that are on and the
+    optimizer's state, each in its dtype; DCP's index and the manifest add kilobytes)."""
     if point is not None:
         return sum(f.stat().st_size for f in point[0].rglob("*") if f.is_file())
-    return _estimated_checkpoint_bytes(cfg, model_cfg)
-
-
-def _estimated_checkpoint_bytes(cfg: RunConfig, model_cfg: ModelConfig) -> int:
-
-    model = build_model(model_cfg, device="meta")  # shapes only: allocates nothing
-    params = [p for p in model.parameters() if p.requires_grad]
-    weights = sum(p.numel() for p in params) * torch.float32.itemsize
-    pp = cfg.parallel.pp
-    kind = kind_of(cfg.schedule.name)
-    versions = max(kind.num_buffers(s, pp, weight_prediction=cfg.staleness.weight_prediction) for s in range(pp))
-    state, _ = optimizer_state_bytes(build_from_config(model, cfg.optimizer))
-    return weights * (versions + 2) + state  # + u_{t-1} and gradient-level EF's g_{t-1}
+    return checkpoint_size(cfg, model_cfg).total
 
 
 def _gib(n: float) -> str:

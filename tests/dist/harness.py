@@ -32,7 +32,8 @@ def rendezvous_store(world_size: int) -> dist.TCPStore:
 
 PRELOAD = ("torch", "torch.distributed", "asyncpp.job", "asyncpp.pipeline.compose", "asyncpp.reference.executor",
            "model_zoo", "tests.dist.harness", "tests.dist.workers", "tests.dist.tp_workers", "tests.dist.ep_workers",
-           "tests.dist.muon_workers", "tests.dist.megatron_core_workers", "tests.dist.megatron_vocab_workers")
+           "tests.dist.muon_workers", "tests.dist.megatron_core_workers", "tests.dist.megatron_vocab_workers",
+           "tests.dist.megatron_checkpoint_workers")
 """What the fork server imports once, so that a rank starts as a fork of it instead of a fresh interpreter that
 imports torch and asyncpp again: 6-7 s of imports per rank on this 2-core machine, paid by every rank of every
 multi-process test under the spawn start method, were most of the default suite's time (tests/dist: 130 tests,

@@ -44,6 +44,7 @@ from asyncpp.optim import build_optimizer, muon_sharded
 from asyncpp.parallel import megatron_cpu
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func, optimizer_sharding
+from asyncpp.pipeline.megatron_checkpoint import global_name
 from asyncpp.reference.simulator import DelayedUpdateSimulator
 from tests.dist.workers import SyntheticData
 
@@ -148,22 +149,6 @@ def data_for(case: Case) -> SyntheticData:
 
 
 # ---- names and shards: a stage's parameters as pieces of the unsplit model -----------------------------
-def global_name(model: GPTModel, name: str) -> str:
-    """A stage's parameter name in the unsplit model: megatron numbers a stage's layers from 0, their
-    layer_number is global; the last stage's tied output weight is the embedding."""
-    if name.startswith("decoder.layers."):
-        index, rest = name[len("decoder.layers."):].split(".", 1)
-        layer = model.decoder.layers[int(index)]
-        local = "mlp.experts.local_experts."
-        if rest.startswith(local):  # an EP rank numbers its experts from 0 too
-            expert, tail = rest[len(local):].split(".", 1)
-            rest = f"{local}{layer.mlp.local_expert_indices[int(expert)]}.{tail}"
-        return f"decoder.layers.{layer.layer_number - 1}.{rest}"
-    if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
-        return "embedding.word_embeddings.weight"
-    return name
-
-
 def shard_of(full: Tensor, param: nn.Parameter, tp: int, tp_rank: int) -> Tensor:
     """This TP rank's piece of `full`, by megatron's own parameter attributes."""
     if not getattr(param, "tensor_model_parallel", False):

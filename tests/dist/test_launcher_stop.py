@@ -101,6 +101,8 @@ def test_sigterm_to_launch_local_checkpoints_says_so_and_leaves_no_orphan(tmp_pa
                         r"--nproc-per-node 2 -- .*` to resume \(exit 143\)", last)
     assert said, last
     assert newest_step(run) == int(said.group(1)) > 0
+    # torchrun's SignalException traceback is one line of launch.local's (launch/torchrun_report.py)
+    assert "Traceback" not in out and "[torchrun] exited on signal 15 after its ranks did" in out, out[-3000:]
     assert not wait_gone(tree, 30), "processes of the job outlived its launcher"
 
 

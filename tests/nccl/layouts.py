@@ -24,7 +24,8 @@ class Layout:
     stop: tuple[int, int] | None = None
     """(rank, step): that rank requests a stop at that step (StopFlag's test hook), mid-segment."""
     example: tuple[str, ...] | None = None
-    """examples/megatron_2bw.py's command line: its loop is recorded (cfg then only gives the world size)."""
+    """examples/megatron_2bw.py's command line: its loop is recorded (cfg then only gives the world size); {tmp} is a
+    temporary directory (its --save)."""
 
     @property
     def world(self) -> int:
@@ -145,7 +146,8 @@ def _layouts() -> dict[str, Layout]:
                "--seq-length", "16", "--micro-batch-size", "2", "--num-microbatches", "2")
     extra += [
         Layout("megatron-core-example-P2", make_config(parallel={"pp": 2}),
-               example=(*example, "--ef-lambda", "1", "--sync-start-steps", "1")),
+               example=(*example, "--ef-lambda", "1", "--sync-start-steps", "1", "--save", "{tmp}/ckpt",
+                        "--save-interval", "2")),  # its checkpoints' collectives (DCP, the manifest's RNG gather)
         Layout("megatron-core-example-P2-TP2", make_config(parallel={"pp": 2, "tp": 2}),
                example=(*example, "--tp", "2", "--optimizer", "muon")),
         # every staleness option through the front-end (a third weight version, DC-ASGD's read of it, gradient EF)
@@ -213,7 +215,8 @@ def record_layout(layout: Layout) -> dict[int, list]:
         if cfg.checkpoint.enabled:
             cfg = cfg.replace(checkpoint=cfg.checkpoint.__class__(**{**cfg.checkpoint.__dict__, "dir": tmp}))
         if layout.example is not None:
-            logs = run_ranks(recorded_example, layout.world, layout.example, timeout=600)
+            argv = tuple(a.replace("{tmp}", tmp) for a in layout.example)
+            logs = run_ranks(recorded_example, layout.world, argv, timeout=600)
         elif layout.stop is not None:
             logs = run_ranks(recorded_stopped_pipeline, layout.world, cfg.to_dict(), *layout.stop, timeout=600)
         else:

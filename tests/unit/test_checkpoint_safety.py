@@ -59,6 +59,15 @@ def test_all_finite_is_one_check_over_many_tensors():
     assert ckpt.all_finite([])
 
 
+def test_finite_values_whose_sum_overflows_are_finite():
+    """The check sums each tensor (one read instead of a bool tensor as large): a sum that overflows although every
+    value is finite is checked element by element, so it is not taken for a NaN/Inf."""
+    for dtype in (torch.float32, torch.bfloat16):
+        big = torch.full((4,), 3e38, dtype=dtype)
+        assert not torch.isfinite(big.sum()) and ckpt.all_finite([big])
+        assert not ckpt.all_finite([big, torch.tensor([0.0, float("-inf")], dtype=dtype)])
+
+
 def test_async_save_is_committed_without_waiting_for_the_next_save(tmp_path):
     """Issue 18, item 3: the step-10 save was written but committed only at the next save, so a kill -9
     lost it. Now rank 0 commits from DCP's completion callback: no wait(), no further save()."""

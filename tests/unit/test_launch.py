@@ -504,3 +504,64 @@ def test_slurm_sweep_config_composes_for_every_arm():
     # no timestamp: rerunning the sweep finds every job's directory (named after the job's overrides) again
     assert OmegaConf.select(cfg, "hydra.sweep.dir") == "multirun/sync_vs_async"
     assert "asyncpp.job_name" in OmegaConf.to_container(cfg.hydra.sweep)["subdir"]  # the job's overrides (issue 47)
+
+
+# ---- torchrun's own stderr, condensed by launch.local (launch/torchrun_report.py) ----------------------------------
+TORCHRUN = REPO / "tests" / "fixtures" / "torchrun"
+
+
+def condensed(text: str) -> list[str]:
+    from launch.torchrun_report import TorchrunReport
+
+    report, out = TorchrunReport(), []
+    for line in text.splitlines(keepends=True):
+        out += report.feed(line)
+    return "".join(out + report.close()).splitlines()
+
+
+def test_torchrun_failure_report_is_one_line_and_the_ranks_lines_pass():
+    recorded = (TORCHRUN / "child_failed.stderr").read_text()
+    assert "ChildFailedError" in recorded and len(recorded.splitlines()) > 40
+    assert condensed(recorded) == [
+        "[torchrun] OMP_NUM_THREADS=1 for every rank (torchrun's default; set OMP_NUM_THREADS to change it)",
+        "rank 0 says: config error: train.steps=-1 must be >= 1",
+        "rank 1 says: config error: train.steps=-1 must be >= 1",
+        ("[torchrun] fail.py failed: rank 0 exited with 2 first, rank 1 exit 2 (the ranks' own output is above; "
+         "torchrun's ChildFailedError report left out)")]
+
+
+def test_torchrun_signal_traceback_is_one_line():
+    recorded = (TORCHRUN / "signal.stderr").read_text()
+    assert "SignalException" in recorded
+    assert condensed(recorded) == [
+        "[torchrun] OMP_NUM_THREADS=1 for every rank (torchrun's default; set OMP_NUM_THREADS to change it)",
+        "[torchrun] got signal 15: passed on to the ranks, waiting for them to stop",
+        "rank 1: stopped at step 3, checkpointed",
+        "rank 0: stopped at step 3, checkpointed",
+        "[torchrun] exited on signal 15 after its ranks did (its SignalException traceback left out)"]
+
+
+def test_a_ranks_own_traceback_passes_unchanged():
+    rank = ('Traceback (most recent call last):\n  File "pretrain.py", line 3, in <module>\n    main()\n'
+            "ValueError: boom\n[rank0]: more\n")
+    torchrun_log = "W1129 12:17:16.085000 1089 torch/distributed/elastic/agent/server/api.py:1] something new\n"
+    assert condensed(rank) == rank.splitlines()
+    assert condensed(torchrun_log) == ["[torchrun] something new"]  # an unknown torchrun message: kept, shorter
+    assert condensed("Traceback (most recent call last):\n  File ...\n") == ["Traceback (most recent call last):",
+                                                                           "  File ..."]  # cut short: kept
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_local_launcher_condenses_torchruns_report_and_keeps_its_exit_code(tmp_path, capfd, raw):
+    """launch.local with a torchrun that writes the recorded failure report and exits 1, as torchrun does."""
+    recorded = TORCHRUN / "child_failed.stderr"
+    fake = tmp_path / "torchrun.py"
+    fake.write_text(f"import sys\nsys.stderr.write(open({str(recorded)!r}).read())\nsys.exit(1)\n")
+    argv = ["--nproc-per-node", "2", "--no-validate", "--torchrun", f"{sys.executable} {fake}",
+            *(["--raw-torchrun-output"] if raw else []), "--", "train.steps=-1"]
+    assert local.main(argv) == 1  # torchrun's code, not a made-up one
+    err = capfd.readouterr().err
+    if raw:
+        assert err == recorded.read_text()
+    else:
+        assert err.splitlines() == condensed(recorded.read_text())

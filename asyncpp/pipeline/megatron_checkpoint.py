@@ -1,0 +1,136 @@
+"""A drained Pipeline2BW's checkpoint (the Megatron front-end, asyncpp/pipeline/megatron.py): saved and loaded
+through asyncpp's own checkpoint machinery (asyncpp/train/checkpoint: DCP, atomic step_* directories, a manifest,
+keep_last), so the two front-ends cannot write different checkpoints of the same state.
+
+What a drained 2BW stage holds, and so what is saved (StageParts, keyed by the unsplit model's names):
+    weights/<age>/<name>   x_k and x_{k-1}: 2BW's next call reads x_{k-1} for b_k (its forwards) while the update
+                           of b_k is computed from the newest
+    ef/<name>, gef/<name>  Error Feedback's u_{k-1}, gradient-level EF's g_{k-1} (when on)
+    optim/<name>/<key>     the optimizer state (Muon's momentum, AdamW's moments and step)
+and, in the manifest: the step k (the next call's minibatch b_k, = Megatron's iteration), the loss scale the
+stream ran at, the newest applied update's record (optimizer_step() reports it until the resumed stream's first
+update), the layout and the caller's config. Weight prediction keeps no state of its own: it extrapolates
+from the versions and the optimizer state, both saved.
+
+Names: megatron numbers each stage's layers and each EP rank's experts from 0; here they are the unsplit model's
+(global_name), so the keys are the same whatever the layout, and TP shards are DTensor views of the whole tensor
+(param_layouts), as asyncpp's own stages save them. A tied output layer on the last stage is saved under the
+embedding's name; both copies hold the same values (one update of one summed gradient), so DCP keeps one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from torch import nn
+
+from asyncpp.parallel.sharding import global_view
+from asyncpp.pipeline.megatron import Pipeline2BW, param_layouts
+from asyncpp.pipeline.update import StepRecord
+from asyncpp.train.checkpoint import MANIFEST, StageParts, is_complete, latest_intact, read_manifest, step_of
+from asyncpp.train.checkpoint.saver import Saver
+
+
+def global_name(model: nn.Module, name: str) -> str:
+    """A stage's parameter name in the unsplit model: megatron numbers a stage's layers from 0, their
+    layer_number is global; an EP rank numbers its experts from 0 (local_expert_indices are global); the last
+    stage's tied output weight is the embedding."""
+    if name.startswith("decoder.layers."):
+        index, rest = name[len("decoder.layers."):].split(".", 1)
+        layer = model.decoder.layers[int(index)]
+        local = "mlp.experts.local_experts."
+        if rest.startswith(local):
+            expert, tail = rest[len(local):].split(".", 1)
+            rest = f"{local}{layer.mlp.local_expert_indices[int(expert)]}.{tail}"
+        return f"decoder.layers.{layer.layer_number - 1}.{rest}"
+    if name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights", False):
+        return "embedding.word_embeddings.weight"
+    return name
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """The GPTModel under any `.module` wrapper chain (Float16Module, DDP)."""
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+class MegatronCheckpoint:
+    """Save a drained Pipeline2BW's state and load it into a freshly built one (same model, optimizer and
+    staleness options). Collective: every rank of the job calls save() and load() at the same iteration."""
+
+    def __init__(self, pipeline: Pipeline2BW, *, keep_last: int = 3, async_save: bool = False):
+        self.pipeline, self.keep_last = pipeline, keep_last
+        self.saver = Saver(async_save)
+
+    def _parts(self) -> StageParts:
+        pipe = self.pipeline
+        model = _inner(pipe.model)
+        engine, mesh = pipe.engine, pipe.mesh
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        names = [global_name(model, name_of[id(p)]) for p in engine.versions.params]
+        # Experts are whole tensors under their global names (global_name), so no EP dimension shards them.
+        shards = [global_view(lay, mesh.device_mesh, mesh.dims.tp, 1) for lay in param_layouts(model)]
+        update = engine.update
+        return StageParts(names, engine.versions, update.rule, update.optimizer, engine.versions.masters,
+                          update.balancing, aligned=update.per_parameter, shards=shards)
+
+    def _layout(self) -> dict:
+        d, pipe = self.pipeline.mesh.dims, self.pipeline
+        return {"pp": d.pp, "tp": d.tp, "dp": d.dp, "ep": d.ep, "schedule": pipe.schedule}
+
+    def save(self, root: str | os.PathLike, *, config: dict | None = None, data: dict | None = None) -> Path:
+        """Write `root`/step_<k> (k = the pipeline's next_step, Megatron's iteration): the pipeline must be drained
+        (drain() first: a 2BW stream has updates in flight). Returns the directory (committed when this returns,
+        unless async_save: then at the next save or wait())."""
+        pipe = self.pipeline
+        if not pipe.drained:
+            raise RuntimeError(f"checkpoint at iteration {pipe.next_step}: b_{pipe.next_step - 1}'s update is in "
+                               "flight; call forward_backward_func.pipeline.drain() before saving")
+        applied = pipe.records.get(pipe.applied_step) if pipe.applied_step is not None else None
+        meta = {"loss_scale": pipe.loss_scale, "applied": None if applied is None else dataclasses.asdict(applied),
+                "run": config or {}}
+        return self.saver.save(root, pipe.next_step, self._parts().state(), config=meta, layout=self._layout(),
+                               keep_last=self.keep_last, data=data)
+
+    def wait(self) -> None:
+        """Collective: finish a background save (async_save)."""
+        self.saver.wait()
+
+    def load(self, path: str | os.PathLike) -> dict:
+        """Fill a fresh, drained pipeline from `path` (a step_* directory, or a --save directory: its newest intact
+        checkpoint); afterwards the next call is b_k of the saved iteration k. Returns the manifest."""
+        pipe = self.pipeline
+        path = checkpoint_dir(path)
+        manifest = read_manifest(path)
+        layout = manifest.get("layout") or {}
+        if layout.get("schedule", pipe.schedule) != pipe.schedule:
+            raise ValueError(f"checkpoint {path} was written by schedule={layout['schedule']!r}; this pipeline "
+                             f"runs schedule={pipe.schedule!r}: resume with the schedule it was saved with")
+        if not pipe.drained or pipe.next_step != 0:
+            raise RuntimeError(f"load {path} into a freshly built Pipeline2BW, before its first call (this one is "
+                               f"at iteration {pipe.next_step})")
+        step = manifest["step"]
+        self.saver.resumed_from = path  # never pruned by the resumed run
+        self._parts().load(path, step)
+        meta = manifest.get("config") or {}
+        applied = meta.get("applied")
+        pipe.restore_position(step, None if applied is None else StepRecord(**applied),
+                              float(meta.get("loss_scale", 1.0)))
+        return manifest
+
+
+def checkpoint_dir(path: str | os.PathLike) -> Path:
+    """--load's directory: a step_* checkpoint as it is, a --save directory its newest intact checkpoint; a clear
+    error (FileNotFoundError) when there is none, before any process group or model exists."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--load={path} is not a directory; give the --save directory of an earlier run")
+    newest = path if step_of(path) is not None else latest_intact(path, warn=print)
+    if newest is None or not is_complete(newest):
+        raise FileNotFoundError(f"--load={path} holds no complete checkpoint (a step_* directory with a "
+                                f"{MANIFEST}); give the --save directory of a run that saved one, or drop --load to "
+                                "start afresh")
+    return newest

@@ -1,0 +1,121 @@
+"""The Megatron example checkpoints and resumes: a run stopped at iteration 3 (--save --exit-interval 3) and resumed
+(--load) equals the uninterrupted run bit for bit, on 2 ranks (PP=2) with Error Feedback on.
+
+Bit for bit, not to a tolerance: the resumed run executes the same kernels on the same tensors in the same order
+as the uninterrupted one. Both drain at iteration 3 (the uninterrupted one for its evaluation, --eval-interval 3),
+so both start a 2BW stream at b_3 reading x_2 with x_3 newest; the resumed run gets x_3, x_2, EF's u_2 and the
+optimizer state from the checkpoint by value, its data iterator starts at b_3's microbatches, and its RNG state is
+the saved one. Any state missing from the checkpoint (a weight version, the EF buffer, Muon's momentum) would
+change the losses of iterations 4-6 and the final weights.
+
+Each run is its own pair of processes (run_ranks), as a restart is. About 10-20 s on this 2-core box.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from asyncpp.pipeline.update import StepRecord
+from examples.megatron_2bw import LogLines, parse_args
+from tests.dist.harness import run_ranks
+from tests.dist.megatron_checkpoint_workers import example_rank
+
+pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
+
+ARGS = ["--train-iters", "6", "--eval-interval", "3", "--ef-lambda", "1", "--num-layers", "2"]
+
+
+LAYOUTS = {"pp2": [], "pp2_tp2": ["--tp", "2"]}
+
+
+def run(layout: str, *argv: str) -> dict:
+    """The log of the last stage's first rank (rank 1 under PP=2, rank 2 under PP=2 x TP=2: megatron's rank order
+    is tp fastest)."""
+    tp = 2 if "--tp" in LAYOUTS[layout] else 1
+    logs = run_ranks(example_rank, 2 * tp, [*ARGS, *LAYOUTS[layout], *map(str, argv)], timeout=600.0)
+    return logs[tp]
+
+
+def tensors(path) -> dict[str, torch.Tensor]:
+    """A DCP checkpoint's every tensor, by key (whole tensors: DCP's own conversion)."""
+    out = path.parent / f"{path.name}.pt"
+    dcp_to_torch_save(str(path), str(out))
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("layout", [pytest.param("pp2"),
+                                    pytest.param("pp2_tp2", marks=pytest.mark.slow)])  # TP shards as DTensors; ~2 min
+def test_stopped_and_resumed_equals_uninterrupted(tmp_path, layout):
+    whole = run(layout, "--save", tmp_path / "whole")
+    first = run(layout, "--save", tmp_path / "a", "--exit-interval", "3")
+    saved = tmp_path / "a" / "step_00000003"
+    # the mechanism ran: the stop wrote a committed checkpoint of iteration 3 and stopped there
+    assert first["saved"] == [str(saved)] and len(first["train"]) == 3
+    assert json.loads((saved / "manifest.json").read_text())["step"] == 3 and (saved / ".metadata").is_file()
+    resumed = run(layout, "--load", tmp_path / "a", "--save", tmp_path / "b")
+    assert resumed["start_iteration"] == 3 and len(resumed["train"]) == 3
+
+    assert first["train"] == whole["train"][:3]
+    assert resumed["train"] == whole["train"][3:]  # losses of iterations 4-6, bit for bit
+    assert resumed["valid"] == {6: whole["valid"][6]}
+    assert resumed["grad_norm"] == {k: whole["grad_norm"][k] for k in (4, 5, 6)}
+
+    end, end_resumed, at_stop = (tensors(p) for p in (tmp_path / "whole" / "step_00000006",
+                                                        tmp_path / "b" / "step_00000006", saved))
+    assert set(end) == set(end_resumed) == set(at_stop)
+    kinds = {k.split("/")[0] for k in end}
+    assert kinds == {"weights", "ef", "optim"}, kinds
+    assert {k.split("/")[1] for k in end if k.startswith("weights/")} == {"0", "1"}  # x_t and x_{t-1}
+    # the unsplit model's names and shapes whatever the layout: layer 1 lives on stage 1 (its local layer 0), and a
+    # TP-sharded matrix is whole (megatron's fc1: [ffn = 4 x hidden, hidden], split over TP along dim 0)
+    assert end["weights/0/decoder.layers.1.mlp.linear_fc1.weight"].shape == (4 * 64, 64)
+    different = [k for k in end if not torch.equal(end[k], end_resumed[k])]
+    assert not different, different[:5]  # every weight of both versions, u_5 and the optimizer state
+    # ... and not vacuously: the state moved after the resume, and EF's buffer held something to restore
+    newest = [k for k in end if k.startswith("weights/0/")]
+    assert len(newest) > 10 and all(not torch.equal(end[k], at_stop[k]) for k in newest)
+    assert any(at_stop[k].abs().sum() > 0 for k in at_stop if k.startswith("ef/"))
+
+
+def test_log_lines_print_each_iteration_with_its_own_grad_norm(capsys):
+    """Under 2BW iteration k's update is applied two calls later: its line waits for it, so the grad norm printed
+    beside iteration k's loss is step k-1's (0-based), not the newest applied one's."""
+    class Pipeline:
+        applied_step, records = None, {}
+
+    args = parse_args(["--train-iters", "4"])
+    pipe = Pipeline()
+    lines = LogLines(args, pipe, dp=1, printing=True)
+    for k, applied in zip(range(1, 5), (None, None, 0, 1)):  # 2BW: call k applies step k-3 (0-based)
+        pipe.applied_step = applied
+        if applied is not None:
+            pipe.records[applied] = StepRecord(applied, grad_norm=10.0 + applied, lr=0.01)
+        lines.add(k, 0.1, 5.0 - k)
+        lines.flush()
+    assert lines.grad_norms == {1: 10.0, 2: 11.0}
+    for t in (2, 3):  # the drain applies the rest
+        pipe.records[t] = StepRecord(t, grad_norm=10.0 + t, lr=0.01)
+    pipe.applied_step = 3
+    lines.flush()
+    printed = [line for line in capsys.readouterr().out.splitlines() if "] iteration " in line]
+    assert [int(line.split("iteration")[1].split("/")[0]) for line in printed] == [1, 2, 3, 4]
+    assert [float(line.split("grad norm: ")[1].split(" ")[0]) for line in printed] == [10.0, 11.0, 12.0, 13.0]
+    assert all(math.isfinite(v) for v in lines.grad_norms.values()) and list(pipe.records) == [3]
+
+
+def test_load_without_a_checkpoint_is_refused_before_training(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    for given, says in ((tmp_path / "empty", "holds no complete checkpoint"), (tmp_path / "nope", "not a directory")):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(["--load", str(given)])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--load={given}" in err and says in err
+    with pytest.raises(SystemExit):
+        parse_args(["--save-interval", "2"])
+    assert "--save-interval=2 needs --save DIR" in capsys.readouterr().err
