@@ -204,7 +204,12 @@ class Mesh:
         self.pp_group, self.tp_group = ps.get_pipeline_model_parallel_group(), ps.get_tensor_model_parallel_group()
         self.dp_group, self.ep_group = ps.get_data_parallel_group(), ps.get_expert_model_parallel_group()
         self.edp_group = ps.get_expert_data_parallel_group()
-        self.embedding_group = ps.get_embedding_group() if dims.pp > 1 else None
+        # megatron-core sets its embedding group only on the first and last stage (parallel_state.py: `if rank in
+        # embedding_ranks`; a middle stage raises for it) and holds no tied weight there, as in asyncpp's own mesh.
+        # By stage, not by ps.is_rank_in_embedding_group(): destroy_model_parallel() leaves that one's ranks
+        # (_EMBEDDING_GLOBAL_RANKS) as they were, so after a re-initialization it can name a middle stage.
+        ends = dims.pp > 1 and self.pp_rank in (0, dims.pp - 1)
+        self.embedding_group = ps.get_embedding_group() if ends else None
         self._check_megatron_layout()
         self.device_mesh = DeviceMesh.from_group(
             [self.pp_group, self.edp_group, self.ep_group, self.tp_group], device.type,

@@ -168,6 +168,10 @@ def spread_rank(rank: int, cases: list[tuple[bool, bool]]) -> list[dict]:
     and starts, and on rank 0 the loaded model's state."""
     pp = dist.get_world_size()
     out = []
+    # A layout before the pipeline's (pp=1: every rank its own embedding group): megatron's destroy_model_parallel
+    # keeps its embedding ranks, so a mesh that asked is_rank_in_embedding_group() would then take a middle stage
+    # for a member of a group it does not have (asyncpp/parallel/mesh.py, from_megatron).
+    setup_megatron(1, 1)
     for tied, embedding in cases:
         mesh = setup_megatron(1, pp)
         torch.manual_seed(1 + rank)  # each stage its own init: the rows must come from the right stage
@@ -181,9 +185,8 @@ def spread_rank(rank: int, cases: list[tuple[bool, bool]]) -> list[dict]:
         result = {"own": own, "shards": split.shards, "rank": rank,
                   "rows": {k: (start, tuple(v.shape)) for k, (start, v) in ckpt.rows.items()},
                   "spread": {k: tuple(v.shape) for k, v in rows.items()}}
-        # The unsplit model on one pipeline stage (megatron_cpu's tied-embedding shim all-reduces over the
-        # process's embedding group, which under pp=2 would wait for the other stage: noted for the lead).
-        setup_megatron(1, 1)
+        # The unsplit model on one stage of the pipelined job: built with pipeline size 1, it posts no tied-embedding
+        # all-reduce (megatron_cpu._setup_embeddings_on_cpu, as megatron's own method; the last stage would not join).
         if rank == 0:
             unsplit = tiny_gpt(1, True, True, tied)
             missing, unexpected = unsplit.load_state_dict(assemble_state_dict(gathered, VOCAB, tied=tied))

@@ -104,7 +104,7 @@ SPREAD = [(False, False), (False, True), (True, True), (True, False)]
 """(tied, embedding sharded) on two real pipeline ranks."""
 
 
-@pytest.mark.parametrize("pp", [2])  # P=4: megatron's middle stages fail in Mesh.from_megatron (notes/i43.md)
+@pytest.mark.parametrize("pp", [2, 4])
 def test_rows_spread_over_megatron_stages_and_saved_load_into_the_unsplit_model(pp):
     """On P megatron pipeline ranks (each stage its own random init): spread_rows gives every stage its shard of the
     last stage's output_layer and, sharded, of the first stage's word embeddings (a tied model: of the first
