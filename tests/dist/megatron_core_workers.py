@@ -53,9 +53,11 @@ VOCAB, SEQ, MICRO_BATCH, HIDDEN, LAYERS, HEADS = 64, 16, 2, 32, 4, 4
 @dataclass(frozen=True)
 class Case:
     name: str
+    pp: int = 2
+    """Pipeline stages: megatron splits the LAYERS layers evenly (get_num_layers_to_build)."""
     tp: int = 1
     dp: int = 1
-    """Data-parallel replicas (world = 2 stages x tp x dp); each reads its own m microbatches of a step."""
+    """Data-parallel replicas (world = pp stages x tp x dp); each reads its own m microbatches of a step."""
     ep: int = 1
     tied: bool = False
     optimizer: str = "muon"
@@ -251,7 +253,7 @@ class Calls:
 def pipeline_rank(rank: int, cases: list[dict], references: dict) -> list[dict]:
     out = []
     for c in (Case(**c) for c in cases):
-        mesh = setup_megatron(c.tp, 2, c.ep)
+        mesh = setup_megatron(c.tp, c.pp, c.ep)
         assert mesh.dims.dp == c.dp, (mesh.dims, c)
         out.append(pipeline_run(c, mesh, references[c.name]["init"]))
     return out
@@ -458,12 +460,14 @@ def evidence(model: GPTModel, mesh: Mesh, calls: Calls) -> dict:
             "dp": mesh.dp_group is ps.get_data_parallel_group(),
             "ep": mesh.ep_group is ps.get_expert_model_parallel_group(),
             "edp": mesh.edp_group is ps.get_expert_data_parallel_group(),
-            "embedding": mesh.embedding_group is ps.get_embedding_group(),
+            "embedding": mesh.embedding_group is (ps.get_embedding_group() if mesh.pp_rank in (0, mesh.num_stages - 1)
+                                                  else None),
             "norm": mesh.norm_group is (ps.get_model_parallel_group() if mesh.dims.ep == 1
                                         else ps.get_expert_tensor_model_pipeline_parallel_group()),
         },
         "tp_group_ranks": ranks(ps.get_tensor_model_parallel_group()),
-        "embedding_group_ranks": ranks(ps.get_embedding_group()),
+        # megatron's embedding group exists on the first and last stage only (a middle stage raises for it)
+        "embedding_group_ranks": ranks(mesh.embedding_group) if mesh.embedding_group is not None else [],
     }
 
 

@@ -33,7 +33,13 @@ from data.default import DEFAULT_TOKENIZER
 from data.tokenizer import load_tokenizer
 from examples.megatron_2bw import parse_args as parse_example_args
 from tests.dist.harness import run_ranks
-from tests.dist.megatron_core_workers import Case, megatron_grad_machinery_rank, pipeline_rank, reference_rank
+from tests.dist.megatron_core_workers import (
+    LAYERS,
+    Case,
+    megatron_grad_machinery_rank,
+    pipeline_rank,
+    reference_rank,
+)
 from tests.dist.test_pipeline_equivalence import relative_error
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
@@ -49,6 +55,9 @@ CASES = {
     "pp2_slow": [Case("dc_asgd", dc_lambda=100.0),
                  Case("grad_ef_tied", tied=True, grad_ef_lambda=0.5, drain_after=3),
                  Case("dc_asgd_adamw_sync_start", optimizer="adamw", dc_lambda=100.0, sync_start_steps=2)],
+    # megatron's middle stages: no embedding group, no pre/post process, one layer each (LAYERS = 4 over 4 stages)
+    "pp4": [Case("pp4", pp=4, drain_after=3),
+            Case("pp4_tied_weight_prediction", pp=4, tied=True, weight_prediction=True, sync_start_steps=1)],
     "four": [Case("tp2_tied", tp=2, tied=True, optimizer="adamw", ef_lambda=0.5, drain_after=2),
              Case("tp2_muon", tp=2, drain_after=3),
              Case("dp2_tied", dp=2, tied=True),
@@ -64,7 +73,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def world_of(group: str) -> int:
-    (world,) = {2 * c.tp * c.dp for c in CASES[group]}
+    (world,) = {c.pp * c.tp * c.dp for c in CASES[group]}
     return world
 
 
@@ -106,7 +115,7 @@ def four_ranks(references):
 def check_equals_reference(ranks: list[dict], ref: dict) -> None:
     case = Case(**ranks[0]["case"])
     # The step's loss: the mean over the replicas' (equal token counts) of the last stage's per-token mean.
-    last = [r["losses"] for r in ranks if r["stage"] == 1 and r["tp_rank"] == 0]
+    last = [r["losses"] for r in ranks if r["stage"] == case.pp - 1 and r["tp_rank"] == 0]
     assert len(last) == case.dp
     assert [sum(x) / case.dp for x in zip(*last)] == pytest.approx(ref["losses"], rel=RTOL)
     finite = [t for t in range(case.steps) if t != case.overflow_step]  # check_loss_scaling: the skipped one
@@ -126,22 +135,29 @@ def check_equals_reference(ranks: list[dict], ref: dict) -> None:
     print(f"{case.name}: worst weight relative error {worst[0]:.2e} ({worst[1]})")  # pytest -s shows the margins
     # The tied weight: both stages hold it and end equal (one version, updated with the delayed rule).
     if case.tied:
-        copies = [r["params"]["embedding.word_embeddings.weight"][0] for r in ranks if r["tp_rank"] == 0]
+        copies = [r["params"]["embedding.word_embeddings.weight"][0] for r in ranks
+                  if r["tp_rank"] == 0 and r["stage"] in (0, case.pp - 1)]
         assert len(copies) == 2 * case.dp and all(relative_error(c, copies[0]) == 0 for c in copies)
 
 
 def check_megatron_ran(ranks: list[dict], tp: int) -> None:
-    moe = Case(**ranks[0]["case"]).moe
+    case = Case(**ranks[0]["case"])
+    moe, per_stage = case.moe, LAYERS // case.pp
     for r in ranks:
+        # megatron's even split: stage s built and trained the global layers [s * L/P, (s + 1) * L/P)
+        layers = {int(n.split(".")[2]) for n in r["params"] if n.startswith("decoder.layers.")}
+        assert layers == set(range(r["stage"] * per_stage, (r["stage"] + 1) * per_stage)), (r["stage"], layers)
+        ends = r["stage"] in (0, case.pp - 1)
         e = r["evidence"]
         assert e["model_class"] == "megatron.core.models.gpt.gpt_model.GPTModel"
         assert "megatron.core.transformer.transformer_block.TransformerBlock" in e["module_classes"]
         assert e["cpu_mode"] and e["linear_tp_group_is_megatrons"]
         assert all(e["mesh_groups_are_megatrons"].values()), e["mesh_groups_are_megatrons"]
-        assert len(e["tp_group_ranks"]) == tp and len(e["embedding_group_ranks"]) == 2
+        assert len(e["tp_group_ranks"]) == tp and len(e["embedding_group_ranks"]) == 2 * ends
         calls = e["forward_calls"]
         # 2 layers per stage, each a ColumnParallel qkv/fc1 and a RowParallel proj/fc2, every microbatch forward;
         # with MoE, megatron's MoELayer in every layer (its experts' fc1/fc2 run on the tokens routed to them).
+        # (at P=4 a stage has one layer, and a middle stage neither the embedding nor the output layer).
         assert calls["TransformerLayer"] > 0 and calls["ColumnParallelLinear"] >= 2 * calls["TransformerLayer"]
         assert calls.get("MoELayer", 0) == (calls["TransformerLayer"] if moe else 0)
         assert calls["RowParallelLinear"] >= 2 * calls["TransformerLayer"]
@@ -236,6 +252,25 @@ def test_gpt_model_pp2_corrections_equal_delayed_reference(pp2_slow, references,
     check_equals_reference(pp2_slow[name], ref)
     check_megatron_ran(pp2_slow[name], tp=1)
     check_corrections_acted(pp2_slow[name], ref)
+
+
+@pytest.fixture(scope="module")
+def pp4(references):
+    return run_pipeline("pp4", references)
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES["pp4"]])
+def test_gpt_model_pp4_equals_delayed_reference(pp4, references, name):
+    """Four megatron pipeline stages (the head whole on the last): two middle stages that have neither megatron's
+    embedding group nor its pre/post-processing, the tied weight on stages 0 and 3 only."""
+    ref = references("pp4")[name]
+    check_equals_reference(pp4[name], ref)
+    check_megatron_ran(pp4[name], tp=1)
+    check_corrections_acted(pp4[name], ref)
+    for r in pp4[name]:
+        assert (r["evidence"]["embedding_group_ranks"] == [0, 3]) == (r["stage"] in (0, 3)), r["evidence"]
+        assert ("output_layer.weight" in r["params"] or "embedding.word_embeddings.weight" in r["params"]) == \
+            (r["stage"] in (0, 3))
 
 
 def test_drain_in_the_middle_resumes_the_same_trajectory(pp2):

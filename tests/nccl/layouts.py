@@ -155,6 +155,11 @@ def _layouts() -> dict[str, Layout]:
         # megatron's sequence parallelism (the TP all-reduce of the SP norms' partial gradients in the reduction)
         Layout("megatron-core-example-P2-TP2-SP", make_config(parallel={"pp": 2, "tp": 2}),
                example=(*example, "--tp", "2", "--sequence-parallel")),
+        # four stages: two middle ones outside megatron's embedding group (the tied weight on stages 0 and 3 only)
+        Layout("megatron-core-example-P4", make_config(parallel={"pp": 4}),
+               example=("--train-iters", "5", "--eval-interval", "2", "--num-layers", "4", "--hidden-size", "32",
+                        "--seq-length", "16", "--micro-batch-size", "2", "--num-microbatches", "4", "--pp", "4",
+                        "--weight-prediction")),
         # MoE with megatron's alltoall dispatcher over EP=2 (its all-to-alls inside every forward and backward)
         Layout("megatron-core-example-P2-DP2-EP2-alltoall", make_config(parallel={"pp": 2, "dp": 2}),
                example=(*example, "--num-experts", "4", "--expert-model-parallel-size", "2",
