@@ -12,6 +12,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
 from asyncpp.parallel import megatron_cpu
+from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.pipeline.megatron_vocab import (
     EMBEDDING,
     HEAD,
@@ -194,4 +195,37 @@ def spread_rank(rank: int, cases: list[tuple[bool, bool]]) -> list[dict]:
                                   if not k.endswith("_extra_state")}, missing=list(missing),
                           unexpected=list(unexpected))
         out.append(result)
+    return out
+
+
+# ---- a vocabulary-parallel head's groups over megatron's pipelines ----------------------------------------------
+def vocab_groups_rank(rank: int, layouts: list[tuple[int, int]]) -> list[dict]:
+    """For each (pp, tp): Mesh.from_megatron(vocab_head=True, vocab_embedding=True) on megatron's parallel_state, and
+    asyncpp's own Mesh of the same layout. Returns, per layout, every vocabulary group's ranks from both, whether
+    megatron's own groups were kept, whether the new groups are communicators of their own (not megatron's pipeline
+    group), and each group's all-reduce of the rank (the groups carry traffic)."""
+    out = []
+    for pp, tp in layouts:
+        plain = setup_megatron(tp, pp)  # the whole head: megatron's embedding group on the ends
+        mesh = Mesh.from_megatron(torch.device("cpu"), vocab_head=True, vocab_embedding=True)
+        own = Mesh(ParallelDims.for_world(dist.get_world_size(), pp=pp, tp=tp), torch.device("cpu"), vocab_head=True,
+                   vocab_embedding=True)
+        groups = {"embedding": mesh.embedding_group, **vars(mesh.vocab_groups)}
+        own_groups = {"embedding": own.embedding_group, **vars(own.vocab_groups)}
+        sums = {}
+        for name, group in groups.items():
+            x = torch.tensor([float(rank)])
+            dist.all_reduce(x, group=group)
+            sums[name] = float(x)
+        out.append({
+            "ranks": {n: dist.get_process_group_ranks(g) for n, g in groups.items()},
+            "own_ranks": {n: dist.get_process_group_ranks(g) for n, g in own_groups.items()},
+            "megatron_groups_kept": mesh.pp_group is parallel_state.get_pipeline_model_parallel_group()
+            and mesh.tp_group is parallel_state.get_tensor_model_parallel_group(),
+            "new_communicators": len({g.group_name for g in groups.values()} | {mesh.pp_group.group_name})
+            == len(groups) + 1,
+            "plain_embedding_ranks": (dist.get_process_group_ranks(plain.embedding_group)
+                                      if plain.embedding_group is not None else []),
+            "sums": sums, "stage": mesh.pp_rank, "tp_rank": mesh.tp_rank,
+        })
     return out

@@ -19,6 +19,7 @@ from tests.dist.megatron_vocab_workers import (
     HEAD,
     VOCAB,
     spread_rank,
+    vocab_groups_rank,
     vocab_rank,
 )
 
@@ -144,3 +145,28 @@ def test_rows_spread_over_megatron_stages_and_saved_load_into_the_unsplit_model(
                 saved[EMBEDDING] = (0, (VOCAB, 32))
             assert s["rows"] == saved
             start += rows
+
+
+VOCAB_GROUP_LAYOUTS = [(4, 1), (2, 2)]
+"""(pp, tp) on four megatron ranks: four stages; two stages of two TP ranks (the statistics' group then spans a
+replica's stages and TP ranks, the others one TP rank's stages)."""
+
+
+def test_vocab_head_groups_over_megatrons_pipelines_are_asyncpps():
+    """Mesh.from_megatron(vocab_head=True, vocab_embedding=True): the head's and the sharded embedding's groups over
+    megatron's pipelines hold the same ranks as asyncpp's own mesh of the layout makes, each a communicator of its
+    own beside megatron's groups (which the mesh keeps), and the tied-embedding group spans every stage (the plain
+    front-end's is megatron's, first and last stage only). Each carries an all-reduce."""
+    results = run_ranks(vocab_groups_rank, 4, VOCAB_GROUP_LAYOUTS, timeout=300.0)
+    for i, (pp, tp) in enumerate(VOCAB_GROUP_LAYOUTS):
+        for r in (result[i] for result in results):
+            assert r["ranks"] == r["own_ranks"], (pp, tp, r)
+            assert set(r["ranks"]) == {"embedding", "hidden", "stats", "grad", "embed", "embed_grad"}
+            pipeline = [s * tp + r["tp_rank"] for s in range(pp)]  # megatron's order tp-cp-ep-dp-pp, dp = 1
+            assert r["ranks"]["stats"] == list(range(4))
+            for name in ("embedding", "hidden", "grad", "embed", "embed_grad"):
+                assert r["ranks"][name] == pipeline, (name, r)
+            assert r["megatron_groups_kept"] and r["new_communicators"]
+            ends = r["stage"] in (0, pp - 1)
+            assert r["plain_embedding_ranks"] == ([pipeline[0], pipeline[-1]] if ends else [])
+            assert r["sums"] == {n: float(sum(ranks)) for n, ranks in r["ranks"].items()}
