@@ -78,7 +78,7 @@ def test_calls_run_the_placed_stream_once_and_cannot_deadlock_across_calls(P, m,
             assert j >= 0 and call_of[r][j] <= call_of[s][i], (
                 f"stage {s} {stream[s][i]} in call {call_of[s][i]} waits for stage {r} {stream[r][j]} in call "
                 f"{call_of[r][j]}")
-    check_schedules(stream, m, max_versions=None)
+    check_schedules(stream, m, max_versions=2)  # 2BW's two weight versions suffice after the reassignment
 
 
 def test_a_stream_started_later_has_the_same_windows_shifted():
