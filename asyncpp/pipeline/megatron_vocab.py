@@ -152,6 +152,59 @@ def spread_rows(model: nn.Module, split: VocabSplit, mesh: Mesh, *, embedding: b
     return out
 
 
+class VocabSpreadStage(nn.Module):
+    """A GPTModel stage whose vocabulary is spread over the pipeline: build it on every stage after the GPTModel and
+    before the optimizer (which takes its parameters), and hand it to Pipeline2BW in the GPTModel's place.
+
+    It holds the GPTModel as `module` (megatron's `.module` chain: Pipeline2BW, optimizer_sharding and `_gpt` see
+    through it) and this stage's rows (spread_rows) as trained parameters: `head_rows` [shards[s], hidden], and with
+    the embedding sharded `embedding_rows` (a tied model's are the same Parameter: the head rows are rows of the
+    embedding). Megatron's whole weights leave training (requires_grad False, so neither the optimizer built
+    afterwards nor the engine's weight versions hold them): the last stage's output_layer.weight, and with the
+    embedding sharded the first stage's word embeddings.
+
+    The last stage ends at the final norm: GPTModel decides at each forward, by `self.post_process`, whether
+    `_postprocess` applies the output layer and the loss; the final norm is the decoder's own (TransformerBlock
+    built `final_layernorm` from the constructor's post_process), so with post_process turned off after the
+    construction the stage returns the normed hidden states [s, b, h] that a vocabulary-parallel head's S passes
+    read (`shared_embedding_or_output_weight` then names no weight on the last stage: the rows replace it)."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, split: VocabSplit, *, embedding: bool):
+        super().__init__()
+        gpt = _gpt(model)
+        if gpt.share_embeddings_and_output_weights and not embedding:
+            raise NotImplementedError("a tied GPTModel with its embedding whole on the first stage: its head rows "
+                                      "are rows of that table, updated with it; spread the embedding too "
+                                      "(embedding=True) or untie (share_embeddings_and_output_weights=False)")
+        rows = spread_rows(gpt, split, mesh, embedding=embedding)
+        self.module, self.start, self.embedding_sharded = model, sum(split.shards[:mesh.pp_rank]), embedding
+        self.head_rows = rows.get(HEAD, rows.get(EMBEDDING))
+        self.embedding_rows = rows.get(EMBEDDING) if embedding else None
+        self.frozen = [name for name in (HEAD, EMBEDDING) if name in dict(gpt.named_parameters())
+                       and (name == HEAD or embedding)]
+        for name in self.frozen:
+            gpt.get_parameter(name).requires_grad_(False)
+        gpt.post_process = False
+
+    @property
+    def config(self):
+        return _gpt(self.module).config
+
+    def set_input_tensor(self, input_tensor) -> None:
+        _gpt(self.module).set_input_tensor(input_tensor)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def rows(self) -> dict[str, Tensor]:
+        """This stage's rows by megatron's name, for checkpoint_of (a tied model's: EMBEDDING only)."""
+        tied = _gpt(self.module).share_embeddings_and_output_weights
+        out = {} if tied else {HEAD: self.head_rows.detach()}
+        if self.embedding_rows is not None:
+            out[EMBEDDING] = self.embedding_rows.detach()
+        return out
+
+
 # ---- checkpoints --------------------------------------------------------------------------------------------
 @dataclass
 class StageCheckpoint:

@@ -16,6 +16,7 @@ from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.pipeline.megatron_vocab import (
     EMBEDDING,
     HEAD,
+    VocabSpreadStage,
     assemble_state_dict,
     checkpoint_of,
     model_config_of,
@@ -228,4 +229,44 @@ def vocab_groups_rank(rank: int, layouts: list[tuple[int, int]]) -> list[dict]:
                                       if plain.embedding_group is not None else []),
             "sums": sums, "stage": mesh.pp_rank, "tp_rank": mesh.tp_rank,
         })
+    return out
+
+
+# ---- a stage with its vocabulary spread (VocabSpreadStage) --------------------------------------------------------
+def spread_stage_rank(rank: int, cases: list[tuple[bool, bool]]) -> list[dict]:
+    """On 2 megatron pipeline ranks, per (tied, embedding sharded): the last stage's logits from megatron's own
+    output layer on a fixed input, then VocabSpreadStage on every stage; its output on the last stage (the normed
+    hidden states), broadcast, times each stage's head rows, gathered in stage order. Returns the trainable
+    parameters' names and shapes, the frozen names, the output's shape, megatron's logits and the gathered ones."""
+    out = []
+    for tied, embedding in cases:
+        mesh = setup_megatron(1, 2)
+        torch.manual_seed(11 + rank)
+        gpt = tiny_gpt(2, mesh.is_first_stage, mesh.is_last_stage, tied)
+        split = vocab_split_of(gpt, seq_len=SEQ, micro_batch_size=2, embedding=embedding)
+        x = torch.randn(SEQ, 2, HIDDEN, generator=torch.Generator().manual_seed(3))  # a [s, b, h] activation
+        tokens, mask = torch.zeros(2, SEQ, dtype=torch.long), megatron_cpu.causal_mask(SEQ)
+        positions = torch.arange(SEQ).expand(2, SEQ)
+        logits = None
+        if mesh.is_last_stage:
+            gpt.set_input_tensor([x])
+            logits = gpt(tokens, positions, mask).detach()  # megatron's head: [b, s, vocab]
+        stage = VocabSpreadStage(gpt, mesh, split, embedding=embedding)
+        hidden = torch.empty(SEQ, 2, HIDDEN)
+        if mesh.is_last_stage:
+            stage.set_input_tensor([x])
+            hidden = stage(tokens, positions, mask).detach()
+        shape = tuple(hidden.shape)
+        dist.broadcast(hidden, src=mesh.global_rank(1), group=mesh.pp_group)
+        gathered = [None] * 2
+        dist.all_gather_object(gathered, hidden.transpose(0, 1) @ stage.head_rows.detach().T)
+        out.append({"trainable": {n: tuple(p.shape) for n, p in stage.named_parameters() if p.requires_grad},
+                    "frozen": stage.frozen, "shape": shape, "logits": logits, "spread": torch.cat(gathered, -1),
+                    "shards": split.shards, "tied_rows_shared": stage.embedding_rows is stage.head_rows,
+                    "rows": {k: tuple(v.shape) for k, v in stage.rows().items()}})
+    tied = tiny_gpt(2, mesh.is_first_stage, mesh.is_last_stage, True)
+    try:  # refused before any collective: every rank raises alike
+        VocabSpreadStage(tied, mesh, vocab_split_of(tied, seq_len=SEQ, micro_batch_size=2), embedding=False)
+    except NotImplementedError as e:
+        out.append(str(e))
     return out

@@ -19,6 +19,7 @@ from tests.dist.megatron_vocab_workers import (
     HEAD,
     VOCAB,
     spread_rank,
+    spread_stage_rank,
     vocab_groups_rank,
     vocab_rank,
 )
@@ -170,3 +171,35 @@ def test_vocab_head_groups_over_megatrons_pipelines_are_asyncpps():
             ends = r["stage"] in (0, pp - 1)
             assert r["plain_embedding_ranks"] == ([pipeline[0], pipeline[-1]] if ends else [])
             assert r["sums"] == {n: float(sum(ranks)) for n, ranks in r["ranks"].items()}
+
+
+STAGE_CASES = [(False, False), (False, True), (True, True)]
+"""(tied, embedding sharded): a tied model with its embedding whole is refused by VocabSpreadStage (not built)."""
+
+
+def test_a_spread_stage_trains_its_rows_and_ends_at_the_final_norm():
+    """VocabSpreadStage on 2 megatron ranks: each stage trains its rows ([shard, hidden]) and neither megatron's whole
+    output_layer nor, when sharded, its whole word embeddings (frozen; a whole embedding trains on the first stage
+    as before); the last stage returns the normed
+    hidden states [s, b, h], and those times every stage's rows, in stage order, are megatron's own logits of the
+    same input. Tolerance: the same products over hidden=32, split by output column (BLAS may block the two
+    matmuls differently): fp32 rounding of a 32-term dot product, well under 1e-5 relative."""
+    results = run_ranks(spread_stage_rank, 2, STAGE_CASES, timeout=300.0)
+    for case, (tied, embedding) in enumerate(STAGE_CASES):
+        first, last = (r[case] for r in results)
+        for stage, r in enumerate((first, last)):
+            shard = (r["shards"][stage], 32)
+            assert r["trainable"]["head_rows"] == shard
+            assert ("embedding_rows" in r["trainable"]) == (embedding and not tied) and r["tied_rows_shared"] == tied
+            assert f"module.{HEAD}" not in r["trainable"]  # megatron's whole head: the last stage's, frozen
+            assert (f"module.{EMBEDDING}" in r["trainable"]) == (stage == 0 and not embedding)  # a whole table trains
+            whole = {0: [EMBEDDING] if embedding else [], 1: [HEAD]}[stage]
+            assert r["frozen"] == whole
+            assert r["rows"] == {**({} if tied else {HEAD: shard}), **({EMBEDDING: shard} if embedding else {})}
+        assert last["shape"] == (16, 2, 32)
+        assert last["logits"].shape == last["spread"].shape == (2, 16, VOCAB)
+        assert torch.allclose(last["spread"], last["logits"], rtol=1e-5, atol=1e-6), (
+            tied, embedding, float((last["spread"] - last["logits"]).abs().max()))
+        assert torch.equal(first["spread"], last["spread"])
+    for r in results:  # a tied model with its embedding whole: refused, naming both ways out
+        assert "embedding=True" in r[-1] and "share_embeddings_and_output_weights=False" in r[-1]
