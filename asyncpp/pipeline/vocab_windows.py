@@ -21,6 +21,7 @@ later call, runs that producer in the waiter's call instead (and, in turn, what 
   the stream's order, the same on every member), the forward of its microbatch (for B, S, T, G), the update that
   made its weight version, every microbatch action of its step (for UPDATE_START(t)), and for UPDATE(t) its
   UPDATE_START(t) and every action that reads the version it overwrites (x_{t-1}: two versions).
+The last stage's T of b_k runs in call k too (it reports the microbatch's loss: call k returns b_k's m losses).
 This is needed: at P=4 the placement runs the first stage's S of b_k after its F(k+1, 0), and another stage's T
 of b_k, before its own last forward of b_k, waits for them; they run in call k. Then an action of b_{k+1} placed
 before the cut (a sharded embedding's E(k+1, j), looked up ahead) moves to call k+1. A stage's list of call k is
@@ -108,6 +109,9 @@ def assign_calls(stages: Sequence[Sequence[Action]]) -> list[list[int]]:
     needs = {(s, i): [(s, j) for j in own[s][i]] + [(r, j) for r, j in cross.get((s, i), ()) if j >= 0]
              for s, actions in enumerate(stages) for i in range(len(actions))}
     calls = [_sections(actions) for actions in stages]
+    # The last stage's T(k, j) reports (k, j)'s loss: in call k, so that call returns b_k's m losses as Megatron's
+    # forward_data_store (a pull like any other: what it waits for follows it into call k).
+    calls[-1] = [min(k, a.step) if a.op is Op.VOCAB_BACKWARD else k for a, k in zip(stages[-1], calls[-1])]
     changed = True
     while changed:  # pull every producer into its waiter's call (calls only decrease: it ends)
         changed = False

@@ -67,6 +67,10 @@ def test_calls_run_the_placed_stream_once_and_cannot_deadlock_across_calls(P, m,
         for k in range(calls):
             forwards = {(a.step, a.microbatch) for a in per_stage[s][k] if a.op is Op.FORWARD}
             assert {(k, j) for j in range(m)} <= forwards and {t for t, _ in forwards} == {k}, (s, k)
+        # the last stage reports b_k's losses (its T's) in call k
+        losses = [{a.microbatch for a in per_stage[-1][k] if a.op is Op.VOCAB_BACKWARD and a.step == k}
+                  for k in range(calls)]
+        assert losses == [set(range(m))] * calls
         # each call's window, from its short horizon, is that call's part of the whole stream's assignment
         longer = vocab_stream("2bw", m, split, placement, 0, calls + 2)
         whole = assign_calls(longer)[s]
