@@ -157,7 +157,7 @@ class VocabSpreadStage(nn.Module):
     before the optimizer (which takes its parameters), and hand it to Pipeline2BW in the GPTModel's place.
 
     It holds the GPTModel as `module` (megatron's `.module` chain: Pipeline2BW, optimizer_sharding and `_gpt` see
-    through it) and this stage's rows (spread_rows) as trained parameters: `head_rows` [shards[s], hidden], and with
+    through it) and this stage's rows (spread_rows) as trained parameters: `output_layer_rows` [shards[s], hidden], and with
     the embedding sharded `embedding_rows` (a tied model's are the same Parameter: the head rows are rows of the
     embedding). Megatron's whole weights leave training (requires_grad False, so neither the optimizer built
     afterwards nor the engine's weight versions hold them): the last stage's output_layer.weight, and with the
@@ -178,7 +178,7 @@ class VocabSpreadStage(nn.Module):
                                       "(embedding=True) or untie (share_embeddings_and_output_weights=False)")
         rows = spread_rows(gpt, split, mesh, embedding=embedding)
         self.module, self.start, self.embedding_sharded = model, sum(split.shards[:mesh.pp_rank]), embedding
-        self.head_rows = rows.get(HEAD, rows.get(EMBEDDING))
+        self.output_layer_rows = rows.get(HEAD, rows.get(EMBEDDING))  # the name keeps Muon off it (optim.build)
         self.embedding_rows = rows.get(EMBEDDING) if embedding else None
         self.frozen = [name for name in (HEAD, EMBEDDING) if name in dict(gpt.named_parameters())
                        and (name == HEAD or embedding)]
@@ -199,7 +199,7 @@ class VocabSpreadStage(nn.Module):
     def rows(self) -> dict[str, Tensor]:
         """This stage's rows by megatron's name, for checkpoint_of (a tied model's: EMBEDDING only)."""
         tied = _gpt(self.module).share_embeddings_and_output_weights
-        out = {} if tied else {HEAD: self.head_rows.detach()}
+        out = {} if tied else {HEAD: self.output_layer_rows.detach()}
         if self.embedding_rows is not None:
             out[EMBEDDING] = self.embedding_rows.detach()
         return out

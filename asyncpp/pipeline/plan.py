@@ -160,6 +160,7 @@ def build_stage_runtime(
     embed_inputs: Callable | None = None,
     comm_cls: type[StageComm] = StageComm,
     extra_parts: Sequence[StagePart] = (),
+    head_part: Callable[[Wait], Part] | None = None,
 ) -> StageEngine:
     """The engine of `plan`'s stage: `module` is the stage (pruned and sharded), `spec` its place in the
     model_zoo layout (None: a module of its own, e.g. Megatron's GPTModel stage), `optimizer` built over its
@@ -167,7 +168,8 @@ def build_stage_runtime(
     microbatch forward. Under a vocabulary-parallel head `head_labels(step, microbatch)` gives every stage the
     labels of the whole microbatch; with a sharded embedding
     `embed_inputs(step, microbatch)` every stage's the input token ids. `extra_parts`: more parts the stage runs
-    (parts.py), after its head and embedding."""
+    (parts.py), after its head and embedding. `head_part(wait)`: the stage's head part, built by the caller (the
+    Megatron front-end's vocabulary-parallel head over a GPTModel, which has no StageSpec), in place of the plan's."""
     if plan.stage != mesh.pp_rank or plan.num_stages != mesh.num_stages or (
             spec is not None and (spec.stage, spec.num_stages) != (plan.stage, plan.num_stages)):
         built = f"stage {spec.stage} of {spec.num_stages}, " if spec is not None else ""
@@ -185,6 +187,8 @@ def build_stage_runtime(
         tied_rows = (spec.vocab.start, sum(plan.vocab.shards))  # its head rows are rows of the tied weight the first
         # stage holds whole
     head, embedding = stage_parts(plan, spec, module, mesh, comm.wait, head_labels, embed_inputs)
+    if head_part is not None:
+        head = head_part(comm.wait)
     timer = stage_timer(mesh.pp_rank, mesh.device)
     update = StageUpdate(mesh, versions, optimizer, spec=plan.update, grad_scale=grad_scale,
                          is_delayed=plan.is_delayed, tied_is_delayed=plan.tied_is_delayed,

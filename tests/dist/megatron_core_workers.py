@@ -44,6 +44,8 @@ from asyncpp.optim import build_optimizer, muon_sharded
 from asyncpp.parallel import megatron_cpu
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func, optimizer_sharding
+from asyncpp.pipeline.megatron_vocab import VocabSpreadStage, vocab_split_of
+from asyncpp.pipeline.megatron_vocab_pipeline import VocabPipeline2BW
 from asyncpp.reference.simulator import DelayedUpdateSimulator
 from tests.dist.workers import SyntheticData
 
@@ -72,6 +74,8 @@ class Case:
     """Every layer's MLP a megatron-core MoELayer: 4 experts, top-2, aux loss, `dispatcher`."""
     dispatcher: str = "allgather"
     """moe_token_dispatcher_type: "allgather" or "alltoall" (MoEAlltoAllTokenDispatcher)."""
+    vocab: bool = False
+    """The output layer spread over the stages by the cost model's shards (VocabSpreadStage, VocabPipeline2BW)."""
     sp: bool = False
     """Sequence parallelism (needs tp > 1): megatron_cpu's SequenceParallelLayerNorm in every norm."""
     loss_scale: float | None = None
@@ -174,13 +178,13 @@ def shard_of(full: Tensor, param: nn.Parameter, tp: int, tp_rank: int) -> Tensor
 
 
 # ---- the single-process reference ----------------------------------------------------------------------
-def setup_megatron(tp: int, pp: int, ep: int = 1) -> Mesh:
+def setup_megatron(tp: int, pp: int, ep: int = 1, vocab: bool = False) -> Mesh:
     if parallel_state.model_parallel_is_initialized():  # the previous case's layout
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              expert_model_parallel_size=ep)
     megatron_cpu.enable(torch.device("cpu"))
-    return Mesh.from_megatron(torch.device("cpu"))
+    return Mesh.from_megatron(torch.device("cpu"), vocab_head=vocab)
 
 
 def reference_rank(rank: int, cases: list[dict]) -> dict:
@@ -253,7 +257,7 @@ class Calls:
 def pipeline_rank(rank: int, cases: list[dict], references: dict) -> list[dict]:
     out = []
     for c in (Case(**c) for c in cases):
-        mesh = setup_megatron(c.tp, c.pp, c.ep)
+        mesh = setup_megatron(c.tp, c.pp, c.ep, c.vocab)
         assert mesh.dims.dp == c.dp, (mesh.dims, c)
         out.append(pipeline_run(c, mesh, references[c.name]["init"]))
     return out
@@ -275,14 +279,18 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
             p.copy_(shard_of(init[global_name(model, name)], p, case.tp, mesh.tp_rank))
     calls = Calls(model)
     tied = [model.shared_embedding_or_output_weight()] if case.tied else []
+    # The spread head: the stages train `stage` (the GPTModel and its rows), megatron's whole output_layer frozen.
+    split = vocab_split_of(model, seq_len=SEQ, micro_batch_size=MICRO_BATCH) if case.vocab else None
+    stage = VocabSpreadStage(model, mesh, split, embedding=False) if case.vocab else model
+    engine = functools.partial(VocabPipeline2BW, split=split) if case.vocab else Pipeline2BW
     # Megatron's TP layout for Muon (param_layouts): a sharded matrix is gathered and orthogonalised whole.
-    optimizer = build_optimizer(model, name=case.optimizer, lr=0.01, sharding=optimizer_sharding(model),
+    optimizer = build_optimizer(stage, name=case.optimizer, lr=0.01, sharding=optimizer_sharding(stage),
                                 tp_group=mesh.tp_group)
     muon = MuonWatch(optimizer, model, mesh)
     layout_refusal = unaware_muon_refusal(model, mesh) if case.optimizer == "muon" and case.tp > 1 else None
     fp16_refusal = half_model_refusal(case, mesh, pre, post) if case.loss_scale is not None else None
-    fwd_bwd = get_forward_backward_func("2bw", engine_factory=lambda schedule: Pipeline2BW(
-        model, optimizer, mesh, schedule=schedule, hidden_size=HIDDEN, grad_clip=case.grad_clip,
+    fwd_bwd = get_forward_backward_func("2bw", engine_factory=lambda schedule: engine(
+        stage, optimizer, mesh, schedule=schedule, hidden_size=HIDDEN, grad_clip=case.grad_clip,
         ef_lambda=case.ef_lambda, grad_ef_lambda=case.grad_ef_lambda, dc_lambda=case.dc_lambda,
         weight_prediction=case.weight_prediction, tied=tied, sequence_first=True,
         sync_start_steps=case.sync_start_steps))
@@ -299,7 +307,7 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
             scale["now"] = math.inf if k == case.overflow_step else case.loss_scale
             if k == case.steps - 1:  # a stream is open: a new scale is refused before anything runs
                 scale_refusal = changed_scale_refusal(fwd_bwd, model, train_iter, case, scale)
-        store = fwd_bwd(forward_step_func=forward_step, data_iterator=train_iter, model=[model],
+        store = fwd_bwd(forward_step_func=forward_step, data_iterator=train_iter, model=[stage],
                         num_microbatches=case.num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH)
         if store:  # the last stage: per-token mean of the step, as Megatron's training_log reduces it
             total = torch.stack([d["lm loss"] for d in store]).double().sum(0)
@@ -317,13 +325,40 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
         "ep_rank": mesh.ep_rank, "losses": losses, "applied": applied,
         "grad_norms": grad_norms, "skipped": {t: r.skipped for t, r in pipeline.records.items()},
         "grad_scales": scales, "scale_refusal": scale_refusal, "fp16_refusal": fp16_refusal,
-        "params": {global_name(model, n): (p.detach().clone(), getattr(p, "tensor_model_parallel", False),
-                                           getattr(p, "partition_dim", None)) for n, p in model.named_parameters()},
+        "params": {**{global_name(model, n): (p.detach().clone(), getattr(p, "tensor_model_parallel", False),
+                                              getattr(p, "partition_dim", None)) for n, p in model.named_parameters()
+                      if not (case.vocab and n == "output_layer.weight")},
+                   **(spread_head_of(stage, mesh, init) if case.vocab else {})},
         "layout_refusal": layout_refusal,
         "evidence": {**evidence(model, mesh, calls), "muon": muon.report(),
+                     "vocab": vocab_evidence(stage, pipeline, init) if case.vocab else None,
                      "corrections": corrections_evidence(pipeline, predicted.count),
                      "partial_tp": partial_tp.report()},
     }
+
+
+def spread_head_of(stage: VocabSpreadStage, mesh: Mesh, init: dict[str, Tensor]) -> dict:
+    """The trained head assembled from every stage's rows (in stage order: the rows are consecutive), reported by
+    the last stage as megatron's output_layer.weight (its own whole one was frozen)."""
+    rows = [None] * mesh.num_stages
+    dist.all_gather_object(rows, stage.output_layer_rows.detach(), group=mesh.pp_group)
+    return {"output_layer.weight": (torch.cat(rows), False, None)} if mesh.is_last_stage else {}
+
+
+def vocab_evidence(stage: VocabSpreadStage, pipeline, init: dict[str, Tensor]) -> dict:
+    """What shows the spread head ran: this stage's rows' shape and start, the S passes and their logits' widths
+    (VocabHead), that megatron's whole output_layer stayed out of training (frozen and equal to its init) and that
+    the rows moved."""
+    head = pipeline.head
+    gpt = stage.module
+    frozen = gpt.output_layer.weight if hasattr(gpt, "output_layer") else None  # the last stage's
+    start, rows = stage.start, stage.output_layer_rows.shape[0]
+    return {"rows": tuple(stage.output_layer_rows.shape), "start": start, "passes": head.passes,
+            "widths": sorted(head.logits_widths),
+            "output_layer_untouched": None if frozen is None else (not frozen.requires_grad and torch.equal(
+                frozen.detach(), init["output_layer.weight"])),
+            "rows_moved": not torch.equal(stage.output_layer_rows.detach(),
+                                          init["output_layer.weight"][start:start + rows])}
 
 
 def changed_scale_refusal(fwd_bwd, model: GPTModel, data, case: Case, scale: dict) -> str | None:
@@ -460,8 +495,10 @@ def evidence(model: GPTModel, mesh: Mesh, calls: Calls) -> dict:
             "dp": mesh.dp_group is ps.get_data_parallel_group(),
             "ep": mesh.ep_group is ps.get_expert_model_parallel_group(),
             "edp": mesh.edp_group is ps.get_expert_data_parallel_group(),
-            "embedding": mesh.embedding_group is (ps.get_embedding_group() if mesh.pp_rank in (0, mesh.num_stages - 1)
-                                                  else None),
+            # megatron's on the first and last stage; with the head spread, asyncpp's over every stage
+            "embedding": (mesh.embedding_group is (ps.get_embedding_group() if mesh.pp_rank in (0, mesh.num_stages - 1)
+                                                   else None)) if mesh.vocab_groups is None
+            else ranks(mesh.embedding_group) == ranks(mesh.pp_group),
             "norm": mesh.norm_group is (ps.get_model_parallel_group() if mesh.dims.ep == 1
                                         else ps.get_expert_tensor_model_pipeline_parallel_group()),
         },

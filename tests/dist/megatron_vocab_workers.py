@@ -259,10 +259,10 @@ def spread_stage_rank(rank: int, cases: list[tuple[bool, bool]]) -> list[dict]:
         shape = tuple(hidden.shape)
         dist.broadcast(hidden, src=mesh.global_rank(1), group=mesh.pp_group)
         gathered = [None] * 2
-        dist.all_gather_object(gathered, hidden.transpose(0, 1) @ stage.head_rows.detach().T)
+        dist.all_gather_object(gathered, hidden.transpose(0, 1) @ stage.output_layer_rows.detach().T)
         out.append({"trainable": {n: tuple(p.shape) for n, p in stage.named_parameters() if p.requires_grad},
                     "frozen": stage.frozen, "shape": shape, "logits": logits, "spread": torch.cat(gathered, -1),
-                    "shards": split.shards, "tied_rows_shared": stage.embedding_rows is stage.head_rows,
+                    "shards": split.shards, "tied_rows_shared": stage.embedding_rows is stage.output_layer_rows,
                     "rows": {k: tuple(v.shape) for k, v in stage.rows().items()}})
     tied = tiny_gpt(2, mesh.is_first_stage, mesh.is_last_stage, True)
     try:  # refused before any collective: every rank raises alike

@@ -11,7 +11,10 @@ convention) where the reference averages then sums (exact: m = 4 and 32 tokens a
 embedding's two gradient parts are summed by an all-reduce, and under TP=2 every row-parallel matmul sums two
 halves (under SP the same sums as reduce-scatters, and each norm's gradient as the sum of the two TP ranks' token
 halves; with the alltoall dispatcher an expert sees its tokens in another order, so its gradient sums them in
-another order). Those are rounding differences of ~1e-7 relative per step; 6 steps of Muon/AdamW (whose normalisations
+another order; with the output layer spread over the stages, the logits are computed per shard and the softmax
+and its gradient formed from the gathered per-shard statistics (vocab_head.py) where megatron's cross entropy takes
+the whole row, and the layers' input gradient is the sum of the stages' partial ones). Those are rounding
+differences of ~1e-7 relative per step; 6 steps of Muon/AdamW (whose normalisations
 amplify them where a gradient entry is near zero) stay below 1e-5, the bound of the other equivalence tests.
 """
 
@@ -35,6 +38,7 @@ from examples.megatron_2bw import parse_args as parse_example_args
 from tests.dist.harness import run_ranks
 from tests.dist.megatron_core_workers import (
     LAYERS,
+    VOCAB,
     Case,
     megatron_grad_machinery_rank,
     pipeline_rank,
@@ -49,7 +53,11 @@ CASES = {
             Case("tied_ef_sync_start", tied=True, ef_lambda=1.0, sync_start_steps=2),
             Case("moe", moe=True),
             Case("weight_prediction_tied", tied=True, weight_prediction=True, sync_start_steps=1, drain_after=3),
-            Case("loss_scale_overflow", loss_scale=1024.0, overflow_step=1, sync_start_steps=2)],
+            Case("loss_scale_overflow", loss_scale=1024.0, overflow_step=1, sync_start_steps=2),
+            # the output layer spread over the stages (VocabSpreadStage / VocabPipeline2BW), with a drain mid-run,
+            # and with EF + weight prediction on top
+            Case("vocab_head", vocab=True, drain_after=3),
+            Case("vocab_head_ef_weight_prediction", vocab=True, ef_lambda=1.0, weight_prediction=True)],
     # DC-ASGD's term lam * g * g * (x_t - x_read) is ~1e-5 of the update at lam 0.1 in 6 steps here (below the
     # test's own tolerance): lam = 100 makes it ~1e-2, so the case shows the correction was applied.
     "pp2_slow": [Case("dc_asgd", dc_lambda=100.0),
@@ -57,7 +65,8 @@ CASES = {
                  Case("dc_asgd_adamw_sync_start", optimizer="adamw", dc_lambda=100.0, sync_start_steps=2)],
     # megatron's middle stages: no embedding group, no pre/post process, one layer each (LAYERS = 4 over 4 stages)
     "pp4": [Case("pp4", pp=4, drain_after=3),
-            Case("pp4_tied_weight_prediction", pp=4, tied=True, weight_prediction=True, sync_start_steps=1)],
+            Case("pp4_tied_weight_prediction", pp=4, tied=True, weight_prediction=True, sync_start_steps=1),
+            Case("pp4_vocab_head", pp=4, vocab=True, drain_after=2)],
     "four": [Case("tp2_tied", tp=2, tied=True, optimizer="adamw", ef_lambda=0.5, drain_after=2),
              Case("tp2_muon", tp=2, drain_after=3),
              Case("dp2_tied", dp=2, tied=True),
@@ -153,7 +162,8 @@ def check_megatron_ran(ranks: list[dict], tp: int) -> None:
         assert "megatron.core.transformer.transformer_block.TransformerBlock" in e["module_classes"]
         assert e["cpu_mode"] and e["linear_tp_group_is_megatrons"]
         assert all(e["mesh_groups_are_megatrons"].values()), e["mesh_groups_are_megatrons"]
-        assert len(e["tp_group_ranks"]) == tp and len(e["embedding_group_ranks"]) == 2 * ends
+        assert len(e["tp_group_ranks"]) == tp
+        assert len(e["embedding_group_ranks"]) == (case.pp if case.vocab else 2 * ends)
         calls = e["forward_calls"]
         # 2 layers per stage, each a ColumnParallel qkv/fc1 and a RowParallel proj/fc2, every microbatch forward;
         # with MoE, megatron's MoELayer in every layer (its experts' fc1/fc2 run on the tokens routed to them).
@@ -164,6 +174,20 @@ def check_megatron_ran(ranks: list[dict], tp: int) -> None:
         assert ("VocabParallelEmbedding" in calls) == (r["stage"] == 0)
         dispatcher = {"allgather": "MoEAllGatherTokenDispatcher", "alltoall": "MoEAlltoAllTokenDispatcher"}
         assert e["dispatchers"] == ([dispatcher[Case(**r["case"]).dispatcher]] if moe else [])
+
+
+def check_vocab_head_ran(ranks: list[dict]) -> None:
+    """The output layer was spread: every stage trained its own consecutive rows (the cost model's shards, covering
+    the vocabulary once), ran S on every microbatch with logits of its rows' width, and moved them; megatron's whole
+    output_layer stayed frozen at its initial value on the last stage."""
+    case = Case(**ranks[0]["case"])
+    vocab = [r["evidence"]["vocab"] for r in sorted(ranks, key=lambda r: r["stage"])]
+    assert [v["start"] for v in vocab] == [sum(v["rows"][0] for v in vocab[:s]) for s in range(case.pp)]
+    assert sum(v["rows"][0] for v in vocab) == VOCAB and all(v["rows"][0] > 0 for v in vocab), vocab
+    for v in vocab:
+        assert v["passes"] == case.steps * case.num_microbatches and v["widths"] == [v["rows"][0]], v
+        assert v["rows_moved"]
+    assert [v["output_layer_untouched"] for v in vocab] == [None] * (case.pp - 1) + [True]
 
 
 def check_sequence_parallel_reduced(ranks: list[dict]) -> None:
@@ -242,6 +266,8 @@ def test_gpt_model_pp2_equals_delayed_reference(pp2, references, name):
     check_corrections_acted(pp2[name], ref)
     if Case(**pp2[name][0]["case"]).loss_scale is not None:
         check_loss_scaling(pp2[name], ref)
+    if Case(**pp2[name][0]["case"]).vocab:
+        check_vocab_head_ran(pp2[name])
 
 
 @pytest.mark.slow  # two processes importing megatron-core, three cases: about 40 s
@@ -261,14 +287,20 @@ def pp4(references):
 
 @pytest.mark.parametrize("name", [c.name for c in CASES["pp4"]])
 def test_gpt_model_pp4_equals_delayed_reference(pp4, references, name):
-    """Four megatron pipeline stages (the head whole on the last): two middle stages that have neither megatron's
-    embedding group nor its pre/post-processing, the tied weight on stages 0 and 3 only."""
+    """Four megatron pipeline stages (the head whole on the last; in pp4_vocab_head spread over the four): two middle
+    stages that have neither megatron's embedding group nor its pre/post-processing, the tied weight on stages 0
+    and 3 only."""
     ref = references("pp4")[name]
     check_equals_reference(pp4[name], ref)
     check_megatron_ran(pp4[name], tp=1)
     check_corrections_acted(pp4[name], ref)
+    vocab = Case(**pp4[name][0]["case"]).vocab
+    if vocab:
+        check_vocab_head_ran(pp4[name])
     for r in pp4[name]:
-        assert (r["evidence"]["embedding_group_ranks"] == [0, 3]) == (r["stage"] in (0, 3)), r["evidence"]
+        if not vocab:  # (check_megatron_ran: with the head spread, the tied group is asyncpp's, over every stage)
+            assert (r["evidence"]["embedding_group_ranks"] == [0, 3]) == (r["stage"] in (0, 3)), r["evidence"]
+        # (the spread head's rows are reported once, assembled, by the last stage)
         assert ("output_layer.weight" in r["params"] or "embedding.word_embeddings.weight" in r["params"]) == \
             (r["stage"] in (0, 3))
 

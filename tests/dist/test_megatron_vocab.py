@@ -189,7 +189,7 @@ def test_a_spread_stage_trains_its_rows_and_ends_at_the_final_norm():
         first, last = (r[case] for r in results)
         for stage, r in enumerate((first, last)):
             shard = (r["shards"][stage], 32)
-            assert r["trainable"]["head_rows"] == shard
+            assert r["trainable"]["output_layer_rows"] == shard
             assert ("embedding_rows" in r["trainable"]) == (embedding and not tied) and r["tied_rows_shared"] == tied
             assert f"module.{HEAD}" not in r["trainable"]  # megatron's whole head: the last stage's, frozen
             assert (f"module.{EMBEDDING}" in r["trainable"]) == (stage == 0 and not embedding)  # a whole table trains

@@ -1,0 +1,147 @@
+"""Pipeline2BW over a GPTModel whose output layer is spread over the pipeline stages (megatron_vocab.VocabSpreadStage):
+the vocabulary-parallel head's S and T passes (pipeline/vocab_head.VocabHead, asyncpp's own) run on every stage,
+in the per-call windows of pipeline/vocab_windows.py.
+
+    stage = VocabSpreadStage(gpt, mesh, vocab_split_of(gpt, ...), embedding=False)  # mesh: Mesh.from_megatron(
+    optimizer = build_optimizer(stage, ...)                                          #       vocab_head=True)
+    fwd_bwd = get_forward_backward_func("2bw", engine_factory=lambda s: VocabPipeline2BW(
+        stage, optimizer, mesh, split=split, schedule=s, hidden_size=h, sequence_first=True))
+
+What differs from Pipeline2BW's contract, and why:
+- The loss is the head's: the mean cross entropy of every token of the microbatch over the whole vocabulary,
+  computed by the stages together (VocabHead's T). The last stage's forward ends at the final norm, so the user's
+  loss_func is not called (it would receive hidden states): `loss_mask` is not applied (every token counts, as a
+  mask of ones), and forward_data_store gets, per microbatch, {"lm loss": [loss sum, tokens]} (pretrain_gpt's
+  report) from the head, in call k for b_k.
+- The labels: every stage's forward_step_func must pass `labels=` to the model (pretrain_gpt's get_batch on every
+  stage): the rows of every stage need them. They are taken from the model call's keyword, by (step, microbatch).
+- The gradient's 1/m: the head's gradient is that of each microbatch's mean loss, so the engine's reduction scales
+  b_t's summed gradient by 1/m (Megatron's division of each loss by m, applied once).
+Not built here (refused by name): a sharded input embedding (its E and G: the windows place them, the first stage
+does not take their sum yet), a tied model, TP/SP, MoE, fp16 loss scaling, synchronous start steps, the 1f1b
+schedule, and evaluation (forward_only) through the spread head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from asyncpp.core.vocab_split import VocabSplit, vocab_placement
+from asyncpp.parallel.mesh import Mesh
+from asyncpp.parallel.vocab_parallel import VocabShard
+from asyncpp.pipeline.megatron import Pipeline2BW, _unwrap, param_layouts
+from asyncpp.pipeline.megatron_vocab import VocabSpreadStage, _gpt
+from asyncpp.pipeline.plan import StagePlan, build_stage_runtime
+from asyncpp.pipeline.vocab_head import VocabHead
+from asyncpp.pipeline.vocab_windows import DONE_CALLS, drain_2bw_vocab, window_2bw_vocab
+from asyncpp.schedules.actions import Action
+
+_KIND = "2bw"
+
+
+def _refusals(model: VocabSpreadStage, mesh: Mesh, kwargs: dict) -> dict[str, object]:
+    config = _gpt(model).config
+    return {
+        "schedule": kwargs.get("schedule", _KIND) != _KIND and kwargs["schedule"],
+        "sync_start_steps": kwargs.get("sync_start_steps", 0),
+        "tied": list(kwargs.get("tied", ())) and "the tied weight",
+        "a sharded embedding (VocabSpreadStage(embedding=True))": model.embedding_sharded,
+        "share_embeddings_and_output_weights": _gpt(model).share_embeddings_and_output_weights,
+        "tensor_model_parallel_size": mesh.dims.tp > 1 and mesh.dims.tp,
+        "num_moe_experts": config.num_moe_experts,
+        "config.grad_scale_func (fp16 loss scaling)": getattr(config, "grad_scale_func", None),
+    }
+
+
+class VocabPipeline2BW(Pipeline2BW):
+    """One stage of a 2BW pipeline whose head is spread over the stages (the module docstring)."""
+
+    DONE_CALLS = DONE_CALLS
+
+    def __init__(self, model: VocabSpreadStage, optimizer, mesh: Mesh, *, split: VocabSplit, **kwargs):
+        if not isinstance(model, VocabSpreadStage):
+            raise TypeError(f"VocabPipeline2BW takes a VocabSpreadStage (megatron_vocab.py), got {type(model).__name__}")
+        for name, value in _refusals(model, mesh, kwargs).items():
+            if value:
+                raise NotImplementedError(f"{name}={value!r}: not supported with the output layer spread over the "
+                                          "stages yet (asyncpp/pipeline/megatron_vocab_pipeline.py)")
+        if mesh.vocab_groups is None:
+            raise ValueError("the spread head needs the mesh's vocabulary groups: Mesh.from_megatron(device, "
+                             "vocab_head=True) on every rank")
+        self.split = split
+        self._labels: dict[tuple[int, int], Tensor] = {}
+        self._pending_labels: Tensor | None = None
+        self._scaled_for: int | None = None
+        model.register_forward_pre_hook(self._take_labels, with_kwargs=True)
+        super().__init__(model, optimizer, mesh, **kwargs)
+        self.head = self.engine.part(VocabHead)
+
+    def _build_engine(self, plan: StagePlan, model: nn.Module, optimizer, tied: Iterable[nn.Parameter]):
+        rows = model.output_layer_rows
+        shard = VocabShard(model.start, rows.shape[0])
+
+        def head(wait) -> VocabHead:  # its [mb, seq, h] is set per call (_set_activation_shape)
+            return VocabHead(self.mesh, shard, rows, 0, self._labels_of, (0,), plan.link_dtype, wait)
+
+        return build_stage_runtime(plan, None, model, self.mesh, optimizer, self._forward, grad_scale=1.0,
+                                   layouts=param_layouts(model), head_part=head)
+
+    # ---- the windows ------------------------------------------------------------------------------------
+    def _window(self, m: int, step: int, done: set[Action]) -> list[Action]:
+        placement = vocab_placement(_KIND, m, self.split)
+        return window_2bw_vocab(_KIND, self.mesh.pp_rank, m, self.split, placement, step, self._stream_start, done)
+
+    def _drain_window(self, done: set[Action]) -> list[Action]:
+        placement = vocab_placement(_KIND, self._m, self.split)
+        return drain_2bw_vocab(_KIND, self.mesh.pp_rank, self._m, self.split, placement, self.next_step - 1,
+                               self._stream_start, done)
+
+    def _train_step(self, m: int) -> None:
+        if self.drained and m != self._scaled_for:  # the head's gradient is per microbatch mean: b_t's sum / m
+            self.engine.update.rescale(1.0 / m)
+            self._scaled_for = m
+        super()._train_step(m)
+
+    def _set_activation_shape(self, seq_length: int, micro_batch_size: int) -> None:
+        super()._set_activation_shape(seq_length, micro_batch_size)
+        self.head.hidden_shape = (micro_batch_size, seq_length, self.hidden_size)
+
+    # ---- the microbatch: labels, the last stage's output, the losses ------------------------------------
+    def _take_labels(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._pending_labels = kwargs.get("labels")
+
+    def _labels_of(self, step: int, microbatch: int) -> Tensor:
+        return self._labels.pop((step, microbatch))
+
+    def _forward(self, step: int, microbatch: int, x: Tensor | None) -> Tensor:
+        self._pending_labels = None
+        out = super()._forward(step, microbatch, x)
+        if self._pending_labels is None:
+            raise ValueError("forward_step_func called the model without labels=: with the output layer spread over "
+                             "the stages every stage's rows need each microbatch's labels (pass them on every stage)")
+        self._labels[(step, microbatch)] = self._pending_labels.detach()
+        return out
+
+    def _forward_step(self, call, x: Tensor | None) -> Tensor:
+        """Megatron's forward_step up to the model's output; the last stage's (its normed hidden states [s, b, h])
+        goes to the head as [b, s, h]. The loss is the head's (module docstring): loss_func is not called."""
+        _unwrap(call.model, "set_input_tensor").set_input_tensor([x])
+        output, _ = call.forward_step_func(call.data_iterator, call.model)
+        return output.transpose(0, 1) if self.mesh.is_last_stage else output
+
+    def _collect_losses(self) -> None:
+        """The last stage's T losses of this call's b_k (vocab_windows runs them in call k): Megatron's report."""
+        if self._call is None or not self.mesh.is_last_stage:
+            return
+        losses = self.engine.losses.pop(self.next_step, [])
+        tokens = float(self.head.hidden_shape[0] * self.head.hidden_shape[1])
+        for loss in losses:
+            self._call.store.append({"lm loss": torch.stack([loss.detach().double() * tokens,
+                                                              torch.tensor(tokens, dtype=torch.float64)])})
+
+    def _forward_only(self, m: int) -> None:
+        raise NotImplementedError("forward_only=True (evaluation) through the spread head is not built yet "
+                                  "(asyncpp/pipeline/megatron_vocab_pipeline.py)")
