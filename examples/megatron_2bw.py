@@ -46,6 +46,8 @@ from asyncpp.optim import build_optimizer
 from asyncpp.parallel import megatron_cpu
 from asyncpp.parallel.mesh import Mesh, init_distributed
 from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func, optimizer_sharding
+from asyncpp.pipeline.megatron_vocab import VocabSpreadStage, vocab_split_of
+from asyncpp.pipeline.megatron_vocab_pipeline import VocabPipeline2BW
 from data.source import IndexedDataSource
 
 
@@ -77,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather")
     p.add_argument("--expert-model-parallel-size", type=int, default=1)
     p.add_argument("--vocab-parallel-head", action="store_true",
-                   help="asyncpp: spread the output layer over the stages (not available through this front-end)")
+                   help="asyncpp: spread the output layer over the stages by the cost model's shards (untied, tp 1)")
     p.add_argument("--data-path", nargs="+", default=None,
                    help="indexed dataset prefixes, optionally weighted: [weight] prefix [weight prefix ...]")
     p.add_argument("--tokenizer", default=None, help="the tokenizer the data was made with (default: <prefix>.json's)")
@@ -87,10 +89,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", type=Path, default=None, help="write the losses as JSON here (the last stage)")
     args = p.parse_args(argv)
-    if args.vocab_parallel_head:
-        p.error("--vocab-parallel-head: the vocabulary-parallel head and sharded embedding of a megatron-core GPTModel "
-                "through Pipeline2BW are not built yet (issue 43, item 1); asyncpp's own pipeline has them "
-                "(pretrain.py parallel.head=vocab parallel.embedding=vocab). Drop the flag")
+    if args.vocab_parallel_head and not args.untie_embeddings_and_output_weights:
+        p.error("--vocab-parallel-head spreads an untied output layer only (a tied one is not built through this "
+                "front-end yet): add --untie-embeddings-and-output-weights")
+    if args.vocab_parallel_head and (args.tp > 1 or args.num_experts is not None or args.pp < 2):
+        p.error(f"--vocab-parallel-head needs --pp >= 2, --tp 1 and no --num-experts (got --pp {args.pp}, --tp "
+                f"{args.tp}, --num-experts {args.num_experts}): megatron's output layer is already split over TP")
     if args.sequence_parallel and args.tp == 1:
         p.error("--sequence-parallel needs --tp > 1 (it splits the sequence over the tensor-parallel group)")
     if args.expert_model_parallel_size > 1 and args.num_experts is None:
@@ -252,7 +256,7 @@ def train(args) -> dict:
         megatron_cpu.enable(device, seed=args.seed)
     else:
         model_parallel_cuda_manual_seed(args.seed)
-    mesh = Mesh.from_megatron(device)
+    mesh = Mesh.from_megatron(device, vocab_head=args.vocab_parallel_head)
     dp = mesh.dims.dp
     source = indexed_source(args, dp) if args.data_path else None
     if source is not None:
@@ -260,11 +264,17 @@ def train(args) -> dict:
     torch.manual_seed(args.seed)
     model = model_provider(args, parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
     model.to(device)
+    gpt, engine = model, Pipeline2BW
+    if args.vocab_parallel_head:  # the rows by the cost model's shards; megatron's whole output layer frozen
+        split = vocab_split_of(gpt, seq_len=args.seq_length, micro_batch_size=args.micro_batch_size,
+                               device_type=device.type)
+        model, engine = VocabSpreadStage(gpt, mesh, split, embedding=False), functools.partial(VocabPipeline2BW,
+                                                                                               split=split)
     # Muon orthogonalises whole matrices: megatron's TP shards are gathered over the TP group (exact).
     optimizer = build_optimizer(model, name=args.optimizer, lr=args.lr, sharding=optimizer_sharding(model),
                                 tp_group=mesh.tp_group)
-    tied = [model.shared_embedding_or_output_weight()] if model.share_embeddings_and_output_weights else []
-    forward_backward_func = get_forward_backward_func("2bw", engine_factory=lambda schedule: Pipeline2BW(
+    tied = [gpt.shared_embedding_or_output_weight()] if gpt.share_embeddings_and_output_weights else []
+    forward_backward_func = get_forward_backward_func("2bw", engine_factory=lambda schedule: engine(
         model, optimizer, mesh, schedule=schedule, hidden_size=args.hidden_size, grad_clip=args.clip_grad,
         ef_lambda=args.ef_lambda, grad_ef_lambda=args.grad_ef_lambda, dc_lambda=args.dc_lambda,
         weight_prediction=args.weight_prediction, sync_start_steps=args.sync_start_steps, tied=tied,
@@ -310,7 +320,8 @@ def train(args) -> dict:
     pipeline.drain()
     log["wall_s"] = time.perf_counter() - started
     log["applied_step"] = pipeline.applied_step
-    log["model_class"] = f"{type(model).__module__}.{type(model).__name__}"
+    log["model_class"] = f"{type(gpt).__module__}.{type(gpt).__name__}"
+    log["vocab_rows"] = tuple(model.output_layer_rows.shape) if args.vocab_parallel_head else None
     log["sequence_parallel"] = model.config.sequence_parallel
     log["dispatchers"] = sorted({type(m.token_dispatcher).__name__ for m in model.modules()
                                  if hasattr(m, "token_dispatcher")})

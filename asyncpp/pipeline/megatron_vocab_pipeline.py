@@ -19,7 +19,9 @@ What differs from Pipeline2BW's contract, and why:
   b_t's summed gradient by 1/m (Megatron's division of each loss by m, applied once).
 Not built here (refused by name): a sharded input embedding (its E and G: the windows place them, the first stage
 does not take their sum yet), a tied model, TP/SP, MoE, fp16 loss scaling, synchronous start steps, the 1f1b
-schedule, and evaluation (forward_only) through the spread head.
+schedule.
+Evaluation (forward_only) runs each microbatch through the stages and then the head's pass of it on every stage
+(VocabHead.evaluate), one microbatch at a time.
 """
 
 from __future__ import annotations
@@ -132,16 +134,40 @@ class VocabPipeline2BW(Pipeline2BW):
         output, _ = call.forward_step_func(call.data_iterator, call.model)
         return output.transpose(0, 1) if self.mesh.is_last_stage else output
 
+    def _report(self, loss: Tensor | float) -> None:
+        """Megatron's report of one microbatch's mean loss: {"lm loss": [loss sum, tokens]} (pretrain_gpt's)."""
+        tokens = float(self.head.hidden_shape[0] * self.head.hidden_shape[1])
+        total = torch.as_tensor(loss, dtype=torch.float64).detach() * tokens
+        self._call.store.append({"lm loss": torch.stack([total, torch.tensor(tokens, dtype=torch.float64)])})
+
     def _collect_losses(self) -> None:
-        """The last stage's T losses of this call's b_k (vocab_windows runs them in call k): Megatron's report."""
+        """The last stage's T losses of this call's b_k (vocab_windows runs them in call k)."""
         if self._call is None or not self.mesh.is_last_stage:
             return
-        losses = self.engine.losses.pop(self.next_step, [])
-        tokens = float(self.head.hidden_shape[0] * self.head.hidden_shape[1])
-        for loss in losses:
-            self._call.store.append({"lm loss": torch.stack([loss.detach().double() * tokens,
-                                                              torch.tensor(tokens, dtype=torch.float64)])})
+        for loss in self.engine.losses.pop(self.next_step, []):
+            self._report(loss)
 
+    @torch.no_grad()
     def _forward_only(self, m: int) -> None:
-        raise NotImplementedError("forward_only=True (evaluation) through the spread head is not built yet "
-                                  "(asyncpp/pipeline/megatron_vocab_pipeline.py)")
+        """Evaluation on the newest weights through a drained pipeline: each microbatch's forward on every stage,
+        then the head's pass of it on every stage together (VocabHead.evaluate: blocking, one microbatch at a time;
+        every stage's forward of the microbatch has run before, so the last stage's broadcast can be joined)."""
+        if not self.drained:
+            raise RuntimeError(f"forward_only=True needs a drained pipeline, but b_{self.next_step - 1} is in "
+                               "flight: call forward_backward_func.pipeline.drain() first")
+        versions, comm = self.engine.versions, self.engine.comm
+        versions.use(versions.newest)
+        first, last = self.mesh.is_first_stage, self.mesh.is_last_stage
+        for _ in range(m):
+            if not first:
+                comm.post_recv_forward()
+            self._pending_labels = None
+            out = self._forward_step(self._call, None if first else comm.recv_forward())
+            if self._pending_labels is None:
+                raise ValueError("forward_step_func called the model without labels=: every stage's rows need them")
+            if not last:
+                comm.send_forward(out)
+            loss = self.head.evaluate(out if last else None, self._pending_labels)
+            if last:
+                self._report(loss)
+        comm.flush()

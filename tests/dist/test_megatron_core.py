@@ -408,8 +408,25 @@ def test_example_sp_and_alltoall_under_torchrun(tmp_path, indexed_prefix, flags)
     check_megatron_log(stdout, 4, 4 * 4 * dp)
 
 
-def test_example_refuses_the_vocab_parallel_head(capsys):
-    """--vocab-parallel-head (item 1 of issue 43) is not built through the front-end: refused by name."""
+def test_example_refuses_a_tied_vocab_parallel_head(capsys):
+    """--vocab-parallel-head spreads an untied output layer (a tied one is not built through the front-end): a tied
+    model is refused by name, before any process group exists."""
     with pytest.raises(SystemExit):
         parse_example_args(["--vocab-parallel-head"])
-    assert "--vocab-parallel-head" in capsys.readouterr().err
+    assert "--untie-embeddings-and-output-weights" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_example_args(["--vocab-parallel-head", "--untie-embeddings-and-output-weights", "--tp", "2"])
+    assert "--tp 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # four processes importing megatron-core: about 40-60 s on this box
+def test_example_vocab_parallel_head_pp4_under_torchrun(tmp_path, indexed_prefix):
+    """examples/megatron_2bw.py --vocab-parallel-head --pp 4 as a user runs it: megatron's output layer spread over the
+    four stages (the last stage's rows reported), training and evaluation through the spread head, Megatron's log."""
+    log, stdout = run_example(tmp_path, 4, "--train-iters", "4", "--eval-interval", "2", "--pp", "4",
+                              "--num-layers", "4", "--vocab-parallel-head", "--untie-embeddings-and-output-weights",
+                              "--data-path", str(indexed_prefix))
+    assert log["vocab_rows"][0] < log["vocab_size"] and log["vocab_rows"][1] == 64  # the last stage's rows only
+    assert len(log["train"]) == 4 and log["applied_step"] == 3 and all(map(math.isfinite, log["train"]))
+    assert list(log["valid"]) == ["2", "4"] and all(map(math.isfinite, log["valid"].values()))
+    check_megatron_log(stdout, 4, 4 * 4)
