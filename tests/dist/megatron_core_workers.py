@@ -153,6 +153,12 @@ def data_for(case: Case) -> SyntheticData:
     return SyntheticData(VOCAB, SEQ, MICRO_BATCH, case.seed)
 
 
+def eval_microbatches(case: Case) -> list[Tensor]:
+    """m held-out microbatches (indices no training step reads) for an evaluation after the run."""
+    data = data_for(case)
+    return [data.train_microbatch(10_000 + j) for j in range(case.num_microbatches)]
+
+
 # ---- names and shards: a stage's parameters as pieces of the unsplit model -----------------------------
 def global_name(model: GPTModel, name: str) -> str:
     """A stage's parameter name in the unsplit model: megatron numbers a stage's layers from 0, their
@@ -218,6 +224,8 @@ def reference_run(case: Case) -> dict:
     out = {"init": init, "losses": [s.loss for s in stats], "grad_norms": [s.grad_norm for s in stats],
            "skipped": [s.skipped for s in stats],
            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    with torch.no_grad():  # the final model's loss on held-out microbatches (what an evaluation drain reports)
+        out["eval"] = sum(float(lm_loss(model, x)) for x in eval_microbatches(case)) / case.num_microbatches
     if case.corrections:  # the same run without them: the test shows they changed the trajectory
         out["uncorrected"] = reference_run(replace(case, **dict.fromkeys(CORRECTIONS, 0)))["params"]
     return out
@@ -318,11 +326,19 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
             pipeline.drain()
             applied.append(pipeline.applied_step)
     pipeline.drain()
+    valid = None
+    if case.vocab:  # an evaluation through the drained pipeline (the spread head's forward_only path)
+        store = fwd_bwd(forward_step_func=forward_step, data_iterator=iter(eval_microbatches(case)), model=[stage],
+                        num_microbatches=case.num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+                        forward_only=True)
+        if store:  # the last stage
+            total = torch.stack([d["lm loss"] for d in store]).double().sum(0)
+            valid = float(total[0] / total[1])
     muon.close()
     grad_norms = {t: r.grad_norm for t, r in pipeline.records.items()}
     return {
         "case": asdict(case), "stage": mesh.pp_rank, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,
-        "ep_rank": mesh.ep_rank, "losses": losses, "applied": applied,
+        "ep_rank": mesh.ep_rank, "losses": losses, "applied": applied, "eval": valid,
         "grad_norms": grad_norms, "skipped": {t: r.skipped for t, r in pipeline.records.items()},
         "grad_scales": scales, "scale_refusal": scale_refusal, "fp16_refusal": fp16_refusal,
         "params": {**{global_name(model, n): (p.detach().clone(), getattr(p, "tensor_model_parallel", False),

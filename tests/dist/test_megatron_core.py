@@ -190,6 +190,15 @@ def check_vocab_head_ran(ranks: list[dict]) -> None:
     assert [v["output_layer_untouched"] for v in vocab] == [None] * (case.pp - 1) + [True]
 
 
+def check_vocab_head_evaluates(ranks: list[dict], ref: dict) -> None:
+    """An evaluation through the drained pipeline (forward_only: the spread head's pass on every stage) gives the
+    final unsplit model's loss on the same held-out microbatches (reported by the last stage only)."""
+    case = Case(**ranks[0]["case"])
+    assert [r["eval"] is not None for r in sorted(ranks, key=lambda r: r["stage"])] == [False] * (case.pp - 1) + [True]
+    (value,) = [r["eval"] for r in ranks if r["eval"] is not None]
+    assert value == pytest.approx(ref["eval"], rel=RTOL)
+
+
 def check_sequence_parallel_reduced(ranks: list[dict]) -> None:
     """Megatron's SP norms (every layer's two LayerNorms and the final one: weight and bias) were marked partial and
     all-reduced over TP once per step, in the step's reduction, and the sum differed from each rank's own part."""
@@ -268,6 +277,7 @@ def test_gpt_model_pp2_equals_delayed_reference(pp2, references, name):
         check_loss_scaling(pp2[name], ref)
     if Case(**pp2[name][0]["case"]).vocab:
         check_vocab_head_ran(pp2[name])
+        check_vocab_head_evaluates(pp2[name], ref)
 
 
 @pytest.mark.slow  # two processes importing megatron-core, three cases: about 40 s
@@ -297,6 +307,7 @@ def test_gpt_model_pp4_equals_delayed_reference(pp4, references, name):
     vocab = Case(**pp4[name][0]["case"]).vocab
     if vocab:
         check_vocab_head_ran(pp4[name])
+        check_vocab_head_evaluates(pp4[name], ref)
     for r in pp4[name]:
         if not vocab:  # (check_megatron_ran: with the head spread, the tied group is asyncpp's, over every stage)
             assert (r["evidence"]["embedding_group_ranks"] == [0, 3]) == (r["stage"] in (0, 3)), r["evidence"]
