@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather")
     p.add_argument("--expert-model-parallel-size", type=int, default=1)
     p.add_argument("--vocab-parallel-head", action="store_true",
-                   help="asyncpp: spread the output layer over the stages by the cost model's shards (untied, tp 1)")
+                   help="asyncpp: spread the output layer over the stages by the cost model's shards (tp 1)")
     p.add_argument("--data-path", nargs="+", default=None,
                    help="indexed dataset prefixes, optionally weighted: [weight] prefix [weight prefix ...]")
     p.add_argument("--tokenizer", default=None, help="the tokenizer the data was made with (default: <prefix>.json's)")
@@ -89,9 +89,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", type=Path, default=None, help="write the losses as JSON here (the last stage)")
     args = p.parse_args(argv)
-    if args.vocab_parallel_head and not args.untie_embeddings_and_output_weights:
-        p.error("--vocab-parallel-head spreads an untied output layer only (a tied one is not built through this "
-                "front-end yet): add --untie-embeddings-and-output-weights")
     if args.vocab_parallel_head and (args.tp > 1 or args.num_experts is not None or args.pp < 2):
         p.error(f"--vocab-parallel-head needs --pp >= 2, --tp 1 and no --num-experts (got --pp {args.pp}, --tp "
                 f"{args.tp}, --num-experts {args.num_experts}): megatron's output layer is already split over TP")
@@ -273,7 +270,9 @@ def train(args) -> dict:
     # Muon orthogonalises whole matrices: megatron's TP shards are gathered over the TP group (exact).
     optimizer = build_optimizer(model, name=args.optimizer, lr=args.lr, sharding=optimizer_sharding(model),
                                 tp_group=mesh.tp_group)
-    tied = [gpt.shared_embedding_or_output_weight()] if gpt.share_embeddings_and_output_weights else []
+    # (a spread head's tied rows are the VocabSpreadStage's own: VocabPipeline2BW takes them from it)
+    tied = ([gpt.shared_embedding_or_output_weight()] if gpt.share_embeddings_and_output_weights
+            and not args.vocab_parallel_head else [])
     forward_backward_func = get_forward_backward_func("2bw", engine_factory=lambda schedule: engine(
         model, optimizer, mesh, schedule=schedule, hidden_size=args.hidden_size, grad_clip=args.clip_grad,
         ef_lambda=args.ef_lambda, grad_ef_lambda=args.grad_ef_lambda, dc_lambda=args.dc_lambda,
@@ -321,7 +320,7 @@ def train(args) -> dict:
     log["wall_s"] = time.perf_counter() - started
     log["applied_step"] = pipeline.applied_step
     log["model_class"] = f"{type(gpt).__module__}.{type(gpt).__name__}"
-    log["vocab_rows"] = tuple(model.output_layer_rows.shape) if args.vocab_parallel_head else None
+    log["vocab_rows"] = tuple(model.head_weight().shape) if args.vocab_parallel_head else None
     log["sequence_parallel"] = model.config.sequence_parallel
     log["dispatchers"] = sorted({type(m.token_dispatcher).__name__ for m in model.modules()
                                  if hasattr(m, "token_dispatcher")})

@@ -17,8 +17,10 @@ What differs from Pipeline2BW's contract, and why:
   stage): the rows of every stage need them. They are taken from the model call's keyword, by (step, microbatch).
 - The gradient's 1/m: the head's gradient is that of each microbatch's mean loss, so the engine's reduction scales
   b_t's summed gradient by 1/m (Megatron's division of each loss by m, applied once).
-Not built here (refused by name): a sharded input embedding (its E and G: the windows place them, the first stage
-does not take their sum yet), a tied model, TP/SP, MoE, fp16 loss scaling, synchronous start steps, the 1f1b
+A tied model keeps its whole table on the first stage: that stage's head rows are the table's own rows, every other
+stage's a copy, their gradients summed with the table's over every stage (reduction.RowsOfTied, as asyncpp's own
+pipeline does). Not built here (refused by name): a sharded input embedding (its E and G: the windows place them,
+the first stage does not take their sum yet), TP/SP, MoE, fp16 loss scaling, synchronous start steps, the 1f1b
 schedule.
 Evaluation (forward_only) runs each microbatch through the stages and then the head's pass of it on every stage
 (VocabHead.evaluate), one microbatch at a time.
@@ -49,9 +51,9 @@ def _refusals(model: VocabSpreadStage, mesh: Mesh, kwargs: dict) -> dict[str, ob
     return {
         "schedule": kwargs.get("schedule", _KIND) != _KIND and kwargs["schedule"],
         "sync_start_steps": kwargs.get("sync_start_steps", 0),
-        "tied": list(kwargs.get("tied", ())) and "the tied weight",
+        "tied (VocabPipeline2BW takes the VocabSpreadStage's own `tied`: pass none)":
+            list(kwargs.get("tied", ())) and "a given tied weight",
         "a sharded embedding (VocabSpreadStage(embedding=True))": model.embedding_sharded,
-        "share_embeddings_and_output_weights": _gpt(model).share_embeddings_and_output_weights,
         "tensor_model_parallel_size": mesh.dims.tp > 1 and mesh.dims.tp,
         "num_moe_experts": config.num_moe_experts,
         "config.grad_scale_func (fp16 loss scaling)": getattr(config, "grad_scale_func", None),
@@ -82,14 +84,15 @@ class VocabPipeline2BW(Pipeline2BW):
         self.head = self.engine.part(VocabHead)
 
     def _build_engine(self, plan: StagePlan, model: nn.Module, optimizer, tied: Iterable[nn.Parameter]):
-        rows = model.output_layer_rows
-        shard = VocabShard(model.start, rows.shape[0])
+        param, row0 = model.head_param()
+        shard = VocabShard(model.start, model.shard_rows)
 
         def head(wait) -> VocabHead:  # its [mb, seq, h] is set per call (_set_activation_shape)
-            return VocabHead(self.mesh, shard, rows, 0, self._labels_of, (0,), plan.link_dtype, wait)
+            return VocabHead(self.mesh, shard, param, row0, self._labels_of, (0,), plan.link_dtype, wait)
 
         return build_stage_runtime(plan, None, model, self.mesh, optimizer, self._forward, grad_scale=1.0,
-                                   layouts=param_layouts(model), head_part=head)
+                                   layouts=param_layouts(model), head_part=head, tied=model.tied,
+                                   tied_rows=model.tied_rows)
 
     # ---- the windows ------------------------------------------------------------------------------------
     def _window(self, m: int, step: int, done: set[Action]) -> list[Action]:

@@ -286,7 +286,7 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
         for name, p in model.named_parameters():
             p.copy_(shard_of(init[global_name(model, name)], p, case.tp, mesh.tp_rank))
     calls = Calls(model)
-    tied = [model.shared_embedding_or_output_weight()] if case.tied else []
+    tied = [model.shared_embedding_or_output_weight()] if case.tied and not case.vocab else []  # (vocab: the stage's)
     # The spread head: the stages train `stage` (the GPTModel and its rows), megatron's whole output_layer frozen.
     split = vocab_split_of(model, seq_len=SEQ, micro_batch_size=MICRO_BATCH) if case.vocab else None
     stage = VocabSpreadStage(model, mesh, split, embedding=False) if case.vocab else model
@@ -357,8 +357,9 @@ def spread_head_of(stage: VocabSpreadStage, mesh: Mesh, init: dict[str, Tensor])
     """The trained head assembled from every stage's rows (in stage order: the rows are consecutive), reported by
     the last stage as megatron's output_layer.weight (its own whole one was frozen)."""
     rows = [None] * mesh.num_stages
-    dist.all_gather_object(rows, stage.output_layer_rows.detach(), group=mesh.pp_group)
-    return {"output_layer.weight": (torch.cat(rows), False, None)} if mesh.is_last_stage else {}
+    dist.all_gather_object(rows, stage.head_weight().detach().clone(), group=mesh.pp_group)
+    name = "embedding.word_embeddings.weight" if stage.tied else "output_layer.weight"  # tied: the table's rows
+    return {name: (torch.cat(rows), False, None)} if mesh.is_last_stage else {}
 
 
 def vocab_evidence(stage: VocabSpreadStage, pipeline, init: dict[str, Tensor]) -> dict:
@@ -368,13 +369,13 @@ def vocab_evidence(stage: VocabSpreadStage, pipeline, init: dict[str, Tensor]) -
     head = pipeline.head
     gpt = stage.module
     frozen = gpt.output_layer.weight if hasattr(gpt, "output_layer") else None  # the last stage's
-    start, rows = stage.start, stage.output_layer_rows.shape[0]
-    return {"rows": tuple(stage.output_layer_rows.shape), "start": start, "passes": head.passes,
-            "widths": sorted(head.logits_widths),
+    whole = init["embedding.word_embeddings.weight" if gpt.share_embeddings_and_output_weights else "output_layer.weight"]
+    start, rows = stage.start, stage.shard_rows
+    return {"rows": tuple(stage.head_weight().shape), "start": start, "passes": head.passes,
+            "widths": sorted(head.logits_widths), "rows_of_table": stage.rows_of_table,
             "output_layer_untouched": None if frozen is None else (not frozen.requires_grad and torch.equal(
-                frozen.detach(), init["output_layer.weight"])),
-            "rows_moved": not torch.equal(stage.output_layer_rows.detach(),
-                                          init["output_layer.weight"][start:start + rows])}
+                frozen.detach(), whole)),
+            "rows_moved": not torch.equal(stage.head_weight().detach(), whole[start:start + rows])}
 
 
 def changed_scale_refusal(fwd_bwd, model: GPTModel, data, case: Case, scale: dict) -> str | None:

@@ -57,7 +57,8 @@ CASES = {
             # the output layer spread over the stages (VocabSpreadStage / VocabPipeline2BW), with a drain mid-run,
             # and with EF + weight prediction on top
             Case("vocab_head", vocab=True, drain_after=3),
-            Case("vocab_head_ef_weight_prediction", vocab=True, ef_lambda=1.0, weight_prediction=True)],
+            Case("vocab_head_ef_weight_prediction", vocab=True, ef_lambda=1.0, weight_prediction=True),
+            Case("vocab_head_tied", vocab=True, tied=True, drain_after=3)],
     # DC-ASGD's term lam * g * g * (x_t - x_read) is ~1e-5 of the update at lam 0.1 in 6 steps here (below the
     # test's own tolerance): lam = 100 makes it ~1e-2, so the case shows the correction was applied.
     "pp2_slow": [Case("dc_asgd", dc_lambda=100.0),
@@ -66,7 +67,8 @@ CASES = {
     # megatron's middle stages: no embedding group, no pre/post process, one layer each (LAYERS = 4 over 4 stages)
     "pp4": [Case("pp4", pp=4, drain_after=3),
             Case("pp4_tied_weight_prediction", pp=4, tied=True, weight_prediction=True, sync_start_steps=1),
-            Case("pp4_vocab_head", pp=4, vocab=True, drain_after=2)],
+            Case("pp4_vocab_head", pp=4, vocab=True, drain_after=2),
+            Case("pp4_vocab_head_tied_weight_prediction", pp=4, vocab=True, tied=True, weight_prediction=True)],
     "four": [Case("tp2_tied", tp=2, tied=True, optimizer="adamw", ef_lambda=0.5, drain_after=2),
              Case("tp2_muon", tp=2, drain_after=3),
              Case("dp2_tied", dp=2, tied=True),
@@ -419,24 +421,21 @@ def test_example_sp_and_alltoall_under_torchrun(tmp_path, indexed_prefix, flags)
     check_megatron_log(stdout, 4, 4 * 4 * dp)
 
 
-def test_example_refuses_a_tied_vocab_parallel_head(capsys):
-    """--vocab-parallel-head spreads an untied output layer (a tied one is not built through the front-end): a tied
-    model is refused by name, before any process group exists."""
+def test_example_refuses_a_vocab_parallel_head_with_tp(capsys):
+    """--vocab-parallel-head with --tp 2 (megatron's output layer is already split over TP) is refused by name, before
+    any process group exists."""
     with pytest.raises(SystemExit):
-        parse_example_args(["--vocab-parallel-head"])
-    assert "--untie-embeddings-and-output-weights" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parse_example_args(["--vocab-parallel-head", "--untie-embeddings-and-output-weights", "--tp", "2"])
-    assert "--tp 1" in capsys.readouterr().err
+        parse_example_args(["--vocab-parallel-head", "--tp", "2"])
+    assert "--vocab-parallel-head needs" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # four processes importing megatron-core: about 40-60 s on this box
 def test_example_vocab_parallel_head_pp4_under_torchrun(tmp_path, indexed_prefix):
-    """examples/megatron_2bw.py --vocab-parallel-head --pp 4 as a user runs it: megatron's output layer spread over the
-    four stages (the last stage's rows reported), training and evaluation through the spread head, Megatron's log."""
+    """examples/megatron_2bw.py --vocab-parallel-head --pp 4 as a user runs it (tied, megatron's default): the output
+    layer spread over the four stages (the last stage's rows reported), training and evaluation through the spread
+    head, Megatron's log."""
     log, stdout = run_example(tmp_path, 4, "--train-iters", "4", "--eval-interval", "2", "--pp", "4",
-                              "--num-layers", "4", "--vocab-parallel-head", "--untie-embeddings-and-output-weights",
-                              "--data-path", str(indexed_prefix))
+                              "--num-layers", "4", "--vocab-parallel-head", "--data-path", str(indexed_prefix))
     assert log["vocab_rows"][0] < log["vocab_size"] and log["vocab_rows"][1] == 64  # the last stage's rows only
     assert len(log["train"]) == 4 and log["applied_step"] == 3 and all(map(math.isfinite, log["train"]))
     assert list(log["valid"]) == ["2", "4"] and all(map(math.isfinite, log["valid"].values()))

@@ -164,7 +164,7 @@ def _layouts() -> dict[str, Layout]:
         Layout("megatron-core-example-P4-vocab-head", make_config(parallel={"pp": 4}),
                example=("--train-iters", "5", "--eval-interval", "2", "--num-layers", "4", "--hidden-size", "32",
                         "--seq-length", "16", "--micro-batch-size", "2", "--num-microbatches", "4", "--pp", "4",
-                        "--vocab-parallel-head", "--untie-embeddings-and-output-weights", "--weight-prediction")),
+                        "--vocab-parallel-head", "--weight-prediction")),  # tied: the rows' all-stage reduction
         # MoE with megatron's alltoall dispatcher over EP=2 (its all-to-alls inside every forward and backward)
         Layout("megatron-core-example-P2-DP2-EP2-alltoall", make_config(parallel={"pp": 2, "dp": 2}),
                example=(*example, "--num-experts", "4", "--expert-model-parallel-size", "2",
