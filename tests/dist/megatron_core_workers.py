@@ -44,7 +44,12 @@ from asyncpp.optim import build_optimizer, muon_sharded
 from asyncpp.parallel import megatron_cpu
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func, optimizer_sharding
-from asyncpp.pipeline.megatron_vocab import VocabSpreadStage, vocab_split_of
+from asyncpp.pipeline.megatron_vocab import (
+    VocabSpreadStage,
+    assemble_state_dict,
+    checkpoint_of,
+    vocab_split_of,
+)
 from asyncpp.pipeline.megatron_vocab_pipeline import VocabPipeline2BW
 from asyncpp.reference.simulator import DelayedUpdateSimulator
 from tests.dist.workers import SyntheticData
@@ -334,11 +339,12 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
         if store:  # the last stage
             total = torch.stack([d["lm loss"] for d in store]).double().sum(0)
             valid = float(total[0] / total[1])
+    checkpoint = unsplit_from_checkpoints(case, model, stage, split, mesh) if case.vocab else None
     muon.close()
     grad_norms = {t: r.grad_norm for t, r in pipeline.records.items()}
     return {
         "case": asdict(case), "stage": mesh.pp_rank, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,
-        "ep_rank": mesh.ep_rank, "losses": losses, "applied": applied, "eval": valid,
+        "ep_rank": mesh.ep_rank, "losses": losses, "applied": applied, "eval": valid, "checkpoint": checkpoint,
         "grad_norms": grad_norms, "skipped": {t: r.skipped for t, r in pipeline.records.items()},
         "grad_scales": scales, "scale_refusal": scale_refusal, "fp16_refusal": fp16_refusal,
         "params": {**{global_name(model, n): (p.detach().clone(), getattr(p, "tensor_model_parallel", False),
@@ -360,6 +366,19 @@ def spread_head_of(stage: VocabSpreadStage, mesh: Mesh, init: dict[str, Tensor])
     dist.all_gather_object(rows, stage.head_weight().detach().clone(), group=mesh.pp_group)
     name = "embedding.word_embeddings.weight" if stage.tied else "output_layer.weight"  # tied: the table's rows
     return {name: (torch.cat(rows), False, None)} if mesh.is_last_stage else {}
+
+
+def unsplit_from_checkpoints(case: Case, model: GPTModel, stage: VocabSpreadStage, split, mesh: Mesh) -> dict | None:
+    """Every stage's checkpoint of the trained spread model (megatron_vocab.checkpoint_of: its layers and rows),
+    gathered and assembled on the last stage, loaded strictly into an unsplit GPTModel built there (pipeline size 1
+    inside the pipelined job): that model's parameters, by name (None on the other stages)."""
+    saved = [None] * mesh.num_stages
+    dist.all_gather_object(saved, checkpoint_of(model, stage.rows(), split, mesh, embedding=False), group=mesh.pp_group)
+    if not mesh.is_last_stage:
+        return None
+    unsplit = build_gpt(case, pp=1, pre_process=True, post_process=True)
+    unsplit.load_state_dict(assemble_state_dict(saved, VOCAB, tied=case.tied), strict=True)
+    return {n: p.detach().clone() for n, p in unsplit.named_parameters()}
 
 
 def vocab_evidence(stage: VocabSpreadStage, pipeline, init: dict[str, Tensor]) -> dict:

@@ -192,6 +192,15 @@ def check_vocab_head_ran(ranks: list[dict]) -> None:
     assert [v["output_layer_untouched"] for v in vocab] == [None] * (case.pp - 1) + [True]
 
 
+def check_vocab_checkpoint_loads_unsplit(ranks: list[dict], ref: dict) -> None:
+    """The trained stages' checkpoints (layers and rows by offset) load strictly into an unsplit GPTModel whose every
+    parameter is the reference's final one (at the run's bound)."""
+    (loaded,) = [r["checkpoint"] for r in ranks if r["checkpoint"] is not None]
+    assert set(loaded) == set(ref["params"])
+    for name, value in loaded.items():
+        assert relative_error(value, ref["params"][name]) < RTOL, name
+
+
 def check_vocab_head_evaluates(ranks: list[dict], ref: dict) -> None:
     """An evaluation through the drained pipeline (forward_only: the spread head's pass on every stage) gives the
     final unsplit model's loss on the same held-out microbatches (reported by the last stage only)."""
@@ -280,6 +289,7 @@ def test_gpt_model_pp2_equals_delayed_reference(pp2, references, name):
     if Case(**pp2[name][0]["case"]).vocab:
         check_vocab_head_ran(pp2[name])
         check_vocab_head_evaluates(pp2[name], ref)
+        check_vocab_checkpoint_loads_unsplit(pp2[name], ref)
 
 
 @pytest.mark.slow  # two processes importing megatron-core, three cases: about 40 s
@@ -310,6 +320,7 @@ def test_gpt_model_pp4_equals_delayed_reference(pp4, references, name):
     if vocab:
         check_vocab_head_ran(pp4[name])
         check_vocab_head_evaluates(pp4[name], ref)
+        check_vocab_checkpoint_loads_unsplit(pp4[name], ref)
     for r in pp4[name]:
         if not vocab:  # (check_megatron_ran: with the head spread, the tied group is asyncpp's, over every stage)
             assert (r["evidence"]["embedding_group_ranks"] == [0, 3]) == (r["stage"] in (0, 3)), r["evidence"]
