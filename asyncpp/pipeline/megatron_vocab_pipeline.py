@@ -19,16 +19,19 @@ What differs from Pipeline2BW's contract, and why:
   b_t's summed gradient by 1/m (Megatron's division of each loss by m, applied once).
 A tied model keeps its whole table on the first stage: that stage's head rows are the table's own rows, every other
 stage's a copy, their gradients summed with the table's over every stage (reduction.RowsOfTied, as asyncpp's own
-pipeline does). Not built here (refused by name): a sharded input embedding (its E and G: the windows place them,
-the first stage does not take their sum yet), TP/SP, MoE, fp16 loss scaling, synchronous start steps, the 1f1b
-schedule.
+pipeline does). A sharded input embedding (VocabSpreadStage(embedding=True); give `input_ids`): every stage's E looks
+its rows up (VocabEmbedding), the first stage's megatron lookup is replaced by their sum (a forward hook on its
+word_embeddings: megatron adds the position embeddings to it as to its own), G takes the rows' gradient. Not built
+here (refused by name): TP/SP, MoE, fp16 loss scaling, synchronous start steps, the 1f1b
+schedule, evaluation with the embedding sharded.
 Evaluation (forward_only) runs each microbatch through the stages and then the head's pass of it on every stage
 (VocabHead.evaluate), one microbatch at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -39,6 +42,7 @@ from asyncpp.parallel.vocab_parallel import VocabShard
 from asyncpp.pipeline.megatron import Pipeline2BW, _unwrap, param_layouts
 from asyncpp.pipeline.megatron_vocab import VocabSpreadStage, _gpt
 from asyncpp.pipeline.plan import StagePlan, build_stage_runtime
+from asyncpp.pipeline.vocab_embedding import VocabEmbedding
 from asyncpp.pipeline.vocab_head import VocabHead
 from asyncpp.pipeline.vocab_windows import DONE_CALLS, drain_2bw_vocab, window_2bw_vocab
 from asyncpp.schedules.actions import Action
@@ -53,7 +57,15 @@ def _refusals(model: VocabSpreadStage, mesh: Mesh, kwargs: dict) -> dict[str, ob
         "sync_start_steps": kwargs.get("sync_start_steps", 0),
         "tied (VocabPipeline2BW takes the VocabSpreadStage's own `tied`: pass none)":
             list(kwargs.get("tied", ())) and "a given tied weight",
-        "a sharded embedding (VocabSpreadStage(embedding=True))": model.embedding_sharded,
+        "a sharded embedding without input_ids (the tokens of a sample: its E passes read them ahead of the "
+        "forward)": model.embedding_sharded and kwargs.get("input_ids") is None,
+        # At P=4 a run hung: a later stage's G(0, 0) waited for the embedding gradient's broadcast that the first
+        # stage had posted, while the other two stages had not joined it yet (blocked in F(1, 0) behind the first
+        # stage, which waited for their E(1, 0)): gloo's (and NCCL's) broadcast completes on a member only once the
+        # relaying members joined, which the windows' wait model (schedules/invariants.dependencies: G waits for
+        # the first stage's B only) does not say. Two stages have no relay.
+        "a sharded embedding with pipeline_model_parallel_size > 2 (its gradient broadcast's members join at G)":
+            model.embedding_sharded and mesh.num_stages > 2 and mesh.num_stages,
         "tensor_model_parallel_size": mesh.dims.tp > 1 and mesh.dims.tp,
         "num_moe_experts": config.num_moe_experts,
         "config.grad_scale_func (fp16 loss scaling)": getattr(config, "grad_scale_func", None),
@@ -65,18 +77,26 @@ class VocabPipeline2BW(Pipeline2BW):
 
     DONE_CALLS = DONE_CALLS
 
-    def __init__(self, model: VocabSpreadStage, optimizer, mesh: Mesh, *, split: VocabSplit, **kwargs):
+    def __init__(self, model: VocabSpreadStage, optimizer, mesh: Mesh, *, split: VocabSplit,
+                 input_ids: Callable[[Any], Tensor] | None = None, **kwargs):
+        """input_ids(sample): the token ids [mb, seq] of one item of the data_iterator (needed with the embedding
+        sharded: every stage's E pass of microbatch j of the call reads the call's j-th sample, ahead of its
+        forward_step; the sample is then handed to forward_step_func as usual)."""
         if not isinstance(model, VocabSpreadStage):
             raise TypeError(f"VocabPipeline2BW takes a VocabSpreadStage (megatron_vocab.py), got {type(model).__name__}")
-        for name, value in _refusals(model, mesh, kwargs).items():
+        for name, value in _refusals(model, mesh, {**kwargs, "input_ids": input_ids}).items():
             if value:
                 raise NotImplementedError(f"{name}={value!r}: not supported with the output layer spread over the "
                                           "stages yet (asyncpp/pipeline/megatron_vocab_pipeline.py)")
         if mesh.vocab_groups is None:
             raise ValueError("the spread head needs the mesh's vocabulary groups: Mesh.from_megatron(device, "
                              "vocab_head=True) on every rank")
-        self.split = split
+        self.split, self.input_ids = split, input_ids
+        self._embedding_input: Tensor | None = None  # the first stage's E sum for the forward running now
+        if model.embedding_sharded and mesh.is_first_stage:  # megatron's lookup is replaced by the sum of the E's
+            _gpt(model).embedding.word_embeddings.register_forward_hook(self._summed_lookup)
         self._labels: dict[tuple[int, int], Tensor] = {}
+        self._tokens: dict[tuple[int, int], Tensor] = {}  # (t, j) -> token ids, from its E to its G
         self._pending_labels: Tensor | None = None
         self._scaled_for: int | None = None
         model.register_forward_pre_hook(self._take_labels, with_kwargs=True)
@@ -90,9 +110,13 @@ class VocabPipeline2BW(Pipeline2BW):
         def head(wait) -> VocabHead:  # its [mb, seq, h] is set per call (_set_activation_shape)
             return VocabHead(self.mesh, shard, param, row0, self._labels_of, (0,), plan.link_dtype, wait)
 
+        def embedding(wait) -> VocabEmbedding:
+            return VocabEmbedding(self.mesh, shard, model.embedding_rows, self._tokens_of, wait)
+
         return build_stage_runtime(plan, None, model, self.mesh, optimizer, self._forward, grad_scale=1.0,
                                    layouts=param_layouts(model), head_part=head, tied=model.tied,
-                                   tied_rows=model.tied_rows)
+                                   tied_rows=model.tied_rows,
+                                   embedding_part=embedding if model.embedding_sharded else None)
 
     # ---- the windows ------------------------------------------------------------------------------------
     def _window(self, m: int, step: int, done: set[Action]) -> list[Action]:
@@ -105,6 +129,7 @@ class VocabPipeline2BW(Pipeline2BW):
                                self._stream_start, done)
 
     def _train_step(self, m: int) -> None:
+        self._call.data_iterator = _Ahead(self._call.data_iterator)  # E reads a sample before its forward_step
         if self.drained and m != self._scaled_for:  # the head's gradient is per microbatch mean: b_t's sum / m
             self.engine.update.rescale(1.0 / m)
             self._scaled_for = m
@@ -121,6 +146,23 @@ class VocabPipeline2BW(Pipeline2BW):
     def _labels_of(self, step: int, microbatch: int) -> Tensor:
         return self._labels.pop((step, microbatch))
 
+    def _tokens_of(self, step: int, microbatch: int) -> Tensor:
+        """(t, j)'s token ids, read by its E (the j-th sample of call t: vocab_windows runs b_t's E's in call t) and
+        again by its G (which may run in a later call): kept from the first read to the second."""
+        kept = self._tokens.pop((step, microbatch), None)
+        if kept is not None:
+            return kept
+        if self._call is None or step != self.next_step:
+            raise RuntimeError(f"E of b_{step} outside its call (window rule broken)")
+        ids = self.input_ids(self._call.data_iterator.sample(microbatch))
+        self._tokens[(step, microbatch)] = ids
+        return ids
+
+    def _summed_lookup(self, module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        """The first stage's word-embedding lookup: the E's sum when one is being injected (megatron then adds the
+        position embeddings as it would to its own lookup)."""
+        return output if self._embedding_input is None else self._embedding_input
+
     def _forward(self, step: int, microbatch: int, x: Tensor | None) -> Tensor:
         self._pending_labels = None
         out = super()._forward(step, microbatch, x)
@@ -134,7 +176,12 @@ class VocabPipeline2BW(Pipeline2BW):
         """Megatron's forward_step up to the model's output; the last stage's (its normed hidden states [s, b, h])
         goes to the head as [b, s, h]. The loss is the head's (module docstring): loss_func is not called."""
         _unwrap(call.model, "set_input_tensor").set_input_tensor([x])
-        output, _ = call.forward_step_func(call.data_iterator, call.model)
+        if self.model.embedding_sharded and self.mesh.is_first_stage:
+            self._embedding_input = x  # [mb, seq, h], the sum of every stage's E (VocabEmbedding.input)
+        try:
+            output, _ = call.forward_step_func(call.data_iterator, call.model)
+        finally:
+            self._embedding_input = None
         return output.transpose(0, 1) if self.mesh.is_last_stage else output
 
     def _report(self, loss: Tensor | float) -> None:
@@ -158,6 +205,9 @@ class VocabPipeline2BW(Pipeline2BW):
         if not self.drained:
             raise RuntimeError(f"forward_only=True needs a drained pipeline, but b_{self.next_step - 1} is in "
                                "flight: call forward_backward_func.pipeline.drain() first")
+        if self.model.embedding_sharded:
+            raise NotImplementedError("forward_only=True with the embedding sharded is not built yet "
+                                      "(asyncpp/pipeline/megatron_vocab_pipeline.py)")
         versions, comm = self.engine.versions, self.engine.comm
         versions.use(versions.newest)
         first, last = self.mesh.is_first_stage, self.mesh.is_last_stage
@@ -174,3 +224,24 @@ class VocabPipeline2BW(Pipeline2BW):
             if last:
                 self._report(loss)
         comm.flush()
+
+
+class _Ahead:
+    """A call's data_iterator that can hand out its j-th item before forward_step_func asks for it (`sample`), and
+    then yields the items in order as before."""
+
+    def __init__(self, inner):
+        self.inner, self.pulled, self.consumed = inner, [], 0
+
+    def sample(self, j: int):
+        while len(self.pulled) <= j:
+            self.pulled.append(next(self.inner))
+        return self.pulled[j]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self.sample(self.consumed)
+        self.consumed += 1
+        return item

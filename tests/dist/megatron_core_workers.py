@@ -81,6 +81,8 @@ class Case:
     """moe_token_dispatcher_type: "allgather" or "alltoall" (MoEAlltoAllTokenDispatcher)."""
     vocab: bool = False
     """The output layer spread over the stages by the cost model's shards (VocabSpreadStage, VocabPipeline2BW)."""
+    vocab_embedding: bool = False
+    """With `vocab`: the input embedding sharded by the same rows (VocabSpreadStage(embedding=True))."""
     sp: bool = False
     """Sequence parallelism (needs tp > 1): megatron_cpu's SequenceParallelLayerNorm in every norm."""
     loss_scale: float | None = None
@@ -189,13 +191,13 @@ def shard_of(full: Tensor, param: nn.Parameter, tp: int, tp_rank: int) -> Tensor
 
 
 # ---- the single-process reference ----------------------------------------------------------------------
-def setup_megatron(tp: int, pp: int, ep: int = 1, vocab: bool = False) -> Mesh:
+def setup_megatron(tp: int, pp: int, ep: int = 1, vocab: bool = False, vocab_embedding: bool = False) -> Mesh:
     if parallel_state.model_parallel_is_initialized():  # the previous case's layout
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              expert_model_parallel_size=ep)
     megatron_cpu.enable(torch.device("cpu"))
-    return Mesh.from_megatron(torch.device("cpu"), vocab_head=vocab)
+    return Mesh.from_megatron(torch.device("cpu"), vocab_head=vocab, vocab_embedding=vocab_embedding)
 
 
 def reference_rank(rank: int, cases: list[dict]) -> dict:
@@ -270,7 +272,7 @@ class Calls:
 def pipeline_rank(rank: int, cases: list[dict], references: dict) -> list[dict]:
     out = []
     for c in (Case(**c) for c in cases):
-        mesh = setup_megatron(c.tp, c.pp, c.ep, c.vocab)
+        mesh = setup_megatron(c.tp, c.pp, c.ep, c.vocab, c.vocab_embedding)
         assert mesh.dims.dp == c.dp, (mesh.dims, c)
         out.append(pipeline_run(c, mesh, references[c.name]["init"]))
     return out
@@ -293,9 +295,11 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
     calls = Calls(model)
     tied = [model.shared_embedding_or_output_weight()] if case.tied and not case.vocab else []  # (vocab: the stage's)
     # The spread head: the stages train `stage` (the GPTModel and its rows), megatron's whole output_layer frozen.
-    split = vocab_split_of(model, seq_len=SEQ, micro_batch_size=MICRO_BATCH) if case.vocab else None
-    stage = VocabSpreadStage(model, mesh, split, embedding=False) if case.vocab else model
-    engine = functools.partial(VocabPipeline2BW, split=split) if case.vocab else Pipeline2BW
+    split = vocab_split_of(model, seq_len=SEQ, micro_batch_size=MICRO_BATCH,
+                           embedding=case.vocab_embedding) if case.vocab else None
+    stage = VocabSpreadStage(model, mesh, split, embedding=case.vocab_embedding) if case.vocab else model
+    engine = (functools.partial(VocabPipeline2BW, split=split, input_ids=lambda sample: sample[:, :-1])
+              if case.vocab else Pipeline2BW)
     # Megatron's TP layout for Muon (param_layouts): a sharded matrix is gathered and orthogonalised whole.
     optimizer = build_optimizer(stage, name=case.optimizer, lr=0.01, sharding=optimizer_sharding(stage),
                                 tp_group=mesh.tp_group)
@@ -332,7 +336,7 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
             applied.append(pipeline.applied_step)
     pipeline.drain()
     valid = None
-    if case.vocab:  # an evaluation through the drained pipeline (the spread head's forward_only path)
+    if case.vocab and not case.vocab_embedding:  # an evaluation through the drained pipeline (forward_only)
         store = fwd_bwd(forward_step_func=forward_step, data_iterator=iter(eval_microbatches(case)), model=[stage],
                         num_microbatches=case.num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
                         forward_only=True)
@@ -340,16 +344,18 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
             total = torch.stack([d["lm loss"] for d in store]).double().sum(0)
             valid = float(total[0] / total[1])
     checkpoint = unsplit_from_checkpoints(case, model, stage, split, mesh) if case.vocab else None
+    embedding_refusal = sharded_embedding_refusal(case, mesh, pre, post) if case.vocab and case.pp > 2 else None
     muon.close()
     grad_norms = {t: r.grad_norm for t, r in pipeline.records.items()}
     return {
         "case": asdict(case), "stage": mesh.pp_rank, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,
         "ep_rank": mesh.ep_rank, "losses": losses, "applied": applied, "eval": valid, "checkpoint": checkpoint,
+        "embedding_refusal": embedding_refusal,
         "grad_norms": grad_norms, "skipped": {t: r.skipped for t, r in pipeline.records.items()},
         "grad_scales": scales, "scale_refusal": scale_refusal, "fp16_refusal": fp16_refusal,
         "params": {**{global_name(model, n): (p.detach().clone(), getattr(p, "tensor_model_parallel", False),
                                               getattr(p, "partition_dim", None)) for n, p in model.named_parameters()
-                      if not (case.vocab and n == "output_layer.weight")},
+                      if not (case.vocab and n in stage.frozen)},
                    **(spread_head_of(stage, mesh, init) if case.vocab else {})},
         "layout_refusal": layout_refusal,
         "evidence": {**evidence(model, mesh, calls), "muon": muon.report(),
@@ -362,10 +368,30 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
 def spread_head_of(stage: VocabSpreadStage, mesh: Mesh, init: dict[str, Tensor]) -> dict:
     """The trained head assembled from every stage's rows (in stage order: the rows are consecutive), reported by
     the last stage as megatron's output_layer.weight (its own whole one was frozen)."""
-    rows = [None] * mesh.num_stages
-    dist.all_gather_object(rows, stage.head_weight().detach().clone(), group=mesh.pp_group)
-    name = "embedding.word_embeddings.weight" if stage.tied else "output_layer.weight"  # tied: the table's rows
-    return {name: (torch.cat(rows), False, None)} if mesh.is_last_stage else {}
+    tied = stage.module.share_embeddings_and_output_weights  # the head rows are rows of the table
+    out = {}
+    for name, rows in stage.rows().items() if stage.embedding_sharded else []:  # the sharded table's rows too
+        gathered = [None] * mesh.num_stages
+        dist.all_gather_object(gathered, rows.clone(), group=mesh.pp_group)
+        out[name] = (torch.cat(gathered), False, None)
+    if not stage.embedding_sharded or not tied:
+        gathered = [None] * mesh.num_stages
+        dist.all_gather_object(gathered, stage.head_weight().detach().clone(), group=mesh.pp_group)
+        out["embedding.word_embeddings.weight" if tied else "output_layer.weight"] = (torch.cat(gathered), False, None)
+    return out if mesh.is_last_stage else {}
+
+
+def sharded_embedding_refusal(case: Case, mesh: Mesh, pre: bool, post: bool) -> str | None:
+    """What VocabPipeline2BW says to a sharded embedding at P > 2 (before any collective of its own)."""
+    gpt = build_gpt(case, mesh.num_stages, pre, post)
+    split = vocab_split_of(gpt, seq_len=SEQ, micro_batch_size=MICRO_BATCH, embedding=True)
+    stage = VocabSpreadStage(gpt, mesh, split, embedding=True)  # (its rows' broadcast: every stage)
+    try:
+        VocabPipeline2BW(stage, build_optimizer(stage, name="adamw", lr=0.01), mesh, split=split,
+                         input_ids=lambda sample: sample[:, :-1], hidden_size=HIDDEN, sequence_first=True)
+    except NotImplementedError as e:
+        return str(e)
+    return None
 
 
 def unsplit_from_checkpoints(case: Case, model: GPTModel, stage: VocabSpreadStage, split, mesh: Mesh) -> dict | None:
@@ -373,7 +399,8 @@ def unsplit_from_checkpoints(case: Case, model: GPTModel, stage: VocabSpreadStag
     gathered and assembled on the last stage, loaded strictly into an unsplit GPTModel built there (pipeline size 1
     inside the pipelined job): that model's parameters, by name (None on the other stages)."""
     saved = [None] * mesh.num_stages
-    dist.all_gather_object(saved, checkpoint_of(model, stage.rows(), split, mesh, embedding=False), group=mesh.pp_group)
+    dist.all_gather_object(saved, checkpoint_of(model, stage.rows(), split, mesh, embedding=case.vocab_embedding),
+                           group=mesh.pp_group)
     if not mesh.is_last_stage:
         return None
     unsplit = build_gpt(case, pp=1, pre_process=True, post_process=True)
