@@ -59,11 +59,11 @@ def _refusals(model: VocabSpreadStage, mesh: Mesh, kwargs: dict) -> dict[str, ob
             list(kwargs.get("tied", ())) and "a given tied weight",
         "a sharded embedding without input_ids (the tokens of a sample: its E passes read them ahead of the "
         "forward)": model.embedding_sharded and kwargs.get("input_ids") is None,
-        # At P=4 a run hung: a later stage's G(0, 0) waited for the embedding gradient's broadcast that the first
-        # stage had posted, while the other two stages had not joined it yet (blocked in F(1, 0) behind the first
-        # stage, which waited for their E(1, 0)): gloo's (and NCCL's) broadcast completes on a member only once the
-        # relaying members joined, which the windows' wait model (schedules/invariants.dependencies: G waits for
-        # the first stage's B only) does not say. Two stages have no relay.
+        # At P=4 a run hung: stage 3's G(0, 0) waited for the embedding gradient's broadcast that stage 0 had
+        # posted at B(0, 0), while stages 1 and 2 had not joined it (blocked in F(1, 0) behind stage 0, which waited
+        # for stage 3's E(1, 0)). Consistent with a broadcast that completes on a member only once the members
+        # relaying to it joined (a tree, as gloo's and NCCL's may be), which the windows' wait model
+        # (schedules/invariants.dependencies: G waits for the first stage's B only) does not say. P=2: no relay.
         "a sharded embedding with pipeline_model_parallel_size > 2 (its gradient broadcast's members join at G)":
             model.embedding_sharded and mesh.num_stages > 2 and mesh.num_stages,
         "tensor_model_parallel_size": mesh.dims.tp > 1 and mesh.dims.tp,
