@@ -23,7 +23,7 @@ pipeline does). A sharded input embedding (VocabSpreadStage(embedding=True); giv
 its rows up (VocabEmbedding), the first stage's megatron lookup is replaced by their sum (a forward hook on its
 word_embeddings: megatron adds the position embeddings to it as to its own), G takes the rows' gradient. Not built
 here (refused by name): TP/SP, MoE, fp16 loss scaling, synchronous start steps, the 1f1b
-schedule, evaluation with the embedding sharded.
+schedule.
 Evaluation (forward_only) runs each microbatch through the stages and then the head's pass of it on every stage
 (VocabHead.evaluate), one microbatch at a time.
 """
@@ -59,13 +59,6 @@ def _refusals(model: VocabSpreadStage, mesh: Mesh, kwargs: dict) -> dict[str, ob
             list(kwargs.get("tied", ())) and "a given tied weight",
         "a sharded embedding without input_ids (the tokens of a sample: its E passes read them ahead of the "
         "forward)": model.embedding_sharded and kwargs.get("input_ids") is None,
-        # At P=4 a run hung: stage 3's G(0, 0) waited for the embedding gradient's broadcast that stage 0 had
-        # posted at B(0, 0), while stages 1 and 2 had not joined it (blocked in F(1, 0) behind stage 0, which waited
-        # for stage 3's E(1, 0)). Consistent with a broadcast that completes on a member only once the members
-        # relaying to it joined (a tree, as gloo's and NCCL's may be), which the windows' wait model
-        # (schedules/invariants.dependencies: G waits for the first stage's B only) does not say. P=2: no relay.
-        "a sharded embedding with pipeline_model_parallel_size > 2 (its gradient broadcast's members join at G)":
-            model.embedding_sharded and mesh.num_stages > 2 and mesh.num_stages,
         "tensor_model_parallel_size": mesh.dims.tp > 1 and mesh.dims.tp,
         "num_moe_experts": config.num_moe_experts,
         "config.grad_scale_func (fp16 loss scaling)": getattr(config, "grad_scale_func", None),
@@ -199,23 +192,23 @@ class VocabPipeline2BW(Pipeline2BW):
 
     @torch.no_grad()
     def _forward_only(self, m: int) -> None:
-        """Evaluation on the newest weights through a drained pipeline: each microbatch's forward on every stage,
-        then the head's pass of it on every stage together (VocabHead.evaluate: blocking, one microbatch at a time;
+        """Evaluation on the newest weights through a drained pipeline: each microbatch's sharded lookup (if the
+        embedding is sharded) and forward on every stage, then the head's pass of it on every stage together (VocabHead.evaluate: blocking, one microbatch at a time;
         every stage's forward of the microbatch has run before, so the last stage's broadcast can be joined)."""
         if not self.drained:
             raise RuntimeError(f"forward_only=True needs a drained pipeline, but b_{self.next_step - 1} is in "
                                "flight: call forward_backward_func.pipeline.drain() first")
-        if self.model.embedding_sharded:
-            raise NotImplementedError("forward_only=True with the embedding sharded is not built yet "
-                                      "(asyncpp/pipeline/megatron_vocab_pipeline.py)")
         versions, comm = self.engine.versions, self.engine.comm
         versions.use(versions.newest)
         first, last = self.mesh.is_first_stage, self.mesh.is_last_stage
-        for _ in range(m):
+        embedding = self.engine.part(VocabEmbedding)  # sharded: every stage's lookup reduced first (blocking)
+        data = self._call.data_iterator = _Ahead(self._call.data_iterator)
+        for i in range(m):
+            summed = embedding.evaluate(self.input_ids(data.sample(i))) if embedding is not None else None
             if not first:
                 comm.post_recv_forward()
             self._pending_labels = None
-            out = self._forward_step(self._call, None if first else comm.recv_forward())
+            out = self._forward_step(self._call, summed if first else comm.recv_forward())
             if self._pending_labels is None:
                 raise ValueError("forward_step_func called the model without labels=: every stage's rows need them")
             if not last:

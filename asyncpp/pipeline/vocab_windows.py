@@ -17,6 +17,10 @@ later call, runs that producer in the waiter's call instead (and, in turn, what 
 - on other stages, the producers of schedules/invariants.dependencies (the activation and gradient links, the
   hidden states' broadcast, the statistics' all-gather, the input gradient's reduce, the partial embeddings' reduce,
   the embedding gradient's broadcast, the updates' reductions);
+- the other receivers of the same broadcast (the hidden states' S on every stage but the last, the embedding
+  gradient's G on every stage but the first: `_joins`): a broadcast may complete on a member only once the members
+  relaying to it joined (a tree). Without it a P=4 run with the embedding sharded hung: stage 3's G(0, 0), in call
+  0, waited for stages 1 and 2, whose G(0, 0) were in call 1 behind F(1, 0), which waited for stage 3's E(1, 0);
 - on its own stage: the previous action of the same kind (so each communicator and each link sees a stage's ops in
   the stream's order, the same on every member), the forward of its microbatch (for B, S, T, G), the update that
   made its weight version, every microbatch action of its step (for UPDATE_START(t)), and for UPDATE(t) its
@@ -100,6 +104,22 @@ def _sections(actions: Sequence[Action]) -> list[int]:
     return out
 
 
+def _joins(stages: Sequence[Sequence[Action]]) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """The receivers of one broadcast, each listed as waiting for the others: the hidden states' (S(t, j) on every
+    stage but the last) and the embedding gradient's (G(t, j) on every stage but the first). A broadcast may complete
+    on a member only once the members relaying to it joined (a tree), so they must share a call."""
+    last = len(stages) - 1
+    where = [{(a.op, a.step, a.microbatch): i for i, a in enumerate(actions)} for actions in stages]
+    out: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for op, receivers in ((Op.VOCAB_FORWARD, range(last)), (Op.EMBED_BACKWARD, range(1, last + 1))):
+        keys = {(a.step, a.microbatch) for s in receivers for a in stages[s] if a.op is op}
+        for step, mb in keys:
+            nodes = [(s, where[s][(op, step, mb)]) for s in receivers if (op, step, mb) in where[s]]
+            for node in nodes:
+                out[node] = [n for n in nodes if n != node]
+    return out
+
+
 def assign_calls(stages: Sequence[Sequence[Action]]) -> list[list[int]]:
     """Per stage, the call each of its actions runs in (the module docstring's rule). A producer outside `stages`
     (before a horizon's start) counts as done. Waits within one call are the stream's own order, whose deadlock
@@ -108,6 +128,8 @@ def assign_calls(stages: Sequence[Sequence[Action]]) -> list[list[int]]:
     own = [_same_stage_needs(actions) for actions in stages]
     needs = {(s, i): [(s, j) for j in own[s][i]] + [(r, j) for r, j in cross.get((s, i), ()) if j >= 0]
              for s, actions in enumerate(stages) for i in range(len(actions))}
+    for node, members in _joins(stages).items():  # a broadcast's receivers: one call for all (see _joins)
+        needs[node] += members
     calls = [_sections(actions) for actions in stages]
     # The last stage's T(k, j) reports (k, j)'s loss: in call k, so that call returns b_k's m losses as Megatron's
     # forward_data_store (a pull like any other: what it waits for follows it into call k).

@@ -336,7 +336,7 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
             applied.append(pipeline.applied_step)
     pipeline.drain()
     valid = None
-    if case.vocab and not case.vocab_embedding:  # an evaluation through the drained pipeline (forward_only)
+    if case.vocab:  # an evaluation through the drained pipeline (the spread head's forward_only path)
         store = fwd_bwd(forward_step_func=forward_step, data_iterator=iter(eval_microbatches(case)), model=[stage],
                         num_microbatches=case.num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
                         forward_only=True)
@@ -344,13 +344,11 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
             total = torch.stack([d["lm loss"] for d in store]).double().sum(0)
             valid = float(total[0] / total[1])
     checkpoint = unsplit_from_checkpoints(case, model, stage, split, mesh) if case.vocab else None
-    embedding_refusal = sharded_embedding_refusal(case, mesh, pre, post) if case.vocab and case.pp > 2 else None
     muon.close()
     grad_norms = {t: r.grad_norm for t, r in pipeline.records.items()}
     return {
         "case": asdict(case), "stage": mesh.pp_rank, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,
         "ep_rank": mesh.ep_rank, "losses": losses, "applied": applied, "eval": valid, "checkpoint": checkpoint,
-        "embedding_refusal": embedding_refusal,
         "grad_norms": grad_norms, "skipped": {t: r.skipped for t, r in pipeline.records.items()},
         "grad_scales": scales, "scale_refusal": scale_refusal, "fp16_refusal": fp16_refusal,
         "params": {**{global_name(model, n): (p.detach().clone(), getattr(p, "tensor_model_parallel", False),
@@ -379,19 +377,6 @@ def spread_head_of(stage: VocabSpreadStage, mesh: Mesh, init: dict[str, Tensor])
         dist.all_gather_object(gathered, stage.head_weight().detach().clone(), group=mesh.pp_group)
         out["embedding.word_embeddings.weight" if tied else "output_layer.weight"] = (torch.cat(gathered), False, None)
     return out if mesh.is_last_stage else {}
-
-
-def sharded_embedding_refusal(case: Case, mesh: Mesh, pre: bool, post: bool) -> str | None:
-    """What VocabPipeline2BW says to a sharded embedding at P > 2 (before any collective of its own)."""
-    gpt = build_gpt(case, mesh.num_stages, pre, post)
-    split = vocab_split_of(gpt, seq_len=SEQ, micro_batch_size=MICRO_BATCH, embedding=True)
-    stage = VocabSpreadStage(gpt, mesh, split, embedding=True)  # (its rows' broadcast: every stage)
-    try:
-        VocabPipeline2BW(stage, build_optimizer(stage, name="adamw", lr=0.01), mesh, split=split,
-                         input_ids=lambda sample: sample[:, :-1], hidden_size=HIDDEN, sequence_first=True)
-    except NotImplementedError as e:
-        return str(e)
-    return None
 
 
 def unsplit_from_checkpoints(case: Case, model: GPTModel, stage: VocabSpreadStage, split, mesh: Mesh) -> dict | None:

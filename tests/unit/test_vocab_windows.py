@@ -77,6 +77,15 @@ def test_calls_run_the_placed_stream_once_and_cannot_deadlock_across_calls(P, m,
         for k in range(calls):
             assert per_stage[s][k] == [a for a, c in zip(longer[s], whole) if c == k], (s, k)
     call_of = [[k for k, w in enumerate(windows) for _ in w] for windows in per_stage]
+    # a broadcast's receivers share a call (vocab_windows._joins): the hidden states' S on every stage but the last,
+    # the embedding gradient's G on every stage but the first
+    for op, receivers in ((Op.VOCAB_FORWARD, range(P - 1)), (Op.EMBED_BACKWARD, range(1, P))):
+        joined: dict[tuple[int, int], set[int]] = {}
+        for s in receivers:
+            for a, k in zip(stream[s], call_of[s]):
+                if a.op is op:
+                    joined.setdefault((a.step, a.microbatch), set()).add(k)
+        assert all(len(ks) == 1 for ks in joined.values()), (op, joined)
     for (s, i), producers in dependencies(stream, collective_updates=True).items():
         for r, j in producers:
             assert j >= 0 and call_of[r][j] <= call_of[s][i], (
