@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--expert-model-parallel-size", type=int, default=1)
     p.add_argument("--vocab-parallel-head", action="store_true",
                    help="asyncpp: spread the output layer over the stages by the cost model's shards (tp 1)")
+    p.add_argument("--vocab-parallel-embedding", action="store_true",
+                   help="asyncpp: with --vocab-parallel-head, shard the input embedding by the same rows")
     p.add_argument("--data-path", nargs="+", default=None,
                    help="indexed dataset prefixes, optionally weighted: [weight] prefix [weight prefix ...]")
     p.add_argument("--tokenizer", default=None, help="the tokenizer the data was made with (default: <prefix>.json's)")
@@ -89,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", type=Path, default=None, help="write the losses as JSON here (the last stage)")
     args = p.parse_args(argv)
+    if args.vocab_parallel_embedding and not args.vocab_parallel_head:
+        p.error("--vocab-parallel-embedding shards the input embedding by the head's rows: add --vocab-parallel-head")
     if args.vocab_parallel_head and (args.tp > 1 or args.num_experts is not None or args.pp < 2):
         p.error(f"--vocab-parallel-head needs --pp >= 2, --tp 1 and no --num-experts (got --pp {args.pp}, --tp "
                 f"{args.tp}, --num-experts {args.num_experts}): megatron's output layer is already split over TP")
@@ -253,7 +257,7 @@ def train(args) -> dict:
         megatron_cpu.enable(device, seed=args.seed)
     else:
         model_parallel_cuda_manual_seed(args.seed)
-    mesh = Mesh.from_megatron(device, vocab_head=args.vocab_parallel_head)
+    mesh = Mesh.from_megatron(device, vocab_head=args.vocab_parallel_head, vocab_embedding=args.vocab_parallel_embedding)
     dp = mesh.dims.dp
     source = indexed_source(args, dp) if args.data_path else None
     if source is not None:
@@ -263,10 +267,12 @@ def train(args) -> dict:
     model.to(device)
     gpt, engine = model, Pipeline2BW
     if args.vocab_parallel_head:  # the rows by the cost model's shards; megatron's whole output layer frozen
+        embedding = args.vocab_parallel_embedding
         split = vocab_split_of(gpt, seq_len=args.seq_length, micro_batch_size=args.micro_batch_size,
-                               device_type=device.type)
-        model, engine = VocabSpreadStage(gpt, mesh, split, embedding=False), functools.partial(VocabPipeline2BW,
-                                                                                               split=split)
+                               embedding=embedding, device_type=device.type)
+        model = VocabSpreadStage(gpt, mesh, split, embedding=embedding)
+        # a sample is [micro batch, seq + 1] token ids (synthetic_tokens, the indexed source): get_batch's tokens
+        engine = functools.partial(VocabPipeline2BW, split=split, input_ids=lambda sample: sample[:, :-1].to(device))
     # Muon orthogonalises whole matrices: megatron's TP shards are gathered over the TP group (exact).
     optimizer = build_optimizer(model, name=args.optimizer, lr=args.lr, sharding=optimizer_sharding(model),
                                 tp_group=mesh.tp_group)

@@ -445,15 +445,20 @@ def test_example_refuses_a_vocab_parallel_head_with_tp(capsys):
     with pytest.raises(SystemExit):
         parse_example_args(["--vocab-parallel-head", "--tp", "2"])
     assert "--vocab-parallel-head needs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the embedding is sharded by the head's rows
+        parse_example_args(["--vocab-parallel-embedding"])
+    assert "add --vocab-parallel-head" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # four processes importing megatron-core: about 40-60 s on this box
-def test_example_vocab_parallel_head_pp4_under_torchrun(tmp_path, indexed_prefix):
+@pytest.mark.slow  # four processes importing megatron-core: about 40-60 s on this box, each
+@pytest.mark.parametrize("embedding", [(), ("--vocab-parallel-embedding",)], ids=["head", "head_and_embedding"])
+def test_example_vocab_parallel_head_pp4_under_torchrun(tmp_path, indexed_prefix, embedding):
     """examples/megatron_2bw.py --vocab-parallel-head --pp 4 as a user runs it (tied, megatron's default): the output
     layer spread over the four stages (the last stage's rows reported), training and evaluation through the spread
     head, Megatron's log."""
     log, stdout = run_example(tmp_path, 4, "--train-iters", "4", "--eval-interval", "2", "--pp", "4",
-                              "--num-layers", "4", "--vocab-parallel-head", "--data-path", str(indexed_prefix))
+                              "--num-layers", "4", "--vocab-parallel-head", *embedding,
+                              "--data-path", str(indexed_prefix))
     assert log["vocab_rows"][0] < log["vocab_size"] and log["vocab_rows"][1] == 64  # the last stage's rows only
     assert len(log["train"]) == 4 and log["applied_step"] == 3 and all(map(math.isfinite, log["train"]))
     assert list(log["valid"]) == ["2", "4"] and all(map(math.isfinite, log["valid"].values()))
