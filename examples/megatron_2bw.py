@@ -54,6 +54,8 @@ from asyncpp.parallel import megatron_cpu
 from asyncpp.parallel.mesh import Mesh, init_distributed
 from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func, optimizer_sharding
 from asyncpp.pipeline.megatron_checkpoint import MegatronCheckpoint, checkpoint_dir
+from asyncpp.pipeline.megatron_vocab import VocabSpreadStage, vocab_split_of
+from asyncpp.pipeline.megatron_vocab_pipeline import VocabPipeline2BW
 from data.source import IndexedDataSource
 
 
@@ -92,7 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather")
     p.add_argument("--expert-model-parallel-size", type=int, default=1)
     p.add_argument("--vocab-parallel-head", action="store_true",
-                   help="asyncpp: spread the output layer over the stages (not available through this front-end)")
+                   help="asyncpp: spread the output layer over the stages by the cost model's shards (tp 1)")
+    p.add_argument("--vocab-parallel-embedding", action="store_true",
+                   help="asyncpp: with --vocab-parallel-head, shard the input embedding by the same rows")
     p.add_argument("--data-path", nargs="+", default=None,
                    help="indexed dataset prefixes, optionally weighted: [weight] prefix [weight prefix ...]")
     p.add_argument("--tokenizer", default=None, help="the tokenizer the data was made with (default: <prefix>.json's)")
@@ -102,10 +106,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", type=Path, default=None, help="write the losses as JSON here (the last stage)")
     args = p.parse_args(argv)
-    if args.vocab_parallel_head:
-        p.error("--vocab-parallel-head: the vocabulary-parallel head and sharded embedding of a megatron-core GPTModel "
-                "through Pipeline2BW are not built yet (issue 43, item 1); asyncpp's own pipeline has them "
-                "(pretrain.py parallel.head=vocab parallel.embedding=vocab). Drop the flag")
+    if args.vocab_parallel_embedding and not args.vocab_parallel_head:
+        p.error("--vocab-parallel-embedding shards the input embedding by the head's rows: add --vocab-parallel-head")
+    if args.vocab_parallel_head and (args.tp > 1 or args.num_experts is not None or args.pp < 2):
+        p.error(f"--vocab-parallel-head needs --pp >= 2, --tp 1 and no --num-experts (got --pp {args.pp}, --tp "
+                f"{args.tp}, --num-experts {args.num_experts}): megatron's output layer is already split over TP")
+    if args.vocab_parallel_head and (args.save is not None or args.load is not None):
+        p.error("--save/--load with --vocab-parallel-head: the checkpoint of a spread head's stages (its rows and "
+                "their optimizer state) is not written by MegatronCheckpoint yet; drop --save/--load, or the flag")
     if args.sequence_parallel and args.tp == 1:
         p.error("--sequence-parallel needs --tp > 1 (it splits the sequence over the tensor-parallel group)")
     for flag in ("save_interval", "exit_interval"):
@@ -330,7 +338,7 @@ def train(args) -> dict:
         megatron_cpu.enable(device, seed=args.seed)
     else:
         model_parallel_cuda_manual_seed(args.seed)
-    mesh = Mesh.from_megatron(device)
+    mesh = Mesh.from_megatron(device, vocab_head=args.vocab_parallel_head, vocab_embedding=args.vocab_parallel_embedding)
     dp = mesh.dims.dp
     source = indexed_source(args, dp) if args.data_path else None
     if source is not None:
@@ -338,11 +346,21 @@ def train(args) -> dict:
     torch.manual_seed(args.seed)
     model = model_provider(args, parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
     model.to(device)
+    gpt, engine = model, Pipeline2BW
+    if args.vocab_parallel_head:  # the rows by the cost model's shards; megatron's whole output layer frozen
+        embedding = args.vocab_parallel_embedding
+        split = vocab_split_of(gpt, seq_len=args.seq_length, micro_batch_size=args.micro_batch_size,
+                               embedding=embedding, device_type=device.type)
+        model = VocabSpreadStage(gpt, mesh, split, embedding=embedding)
+        # a sample is [micro batch, seq + 1] token ids (synthetic_tokens, the indexed source): get_batch's tokens
+        engine = functools.partial(VocabPipeline2BW, split=split, input_ids=lambda sample: sample[:, :-1].to(device))
     # Muon orthogonalises whole matrices: megatron's TP shards are gathered over the TP group (exact).
     optimizer = build_optimizer(model, name=args.optimizer, lr=args.lr, sharding=optimizer_sharding(model),
                                 tp_group=mesh.tp_group)
-    tied = [model.shared_embedding_or_output_weight()] if model.share_embeddings_and_output_weights else []
-    forward_backward_func = get_forward_backward_func("2bw", engine_factory=lambda schedule: Pipeline2BW(
+    # (a spread head's tied rows are the VocabSpreadStage's own: VocabPipeline2BW takes them from it)
+    tied = ([gpt.shared_embedding_or_output_weight()] if gpt.share_embeddings_and_output_weights
+            and not args.vocab_parallel_head else [])
+    forward_backward_func = get_forward_backward_func("2bw", engine_factory=lambda schedule: engine(
         model, optimizer, mesh, schedule=schedule, hidden_size=args.hidden_size, grad_clip=args.clip_grad,
         ef_lambda=args.ef_lambda, grad_ef_lambda=args.grad_ef_lambda, dc_lambda=args.dc_lambda,
         weight_prediction=args.weight_prediction, sync_start_steps=args.sync_start_steps, tied=tied,
@@ -393,7 +411,8 @@ def train(args) -> dict:
     log["wall_s"] = time.perf_counter() - started
     log["applied_step"] = pipeline.applied_step
     log["grad_norm"] = lines.grad_norms
-    log["model_class"] = f"{type(model).__module__}.{type(model).__name__}"
+    log["model_class"] = f"{type(gpt).__module__}.{type(gpt).__name__}"
+    log["vocab_rows"] = tuple(model.head_weight().shape) if args.vocab_parallel_head else None
     log["sequence_parallel"] = model.config.sequence_parallel
     log["dispatchers"] = sorted({type(m.token_dispatcher).__name__ for m in model.modules()
                                  if hasattr(m, "token_dispatcher")})

@@ -125,7 +125,11 @@ def _setup_embeddings_on_cpu(self: LanguageModule) -> None:
         _MEGATRON_SETUP_EMBEDDINGS(self)
     finally:
         del self._is_in_embd_group
-    if in_group and (self.share_embeddings_and_output_weights or getattr(self, "mtp_process", False)):
+    # megatron returns before its all-reduce without a shared weight and at pipeline size 1 (one copy, nothing
+    # to make equal: language_module.py:192-202); so must this, or a model built unsplit in a pipelined job would
+    # post a collective its peers never join.
+    shared = self.share_embeddings_and_output_weights or getattr(self.config, "mtp_num_layers", 0)
+    if in_group and shared and self.config.pipeline_model_parallel_size > 1:
         torch.distributed.all_reduce(self.shared_embedding_or_output_weight().data, group=self.embd_group)
 
 

@@ -152,13 +152,7 @@ class Mesh:
         self.embedding_group = (self._per_pipeline(list(range(dims.pp)) if vocab_head else [0, dims.pp - 1])
                                 if dims.pp > 1 else None)
         self.links = self._build_links()
-        everyone = list(range(dims.pp))
-        self.vocab_groups = (VocabGroups(hidden=self._per_pipeline(everyone), stats=self._per_data_replica(),
-                                         grad=self._per_pipeline(everyone),
-                                         # Created after the three, so a run without them makes the same groups.
-                                         **({"embed": self._per_pipeline(everyone),
-                                             "embed_grad": self._per_pipeline(everyone)} if vocab_embedding else {}))
-                             if vocab_head and dims.pp > 1 else None)
+        self.vocab_groups = self._vocab_groups(vocab_embedding) if vocab_head and dims.pp > 1 else None
         # The distributed optimizer's norm (pipeline/reduction.ShardedGradientReduction): each rank holds
         # a distinct piece of the reduced gradient, so the squared norm is summed over the whole job, on
         # a communicator of its own. Created for every DP run (new_group is collective: every rank makes
@@ -166,8 +160,19 @@ class Mesh:
         self.replica_norm_group = dist.new_group(list(range(dims.world_size))) if dims.dp > 1 else self.norm_group
         self._bound_groups(timeout_s if timeout_s is not None else _job_timeout_s(device))
 
+    def _vocab_groups(self, vocab_embedding: bool) -> VocabGroups:
+        """A vocabulary-parallel head's groups (and a sharded embedding's two more): new ones, each carrying one
+        kind of traffic. Collective: every rank creates every group in the same order."""
+        everyone = list(range(self.dims.pp))
+        return VocabGroups(hidden=self._per_pipeline(everyone), stats=self._per_data_replica(),
+                           grad=self._per_pipeline(everyone),
+                           # Created after the three, so a run without them makes the same groups.
+                           **({"embed": self._per_pipeline(everyone),
+                               "embed_grad": self._per_pipeline(everyone)} if vocab_embedding else {}))
+
     @classmethod
-    def from_megatron(cls, device: torch.device, *, timeout_s: float | None = None) -> Mesh:
+    def from_megatron(cls, device: torch.device, *, vocab_head: bool = False, vocab_embedding: bool = False,
+                      timeout_s: float | None = None) -> Mesh:
         """This rank's mesh over megatron-core's initialized `parallel_state`: its pipeline, tensor, data,
         expert, expert-data and embedding groups are used as they are, so a Megatron-LM job builds no second set.
 
@@ -178,7 +183,12 @@ class Mesh:
         pipeline group, pp x ep x tp): megatron reduces its own grad norm there, which asyncpp's update replaces.
         The layout must be megatron's default order ("tp-cp-ep-dp-pp"), which is asyncpp's (module docstring);
         every group's ranks are checked against it. No context parallelism, no virtual pipeline stages, expert
-        tensor parallelism equal to tensor parallelism, no head split."""
+        tensor parallelism equal to tensor parallelism, no head split.
+
+        vocab_head / vocab_embedding: as in the constructor, a vocabulary-parallel head's (and a sharded embedding's)
+        groups, which megatron-core has no counterpart of, made over megatron's pipelines; the tied-embedding group
+        then spans every stage of the pipeline (each holds rows of the tied weight) and is asyncpp's, not megatron's
+        first-and-last-stage one (which megatron's own constructor still uses for its initial copy)."""
         # megatron-core is optional and a heavy import: only this path needs it.
         from megatron.core import parallel_state as ps
 
@@ -204,7 +214,12 @@ class Mesh:
         self.pp_group, self.tp_group = ps.get_pipeline_model_parallel_group(), ps.get_tensor_model_parallel_group()
         self.dp_group, self.ep_group = ps.get_data_parallel_group(), ps.get_expert_model_parallel_group()
         self.edp_group = ps.get_expert_data_parallel_group()
-        self.embedding_group = ps.get_embedding_group() if dims.pp > 1 else None
+        # megatron-core sets its embedding group only on the first and last stage (parallel_state.py: `if rank in
+        # embedding_ranks`; a middle stage raises for it) and holds no tied weight there, as in asyncpp's own mesh.
+        # By stage, not by ps.is_rank_in_embedding_group(): destroy_model_parallel() leaves that one's ranks
+        # (_EMBEDDING_GLOBAL_RANKS) as they were, so after a re-initialization it can name a middle stage.
+        ends = dims.pp > 1 and self.pp_rank in (0, dims.pp - 1) and not vocab_head
+        self.embedding_group = ps.get_embedding_group() if ends else None
         self._check_megatron_layout()
         self.device_mesh = DeviceMesh.from_group(
             [self.pp_group, self.edp_group, self.ep_group, self.tp_group], device.type,
@@ -216,7 +231,10 @@ class Mesh:
             self.norm_group = (ps.get_model_parallel_group() if dims.ep == 1
                                else ps.get_expert_tensor_model_pipeline_parallel_group())
         self.links = self._build_links()
-        self.vocab_groups = None  # a megatron-core model keeps its output layer; parallel.head is asyncpp's stages'
+        self.vocab_groups = None
+        if vocab_head and dims.pp > 1:  # new_group is collective: every rank makes them here, in this order
+            self.embedding_group = self._per_pipeline(list(range(dims.pp)))
+            self.vocab_groups = self._vocab_groups(vocab_embedding)
         # Only the distributed optimizer (parallel.distributed_optimizer) posts on it; the Megatron front-end
         # has none, so no world-spanning group is made for it.
         self.replica_norm_group = None

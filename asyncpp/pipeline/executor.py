@@ -50,6 +50,12 @@ def segment_actions(kind: str, stage: int, P: int, m: int, delays: Sequence[int]
         actions = vocab_pipeline(kind, m, delays[t0:t1], *vocab)[stage]
     else:
         actions = build_schedule(kind, stage, P, m, delays[t0:t1])
+    return absolute_steps(actions, delays, t0)
+
+
+def absolute_steps(actions: Sequence[Action], delays: Sequence[int], t0: int) -> list[Action]:
+    """A stream built from step 0 (vocab_pipeline, build_schedule without first_step) as the segment that starts at
+    step t0: every action's step and weight version made absolute (step t reads x_{t - d_t})."""
     out = []
     for a in actions:
         t = a.step + t0

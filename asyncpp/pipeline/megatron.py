@@ -384,19 +384,32 @@ class Pipeline2BW:
         _refuse_low_precision_params(model)
         _check_parallel_sizes(model, mesh)
         _check_optimizer_layouts(model, optimizer, mesh)
-        self.engine = build_stage_runtime(plan, None, model, mesh, optimizer, self._forward, grad_scale=1.0,
-                                          layouts=param_layouts(model), tied=tied)  # loss already / m (docstring)
+        self.engine = self._build_engine(plan, model, optimizer, tied)
         self.next_step = 0
         """k of the next call: the minibatch b_k it consumes."""
         self.applied_step: int | None = None
         """The newest step whose update has been applied (None before the first)."""
         self._stream_start: int | None = None  # first step of the open 2BW stream; None = drained
         self._m: int | None = None
-        self._windows: deque[set[Action]] = deque(maxlen=2)  # the last two calls' actions
+        self._windows: deque[set[Action]] = deque(maxlen=self.DONE_CALLS)  # the latest calls' actions
         self._call: _Call | None = None  # forward_step_func, data_iterator, model, store of the running call
         self._loss_scale = 1.0  # the engine's grad_scale is its inverse (_set_loss_scale)
         self.forward_backward_func = functools.partial(self.forward_backward)
         self.forward_backward_func.pipeline = self  # type: ignore[attr-defined]
+
+    DONE_CALLS = 2
+    """How many of the latest calls' actions a window needs as `done` (window_2bw: calls k-2 and k-1)."""
+
+    def _build_engine(self, plan: StagePlan, model: nn.Module, optimizer, tied: Iterable[nn.Parameter]):
+        return build_stage_runtime(plan, None, model, self.mesh, optimizer, self._forward, grad_scale=1.0,
+                                   layouts=param_layouts(model), tied=tied)  # loss already / m (docstring)
+
+    def _window(self, m: int, step: int, done: set[Action]) -> list[Action]:
+        return window_2bw(self.mesh.pp_rank, self.mesh.num_stages, m, step, self._stream_start, done)
+
+    def _drain_window(self, done: set[Action]) -> list[Action]:
+        return drain_2bw(self.mesh.pp_rank, self.mesh.num_stages, self._m, self.next_step - 1, self._stream_start,
+                         done)
 
     @property
     def drained(self) -> bool:
@@ -532,7 +545,7 @@ class Pipeline2BW:
             if self.drained:
                 self._stream_start, self._m = k, m
             done = set().union(*self._windows)
-            self._execute(window_2bw(s, P, m, k, self._stream_start, done))
+            self._execute(self._window(m, k, done))
         self.next_step = k + 1
 
     def _execute(self, actions: list[Action]) -> None:
@@ -540,11 +553,15 @@ class Pipeline2BW:
         # (engine.timer then measures that call's busy time). Losses are reported via loss_func.
         self.engine.timer.clear()
         self.engine.execute(actions)
+        self._collect_losses()
         self.engine.drop_losses()
         self._windows.append(set(actions))
         applied = [a.step for a in actions if a.op is Op.UPDATE]
         if applied:
             self.applied_step = applied[-1]
+
+    def _collect_losses(self) -> None:
+        """Before the engine forgets the call's microbatch losses: nothing to take (loss_func reported them)."""
 
     # ---- microbatch forward (runs inside the engine, on the version the engine switched to) ---------
     def _forward(self, step: int, microbatch: int, x: Tensor | None) -> Tensor:
@@ -609,8 +626,7 @@ class Pipeline2BW:
         call starts a new stream (a warm-up bubble), with the same mathematics (b_t on x_{t-1})."""
         if not self.drained and self.schedule == "2bw":
             done = set().union(*self._windows)
-            self._execute(drain_2bw(self.mesh.pp_rank, self.mesh.num_stages, self._m, self.next_step - 1,
-                                    self._stream_start, done))
+            self._execute(self._drain_window(done))
         self._stream_start = None
         self._windows.clear()
         self.engine.finish()

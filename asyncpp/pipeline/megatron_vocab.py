@@ -152,6 +152,86 @@ def spread_rows(model: nn.Module, split: VocabSplit, mesh: Mesh, *, embedding: b
     return out
 
 
+class VocabSpreadStage(nn.Module):
+    """A GPTModel stage whose vocabulary is spread over the pipeline: build it on every stage after the GPTModel and
+    before the optimizer (which takes its parameters), and hand it to Pipeline2BW in the GPTModel's place.
+
+    It holds the GPTModel as `module` (megatron's `.module` chain: Pipeline2BW, optimizer_sharding and `_gpt` see
+    through it) and this stage's rows (spread_rows) as trained parameters: `output_layer_rows` [shards[s], hidden], and
+    with the embedding sharded `embedding_rows` (a tied model's are the same Parameter: the head rows are rows of the
+    embedding); a tied model whose first stage keeps its whole table uses that table's rows there (head_param). Megatron's whole weights leave training (requires_grad False, so neither the optimizer built
+    afterwards nor the engine's weight versions hold them): the last stage's output_layer.weight, and with the
+    embedding sharded the first stage's word embeddings.
+
+    The last stage ends at the final norm: GPTModel decides at each forward, by `self.post_process`, whether
+    `_postprocess` applies the output layer and the loss; the final norm is the decoder's own (TransformerBlock
+    built `final_layernorm` from the constructor's post_process), so with post_process turned off after the
+    construction the stage returns the normed hidden states [s, b, h] that a vocabulary-parallel head's S passes
+    read (`shared_embedding_or_output_weight` then names no weight on the last stage: the rows replace it)."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, split: VocabSplit, *, embedding: bool):
+        super().__init__()
+        gpt = _gpt(model)
+        rows = spread_rows(gpt, split, mesh, embedding=embedding)  # collective: every stage, also the first
+        tied = gpt.share_embeddings_and_output_weights
+        self.module, self.start, self.embedding_sharded = model, sum(split.shards[:mesh.pp_rank]), embedding
+        self.vocab_size, self.shard_rows = sum(split.shards), split.shards[mesh.pp_rank]
+        # A tied model whose first stage keeps the whole table: that stage's head rows are rows of the table itself
+        # (no copy); every other stage's are a copy, kept equal to the table's by the tied reduction (tied_rows).
+        self.rows_of_table = tied and not embedding and mesh.is_first_stage
+        if not self.rows_of_table:  # the name keeps Muon off it (optim.build)
+            self.output_layer_rows = rows.get(HEAD, rows.get(EMBEDDING))
+        self.embedding_rows = rows.get(EMBEDDING) if embedding else None
+        self.frozen = [name for name in (HEAD, EMBEDDING) if name in dict(gpt.named_parameters())
+                       and (name == HEAD or embedding)]
+        for name in self.frozen:
+            gpt.get_parameter(name).requires_grad_(False)
+        gpt.post_process = False
+
+    def head_param(self) -> tuple[nn.Parameter, int]:
+        """The parameter holding this stage's head rows and the row they start at in it."""
+        if self.rows_of_table:
+            return _gpt(self.module).embedding.word_embeddings.weight, self.start
+        return self.output_layer_rows, 0
+
+    def head_weight(self) -> Tensor:
+        """This stage's head rows [shard, hidden]."""
+        param, row0 = self.head_param()
+        return param.narrow(0, row0, self.shard_rows)
+
+    @property
+    def tied(self) -> list[nn.Parameter]:
+        """Pipeline2BW's `tied`: a tied model with its table whole on the first stage sums the table's gradient with
+        every stage's head rows' (the first stage's whole table, the others' rows); none otherwise (a sharded
+        embedding's head rows are the stage's own embedding rows, one tensor)."""
+        if not _gpt(self.module).share_embeddings_and_output_weights or self.embedding_sharded:
+            return []
+        return [self.head_param()[0]]
+
+    @property
+    def tied_rows(self) -> tuple[int, int] | None:
+        """(row0, vocab) of this stage's tied tensor in the tied weight (reduction.RowsOfTied); None on the first."""
+        return (self.start, self.vocab_size) if self.tied and not self.rows_of_table else None
+
+    @property
+    def config(self):
+        return _gpt(self.module).config
+
+    def set_input_tensor(self, input_tensor) -> None:
+        _gpt(self.module).set_input_tensor(input_tensor)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def rows(self) -> dict[str, Tensor]:
+        """This stage's rows by megatron's name, for checkpoint_of (a tied model's: EMBEDDING only)."""
+        tied = _gpt(self.module).share_embeddings_and_output_weights
+        out = {} if tied else {HEAD: self.head_weight().detach()}
+        if self.embedding_rows is not None:
+            out[EMBEDDING] = self.embedding_rows.detach()
+        return out
+
+
 # ---- checkpoints --------------------------------------------------------------------------------------------
 @dataclass
 class StageCheckpoint:

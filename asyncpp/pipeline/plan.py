@@ -160,6 +160,9 @@ def build_stage_runtime(
     embed_inputs: Callable | None = None,
     comm_cls: type[StageComm] = StageComm,
     extra_parts: Sequence[StagePart] = (),
+    head_part: Callable[[Wait], Part] | None = None,
+    embedding_part: Callable[[Wait], Part] | None = None,
+    tied_rows: tuple[int, int] | None = None,
 ) -> StageEngine:
     """The engine of `plan`'s stage: `module` is the stage (pruned and sharded), `spec` its place in the
     model_zoo layout (None: a module of its own, e.g. Megatron's GPTModel stage), `optimizer` built over its
@@ -167,7 +170,10 @@ def build_stage_runtime(
     microbatch forward. Under a vocabulary-parallel head `head_labels(step, microbatch)` gives every stage the
     labels of the whole microbatch; with a sharded embedding
     `embed_inputs(step, microbatch)` every stage's the input token ids. `extra_parts`: more parts the stage runs
-    (parts.py), after its head and embedding."""
+    (parts.py), after its head and embedding. `head_part(wait)`: the stage's head part, built by the caller (the
+    Megatron front-end's vocabulary-parallel head over a GPTModel, which has no StageSpec), in place of the plan's,
+    and `embedding_part(wait)` its embedding part likewise;
+    `tied_rows` (row0, vocab) its tied tensor's place in the tied weight (else derived from the plan's split)."""
     if plan.stage != mesh.pp_rank or plan.num_stages != mesh.num_stages or (
             spec is not None and (spec.stage, spec.num_stages) != (plan.stage, plan.num_stages)):
         built = f"stage {spec.stage} of {spec.num_stages}, " if spec is not None else ""
@@ -180,11 +186,14 @@ def build_stage_runtime(
     tied_ids = {id(p) for p in tied}
     versions = plan.weight_versions(params)
     comm = comm_cls(mesh, plan.activation_shape, plan.link_dtype, plan.timeout_s)
-    tied_rows = None
-    if plan.vocab is not None and tied_ids and not spec.is_first:
+    if tied_rows is None and plan.vocab is not None and tied_ids and not spec.is_first:
         tied_rows = (spec.vocab.start, sum(plan.vocab.shards))  # its head rows are rows of the tied weight the first
         # stage holds whole
     head, embedding = stage_parts(plan, spec, module, mesh, comm.wait, head_labels, embed_inputs)
+    if head_part is not None:
+        head = head_part(comm.wait)
+    if embedding_part is not None:
+        embedding = embedding_part(comm.wait)
     timer = stage_timer(mesh.pp_rank, mesh.device)
     update = StageUpdate(mesh, versions, optimizer, spec=plan.update, grad_scale=grad_scale,
                          is_delayed=plan.is_delayed, tied_is_delayed=plan.tied_is_delayed,

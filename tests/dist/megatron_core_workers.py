@@ -45,6 +45,13 @@ from asyncpp.parallel import megatron_cpu
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func, optimizer_sharding
 from asyncpp.pipeline.megatron_checkpoint import global_name
+from asyncpp.pipeline.megatron_vocab import (
+    VocabSpreadStage,
+    assemble_state_dict,
+    checkpoint_of,
+    vocab_split_of,
+)
+from asyncpp.pipeline.megatron_vocab_pipeline import VocabPipeline2BW
 from asyncpp.reference.simulator import DelayedUpdateSimulator
 from tests.dist.workers import SyntheticData
 
@@ -54,9 +61,11 @@ VOCAB, SEQ, MICRO_BATCH, HIDDEN, LAYERS, HEADS = 64, 16, 2, 32, 4, 4
 @dataclass(frozen=True)
 class Case:
     name: str
+    pp: int = 2
+    """Pipeline stages: megatron splits the LAYERS layers evenly (get_num_layers_to_build)."""
     tp: int = 1
     dp: int = 1
-    """Data-parallel replicas (world = 2 stages x tp x dp); each reads its own m microbatches of a step."""
+    """Data-parallel replicas (world = pp stages x tp x dp); each reads its own m microbatches of a step."""
     ep: int = 1
     tied: bool = False
     optimizer: str = "muon"
@@ -71,6 +80,10 @@ class Case:
     """Every layer's MLP a megatron-core MoELayer: 4 experts, top-2, aux loss, `dispatcher`."""
     dispatcher: str = "allgather"
     """moe_token_dispatcher_type: "allgather" or "alltoall" (MoEAlltoAllTokenDispatcher)."""
+    vocab: bool = False
+    """The output layer spread over the stages by the cost model's shards (VocabSpreadStage, VocabPipeline2BW)."""
+    vocab_embedding: bool = False
+    """With `vocab`: the input embedding sharded by the same rows (VocabSpreadStage(embedding=True))."""
     sp: bool = False
     """Sequence parallelism (needs tp > 1): megatron_cpu's SequenceParallelLayerNorm in every norm."""
     loss_scale: float | None = None
@@ -148,6 +161,12 @@ def data_for(case: Case) -> SyntheticData:
     return SyntheticData(VOCAB, SEQ, MICRO_BATCH, case.seed)
 
 
+def eval_microbatches(case: Case) -> list[Tensor]:
+    """m held-out microbatches (indices no training step reads) for an evaluation after the run."""
+    data = data_for(case)
+    return [data.train_microbatch(10_000 + j) for j in range(case.num_microbatches)]
+
+
 # ---- names and shards: a stage's parameters as pieces of the unsplit model -----------------------------
 def shard_of(full: Tensor, param: nn.Parameter, tp: int, tp_rank: int) -> Tensor:
     """This TP rank's piece of `full`, by megatron's own parameter attributes."""
@@ -157,13 +176,13 @@ def shard_of(full: Tensor, param: nn.Parameter, tp: int, tp_rank: int) -> Tensor
 
 
 # ---- the single-process reference ----------------------------------------------------------------------
-def setup_megatron(tp: int, pp: int, ep: int = 1) -> Mesh:
+def setup_megatron(tp: int, pp: int, ep: int = 1, vocab: bool = False, vocab_embedding: bool = False) -> Mesh:
     if parallel_state.model_parallel_is_initialized():  # the previous case's layout
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              expert_model_parallel_size=ep)
     megatron_cpu.enable(torch.device("cpu"))
-    return Mesh.from_megatron(torch.device("cpu"))
+    return Mesh.from_megatron(torch.device("cpu"), vocab_head=vocab, vocab_embedding=vocab_embedding)
 
 
 def reference_rank(rank: int, cases: list[dict]) -> dict:
@@ -197,6 +216,8 @@ def reference_run(case: Case) -> dict:
     out = {"init": init, "losses": [s.loss for s in stats], "grad_norms": [s.grad_norm for s in stats],
            "skipped": [s.skipped for s in stats],
            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    with torch.no_grad():  # the final model's loss on held-out microbatches (what an evaluation drain reports)
+        out["eval"] = sum(float(lm_loss(model, x)) for x in eval_microbatches(case)) / case.num_microbatches
     if case.corrections:  # the same run without them: the test shows they changed the trajectory
         out["uncorrected"] = reference_run(replace(case, **dict.fromkeys(CORRECTIONS, 0)))["params"]
     return out
@@ -236,7 +257,7 @@ class Calls:
 def pipeline_rank(rank: int, cases: list[dict], references: dict) -> list[dict]:
     out = []
     for c in (Case(**c) for c in cases):
-        mesh = setup_megatron(c.tp, 2, c.ep)
+        mesh = setup_megatron(c.tp, c.pp, c.ep, c.vocab, c.vocab_embedding)
         assert mesh.dims.dp == c.dp, (mesh.dims, c)
         out.append(pipeline_run(c, mesh, references[c.name]["init"]))
     return out
@@ -257,15 +278,21 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
         for name, p in model.named_parameters():
             p.copy_(shard_of(init[global_name(model, name)], p, case.tp, mesh.tp_rank))
     calls = Calls(model)
-    tied = [model.shared_embedding_or_output_weight()] if case.tied else []
+    tied = [model.shared_embedding_or_output_weight()] if case.tied and not case.vocab else []  # (vocab: the stage's)
+    # The spread head: the stages train `stage` (the GPTModel and its rows), megatron's whole output_layer frozen.
+    split = vocab_split_of(model, seq_len=SEQ, micro_batch_size=MICRO_BATCH,
+                           embedding=case.vocab_embedding) if case.vocab else None
+    stage = VocabSpreadStage(model, mesh, split, embedding=case.vocab_embedding) if case.vocab else model
+    engine = (functools.partial(VocabPipeline2BW, split=split, input_ids=lambda sample: sample[:, :-1])
+              if case.vocab else Pipeline2BW)
     # Megatron's TP layout for Muon (param_layouts): a sharded matrix is gathered and orthogonalised whole.
-    optimizer = build_optimizer(model, name=case.optimizer, lr=0.01, sharding=optimizer_sharding(model),
+    optimizer = build_optimizer(stage, name=case.optimizer, lr=0.01, sharding=optimizer_sharding(stage),
                                 tp_group=mesh.tp_group)
     muon = MuonWatch(optimizer, model, mesh)
     layout_refusal = unaware_muon_refusal(model, mesh) if case.optimizer == "muon" and case.tp > 1 else None
     fp16_refusal = half_model_refusal(case, mesh, pre, post) if case.loss_scale is not None else None
-    fwd_bwd = get_forward_backward_func("2bw", engine_factory=lambda schedule: Pipeline2BW(
-        model, optimizer, mesh, schedule=schedule, hidden_size=HIDDEN, grad_clip=case.grad_clip,
+    fwd_bwd = get_forward_backward_func("2bw", engine_factory=lambda schedule: engine(
+        stage, optimizer, mesh, schedule=schedule, hidden_size=HIDDEN, grad_clip=case.grad_clip,
         ef_lambda=case.ef_lambda, grad_ef_lambda=case.grad_ef_lambda, dc_lambda=case.dc_lambda,
         weight_prediction=case.weight_prediction, tied=tied, sequence_first=True,
         sync_start_steps=case.sync_start_steps))
@@ -282,7 +309,7 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
             scale["now"] = math.inf if k == case.overflow_step else case.loss_scale
             if k == case.steps - 1:  # a stream is open: a new scale is refused before anything runs
                 scale_refusal = changed_scale_refusal(fwd_bwd, model, train_iter, case, scale)
-        store = fwd_bwd(forward_step_func=forward_step, data_iterator=train_iter, model=[model],
+        store = fwd_bwd(forward_step_func=forward_step, data_iterator=train_iter, model=[stage],
                         num_microbatches=case.num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH)
         if store:  # the last stage: per-token mean of the step, as Megatron's training_log reduces it
             total = torch.stack([d["lm loss"] for d in store]).double().sum(0)
@@ -293,20 +320,78 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
             pipeline.drain()
             applied.append(pipeline.applied_step)
     pipeline.drain()
+    valid = None
+    if case.vocab:  # an evaluation through the drained pipeline (the spread head's forward_only path)
+        store = fwd_bwd(forward_step_func=forward_step, data_iterator=iter(eval_microbatches(case)), model=[stage],
+                        num_microbatches=case.num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+                        forward_only=True)
+        if store:  # the last stage
+            total = torch.stack([d["lm loss"] for d in store]).double().sum(0)
+            valid = float(total[0] / total[1])
+    checkpoint = unsplit_from_checkpoints(case, model, stage, split, mesh) if case.vocab else None
     muon.close()
     grad_norms = {t: r.grad_norm for t, r in pipeline.records.items()}
     return {
         "case": asdict(case), "stage": mesh.pp_rank, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,
-        "ep_rank": mesh.ep_rank, "losses": losses, "applied": applied,
+        "ep_rank": mesh.ep_rank, "losses": losses, "applied": applied, "eval": valid, "checkpoint": checkpoint,
         "grad_norms": grad_norms, "skipped": {t: r.skipped for t, r in pipeline.records.items()},
         "grad_scales": scales, "scale_refusal": scale_refusal, "fp16_refusal": fp16_refusal,
-        "params": {global_name(model, n): (p.detach().clone(), getattr(p, "tensor_model_parallel", False),
-                                           getattr(p, "partition_dim", None)) for n, p in model.named_parameters()},
+        "params": {**{global_name(model, n): (p.detach().clone(), getattr(p, "tensor_model_parallel", False),
+                                              getattr(p, "partition_dim", None)) for n, p in model.named_parameters()
+                      if not (case.vocab and n in stage.frozen)},
+                   **(spread_head_of(stage, mesh, init) if case.vocab else {})},
         "layout_refusal": layout_refusal,
         "evidence": {**evidence(model, mesh, calls), "muon": muon.report(),
+                     "vocab": vocab_evidence(stage, pipeline, init) if case.vocab else None,
                      "corrections": corrections_evidence(pipeline, predicted.count),
                      "partial_tp": partial_tp.report()},
     }
+
+
+def spread_head_of(stage: VocabSpreadStage, mesh: Mesh, init: dict[str, Tensor]) -> dict:
+    """The trained head assembled from every stage's rows (in stage order: the rows are consecutive), reported by
+    the last stage as megatron's output_layer.weight (its own whole one was frozen)."""
+    tied = stage.module.share_embeddings_and_output_weights  # the head rows are rows of the table
+    out = {}
+    for name, rows in stage.rows().items() if stage.embedding_sharded else []:  # the sharded table's rows too
+        gathered = [None] * mesh.num_stages
+        dist.all_gather_object(gathered, rows.clone(), group=mesh.pp_group)
+        out[name] = (torch.cat(gathered), False, None)
+    if not stage.embedding_sharded or not tied:
+        gathered = [None] * mesh.num_stages
+        dist.all_gather_object(gathered, stage.head_weight().detach().clone(), group=mesh.pp_group)
+        out["embedding.word_embeddings.weight" if tied else "output_layer.weight"] = (torch.cat(gathered), False, None)
+    return out if mesh.is_last_stage else {}
+
+
+def unsplit_from_checkpoints(case: Case, model: GPTModel, stage: VocabSpreadStage, split, mesh: Mesh) -> dict | None:
+    """Every stage's checkpoint of the trained spread model (megatron_vocab.checkpoint_of: its layers and rows),
+    gathered and assembled on the last stage, loaded strictly into an unsplit GPTModel built there (pipeline size 1
+    inside the pipelined job): that model's parameters, by name (None on the other stages)."""
+    saved = [None] * mesh.num_stages
+    dist.all_gather_object(saved, checkpoint_of(model, stage.rows(), split, mesh, embedding=case.vocab_embedding),
+                           group=mesh.pp_group)
+    if not mesh.is_last_stage:
+        return None
+    unsplit = build_gpt(case, pp=1, pre_process=True, post_process=True)
+    unsplit.load_state_dict(assemble_state_dict(saved, VOCAB, tied=case.tied), strict=True)
+    return {n: p.detach().clone() for n, p in unsplit.named_parameters()}
+
+
+def vocab_evidence(stage: VocabSpreadStage, pipeline, init: dict[str, Tensor]) -> dict:
+    """What shows the spread head ran: this stage's rows' shape and start, the S passes and their logits' widths
+    (VocabHead), that megatron's whole output_layer stayed out of training (frozen and equal to its init) and that
+    the rows moved."""
+    head = pipeline.head
+    gpt = stage.module
+    frozen = gpt.output_layer.weight if hasattr(gpt, "output_layer") else None  # the last stage's
+    whole = init["embedding.word_embeddings.weight" if gpt.share_embeddings_and_output_weights else "output_layer.weight"]
+    start, rows = stage.start, stage.shard_rows
+    return {"rows": tuple(stage.head_weight().shape), "start": start, "passes": head.passes,
+            "widths": sorted(head.logits_widths), "rows_of_table": stage.rows_of_table,
+            "output_layer_untouched": None if frozen is None else (not frozen.requires_grad and torch.equal(
+                frozen.detach(), whole)),
+            "rows_moved": not torch.equal(stage.head_weight().detach(), whole[start:start + rows])}
 
 
 def changed_scale_refusal(fwd_bwd, model: GPTModel, data, case: Case, scale: dict) -> str | None:
@@ -443,12 +528,16 @@ def evidence(model: GPTModel, mesh: Mesh, calls: Calls) -> dict:
             "dp": mesh.dp_group is ps.get_data_parallel_group(),
             "ep": mesh.ep_group is ps.get_expert_model_parallel_group(),
             "edp": mesh.edp_group is ps.get_expert_data_parallel_group(),
-            "embedding": mesh.embedding_group is ps.get_embedding_group(),
+            # megatron's on the first and last stage; with the head spread, asyncpp's over every stage
+            "embedding": (mesh.embedding_group is (ps.get_embedding_group() if mesh.pp_rank in (0, mesh.num_stages - 1)
+                                                   else None)) if mesh.vocab_groups is None
+            else ranks(mesh.embedding_group) == ranks(mesh.pp_group),
             "norm": mesh.norm_group is (ps.get_model_parallel_group() if mesh.dims.ep == 1
                                         else ps.get_expert_tensor_model_pipeline_parallel_group()),
         },
         "tp_group_ranks": ranks(ps.get_tensor_model_parallel_group()),
-        "embedding_group_ranks": ranks(ps.get_embedding_group()),
+        # megatron's embedding group exists on the first and last stage only (a middle stage raises for it)
+        "embedding_group_ranks": ranks(mesh.embedding_group) if mesh.embedding_group is not None else [],
     }
 
 

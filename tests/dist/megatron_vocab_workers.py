@@ -12,9 +12,11 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
 from asyncpp.parallel import megatron_cpu
+from asyncpp.parallel.mesh import Mesh, ParallelDims
 from asyncpp.pipeline.megatron_vocab import (
     EMBEDDING,
     HEAD,
+    VocabSpreadStage,
     assemble_state_dict,
     checkpoint_of,
     model_config_of,
@@ -168,6 +170,10 @@ def spread_rank(rank: int, cases: list[tuple[bool, bool]]) -> list[dict]:
     and starts, and on rank 0 the loaded model's state."""
     pp = dist.get_world_size()
     out = []
+    # A layout before the pipeline's (pp=1: every rank its own embedding group): megatron's destroy_model_parallel
+    # keeps its embedding ranks, so a mesh that asked is_rank_in_embedding_group() would then take a middle stage
+    # for a member of a group it does not have (asyncpp/parallel/mesh.py, from_megatron).
+    setup_megatron(1, 1)
     for tied, embedding in cases:
         mesh = setup_megatron(1, pp)
         torch.manual_seed(1 + rank)  # each stage its own init: the rows must come from the right stage
@@ -181,9 +187,8 @@ def spread_rank(rank: int, cases: list[tuple[bool, bool]]) -> list[dict]:
         result = {"own": own, "shards": split.shards, "rank": rank,
                   "rows": {k: (start, tuple(v.shape)) for k, (start, v) in ckpt.rows.items()},
                   "spread": {k: tuple(v.shape) for k, v in rows.items()}}
-        # The unsplit model on one pipeline stage (megatron_cpu's tied-embedding shim all-reduces over the
-        # process's embedding group, which under pp=2 would wait for the other stage: noted for the lead).
-        setup_megatron(1, 1)
+        # The unsplit model on one stage of the pipelined job: built with pipeline size 1, it posts no tied-embedding
+        # all-reduce (megatron_cpu._setup_embeddings_on_cpu, as megatron's own method; the last stage would not join).
         if rank == 0:
             unsplit = tiny_gpt(1, True, True, tied)
             missing, unexpected = unsplit.load_state_dict(assemble_state_dict(gathered, VOCAB, tied=tied))
@@ -191,4 +196,74 @@ def spread_rank(rank: int, cases: list[tuple[bool, bool]]) -> list[dict]:
                                   if not k.endswith("_extra_state")}, missing=list(missing),
                           unexpected=list(unexpected))
         out.append(result)
+    return out
+
+
+# ---- a vocabulary-parallel head's groups over megatron's pipelines ----------------------------------------------
+def vocab_groups_rank(rank: int, layouts: list[tuple[int, int]]) -> list[dict]:
+    """For each (pp, tp): Mesh.from_megatron(vocab_head=True, vocab_embedding=True) on megatron's parallel_state, and
+    asyncpp's own Mesh of the same layout. Returns, per layout, every vocabulary group's ranks from both, whether
+    megatron's own groups were kept, whether the new groups are communicators of their own (not megatron's pipeline
+    group), and each group's all-reduce of the rank (the groups carry traffic)."""
+    out = []
+    for pp, tp in layouts:
+        plain = setup_megatron(tp, pp)  # the whole head: megatron's embedding group on the ends
+        mesh = Mesh.from_megatron(torch.device("cpu"), vocab_head=True, vocab_embedding=True)
+        own = Mesh(ParallelDims.for_world(dist.get_world_size(), pp=pp, tp=tp), torch.device("cpu"), vocab_head=True,
+                   vocab_embedding=True)
+        groups = {"embedding": mesh.embedding_group, **vars(mesh.vocab_groups)}
+        own_groups = {"embedding": own.embedding_group, **vars(own.vocab_groups)}
+        sums = {}
+        for name, group in groups.items():
+            x = torch.tensor([float(rank)])
+            dist.all_reduce(x, group=group)
+            sums[name] = float(x)
+        out.append({
+            "ranks": {n: dist.get_process_group_ranks(g) for n, g in groups.items()},
+            "own_ranks": {n: dist.get_process_group_ranks(g) for n, g in own_groups.items()},
+            "megatron_groups_kept": mesh.pp_group is parallel_state.get_pipeline_model_parallel_group()
+            and mesh.tp_group is parallel_state.get_tensor_model_parallel_group(),
+            "new_communicators": len({g.group_name for g in groups.values()} | {mesh.pp_group.group_name})
+            == len(groups) + 1,
+            "plain_embedding_ranks": (dist.get_process_group_ranks(plain.embedding_group)
+                                      if plain.embedding_group is not None else []),
+            "sums": sums, "stage": mesh.pp_rank, "tp_rank": mesh.tp_rank,
+        })
+    return out
+
+
+# ---- a stage with its vocabulary spread (VocabSpreadStage) --------------------------------------------------------
+def spread_stage_rank(rank: int, cases: list[tuple[bool, bool]]) -> list[dict]:
+    """On 2 megatron pipeline ranks, per (tied, embedding sharded): the last stage's logits from megatron's own
+    output layer on a fixed input, then VocabSpreadStage on every stage; its output on the last stage (the normed
+    hidden states), broadcast, times each stage's head rows, gathered in stage order. Returns the trainable
+    parameters' names and shapes, the frozen names, the output's shape, megatron's logits and the gathered ones."""
+    out = []
+    for tied, embedding in cases:
+        mesh = setup_megatron(1, 2)
+        torch.manual_seed(11 + rank)
+        gpt = tiny_gpt(2, mesh.is_first_stage, mesh.is_last_stage, tied)
+        split = vocab_split_of(gpt, seq_len=SEQ, micro_batch_size=2, embedding=embedding)
+        x = torch.randn(SEQ, 2, HIDDEN, generator=torch.Generator().manual_seed(3))  # a [s, b, h] activation
+        tokens, mask = torch.zeros(2, SEQ, dtype=torch.long), megatron_cpu.causal_mask(SEQ)
+        positions = torch.arange(SEQ).expand(2, SEQ)
+        logits = None
+        if mesh.is_last_stage:
+            gpt.set_input_tensor([x])
+            logits = gpt(tokens, positions, mask).detach()  # megatron's head: [b, s, vocab]
+        stage = VocabSpreadStage(gpt, mesh, split, embedding=embedding)
+        hidden = torch.empty(SEQ, 2, HIDDEN)
+        if mesh.is_last_stage:
+            stage.set_input_tensor([x])
+            hidden = stage(tokens, positions, mask).detach()
+        shape = tuple(hidden.shape)
+        dist.broadcast(hidden, src=mesh.global_rank(1), group=mesh.pp_group)
+        gathered = [None] * 2
+        dist.all_gather_object(gathered, hidden.transpose(0, 1) @ stage.head_weight().detach().T)
+        out.append({"trainable": {n: tuple(p.shape) for n, p in stage.named_parameters() if p.requires_grad},
+                    "frozen": stage.frozen, "shape": shape, "logits": logits, "spread": torch.cat(gathered, -1),
+                    "shards": split.shards,
+                    "tied_rows_shared": stage.embedding_rows is not None
+                    and stage.embedding_rows is getattr(stage, "output_layer_rows", None),
+                    "rows": {k: tuple(v.shape) for k, v in stage.rows().items()}})
     return out

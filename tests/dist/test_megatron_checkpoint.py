@@ -119,3 +119,12 @@ def test_load_without_a_checkpoint_is_refused_before_training(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--save-interval", "2"])
     assert "--save-interval=2 needs --save DIR" in capsys.readouterr().err
+
+
+def test_save_with_a_spread_head_is_refused_by_name(tmp_path, capsys):
+    """MegatronCheckpoint writes a Pipeline2BW's state; a spread head's rows and their optimizer state are not in it
+    yet, so --save/--load with --vocab-parallel-head is an argument error, not a checkpoint that cannot resume."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--pp", "2", "--vocab-parallel-head", "--untie-embeddings-and-output-weights",
+                    "--save", str(tmp_path)])
+    assert exit_.value.code == 2 and "--save/--load with --vocab-parallel-head" in capsys.readouterr().err

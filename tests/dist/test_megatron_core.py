@@ -11,7 +11,10 @@ convention) where the reference averages then sums (exact: m = 4 and 32 tokens a
 embedding's two gradient parts are summed by an all-reduce, and under TP=2 every row-parallel matmul sums two
 halves (under SP the same sums as reduce-scatters, and each norm's gradient as the sum of the two TP ranks' token
 halves; with the alltoall dispatcher an expert sees its tokens in another order, so its gradient sums them in
-another order). Those are rounding differences of ~1e-7 relative per step; 6 steps of Muon/AdamW (whose normalisations
+another order; with the output layer spread over the stages, the logits are computed per shard and the softmax
+and its gradient formed from the gathered per-shard statistics (vocab_head.py) where megatron's cross entropy takes
+the whole row, and the layers' input gradient is the sum of the stages' partial ones). Those are rounding
+differences of ~1e-7 relative per step; 6 steps of Muon/AdamW (whose normalisations
 amplify them where a gradient entry is near zero) stay below 1e-5, the bound of the other equivalence tests.
 """
 
@@ -33,7 +36,14 @@ from data.default import DEFAULT_TOKENIZER
 from data.tokenizer import load_tokenizer
 from examples.megatron_2bw import parse_args as parse_example_args
 from tests.dist.harness import run_ranks
-from tests.dist.megatron_core_workers import Case, megatron_grad_machinery_rank, pipeline_rank, reference_rank
+from tests.dist.megatron_core_workers import (
+    LAYERS,
+    VOCAB,
+    Case,
+    megatron_grad_machinery_rank,
+    pipeline_rank,
+    reference_rank,
+)
 from tests.dist.test_pipeline_equivalence import relative_error
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
@@ -43,12 +53,26 @@ CASES = {
             Case("tied_ef_sync_start", tied=True, ef_lambda=1.0, sync_start_steps=2),
             Case("moe", moe=True),
             Case("weight_prediction_tied", tied=True, weight_prediction=True, sync_start_steps=1, drain_after=3),
-            Case("loss_scale_overflow", loss_scale=1024.0, overflow_step=1, sync_start_steps=2)],
+            Case("loss_scale_overflow", loss_scale=1024.0, overflow_step=1, sync_start_steps=2),
+            # the output layer spread over the stages (VocabSpreadStage / VocabPipeline2BW), with a drain mid-run,
+            # and with EF + weight prediction on top
+            Case("vocab_head", vocab=True, drain_after=3),
+            Case("vocab_head_ef_weight_prediction", vocab=True, ef_lambda=1.0, weight_prediction=True),
+            Case("vocab_head_tied", vocab=True, tied=True, drain_after=3),
+            Case("vocab_head_and_embedding", vocab=True, vocab_embedding=True, drain_after=3),
+            Case("vocab_head_and_embedding_tied", vocab=True, vocab_embedding=True, tied=True)],
     # DC-ASGD's term lam * g * g * (x_t - x_read) is ~1e-5 of the update at lam 0.1 in 6 steps here (below the
     # test's own tolerance): lam = 100 makes it ~1e-2, so the case shows the correction was applied.
     "pp2_slow": [Case("dc_asgd", dc_lambda=100.0),
                  Case("grad_ef_tied", tied=True, grad_ef_lambda=0.5, drain_after=3),
                  Case("dc_asgd_adamw_sync_start", optimizer="adamw", dc_lambda=100.0, sync_start_steps=2)],
+    # megatron's middle stages: no embedding group, no pre/post process, one layer each (LAYERS = 4 over 4 stages)
+    "pp4": [Case("pp4", pp=4, drain_after=3),
+            Case("pp4_tied_weight_prediction", pp=4, tied=True, weight_prediction=True, sync_start_steps=1),
+            Case("pp4_vocab_head", pp=4, vocab=True, drain_after=2),
+            Case("pp4_vocab_head_tied_weight_prediction", pp=4, vocab=True, tied=True, weight_prediction=True),
+            Case("pp4_vocab_head_and_embedding", pp=4, vocab=True, vocab_embedding=True, drain_after=2),
+            Case("pp4_vocab_head_and_embedding_tied", pp=4, vocab=True, vocab_embedding=True, tied=True)],
     "four": [Case("tp2_tied", tp=2, tied=True, optimizer="adamw", ef_lambda=0.5, drain_after=2),
              Case("tp2_muon", tp=2, drain_after=3),
              Case("dp2_tied", dp=2, tied=True),
@@ -64,7 +88,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def world_of(group: str) -> int:
-    (world,) = {2 * c.tp * c.dp for c in CASES[group]}
+    (world,) = {c.pp * c.tp * c.dp for c in CASES[group]}
     return world
 
 
@@ -106,7 +130,7 @@ def four_ranks(references):
 def check_equals_reference(ranks: list[dict], ref: dict) -> None:
     case = Case(**ranks[0]["case"])
     # The step's loss: the mean over the replicas' (equal token counts) of the last stage's per-token mean.
-    last = [r["losses"] for r in ranks if r["stage"] == 1 and r["tp_rank"] == 0]
+    last = [r["losses"] for r in ranks if r["stage"] == case.pp - 1 and r["tp_rank"] == 0]
     assert len(last) == case.dp
     assert [sum(x) / case.dp for x in zip(*last)] == pytest.approx(ref["losses"], rel=RTOL)
     finite = [t for t in range(case.steps) if t != case.overflow_step]  # check_loss_scaling: the skipped one
@@ -124,30 +148,71 @@ def check_equals_reference(ranks: list[dict], ref: dict) -> None:
             worst = max(worst, (error, name))
     assert covered == set(ref["params"])
     print(f"{case.name}: worst weight relative error {worst[0]:.2e} ({worst[1]})")  # pytest -s shows the margins
-    # The tied weight: both stages hold it and end equal (one version, updated with the delayed rule).
-    if case.tied:
-        copies = [r["params"]["embedding.word_embeddings.weight"][0] for r in ranks if r["tp_rank"] == 0]
+    # The tied weight: both stages hold it and end equal (one version, updated with the delayed rule). (With the
+    # embedding sharded each stage holds its rows once, for both roles: compared above, assembled.)
+    if case.tied and not case.vocab_embedding:
+        copies = [r["params"]["embedding.word_embeddings.weight"][0] for r in ranks
+                  if r["tp_rank"] == 0 and r["stage"] in (0, case.pp - 1)]
         assert len(copies) == 2 * case.dp and all(relative_error(c, copies[0]) == 0 for c in copies)
 
 
 def check_megatron_ran(ranks: list[dict], tp: int) -> None:
-    moe = Case(**ranks[0]["case"]).moe
+    case = Case(**ranks[0]["case"])
+    moe, per_stage = case.moe, LAYERS // case.pp
     for r in ranks:
+        # megatron's even split: stage s built and trained the global layers [s * L/P, (s + 1) * L/P)
+        layers = {int(n.split(".")[2]) for n in r["params"] if n.startswith("decoder.layers.")}
+        assert layers == set(range(r["stage"] * per_stage, (r["stage"] + 1) * per_stage)), (r["stage"], layers)
+        ends = r["stage"] in (0, case.pp - 1)
         e = r["evidence"]
         assert e["model_class"] == "megatron.core.models.gpt.gpt_model.GPTModel"
         assert "megatron.core.transformer.transformer_block.TransformerBlock" in e["module_classes"]
         assert e["cpu_mode"] and e["linear_tp_group_is_megatrons"]
         assert all(e["mesh_groups_are_megatrons"].values()), e["mesh_groups_are_megatrons"]
-        assert len(e["tp_group_ranks"]) == tp and len(e["embedding_group_ranks"]) == 2
+        assert len(e["tp_group_ranks"]) == tp
+        assert len(e["embedding_group_ranks"]) == (case.pp if case.vocab else 2 * ends)
         calls = e["forward_calls"]
         # 2 layers per stage, each a ColumnParallel qkv/fc1 and a RowParallel proj/fc2, every microbatch forward;
         # with MoE, megatron's MoELayer in every layer (its experts' fc1/fc2 run on the tokens routed to them).
+        # (at P=4 a stage has one layer, and a middle stage neither the embedding nor the output layer).
         assert calls["TransformerLayer"] > 0 and calls["ColumnParallelLinear"] >= 2 * calls["TransformerLayer"]
         assert calls.get("MoELayer", 0) == (calls["TransformerLayer"] if moe else 0)
         assert calls["RowParallelLinear"] >= 2 * calls["TransformerLayer"]
         assert ("VocabParallelEmbedding" in calls) == (r["stage"] == 0)
         dispatcher = {"allgather": "MoEAllGatherTokenDispatcher", "alltoall": "MoEAlltoAllTokenDispatcher"}
         assert e["dispatchers"] == ([dispatcher[Case(**r["case"]).dispatcher]] if moe else [])
+
+
+def check_vocab_head_ran(ranks: list[dict]) -> None:
+    """The output layer was spread: every stage trained its own consecutive rows (the cost model's shards, covering
+    the vocabulary once), ran S on every microbatch with logits of its rows' width, and moved them; megatron's whole
+    output_layer stayed frozen at its initial value on the last stage."""
+    case = Case(**ranks[0]["case"])
+    vocab = [r["evidence"]["vocab"] for r in sorted(ranks, key=lambda r: r["stage"])]
+    assert [v["start"] for v in vocab] == [sum(v["rows"][0] for v in vocab[:s]) for s in range(case.pp)]
+    assert sum(v["rows"][0] for v in vocab) == VOCAB and all(v["rows"][0] > 0 for v in vocab), vocab
+    for v in vocab:
+        assert v["passes"] == case.steps * case.num_microbatches and v["widths"] == [v["rows"][0]], v
+        assert v["rows_moved"]
+    assert [v["output_layer_untouched"] for v in vocab] == [None] * (case.pp - 1) + [True]
+
+
+def check_vocab_checkpoint_loads_unsplit(ranks: list[dict], ref: dict) -> None:
+    """The trained stages' checkpoints (layers and rows by offset) load strictly into an unsplit GPTModel whose every
+    parameter is the reference's final one (at the run's bound)."""
+    (loaded,) = [r["checkpoint"] for r in ranks if r["checkpoint"] is not None]
+    assert set(loaded) == set(ref["params"])
+    for name, value in loaded.items():
+        assert relative_error(value, ref["params"][name]) < RTOL, name
+
+
+def check_vocab_head_evaluates(ranks: list[dict], ref: dict) -> None:
+    """An evaluation through the drained pipeline (forward_only: the spread head's pass on every stage) gives the
+    final unsplit model's loss on the same held-out microbatches (reported by the last stage only)."""
+    case = Case(**ranks[0]["case"])
+    assert [r["eval"] is not None for r in sorted(ranks, key=lambda r: r["stage"])] == [False] * (case.pp - 1) + [True]
+    (value,) = [r["eval"] for r in ranks if r["eval"] is not None]
+    assert value == pytest.approx(ref["eval"], rel=RTOL)
 
 
 def check_sequence_parallel_reduced(ranks: list[dict]) -> None:
@@ -226,6 +291,10 @@ def test_gpt_model_pp2_equals_delayed_reference(pp2, references, name):
     check_corrections_acted(pp2[name], ref)
     if Case(**pp2[name][0]["case"]).loss_scale is not None:
         check_loss_scaling(pp2[name], ref)
+    if Case(**pp2[name][0]["case"]).vocab:
+        check_vocab_head_ran(pp2[name])
+        check_vocab_head_evaluates(pp2[name], ref)
+        check_vocab_checkpoint_loads_unsplit(pp2[name], ref)
 
 
 @pytest.mark.slow  # two processes importing megatron-core, three cases: about 40 s
@@ -236,6 +305,35 @@ def test_gpt_model_pp2_corrections_equal_delayed_reference(pp2_slow, references,
     check_equals_reference(pp2_slow[name], ref)
     check_megatron_ran(pp2_slow[name], tp=1)
     check_corrections_acted(pp2_slow[name], ref)
+
+
+@pytest.fixture(scope="module")
+def pp4(references):
+    return run_pipeline("pp4", references)
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES["pp4"]])
+def test_gpt_model_pp4_equals_delayed_reference(pp4, references, name):
+    """Four megatron pipeline stages (the head whole on the last; in pp4_vocab_head spread over the four): two middle
+    stages that have neither megatron's embedding group nor its pre/post-processing, the tied weight on stages 0
+    and 3 only."""
+    ref = references("pp4")[name]
+    check_equals_reference(pp4[name], ref)
+    check_megatron_ran(pp4[name], tp=1)
+    check_corrections_acted(pp4[name], ref)
+    vocab = Case(**pp4[name][0]["case"]).vocab
+    if vocab:
+        check_vocab_head_ran(pp4[name])
+        check_vocab_head_evaluates(pp4[name], ref)
+        check_vocab_checkpoint_loads_unsplit(pp4[name], ref)
+    for r in pp4[name]:
+        if not vocab:  # (check_megatron_ran: with the head spread, the tied group is asyncpp's, over every stage)
+            assert (r["evidence"]["embedding_group_ranks"] == [0, 3]) == (r["stage"] in (0, 3)), r["evidence"]
+        # (the spread head's rows are reported once, assembled, by the last stage; a sharded table's too, the first
+        # stage's whole one being frozen)
+        owners = (3,) if Case(**r["case"]).vocab_embedding else (0, 3)
+        assert ("output_layer.weight" in r["params"] or "embedding.word_embeddings.weight" in r["params"]) == \
+            (r["stage"] in owners)
 
 
 def test_drain_in_the_middle_resumes_the_same_trajectory(pp2):
@@ -341,8 +439,27 @@ def test_example_sp_and_alltoall_under_torchrun(tmp_path, indexed_prefix, flags)
     check_megatron_log(stdout, 4, 4 * 4 * dp)
 
 
-def test_example_refuses_the_vocab_parallel_head(capsys):
-    """--vocab-parallel-head (item 1 of issue 43) is not built through the front-end: refused by name."""
+def test_example_refuses_a_vocab_parallel_head_with_tp(capsys):
+    """--vocab-parallel-head with --tp 2 (megatron's output layer is already split over TP) is refused by name, before
+    any process group exists."""
     with pytest.raises(SystemExit):
-        parse_example_args(["--vocab-parallel-head"])
-    assert "--vocab-parallel-head" in capsys.readouterr().err
+        parse_example_args(["--vocab-parallel-head", "--tp", "2"])
+    assert "--vocab-parallel-head needs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the embedding is sharded by the head's rows
+        parse_example_args(["--vocab-parallel-embedding"])
+    assert "add --vocab-parallel-head" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # four processes importing megatron-core: about 40-60 s on this box, each
+@pytest.mark.parametrize("embedding", [(), ("--vocab-parallel-embedding",)], ids=["head", "head_and_embedding"])
+def test_example_vocab_parallel_head_pp4_under_torchrun(tmp_path, indexed_prefix, embedding):
+    """examples/megatron_2bw.py --vocab-parallel-head --pp 4 as a user runs it (tied, megatron's default): the output
+    layer spread over the four stages (the last stage's rows reported), training and evaluation through the spread
+    head, Megatron's log."""
+    log, stdout = run_example(tmp_path, 4, "--train-iters", "4", "--eval-interval", "2", "--pp", "4",
+                              "--num-layers", "4", "--vocab-parallel-head", *embedding,
+                              "--data-path", str(indexed_prefix))
+    assert log["vocab_rows"][0] < log["vocab_size"] and log["vocab_rows"][1] == 64  # the last stage's rows only
+    assert len(log["train"]) == 4 and log["applied_step"] == 3 and all(map(math.isfinite, log["train"]))
+    assert list(log["valid"]) == ["2", "4"] and all(map(math.isfinite, log["valid"].values()))
+    check_megatron_log(stdout, 4, 4 * 4)

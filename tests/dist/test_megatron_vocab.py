@@ -19,6 +19,8 @@ from tests.dist.megatron_vocab_workers import (
     HEAD,
     VOCAB,
     spread_rank,
+    spread_stage_rank,
+    vocab_groups_rank,
     vocab_rank,
 )
 
@@ -104,7 +106,7 @@ SPREAD = [(False, False), (False, True), (True, True), (True, False)]
 """(tied, embedding sharded) on two real pipeline ranks."""
 
 
-@pytest.mark.parametrize("pp", [2])  # P=4: megatron's middle stages fail in Mesh.from_megatron (notes/i43.md)
+@pytest.mark.parametrize("pp", [2, 4])
 def test_rows_spread_over_megatron_stages_and_saved_load_into_the_unsplit_model(pp):
     """On P megatron pipeline ranks (each stage its own random init): spread_rows gives every stage its shard of the
     last stage's output_layer and, sharded, of the first stage's word embeddings (a tied model: of the first
@@ -144,3 +146,61 @@ def test_rows_spread_over_megatron_stages_and_saved_load_into_the_unsplit_model(
                 saved[EMBEDDING] = (0, (VOCAB, 32))
             assert s["rows"] == saved
             start += rows
+
+
+VOCAB_GROUP_LAYOUTS = [(4, 1), (2, 2)]
+"""(pp, tp) on four megatron ranks: four stages; two stages of two TP ranks (the statistics' group then spans a
+replica's stages and TP ranks, the others one TP rank's stages)."""
+
+
+def test_vocab_head_groups_over_megatrons_pipelines_are_asyncpps():
+    """Mesh.from_megatron(vocab_head=True, vocab_embedding=True): the head's and the sharded embedding's groups over
+    megatron's pipelines hold the same ranks as asyncpp's own mesh of the layout makes, each a communicator of its
+    own beside megatron's groups (which the mesh keeps), and the tied-embedding group spans every stage (the plain
+    front-end's is megatron's, first and last stage only). Each carries an all-reduce."""
+    results = run_ranks(vocab_groups_rank, 4, VOCAB_GROUP_LAYOUTS, timeout=300.0)
+    for i, (pp, tp) in enumerate(VOCAB_GROUP_LAYOUTS):
+        for r in (result[i] for result in results):
+            assert r["ranks"] == r["own_ranks"], (pp, tp, r)
+            assert set(r["ranks"]) == {"embedding", "hidden", "stats", "grad", "embed", "embed_grad"}
+            pipeline = [s * tp + r["tp_rank"] for s in range(pp)]  # megatron's order tp-cp-ep-dp-pp, dp = 1
+            assert r["ranks"]["stats"] == list(range(4))
+            for name in ("embedding", "hidden", "grad", "embed", "embed_grad"):
+                assert r["ranks"][name] == pipeline, (name, r)
+            assert r["megatron_groups_kept"] and r["new_communicators"]
+            ends = r["stage"] in (0, pp - 1)
+            assert r["plain_embedding_ranks"] == ([pipeline[0], pipeline[-1]] if ends else [])
+            assert r["sums"] == {n: float(sum(ranks)) for n, ranks in r["ranks"].items()}
+
+
+STAGE_CASES = [(False, False), (False, True), (True, True), (True, False)]
+"""(tied, embedding sharded)."""
+
+
+def test_a_spread_stage_trains_its_rows_and_ends_at_the_final_norm():
+    """VocabSpreadStage on 2 megatron ranks: each stage trains its rows ([shard, hidden]) and neither megatron's whole
+    output_layer nor, when sharded, its whole word embeddings (frozen; a whole embedding trains on the first stage
+    as before); the last stage returns the normed
+    hidden states [s, b, h], and those times every stage's rows, in stage order, are megatron's own logits of the
+    same input. Tolerance: the same products over hidden=32, split by output column (BLAS may block the two
+    matmuls differently): fp32 rounding of a 32-term dot product, well under 1e-5 relative."""
+    results = run_ranks(spread_stage_rank, 2, STAGE_CASES, timeout=300.0)
+    for case, (tied, embedding) in enumerate(STAGE_CASES):
+        first, last = (r[case] for r in results)
+        for stage, r in enumerate((first, last)):
+            shard = (r["shards"][stage], 32)
+            # a tied model's first stage with its table whole: its head rows are the table's own (no copy)
+            own_rows = not (tied and not embedding and stage == 0)
+            assert r["trainable"].get("output_layer_rows") == (shard if own_rows else None)
+            assert ("embedding_rows" in r["trainable"]) == (embedding and not tied)
+            assert r["tied_rows_shared"] == (tied and embedding)
+            assert f"module.{HEAD}" not in r["trainable"]  # megatron's whole head: the last stage's, frozen
+            assert (f"module.{EMBEDDING}" in r["trainable"]) == (stage == 0 and not embedding)  # a whole table trains
+            whole = {0: [EMBEDDING] if embedding else [], 1: [HEAD]}[stage]
+            assert r["frozen"] == whole
+            assert r["rows"] == {**({} if tied else {HEAD: shard}), **({EMBEDDING: shard} if embedding else {})}
+        assert last["shape"] == (16, 2, 32)
+        assert last["logits"].shape == last["spread"].shape == (2, 16, VOCAB)
+        assert torch.allclose(last["spread"], last["logits"], rtol=1e-5, atol=1e-6), (
+            tied, embedding, float((last["spread"] - last["logits"]).abs().max()))
+        assert torch.equal(first["spread"], last["spread"])

@@ -157,6 +157,21 @@ def _layouts() -> dict[str, Layout]:
         # megatron's sequence parallelism (the TP all-reduce of the SP norms' partial gradients in the reduction)
         Layout("megatron-core-example-P2-TP2-SP", make_config(parallel={"pp": 2, "tp": 2}),
                example=(*example, "--tp", "2", "--sequence-parallel")),
+        # four stages: two middle ones outside megatron's embedding group (the tied weight on stages 0 and 3 only)
+        Layout("megatron-core-example-P4", make_config(parallel={"pp": 4}),
+               example=("--train-iters", "5", "--eval-interval", "2", "--num-layers", "4", "--hidden-size", "32",
+                        "--seq-length", "16", "--micro-batch-size", "2", "--num-microbatches", "4", "--pp", "4",
+                        "--weight-prediction")),
+        # the output layer spread over the four stages (VocabPipeline2BW: S/T on every stage, evaluation drains)
+        Layout("megatron-core-example-P4-vocab-head", make_config(parallel={"pp": 4}),
+               example=("--train-iters", "5", "--eval-interval", "2", "--num-layers", "4", "--hidden-size", "32",
+                        "--seq-length", "16", "--micro-batch-size", "2", "--num-microbatches", "4", "--pp", "4",
+                        "--vocab-parallel-head", "--weight-prediction")),  # tied: the rows' all-stage reduction
+        # ... and the input embedding sharded too (E/G on every stage; the broadcasts' receivers in one call)
+        Layout("megatron-core-example-P4-vocab-embedding", make_config(parallel={"pp": 4}),
+               example=("--train-iters", "5", "--eval-interval", "2", "--num-layers", "4", "--hidden-size", "32",
+                        "--seq-length", "16", "--micro-batch-size", "2", "--num-microbatches", "4", "--pp", "4",
+                        "--vocab-parallel-head", "--vocab-parallel-embedding")),
         # MoE with megatron's alltoall dispatcher over EP=2 (its all-to-alls inside every forward and backward)
         Layout("megatron-core-example-P2-DP2-EP2-alltoall", make_config(parallel={"pp": 2, "dp": 2}),
                example=(*example, "--num-experts", "4", "--expert-model-parallel-size", "2",
@@ -168,11 +183,13 @@ def _layouts() -> dict[str, Layout]:
 
 LAYOUTS = _layouts()
 FAST = ("2bw-P2-DP2", "1f1b-P3", "megatron-2bw-P2", "megatron-core-example-P2", "2bw-P2-stop-midsegment",
-        "2bw-P2-DP2-zero", "2bw-P2-rampup", "2bw-P2-head-split", "2bw-P2-vocab", "2bw-P2-vocab-embedding")
+        "2bw-P2-DP2-zero", "2bw-P2-rampup", "2bw-P2-head-split", "2bw-P2-vocab", "2bw-P2-vocab-embedding",
+        "megatron-core-example-P4-vocab-head", "megatron-core-example-P4-vocab-embedding")
 """Recorded in the default suite (2BW with DP, tied embeddings, a sync start and an evaluation drain; a
 middle stage; the Megatron loop, with asyncpp's stages and with megatron-core's (the example); a stream cut short
 by a stop; the distributed optimizer; a batch rampup's streams of different m; the head split; the
-vocabulary-parallel head, and with the embedding sharded too); the rest is `slow`."""
+vocabulary-parallel head, and with the embedding sharded too; megatron-core's output layer spread over 4 stages
+through the front-end's per-call windows, and its embedding too); the rest is `slow`."""
 
 
 def recorded_pipeline(rank: int, cfg_dict: dict) -> list:

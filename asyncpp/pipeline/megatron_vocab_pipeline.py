@@ -1,0 +1,240 @@
+"""Pipeline2BW over a GPTModel whose output layer is spread over the pipeline stages (megatron_vocab.VocabSpreadStage):
+the vocabulary-parallel head's S and T passes (pipeline/vocab_head.VocabHead, asyncpp's own) run on every stage,
+in the per-call windows of pipeline/vocab_windows.py.
+
+    stage = VocabSpreadStage(gpt, mesh, vocab_split_of(gpt, ...), embedding=False)  # mesh: Mesh.from_megatron(
+    optimizer = build_optimizer(stage, ...)                                          #       vocab_head=True)
+    fwd_bwd = get_forward_backward_func("2bw", engine_factory=lambda s: VocabPipeline2BW(
+        stage, optimizer, mesh, split=split, schedule=s, hidden_size=h, sequence_first=True))
+
+What differs from Pipeline2BW's contract, and why:
+- The loss is the head's: the mean cross entropy of every token of the microbatch over the whole vocabulary,
+  computed by the stages together (VocabHead's T). The last stage's forward ends at the final norm, so the user's
+  loss_func is not called (it would receive hidden states): `loss_mask` is not applied (every token counts, as a
+  mask of ones), and forward_data_store gets, per microbatch, {"lm loss": [loss sum, tokens]} (pretrain_gpt's
+  report) from the head, in call k for b_k.
+- The labels: every stage's forward_step_func must pass `labels=` to the model (pretrain_gpt's get_batch on every
+  stage): the rows of every stage need them. They are taken from the model call's keyword, by (step, microbatch).
+- The gradient's 1/m: the head's gradient is that of each microbatch's mean loss, so the engine's reduction scales
+  b_t's summed gradient by 1/m (Megatron's division of each loss by m, applied once).
+A tied model keeps its whole table on the first stage: that stage's head rows are the table's own rows, every other
+stage's a copy, their gradients summed with the table's over every stage (reduction.RowsOfTied, as asyncpp's own
+pipeline does). A sharded input embedding (VocabSpreadStage(embedding=True); give `input_ids`): every stage's E looks
+its rows up (VocabEmbedding), the first stage's megatron lookup is replaced by their sum (a forward hook on its
+word_embeddings: megatron adds the position embeddings to it as to its own), G takes the rows' gradient. Not built
+here (refused by name): TP/SP, MoE, fp16 loss scaling, synchronous start steps, the 1f1b
+schedule.
+Evaluation (forward_only) runs each microbatch through the stages and then the head's pass of it on every stage
+(VocabHead.evaluate), one microbatch at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from asyncpp.core.vocab_split import VocabSplit, vocab_placement
+from asyncpp.parallel.mesh import Mesh
+from asyncpp.parallel.vocab_parallel import VocabShard
+from asyncpp.pipeline.megatron import Pipeline2BW, _unwrap, param_layouts
+from asyncpp.pipeline.megatron_vocab import VocabSpreadStage, _gpt
+from asyncpp.pipeline.plan import StagePlan, build_stage_runtime
+from asyncpp.pipeline.vocab_embedding import VocabEmbedding
+from asyncpp.pipeline.vocab_head import VocabHead
+from asyncpp.pipeline.vocab_windows import DONE_CALLS, drain_2bw_vocab, window_2bw_vocab
+from asyncpp.schedules.actions import Action
+
+_KIND = "2bw"
+
+
+def _refusals(model: VocabSpreadStage, mesh: Mesh, kwargs: dict) -> dict[str, object]:
+    config = _gpt(model).config
+    return {
+        "schedule": kwargs.get("schedule", _KIND) != _KIND and kwargs["schedule"],
+        "sync_start_steps": kwargs.get("sync_start_steps", 0),
+        "tied (VocabPipeline2BW takes the VocabSpreadStage's own `tied`: pass none)":
+            list(kwargs.get("tied", ())) and "a given tied weight",
+        "a sharded embedding without input_ids (the tokens of a sample: its E passes read them ahead of the "
+        "forward)": model.embedding_sharded and kwargs.get("input_ids") is None,
+        "tensor_model_parallel_size": mesh.dims.tp > 1 and mesh.dims.tp,
+        "num_moe_experts": config.num_moe_experts,
+        "config.grad_scale_func (fp16 loss scaling)": getattr(config, "grad_scale_func", None),
+    }
+
+
+class VocabPipeline2BW(Pipeline2BW):
+    """One stage of a 2BW pipeline whose head is spread over the stages (the module docstring)."""
+
+    DONE_CALLS = DONE_CALLS
+
+    def __init__(self, model: VocabSpreadStage, optimizer, mesh: Mesh, *, split: VocabSplit,
+                 input_ids: Callable[[Any], Tensor] | None = None, **kwargs):
+        """input_ids(sample): the token ids [mb, seq] of one item of the data_iterator (needed with the embedding
+        sharded: every stage's E pass of microbatch j of the call reads the call's j-th sample, ahead of its
+        forward_step; the sample is then handed to forward_step_func as usual)."""
+        if not isinstance(model, VocabSpreadStage):
+            raise TypeError(f"VocabPipeline2BW takes a VocabSpreadStage (megatron_vocab.py), got {type(model).__name__}")
+        for name, value in _refusals(model, mesh, {**kwargs, "input_ids": input_ids}).items():
+            if value:
+                raise NotImplementedError(f"{name}={value!r}: not supported with the output layer spread over the "
+                                          "stages yet (asyncpp/pipeline/megatron_vocab_pipeline.py)")
+        if mesh.vocab_groups is None:
+            raise ValueError("the spread head needs the mesh's vocabulary groups: Mesh.from_megatron(device, "
+                             "vocab_head=True) on every rank")
+        self.split, self.input_ids = split, input_ids
+        self._embedding_input: Tensor | None = None  # the first stage's E sum for the forward running now
+        if model.embedding_sharded and mesh.is_first_stage:  # megatron's lookup is replaced by the sum of the E's
+            _gpt(model).embedding.word_embeddings.register_forward_hook(self._summed_lookup)
+        self._labels: dict[tuple[int, int], Tensor] = {}
+        self._tokens: dict[tuple[int, int], Tensor] = {}  # (t, j) -> token ids, from its E to its G
+        self._pending_labels: Tensor | None = None
+        self._scaled_for: int | None = None
+        model.register_forward_pre_hook(self._take_labels, with_kwargs=True)
+        super().__init__(model, optimizer, mesh, **kwargs)
+        self.head = self.engine.part(VocabHead)
+
+    def _build_engine(self, plan: StagePlan, model: nn.Module, optimizer, tied: Iterable[nn.Parameter]):
+        param, row0 = model.head_param()
+        shard = VocabShard(model.start, model.shard_rows)
+
+        def head(wait) -> VocabHead:  # its [mb, seq, h] is set per call (_set_activation_shape)
+            return VocabHead(self.mesh, shard, param, row0, self._labels_of, (0,), plan.link_dtype, wait)
+
+        def embedding(wait) -> VocabEmbedding:
+            return VocabEmbedding(self.mesh, shard, model.embedding_rows, self._tokens_of, wait)
+
+        return build_stage_runtime(plan, None, model, self.mesh, optimizer, self._forward, grad_scale=1.0,
+                                   layouts=param_layouts(model), head_part=head, tied=model.tied,
+                                   tied_rows=model.tied_rows,
+                                   embedding_part=embedding if model.embedding_sharded else None)
+
+    # ---- the windows ------------------------------------------------------------------------------------
+    def _window(self, m: int, step: int, done: set[Action]) -> list[Action]:
+        placement = vocab_placement(_KIND, m, self.split)
+        return window_2bw_vocab(_KIND, self.mesh.pp_rank, m, self.split, placement, step, self._stream_start, done)
+
+    def _drain_window(self, done: set[Action]) -> list[Action]:
+        placement = vocab_placement(_KIND, self._m, self.split)
+        return drain_2bw_vocab(_KIND, self.mesh.pp_rank, self._m, self.split, placement, self.next_step - 1,
+                               self._stream_start, done)
+
+    def _train_step(self, m: int) -> None:
+        self._call.data_iterator = _Ahead(self._call.data_iterator)  # E reads a sample before its forward_step
+        if self.drained and m != self._scaled_for:  # the head's gradient is per microbatch mean: b_t's sum / m
+            self.engine.update.rescale(1.0 / m)
+            self._scaled_for = m
+        super()._train_step(m)
+
+    def _set_activation_shape(self, seq_length: int, micro_batch_size: int) -> None:
+        super()._set_activation_shape(seq_length, micro_batch_size)
+        self.head.hidden_shape = (micro_batch_size, seq_length, self.hidden_size)
+
+    # ---- the microbatch: labels, the last stage's output, the losses ------------------------------------
+    def _take_labels(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._pending_labels = kwargs.get("labels")
+
+    def _labels_of(self, step: int, microbatch: int) -> Tensor:
+        return self._labels.pop((step, microbatch))
+
+    def _tokens_of(self, step: int, microbatch: int) -> Tensor:
+        """(t, j)'s token ids, read by its E (the j-th sample of call t: vocab_windows runs b_t's E's in call t) and
+        again by its G (which may run in a later call): kept from the first read to the second."""
+        kept = self._tokens.pop((step, microbatch), None)
+        if kept is not None:
+            return kept
+        if self._call is None or step != self.next_step:
+            raise RuntimeError(f"E of b_{step} outside its call (window rule broken)")
+        ids = self.input_ids(self._call.data_iterator.sample(microbatch))
+        self._tokens[(step, microbatch)] = ids
+        return ids
+
+    def _summed_lookup(self, module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        """The first stage's word-embedding lookup: the E's sum when one is being injected (megatron then adds the
+        position embeddings as it would to its own lookup)."""
+        return output if self._embedding_input is None else self._embedding_input
+
+    def _forward(self, step: int, microbatch: int, x: Tensor | None) -> Tensor:
+        self._pending_labels = None
+        out = super()._forward(step, microbatch, x)
+        if self._pending_labels is None:
+            raise ValueError("forward_step_func called the model without labels=: with the output layer spread over "
+                             "the stages every stage's rows need each microbatch's labels (pass them on every stage)")
+        self._labels[(step, microbatch)] = self._pending_labels.detach()
+        return out
+
+    def _forward_step(self, call, x: Tensor | None) -> Tensor:
+        """Megatron's forward_step up to the model's output; the last stage's (its normed hidden states [s, b, h])
+        goes to the head as [b, s, h]. The loss is the head's (module docstring): loss_func is not called."""
+        _unwrap(call.model, "set_input_tensor").set_input_tensor([x])
+        if self.model.embedding_sharded and self.mesh.is_first_stage:
+            self._embedding_input = x  # [mb, seq, h], the sum of every stage's E (VocabEmbedding.input)
+        try:
+            output, _ = call.forward_step_func(call.data_iterator, call.model)
+        finally:
+            self._embedding_input = None
+        return output.transpose(0, 1) if self.mesh.is_last_stage else output
+
+    def _report(self, loss: Tensor | float) -> None:
+        """Megatron's report of one microbatch's mean loss: {"lm loss": [loss sum, tokens]} (pretrain_gpt's)."""
+        tokens = float(self.head.hidden_shape[0] * self.head.hidden_shape[1])
+        total = torch.as_tensor(loss, dtype=torch.float64).detach() * tokens
+        self._call.store.append({"lm loss": torch.stack([total, torch.tensor(tokens, dtype=torch.float64)])})
+
+    def _collect_losses(self) -> None:
+        """The last stage's T losses of this call's b_k (vocab_windows runs them in call k)."""
+        if self._call is None or not self.mesh.is_last_stage:
+            return
+        for loss in self.engine.losses.pop(self.next_step, []):
+            self._report(loss)
+
+    @torch.no_grad()
+    def _forward_only(self, m: int) -> None:
+        """Evaluation on the newest weights through a drained pipeline: each microbatch's sharded lookup (if the
+        embedding is sharded) and forward on every stage, then the head's pass of it on every stage together (VocabHead.evaluate: blocking, one microbatch at a time;
+        every stage's forward of the microbatch has run before, so the last stage's broadcast can be joined)."""
+        if not self.drained:
+            raise RuntimeError(f"forward_only=True needs a drained pipeline, but b_{self.next_step - 1} is in "
+                               "flight: call forward_backward_func.pipeline.drain() first")
+        versions, comm = self.engine.versions, self.engine.comm
+        versions.use(versions.newest)
+        first, last = self.mesh.is_first_stage, self.mesh.is_last_stage
+        embedding = self.engine.part(VocabEmbedding)  # sharded: every stage's lookup reduced first (blocking)
+        data = self._call.data_iterator = _Ahead(self._call.data_iterator)
+        for i in range(m):
+            summed = embedding.evaluate(self.input_ids(data.sample(i))) if embedding is not None else None
+            if not first:
+                comm.post_recv_forward()
+            self._pending_labels = None
+            out = self._forward_step(self._call, summed if first else comm.recv_forward())
+            if self._pending_labels is None:
+                raise ValueError("forward_step_func called the model without labels=: every stage's rows need them")
+            if not last:
+                comm.send_forward(out)
+            loss = self.head.evaluate(out if last else None, self._pending_labels)
+            if last:
+                self._report(loss)
+        comm.flush()
+
+
+class _Ahead:
+    """A call's data_iterator that can hand out its j-th item before forward_step_func asks for it (`sample`), and
+    then yields the items in order as before."""
+
+    def __init__(self, inner):
+        self.inner, self.pulled, self.consumed = inner, [], 0
+
+    def sample(self, j: int):
+        while len(self.pulled) <= j:
+            self.pulled.append(next(self.inner))
+        return self.pulled[j]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self.sample(self.consumed)
+        self.consumed += 1
+        return item
