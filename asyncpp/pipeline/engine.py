@@ -290,6 +290,16 @@ class StageEngine:
         """The update's record of `step`, handed over once: the executor reports it, and then it is gone."""
         return self.update.records.pop(step)
 
+    def restore_record(self, record: StepRecord) -> None:
+        """A checkpoint's newest applied record, put back into a fresh engine: the resumed Megatron front-end
+        reports it until its next update (megatron_checkpoint.py)."""
+        self.update.records[record.step] = record
+
+    def take_losses(self, step: int) -> list[Tensor]:
+        """b_t's microbatch losses, handed over once ([] where none are held): the Megatron front-end with a
+        spread head reports them as Megatron's lm loss."""
+        return self.losses.pop(step, [])
+
     def drop_losses(self) -> None:
         """Forget the microbatch losses no one will ask step_loss for (the Megatron front-end reports its
         losses through loss_func, so they would pile up over an unbounded run)."""

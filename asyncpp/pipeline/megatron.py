@@ -427,7 +427,7 @@ class Pipeline2BW:
         self.next_step = next_step
         self.applied_step = None if applied is None else applied.step
         if applied is not None:
-            self.engine.records[applied.step] = applied
+            self.engine.restore_record(applied)
         self._set_loss_scale(loss_scale)
 
     # ---- Megatron's forward_backward_func ------------------------------------------------------------

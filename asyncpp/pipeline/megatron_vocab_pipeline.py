@@ -187,7 +187,7 @@ class VocabPipeline2BW(Pipeline2BW):
         """The last stage's T losses of this call's b_k (vocab_windows runs them in call k)."""
         if self._call is None or not self.mesh.is_last_stage:
             return
-        for loss in self.engine.losses.pop(self.next_step, []):
+        for loss in self.engine.take_losses(self.next_step):
             self._report(loss)
 
     @torch.no_grad()
