@@ -88,6 +88,24 @@ def default_suite_tests() -> str:
     return f"{round(int(found.group(1)) / 50) * 50:,}"
 
 
+def recipe_gpu_hours(recipe: str) -> str:
+    """The recipe's token budget in GPU-hours on an H100 and an H200 by the step-time model: every stage traced at
+    real size on meta tensors (`dry_run_trace=true`, analysis/stagetime.py), tokens / (tokens/s per GPU x GPUs)."""
+    _, world, extra = RECIPE_PLANS[recipe]
+    out = Path("/tmp/asyncpp-docs-numbers") / f"trace-{recipe}"
+    overrides = [f"+experiment=paper/{recipe}", *extra, "data=default", "logging=disabled", f"dry_run={world}",
+                 "dry_run_trace=true", f"out_dir={out}"]
+    cfg, model_cfg = job.resolve(job.compose(overrides))
+    job.run_dry(cfg, model_cfg, echo=lambda text: None)
+    devices = json.loads((out / "dry_run_trace.json").read_text())["prediction"]["devices"]
+    parts = []
+    for name in ("H100", "H200"):
+        run = devices[name]["job"]
+        hours = cfg.train.steps * run["tokens_per_step"] / (run["tokens_per_s_per_gpu"] * world) / 3600
+        parts.append(f"{name} {hours:,.1f} ({run['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {run['mfu']:.1%})")
+    return "; ".join(parts)
+
+
 @dataclass(frozen=True)
 class Number:
     name: str
@@ -101,6 +119,8 @@ def numbers() -> dict[str, Number]:
     found += [Number(f"recipe_memory.{r}", lambda r=r: recipe_memory(r), slow=True) for r in RECIPE_PLANS]
     found += [Number(f"recipe_checkpoint.{r}", lambda r=r: recipe_checkpoint(r), slow=True)
               for r in ("smollm2_135m", "smollm2_360m", "moe_2b", "hybrid_moe_10b")]
+    found += [Number(f"recipe_gpu_hours.{r}", lambda r=r: recipe_gpu_hours(r), slow=True)
+              for r in ("smollm2_135m", "smollm2_360m")]  # the MoE recipes' 8-GPU traces: > 10 min per stage here
     found.append(Number("default_suite_tests", default_suite_tests, slow=True))
     return {n.name: n for n in found}
 
