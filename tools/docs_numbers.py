@@ -56,12 +56,15 @@ def params(model: str) -> str:
     return _count(c.total, unit) if c.total == c.active else f"{_count(c.total, unit)} / {_count(c.active, unit)}"
 
 
+def _dry_run_overrides(plan: str, *more: str) -> list[str]:
+    """The recipe's dry run at its world size (docs/recipes.md's command), as hydra overrides."""
+    recipe, world, extra = RECIPE_PLANS[plan]
+    return [f"+experiment=paper/{recipe}", *extra, "data=default", "logging=disabled", f"dry_run={world}", *more]
+
+
 def recipe_memory(plan: str) -> str:
     """The largest rank of the recipe's dry run at its world size (docs/recipes.md's command), GiB."""
-    recipe, world, extra = RECIPE_PLANS[plan]
-    overrides = [f"+experiment=paper/{recipe}", *extra, "data=default", "logging=disabled", f"dry_run={world}",
-                 "out_dir=/tmp/asyncpp-docs-numbers"]
-    cfg, model_cfg = job.resolve(job.compose(overrides))
+    cfg, model_cfg = job.resolve(job.compose(_dry_run_overrides(plan, "out_dir=/tmp/asyncpp-docs-numbers")))
     reports = job.run_dry(cfg, model_cfg, echo=lambda text: None)
     return f"{max(r['memory']['total_bytes'] for r in reports) / GIB:.2f} GiB"
 
@@ -91,11 +94,9 @@ def default_suite_tests() -> str:
 def recipe_gpu_hours(recipe: str) -> str:
     """The recipe's token budget in GPU-hours on an H100 and an H200 by the step-time model: every stage traced at
     real size on meta tensors (`dry_run_trace=true`, analysis/stagetime.py), tokens / (tokens/s per GPU x GPUs)."""
-    _, world, extra = RECIPE_PLANS[recipe]
+    world = RECIPE_PLANS[recipe][1]
     out = Path("/tmp/asyncpp-docs-numbers") / f"trace-{recipe}"
-    overrides = [f"+experiment=paper/{recipe}", *extra, "data=default", "logging=disabled", f"dry_run={world}",
-                 "dry_run_trace=true", f"out_dir={out}"]
-    cfg, model_cfg = job.resolve(job.compose(overrides))
+    cfg, model_cfg = job.resolve(job.compose(_dry_run_overrides(recipe, "dry_run_trace=true", f"out_dir={out}")))
     job.run_dry(cfg, model_cfg, echo=lambda text: None)
     devices = json.loads((out / "dry_run_trace.json").read_text())["prediction"]["devices"]
     parts = []

@@ -58,12 +58,11 @@ def _pack(fn, args: tuple) -> bytes:
     return buf.getvalue()
 
 
-def _entry(rank: int, world_size: int, port: int, packed: bytes, queue, environ: dict | None = None) -> None:
-    if environ is not None:
-        # The fork server's environment is the parent's when the server started; a spawned rank would see the
-        # parent's now (a test may have set a variable since).
-        os.environ.clear()
-        os.environ.update(environ)
+def _entry(rank: int, world_size: int, port: int, packed: bytes, queue, environ: dict) -> None:
+    # The fork server's environment is the parent's when the server started; a spawned rank would see the
+    # parent's now (a test may have set a variable since).
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), TORCHELASTIC_USE_AGENT_STORE="True",
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # N processes share 2 cores: oversubscribed OpenMP threads spin for seconds
