@@ -402,19 +402,30 @@ def _print_stage_memory(cfg: RunConfig, mesh: Mesh, run: PipelineExecutor, metri
         report_memory_plan(cfg.out_dir, [p for p in plans if p is not None], metrics.message)
 
 
+def _traced_config(cfg: RunConfig) -> RunConfig:
+    """The config a dry run's trace runs: the run's, at dry_run_trace_microbatches microbatches per step if given."""
+    n = cfg.dry_run_trace_microbatches
+    if n is None:
+        return cfg
+    return cfg.replace(train=dataclasses.replace(cfg.train, num_microbatches=n, global_batch_size=None))
+
+
 def trace_dry_run(cfg: RunConfig, model_cfg: ModelConfig, reports: list[dict], build_optimizer, echo) -> None:
     """dry_run_trace=true: the traced steps of dry_run_stage, or of every stage (the step-time prediction needs them
     all), each with its ops' costs; prints each trace's report and the predicted times (analysis/stagetime.py).
     Writes <out_dir>/dry_run_trace.json: the largest stage's trace (or dry_run_stage's), with the prediction."""
     stages = [cfg.dry_run_stage] if cfg.dry_run_stage is not None else [r["stage"] for r in reports]
+    traced = _traced_config(cfg)
+    m = traced.train.num_microbatches
     traces = []
     for stage in stages:
-        echo(f"dry run trace: stage {stage}, {TRACED_STEPS} steps on meta tensors (asyncpp/analysis/traced.py)")
-        traces.append(trace_stage(cfg, model_cfg, cfg.dry_run, stage, build_optimizer, tracer_cls=CostTracer))
+        echo(f"dry run trace: stage {stage}, {TRACED_STEPS} steps x {m} microbatches on meta tensors "
+             f"(asyncpp/analysis/traced.py)")
+        traces.append(trace_stage(traced, model_cfg, cfg.dry_run, stage, build_optimizer, tracer_cls=CostTracer))
         echo(traces[-1].report())
     p = cfg.parallel
     dims = ParallelDims.for_world(cfg.dry_run, pp=p.pp, tp=p.tp, ep=p.ep, dp=p.dp)
-    text, prediction = prediction_report(cfg, model_cfg, dims, traces)
+    text, prediction = prediction_report(cfg, model_cfg, dims, traces, num_microbatches=cfg.train.num_microbatches)
     echo(text)
     largest = max(reports, key=lambda r: r["memory"]["total_bytes"])["stage"]
     kept = next((t for t in traces if t.stage == largest), traces[0])

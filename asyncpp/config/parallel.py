@@ -101,6 +101,11 @@ def check_parallel(cfg: RunConfig, model: ModelLimits) -> None:
     if cfg.dry_run_stage is not None and not cfg.dry_run_trace:
         raise ConfigError(f"dry_run_stage={cfg.dry_run_stage} picks the stage dry_run_trace traces, but "
                           "dry_run_trace=false; add dry_run_trace=true")
+    n = cfg.dry_run_trace_microbatches
+    if n is not None and not (cfg.dry_run_trace and 1 <= n <= m):
+        raise ConfigError(f"dry_run_trace_microbatches={n} must be 1..train.num_microbatches={m} with "
+                          f"dry_run_trace=true (dry_run_trace={str(cfg.dry_run_trace).lower()}); "
+                          f"parallel.pp={p.pp} is enough to reach the steady state, or leave it null to trace m")
     for name in ("pp", "tp", "ep"):
         positive(f"parallel.{name}", getattr(p, name))
     if p.dp is not None:

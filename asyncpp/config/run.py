@@ -43,6 +43,12 @@ class RunConfig:
     collective and p2p op."""
     dry_run_stage: int | None = None
     """With dry_run_trace: the stage to trace; None = the one with the largest planned memory."""
+    dry_run_trace_microbatches: int | None = None
+    """With dry_run_trace: trace this many microbatches per step instead of the run's m, and predict the run's step
+    at its own m from them (an action's time does not depend on m: stagetime.job_time). A trace costs time in
+    proportion to m: the MoE recipes' steps of 64 and 128 microbatches take hours to trace,
+    parallel.pp microbatches minutes. The
+    traced peak is then the peak at that m (the plan printed above it is at the run's m)."""
 
     @classmethod
     def from_dict(cls, data: dict) -> RunConfig:

@@ -399,7 +399,7 @@ INCOMPATIBLE = ("model.", "optimizer.name", "schedule.name", "seed", "data.name"
                 "data.tokenizer", "train.seq_len")
 # Where and how a run goes; never reported. The batch shape is checked against the data position (and
 # train.batch_scaling only fills in global_batch_size, which a saved, validated config already holds).
-IGNORED = ("out_dir", "dry_run", "dry_run_trace", "dry_run_stage", "logging.", "checkpoint.", "parallel.", "data.cache_dir", "train.device",
+IGNORED = ("out_dir", "dry_run", "dry_run_trace", "dry_run_trace_microbatches", "dry_run_stage", "logging.", "checkpoint.", "parallel.", "data.cache_dir", "train.device",
            "train.timeout_s", "train.compile", "train.backend", "train.allow_oversubscribe", "train.batch_scaling")
 
 

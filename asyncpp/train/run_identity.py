@@ -74,7 +74,7 @@ MAX_NAME = 120
 # train.steps is how far a run goes, not which run it is (Megatron's --train-iters beside a fixed --save): the same
 # command with a larger train.steps continues the run in its directory (its checkpoints, metrics, data order).
 # Inside a sweep it still names each job (SWEEP_ONLY), so that `-m train.steps=100,200` gives two directories.
-NEUTRAL = ("hydra.", "logging.", "out_dir", "dry_run", "dry_run_trace", "dry_run_stage", "checkpoint.resume",
+NEUTRAL = ("hydra.", "logging.", "out_dir", "dry_run", "dry_run_trace", "dry_run_trace_microbatches", "dry_run_stage", "checkpoint.resume",
            "checkpoint.every", "checkpoint.keep_last", "checkpoint.async_save", "checkpoint.enabled", "train.device",
            "train.timeout_s", "train.compile", "train.allow_oversubscribe", "train.steps")
 SWEEP_ONLY = ("train.steps",)
