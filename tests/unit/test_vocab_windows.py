@@ -137,3 +137,20 @@ def test_the_placed_streams_own_sections_would_wait_across_calls():
     calls = assign_calls(stages)
     reordered = [a for a, c, k in zip(stages[0], calls[0], sections[0]) if c < k]
     assert reordered and all(a.op is Op.VOCAB_FORWARD or a.op is Op.VOCAB_BACKWARD for a in reordered), reordered
+
+
+@pytest.mark.parametrize("P,m,embed", [(2, 4, False), (4, 4, True)])
+def test_the_cached_window_is_the_placed_horizon_of_its_call(P, m, embed):
+    """window_2bw_vocab places one horizon per shape and shifts it; here every call's window against its own
+    horizon placed afresh (vocab_stream + assign_calls), streams started at 0 and later."""
+    split = split_of(P, embed)
+    placement = vocab_placement("2bw", m, split)
+    for start in (0, 3):
+        for step in range(start, start + 6):
+            stages = vocab_stream("2bw", m, split, placement, max(step - 2, start), step + 2)
+            calls = assign_calls(stages)
+            for s in range(P):
+                fresh = [a for a, k in zip(stages[s], calls[s]) if k <= step]
+                cached = window_2bw_vocab("2bw", s, m, split, placement, step, start, set())
+                assert cached == fresh, (start, step, s)
+                assert any(a.op is Op.FORWARD and a.step == step for a in cached)  # the call's own forwards
