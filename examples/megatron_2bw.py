@@ -9,6 +9,7 @@
         --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall                 # PP=2 x DP=2 x EP=2 MoE
     torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --save ckpt --save-interval 10 --exit-interval 10
     torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --load ckpt --save ckpt     # resumes at 10
+    torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --vocab-parallel-head --save ckpt  # spread head
 
 A Megatron-LM user keeps megatron-core's parallel_state, GPTModel, forward_step_func and loop. What changes:
 - get_forward_backward_func("2bw", engine_factory=...) from asyncpp.pipeline.megatron;
@@ -111,9 +112,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.vocab_parallel_head and (args.tp > 1 or args.num_experts is not None or args.pp < 2):
         p.error(f"--vocab-parallel-head needs --pp >= 2, --tp 1 and no --num-experts (got --pp {args.pp}, --tp "
                 f"{args.tp}, --num-experts {args.num_experts}): megatron's output layer is already split over TP")
-    if args.vocab_parallel_head and (args.save is not None or args.load is not None):
-        p.error("--save/--load with --vocab-parallel-head: the checkpoint of a spread head's stages (its rows and "
-                "their optimizer state) is not written by MegatronCheckpoint yet; drop --save/--load, or the flag")
     if args.sequence_parallel and args.tp == 1:
         p.error("--sequence-parallel needs --tp > 1 (it splits the sequence over the tensor-parallel group)")
     for flag in ("save_interval", "exit_interval"):
@@ -413,6 +411,7 @@ def train(args) -> dict:
     log["grad_norm"] = lines.grad_norms
     log["model_class"] = f"{type(gpt).__module__}.{type(gpt).__name__}"
     log["vocab_rows"] = tuple(model.head_weight().shape) if args.vocab_parallel_head else None
+    log["vocab_start"] = model.start if args.vocab_parallel_head else None
     log["sequence_parallel"] = model.config.sequence_parallel
     log["dispatchers"] = sorted({type(m.token_dispatcher).__name__ for m in model.modules()
                                  if hasattr(m, "token_dispatcher")})

@@ -18,27 +18,29 @@ import math
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from asyncpp.pipeline.update import StepRecord
 from examples.megatron_2bw import LogLines, parse_args
 from tests.dist.harness import run_ranks
-from tests.dist.megatron_checkpoint_workers import example_rank
+from tests.dist.megatron_checkpoint_workers import example_rank, unsplit_rank
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
 
 ARGS = ["--train-iters", "6", "--eval-interval", "3", "--ef-lambda", "1", "--num-layers", "2"]
 
 
-LAYOUTS = {"pp2": [], "pp2_tp2": ["--tp", "2"]}
+SPREAD = ["--vocab-parallel-head"]
+LAYOUTS = {"pp2": [], "pp2_tp2": ["--tp", "2"],
+           "pp2_vocab": [*SPREAD, "--untie-embeddings-and-output-weights"], "pp2_vocab_tied": SPREAD,
+           "pp2_vocab_embedding_tied": [*SPREAD, "--vocab-parallel-embedding"]}
 
 
-def run(layout: str, *argv: str) -> dict:
-    """The log of the last stage's first rank (rank 1 under PP=2, rank 2 under PP=2 x TP=2: megatron's rank order
-    is tp fastest)."""
+def run(layout: str, *argv: str) -> list[dict]:
+    """Every rank's log (megatron's rank order is tp fastest: the last stage's first rank is rank tp)."""
     tp = 2 if "--tp" in LAYOUTS[layout] else 1
-    logs = run_ranks(example_rank, 2 * tp, [*ARGS, *LAYOUTS[layout], *map(str, argv)], timeout=600.0)
-    return logs[tp]
+    return run_ranks(example_rank, 2 * tp, [*ARGS, *LAYOUTS[layout], *map(str, argv)], timeout=600.0)
 
 
 def tensors(path) -> dict[str, torch.Tensor]:
@@ -48,16 +50,20 @@ def tensors(path) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=False)
 
 
-@pytest.mark.parametrize("layout", [pytest.param("pp2"),
-                                    pytest.param("pp2_tp2", marks=pytest.mark.slow)])  # TP shards as DTensors; ~2 min
-def test_stopped_and_resumed_equals_uninterrupted(tmp_path, layout):
-    whole = run(layout, "--save", tmp_path / "whole")
-    first = run(layout, "--save", tmp_path / "a", "--exit-interval", "3")
+def stopped_and_resumed(tmp_path, layout: str):
+    """The uninterrupted run, the run stopped at 3 and the resumed one, each its own processes; checks that the
+    resumed one equals the uninterrupted one bit for bit (losses, validation loss, grad norms, every tensor of the
+    final checkpoint) and that this is not vacuous. Returns every rank's log of the uninterrupted run, its final
+    checkpoint's tensors and the tensors at the stop."""
+    tp = 2 if "--tp" in LAYOUTS[layout] else 1
+    logs = run(layout, "--save", tmp_path / "whole")
+    whole = logs[tp]
+    first = run(layout, "--save", tmp_path / "a", "--exit-interval", "3")[tp]
     saved = tmp_path / "a" / "step_00000003"
     # the mechanism ran: the stop wrote a committed checkpoint of iteration 3 and stopped there
     assert first["saved"] == [str(saved)] and len(first["train"]) == 3
     assert json.loads((saved / "manifest.json").read_text())["step"] == 3 and (saved / ".metadata").is_file()
-    resumed = run(layout, "--load", tmp_path / "a", "--save", tmp_path / "b")
+    resumed = run(layout, "--load", tmp_path / "a", "--save", tmp_path / "b")[tp]
     assert resumed["start_iteration"] == 3 and len(resumed["train"]) == 3
 
     assert first["train"] == whole["train"][:3]
@@ -80,6 +86,13 @@ def test_stopped_and_resumed_equals_uninterrupted(tmp_path, layout):
     newest = [k for k in end if k.startswith("weights/0/")]
     assert len(newest) > 10 and all(not torch.equal(end[k], at_stop[k]) for k in newest)
     assert any(at_stop[k].abs().sum() > 0 for k in at_stop if k.startswith("ef/"))
+    return logs, end, at_stop
+
+
+@pytest.mark.parametrize("layout", [pytest.param("pp2"),
+                                    pytest.param("pp2_tp2", marks=pytest.mark.slow)])  # TP shards as DTensors; ~2 min
+def test_stopped_and_resumed_equals_uninterrupted(tmp_path, layout):
+    stopped_and_resumed(tmp_path, layout)
 
 
 def test_log_lines_print_each_iteration_with_its_own_grad_norm(capsys):
@@ -121,10 +134,41 @@ def test_load_without_a_checkpoint_is_refused_before_training(tmp_path, capsys):
     assert "--save-interval=2 needs --save DIR" in capsys.readouterr().err
 
 
-def test_save_with_a_spread_head_is_refused_by_name(tmp_path, capsys):
-    """MegatronCheckpoint writes a Pipeline2BW's state; a spread head's rows and their optimizer state are not in it
-    yet, so --save/--load with --vocab-parallel-head is an argument error, not a checkpoint that cannot resume."""
-    with pytest.raises(SystemExit) as exit_:
-        parse_args(["--pp", "2", "--vocab-parallel-head", "--untie-embeddings-and-output-weights",
-                    "--save", str(tmp_path)])
-    assert exit_.value.code == 2 and "--save/--load with --vocab-parallel-head" in capsys.readouterr().err
+HEAD, EMBEDDING, VOCAB = "output_layer.weight", "embedding.word_embeddings.weight", 128  # the example's --vocab-size
+
+
+@pytest.mark.parametrize("layout", [pytest.param("pp2_vocab"),  # ~40 s
+                                    pytest.param("pp2_vocab_tied", marks=pytest.mark.slow),
+                                    pytest.param("pp2_vocab_embedding_tied", marks=pytest.mark.slow)])
+def test_spread_head_stopped_and_resumed_equals_uninterrupted(tmp_path, layout):
+    """--vocab-parallel-head: every stage's rows of the head (and of a sharded embedding), their optimizer state
+    and EF buffer are in the checkpoint, so the resumed run equals the uninterrupted one bit for bit
+    (stopped_and_resumed). Each stage's rows are saved at their offset in the whole weight under megatron's name
+    (DCP's chunks of it are the stages' rows; a tied table kept whole on the first stage is one chunk, the other
+    stage's copy of its rows is loaded from it), and the checkpoint loads strictly into megatron's unsplit GPTModel,
+    whose loss on the validation microbatches is the run's."""
+    logs, end, at_stop = stopped_and_resumed(tmp_path, layout)
+    rows = [(log["vocab_start"], log["vocab_rows"][0]) for log in logs]  # stage order (tp 1: rank = stage)
+    assert rows[0][0] == 0 and rows[1][0] == rows[0][1] and sum(n for _, n in rows) == VOCAB and min(rows)[1] > 0
+    path = tmp_path / "whole" / "step_00000006"
+    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    tied = "--untie-embeddings-and-output-weights" not in LAYOUTS[layout]
+    sharded = "--vocab-parallel-embedding" in LAYOUTS[layout]
+    expected = {EMBEDDING: rows if sharded else [(0, VOCAB)], **({} if tied else {HEAD: rows})}
+    assert tied == (f"weights/0/{HEAD}" not in meta)  # a tied head is the embedding
+    for name, pieces in expected.items():
+        for key in (f"weights/0/{name}", f"weights/1/{name}", f"ef/{name}"):
+            assert sorted((c.offsets[0], c.sizes[0]) for c in meta[key].chunks) == pieces, key
+            assert meta[key].size == (VOCAB, 64), key
+        for start, n in rows:  # every stage's rows moved after the resume
+            now, then = (t[f"weights/0/{name}"][start:start + n] for t in (end, at_stop))
+            assert not torch.equal(now, then), (name, start)
+
+    unsplit_args = [*ARGS, "--pp", "1", *(["--untie-embeddings-and-output-weights"] if not tied else [])]
+    unsplit = run_ranks(unsplit_rank, 1, unsplit_args, str(path), timeout=300.0)[0]
+    assert unsplit["missing"] == unsplit["unexpected"] == []
+    assert unsplit["keys"] == sorted(k[len("weights/0/"):] for k in end if k.startswith("weights/0/"))
+    # the unsplit model's loss (megatron's output layer and cross entropy over the whole vocabulary) against the
+    # spread head's (each stage's logits of its rows, their softmax statistics merged): the same fp32 values
+    # reduced in another order, a few ulp of the loss (test_megatron_core's RTOL and its derivation)
+    assert unsplit["loss"] == pytest.approx(logs[1]["valid"][6], rel=1e-5, abs=0)
