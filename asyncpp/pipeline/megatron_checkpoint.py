@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from asyncpp.parallel.sharding import global_view, rows_view
 from asyncpp.pipeline.megatron import Pipeline2BW, param_layouts
-from asyncpp.pipeline.megatron_vocab import EMBEDDING, HEAD, VocabSpreadStage, _gpt
+from asyncpp.pipeline.megatron_vocab import EMBEDDING, HEAD, VocabSpreadStage, _gpt, rows_layout
 from asyncpp.pipeline.megatron_vocab_pipeline import VocabPipeline2BW
 from asyncpp.pipeline.update import StepRecord
 from asyncpp.train.checkpoint import MANIFEST, StageParts, is_complete, latest_intact, read_manifest, step_of
@@ -73,13 +73,14 @@ def spread_rows_of(pipe: VocabPipeline2BW) -> dict[int, RowPiece]:
     n) of the unsplit model's output_layer.weight (of its word embeddings for a tied model's head rows and for a
     sharded embedding's rows), saved and loaded by their global offsets as asyncpp's own pipeline saves its head's
     rows (pipeline/state.py: rows_view over the head's statistics group, whose ranks are in stage order). So the
-    checkpoint holds the whole weights under megatron's names whatever the split. A tied model whose first stage
+    checkpoint holds the whole weights under megatron's names whatever the split (under TP: every (stage, TP rank)'s
+    piece at its offset). A tied model whose first stage
     keeps its whole table: the other stages' head rows are copies of the table's (one update of one summed
     gradient), which the first stage saves whole; theirs are mirrors, loaded from the table's rows."""
     stage, mesh, split = pipe.model, pipe.mesh, pipe.split
     tied = _gpt(stage).share_embeddings_and_output_weights
-    layout = [(sum(split.shards[:s]), rows) for s, rows in enumerate(split.shards)]
-    view = rows_view(layout, mesh.pp_rank, sum(split.shards), mesh.vocab_groups.stats)
+    index = mesh.pp_rank * mesh.dims.tp + mesh.tp_rank  # the statistics group's order: stage, then TP rank
+    view = rows_view(rows_layout(split, mesh.dims.tp), index, sum(split.shards), mesh.vocab_groups.stats)
     out = {}
     if not stage.rows_of_table:  # a tied model with its embedding sharded: the head rows are the embedding rows
         out[id(stage.output_layer_rows)] = RowPiece(EMBEDDING if tied else HEAD, view,
