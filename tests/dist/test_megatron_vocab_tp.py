@@ -15,18 +15,22 @@ Tied + TP and a sharded embedding + TP are refused, as asyncpp's own pipeline re
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
 from asyncpp.pipeline.megatron_vocab import check_spread_tp
 from tests.dist.harness import run_ranks
 from tests.dist.megatron_core_workers import VOCAB, Case, pipeline_rank, reference_rank
-from tests.dist.test_megatron_core import (
+from tests.dist.test_megatron_core import (  # indexed_prefix: the fixture (a data.preprocess output)
     RTOL,
     check_corrections_acted,
     check_equals_reference,
+    check_megatron_log,
     check_megatron_ran,
     check_sequence_parallel_reduced,
+    indexed_prefix,  # noqa: F401
+    run_example,
 )
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
@@ -85,3 +89,21 @@ def test_spread_head_with_tp_refuses_tied_and_sharded_embedding():
         check_spread_tp(2, tied=False, embedding=True)
     check_spread_tp(2, tied=False, embedding=False)
     check_spread_tp(1, tied=True, embedding=True)
+
+
+@pytest.mark.slow  # four processes under torchrun: about 60-120 s on this box
+def test_example_tp2_sp_vocab_parallel_head_under_torchrun(tmp_path, indexed_prefix):  # noqa: F811
+    """examples/megatron_2bw.py --tp 2 --sequence-parallel --vocab-parallel-head --pp 2 as a user runs it, on an
+    indexed dataset (the tokenizer's 8192 rows padded to a multiple of 128 x TP): training, evaluation and a checkpoint
+    through the spread head split over TP, Megatron's log."""
+    log, stdout = run_example(tmp_path, 4, "--train-iters", "4", "--eval-interval", "2", "--num-layers", "2",
+                              "--tp", "2", "--sequence-parallel", "--vocab-parallel-head",
+                              "--untie-embeddings-and-output-weights", "--data-path", str(indexed_prefix),
+                              "--save", str(tmp_path / "ckpt"))
+    assert log["sequence_parallel"] and log["vocab_size"] == 8192
+    rows, start = log["vocab_rows"][0], log["vocab_start"]  # the last stage's first TP rank: half its stage's rows
+    assert 0 < rows < 8192 // 2 and start == 8192 - 2 * rows and log["vocab_rows"][1] == 64
+    assert len(log["train"]) == 4 and log["applied_step"] == 3 and all(map(math.isfinite, log["train"]))
+    assert list(log["valid"]) == ["2", "4"] and all(map(math.isfinite, log["valid"].values()))
+    assert log["saved"] == [str(tmp_path / "ckpt" / "step_00000004")]
+    check_megatron_log(stdout, 4, 4 * 4)
