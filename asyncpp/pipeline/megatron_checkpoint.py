@@ -72,17 +72,17 @@ def spread_rows_of(pipe: VocabPipeline2BW) -> dict[int, RowPiece]:
     """The trained rows of a VocabSpreadStage (megatron_vocab.py), by id of their parameter: the rows [start, start +
     n) of the unsplit model's output_layer.weight (of its word embeddings for a tied model's head rows and for a
     sharded embedding's rows), saved and loaded by their global offsets as asyncpp's own pipeline saves its head's
-    rows (pipeline/state.py: rows_view over the head's statistics group, whose ranks are in stage order). So the
-    checkpoint holds the whole weights under megatron's names whatever the split (under TP: every (stage, TP rank)'s
-    piece at its offset). A tied model whose first stage
-    keeps its whole table: the other stages' head rows are copies of the table's (one update of one summed
-    gradient), which the first stage saves whole; theirs are mirrors, loaded from the table's rows."""
+    rows (pipeline/state.py: rows_view over the head's statistics group, whose ranks are in (stage, TP rank) order).
+    So the checkpoint holds the whole weights under megatron's names whatever the split, and a resume with another
+    split (or TP degree) reads its own rows by their offsets. A tied model whose first stage keeps its whole table:
+    the other stages' head rows are copies of the table's (one update of one summed gradient), which the first stage
+    saves whole; theirs are mirrors, loaded from the table's rows."""
     stage, mesh, split = pipe.model, pipe.mesh, pipe.split
     tied = _gpt(stage).share_embeddings_and_output_weights
     index = mesh.pp_rank * mesh.dims.tp + mesh.tp_rank  # the statistics group's order: stage, then TP rank
     view = rows_view(rows_layout(split, mesh.dims.tp), index, sum(split.shards), mesh.vocab_groups.stats)
     out = {}
-    if not stage.rows_of_table:  # a tied model with its embedding sharded: the head rows are the embedding rows
+    if not stage.rows_of_table:  # (the first stage of a tied model: its head rows are its table's, saved whole)
         out[id(stage.output_layer_rows)] = RowPiece(EMBEDDING if tied else HEAD, view,
                                                     mirror=tied and not stage.embedding_sharded)
     if stage.embedding_rows is not None:

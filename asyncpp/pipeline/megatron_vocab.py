@@ -169,9 +169,9 @@ def spread_rows(model: nn.Module, split: VocabSplit, mesh: Mesh, *, embedding: b
     first stage's word embeddings) and, with the embedding sharded, of its input embedding (`EMBEDDING`, the first
     stage's word embeddings), [split.shards[stage], hidden] each (under TP its TP rank's piece: rows_of_rank), taken
     from the stage that holds the whole weight by a broadcast over megatron's pipeline group (every stage calls it,
-    once, after building its GPTModel). A tied
-    model's head rows are rows of its embedding: returned as EMBEDDING only (one tensor; without `embedding` they
-    are a copy of those rows of the first stage's whole table, and the first stage's checkpoint saves the table)."""
+    once, after building its GPTModel). A tied model's head rows are rows of its embedding: returned as EMBEDDING
+    only (one tensor; without `embedding` they are a copy of those rows of the first stage's whole table, and the
+    first stage's checkpoint saves the table)."""
     gpt = _gpt(model)
     tied = gpt.share_embeddings_and_output_weights
     check_spread_tp(mesh.dims.tp, tied=tied, embedding=embedding)
@@ -357,6 +357,11 @@ def checkpoint_of(model: nn.Module, rows: Mapping[str, Tensor], split: VocabSpli
     """This stage's checkpoint: its GPTModel's state dict (without TE's _extra_state) and its rows (spread_rows's).
     With the embedding not sharded, the first stage saves its whole table, and a tied model's other stages save no
     rows (theirs are copies of the table's)."""
+    if mesh.dims.tp > 1:
+        raise NotImplementedError(f"checkpoint_of at tensor_model_parallel_size={mesh.dims.tp}: it assembles one TP "
+                                  "rank per stage; save with megatron_checkpoint.MegatronCheckpoint, whose checkpoint "
+                                  "holds every TP piece and row at its offset (train.checkpoint.newest_weights reads "
+                                  "it as the unsplit model's state dict)")
     gpt = _gpt(model)
     state = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
     saved = dict(rows)
