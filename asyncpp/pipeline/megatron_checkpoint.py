@@ -73,8 +73,8 @@ def spread_rows_of(pipe: VocabPipeline2BW) -> dict[int, RowPiece]:
     n) of the unsplit model's output_layer.weight (of its word embeddings for a tied model's head rows and for a
     sharded embedding's rows), saved and loaded by their global offsets as asyncpp's own pipeline saves its head's
     rows (pipeline/state.py: rows_view over the head's statistics group, whose ranks are in (stage, TP rank) order).
-    So the checkpoint holds the whole weights under megatron's names whatever the split (a resume reads its rows by
-    their offsets; one with another split or TP degree is not tested). A tied model whose first stage keeps its whole table:
+    So the checkpoint holds the whole weights under megatron's names whatever the split, and a resume reads its rows
+    by their offsets, also with another TP degree (test_megatron_checkpoint: saved at TP 1, resumed at TP 2). A tied model whose first stage keeps its whole table:
     the other stages' head rows are copies of the table's (one update of one summed gradient), which the first stage
     saves whole; theirs are mirrors, loaded from the table's rows."""
     stage, mesh, split = pipe.model, pipe.mesh, pipe.split

@@ -25,6 +25,7 @@ from asyncpp.pipeline.update import StepRecord
 from examples.megatron_2bw import LogLines, parse_args
 from tests.dist.harness import run_ranks
 from tests.dist.megatron_checkpoint_workers import example_rank, unsplit_rank
+from tests.dist.test_pipeline_equivalence import relative_error
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
 
@@ -180,3 +181,29 @@ def test_spread_head_stopped_and_resumed_equals_uninterrupted(tmp_path, layout):
     # (under SP the run's norms are megatron_cpu's SequenceParallelLayerNorm, the unsplit model's torch's: the same
     # normalisation in another float order, as test_megatron_core's SP case compares them at the same bound)
     assert unsplit["loss"] == pytest.approx(logs[tp]["valid"][6], rel=1e-5, abs=0)  # the last stage's first rank
+
+
+@pytest.mark.slow  # three runs of 2, 2 and 4 processes: about 30 s on this box
+def test_spread_head_checkpoint_resumes_at_another_tp_degree(tmp_path):
+    """A spread-head checkpoint saved at PP=2 resumes at PP=2 x TP=2: DCP reads each (stage, TP rank)'s rows, split by
+    the cost model for TP 2 (its shards multiples of 2), and megatron's TP pieces by their offsets in the whole
+    weights. Not bit for bit: under TP the row-parallel matmuls sum two halves and Muon orthogonalises the gathered
+    matrices, another float order (test_megatron_core's RTOL and its derivation), so the resumed iterations' losses
+    and the final weights equal the uninterrupted PP=2 run's at that bound, and the state really moved."""
+    argv = [*ARGS, *LAYOUTS["pp2_vocab"]]
+    whole = run_ranks(example_rank, 2, [*argv, "--save", str(tmp_path / "whole")], timeout=600.0)
+    run_ranks(example_rank, 2, [*argv, "--save", str(tmp_path / "a"), "--exit-interval", "3"], timeout=600.0)
+    resumed = run_ranks(example_rank, 4, [*argv, "--tp", "2", "--load", str(tmp_path / "a"),
+                                          "--save", str(tmp_path / "b")], timeout=600.0)
+    assert resumed[2]["start_iteration"] == 3 and len(resumed[2]["train"]) == 3
+    # every (stage, TP rank) took its own rows: a stage's two TP ranks equal pieces, all four covering the vocabulary
+    assert resumed[0]["vocab_rows"] == resumed[1]["vocab_rows"] and sum(r["vocab_rows"][0] for r in resumed) == VOCAB
+    assert resumed[2]["train"] == pytest.approx(whole[1]["train"][3:], rel=1e-5)
+    end, end_tp, at_stop = (tensors(p) for p in (tmp_path / "whole" / "step_00000006", tmp_path / "b" / "step_00000006",
+                                                  tmp_path / "a" / "step_00000003"))
+    newest = [k for k in end if k.startswith("weights/0/")]
+    assert set(newest) == {k for k in end_tp if k.startswith("weights/0/")}
+    worst = max((relative_error(end_tp[k], end[k]), k) for k in newest)
+    print(f"resumed at TP 2: worst weight relative error {worst[0]:.2e} ({worst[1]})")  # pytest -s: the margin
+    assert worst[0] < 1e-5, worst
+    assert all(not torch.equal(end_tp[k], at_stop[k]) for k in newest)
