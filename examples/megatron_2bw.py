@@ -9,6 +9,9 @@
         --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall                 # PP=2 x DP=2 x EP=2 MoE
     torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --save ckpt --save-interval 10 --exit-interval 10
     torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --load ckpt --save ckpt     # resumes at 10
+    torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --vocab-parallel-head --save ckpt  # spread head
+    torchrun --standalone --nproc_per_node=4 examples/megatron_2bw.py --tp 2 --sequence-parallel \
+        --vocab-parallel-head --untie-embeddings-and-output-weights          # spread over stages, then over TP
 
 A Megatron-LM user keeps megatron-core's parallel_state, GPTModel, forward_step_func and loop. What changes:
 - get_forward_backward_func("2bw", engine_factory=...) from asyncpp.pipeline.megatron;
@@ -54,7 +57,7 @@ from asyncpp.parallel import megatron_cpu
 from asyncpp.parallel.mesh import Mesh, init_distributed
 from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func, optimizer_sharding
 from asyncpp.pipeline.megatron_checkpoint import MegatronCheckpoint, checkpoint_dir
-from asyncpp.pipeline.megatron_vocab import VocabSpreadStage, vocab_split_of
+from asyncpp.pipeline.megatron_vocab import VocabSpreadStage, check_spread_tp, vocab_split_of
 from asyncpp.pipeline.megatron_vocab_pipeline import VocabPipeline2BW
 from data.source import IndexedDataSource
 
@@ -94,7 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather")
     p.add_argument("--expert-model-parallel-size", type=int, default=1)
     p.add_argument("--vocab-parallel-head", action="store_true",
-                   help="asyncpp: spread the output layer over the stages by the cost model's shards (tp 1)")
+                   help="asyncpp: spread the output layer over the stages by the cost model's shards (with "
+                   "--tp > 1: untied, split again over each stage's TP ranks)")
     p.add_argument("--vocab-parallel-embedding", action="store_true",
                    help="asyncpp: with --vocab-parallel-head, shard the input embedding by the same rows")
     p.add_argument("--data-path", nargs="+", default=None,
@@ -108,12 +112,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.vocab_parallel_embedding and not args.vocab_parallel_head:
         p.error("--vocab-parallel-embedding shards the input embedding by the head's rows: add --vocab-parallel-head")
-    if args.vocab_parallel_head and (args.tp > 1 or args.num_experts is not None or args.pp < 2):
-        p.error(f"--vocab-parallel-head needs --pp >= 2, --tp 1 and no --num-experts (got --pp {args.pp}, --tp "
-                f"{args.tp}, --num-experts {args.num_experts}): megatron's output layer is already split over TP")
-    if args.vocab_parallel_head and (args.save is not None or args.load is not None):
-        p.error("--save/--load with --vocab-parallel-head: the checkpoint of a spread head's stages (its rows and "
-                "their optimizer state) is not written by MegatronCheckpoint yet; drop --save/--load, or the flag")
+    if args.vocab_parallel_head and (args.num_experts is not None or args.pp < 2):
+        p.error(f"--vocab-parallel-head needs --pp >= 2 and no --num-experts (got --pp {args.pp}, --num-experts "
+                f"{args.num_experts})")
+    try:  # under TP: untied, the embedding whole (as asyncpp's own pipeline)
+        if args.vocab_parallel_head:
+            check_spread_tp(args.tp, tied=not args.untie_embeddings_and_output_weights,
+                            embedding=args.vocab_parallel_embedding)
+    except NotImplementedError as e:
+        p.error(f"--vocab-parallel-head needs --untie-embeddings-and-output-weights and no --vocab-parallel-embedding "
+                f"with --tp {args.tp}: {e}")
     if args.sequence_parallel and args.tp == 1:
         p.error("--sequence-parallel needs --tp > 1 (it splits the sequence over the tensor-parallel group)")
     for flag in ("save_interval", "exit_interval"):
@@ -413,6 +421,7 @@ def train(args) -> dict:
     log["grad_norm"] = lines.grad_norms
     log["model_class"] = f"{type(gpt).__module__}.{type(gpt).__name__}"
     log["vocab_rows"] = tuple(model.head_weight().shape) if args.vocab_parallel_head else None
+    log["vocab_start"] = model.start if args.vocab_parallel_head else None
     log["sequence_parallel"] = model.config.sequence_parallel
     log["dispatchers"] = sorted({type(m.token_dispatcher).__name__ for m in model.modules()
                                  if hasattr(m, "token_dispatcher")})

@@ -383,20 +383,13 @@ def _load_state_file(path: Path) -> tuple[dict[str, Tensor], Any]:
 def load_checkpoint_weights(path: str | Path) -> tuple[dict[str, Tensor], Any]:
     """The newest weights x_t of an asyncpp DCP checkpoint (any layout) as a CausalLM state_dict, and its
     model config (the registered model with the run's model.overrides)."""
-    import torch.distributed.checkpoint as dcp
-
-    from asyncpp.train.checkpoint import quiet_single_process_dcp, read_manifest
+    from asyncpp.train.checkpoint import newest_weights, read_manifest
     from model_zoo import get_model_config
 
     manifest = read_manifest(path)
     model = manifest["config"]["model"]
     cfg = get_model_config(model["name"], **(model.get("overrides") or {}))
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    prefix = "weights/0/"
-    request = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefix)}
-    quiet_single_process_dcp()
-    dcp.load(request, checkpoint_id=str(path), no_dist=True)
-    state = {k[len(prefix):]: v for k, v in request.items()}
+    state = newest_weights(path)
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["embed.weight"]
     return state, cfg

@@ -16,18 +16,25 @@ Names: megatron numbers each stage's layers and each EP rank's experts from 0; h
 (global_name), so the keys are the same whatever the layout, and TP shards are DTensor views of the whole tensor
 (param_layouts), as asyncpp's own stages save them. A tied output layer on the last stage is saved under the
 embedding's name; both copies hold the same values (one update of one summed gradient), so DCP keeps one.
+A vocabulary-spread stage's rows (VocabSpreadStage: the head's, a sharded embedding's) are pieces of the whole
+output_layer.weight / embedding.word_embeddings.weight at their offsets (spread_rows_of), so whatever the layout
+the newest weights (train/checkpoint.newest_weights) are an unsplit GPTModel's state dict.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from torch import nn
+from torch import Tensor, nn
 
-from asyncpp.parallel.sharding import global_view
+from asyncpp.parallel.sharding import global_view, rows_view
 from asyncpp.pipeline.megatron import Pipeline2BW, param_layouts
+from asyncpp.pipeline.megatron_vocab import EMBEDDING, HEAD, VocabSpreadStage, _gpt, rows_layout
+from asyncpp.pipeline.megatron_vocab_pipeline import VocabPipeline2BW
 from asyncpp.pipeline.update import StepRecord
 from asyncpp.train.checkpoint import MANIFEST, StageParts, is_complete, latest_intact, read_manifest, step_of
 from asyncpp.train.checkpoint.saver import Saver
@@ -50,6 +57,39 @@ def global_name(model: nn.Module, name: str) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class RowPiece:
+    """A vocabulary-spread stage's trained rows as a piece of the unsplit model's weight `name`."""
+
+    name: str
+    shard: Callable[[Tensor], Tensor]
+    """rows_view: the rows at their offset in the whole [vocab, hidden] weight (DCP saves and loads by it)."""
+    mirror: bool
+    """A copy of rows another stage holds whole and saves (a tied model's table on the first stage): loaded only."""
+
+
+def spread_rows_of(pipe: VocabPipeline2BW) -> dict[int, RowPiece]:
+    """The trained rows of a VocabSpreadStage (megatron_vocab.py), by id of their parameter: the rows [start, start +
+    n) of the unsplit model's output_layer.weight (of its word embeddings for a tied model's head rows and for a
+    sharded embedding's rows), saved and loaded by their global offsets as asyncpp's own pipeline saves its head's
+    rows (pipeline/state.py: rows_view over the head's statistics group, whose ranks are in (stage, TP rank) order).
+    So the checkpoint holds the whole weights under megatron's names whatever the split, and a resume reads its rows
+    by their offsets, also with another TP degree (test_megatron_checkpoint: saved at TP 1, resumed at TP 2). A tied model whose first stage keeps its whole table:
+    the other stages' head rows are copies of the table's (one update of one summed gradient), which the first stage
+    saves whole; theirs are mirrors, loaded from the table's rows."""
+    stage, mesh, split = pipe.model, pipe.mesh, pipe.split
+    tied = _gpt(stage).share_embeddings_and_output_weights
+    index = mesh.pp_rank * mesh.dims.tp + mesh.tp_rank  # the statistics group's order: stage, then TP rank
+    view = rows_view(rows_layout(split, mesh.dims.tp), index, sum(split.shards), mesh.vocab_groups.stats)
+    out = {}
+    if not stage.rows_of_table:  # (the first stage of a tied model: its head rows are its table's, saved whole)
+        out[id(stage.output_layer_rows)] = RowPiece(EMBEDDING if tied else HEAD, view,
+                                                    mirror=tied and not stage.embedding_sharded)
+    if stage.embedding_rows is not None:
+        out[id(stage.embedding_rows)] = RowPiece(EMBEDDING, view, mirror=False)
+    return out
+
+
 def _inner(model: nn.Module) -> nn.Module:
     """The GPTModel under any `.module` wrapper chain (Float16Module, DDP)."""
     while not hasattr(model, "decoder") and hasattr(model, "module"):
@@ -69,13 +109,19 @@ class MegatronCheckpoint:
         pipe = self.pipeline
         model = _inner(pipe.model)
         engine, mesh = pipe.engine, pipe.mesh
-        name_of = {id(p): n for n, p in model.named_parameters()}
-        names = [global_name(model, name_of[id(p)]) for p in engine.versions.params]
+        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        name_of = {id(p): global_name(model, n) for n, p in trained}
         # Experts are whole tensors under their global names (global_name), so no EP dimension shards them.
-        shards = [global_view(lay, mesh.device_mesh, mesh.dims.tp, 1) for lay in param_layouts(model)]
+        shard_of = {id(p): global_view(lay, mesh.device_mesh, mesh.dims.tp, 1)
+                    for (_, p), lay in zip(trained, param_layouts(model))}
+        rows = spread_rows_of(pipe) if isinstance(pipe.model, VocabSpreadStage) else {}
+        params = engine.versions.params
+        names = [rows[id(p)].name if id(p) in rows else name_of[id(p)] for p in params]
+        shards = [rows[id(p)].shard if id(p) in rows else shard_of[id(p)] for p in params]
+        mirrors = [id(p) in rows and rows[id(p)].mirror for p in params] if rows else None
         update = engine.update
         return StageParts(names, engine.versions, update.rule, update.optimizer, engine.versions.masters,
-                          update.balancing, aligned=update.per_parameter, shards=shards)
+                          update.balancing, aligned=update.per_parameter, shards=shards, mirrors=mirrors)
 
     def _layout(self) -> dict:
         d, pipe = self.pipeline.mesh.dims, self.pipeline

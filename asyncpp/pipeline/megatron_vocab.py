@@ -14,7 +14,11 @@ numbered from 0, as megatron numbers a stage's modules) and its rows of `output_
 GPTModel's state dict from every stage's: the layers at their global index, the rows concatenated by offset (each
 row once, every row present), a tied model's head rows being its embedding rows (megatron's
 share_embeddings_and_output_weights: no output_layer.weight of its own). Tensor and expert parallelism are not
-assembled here (one TP and EP rank per stage; megatron's dist_checkpointing owns those layouts).
+assembled here (one TP and EP rank per stage): MegatronCheckpoint (megatron_checkpoint.py) saves any layout,
+the rows of every (stage, TP rank) at their offsets.
+
+Under TP (untied, the embedding whole, as asyncpp's own pipeline requires) each stage's rows are split again over
+its TP ranks (rows_of_rank), megatron's whole output layer being gathered over TP once to take them.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from torch import Tensor, nn
 
 from asyncpp.core.layer_costs import layer_costs
 from asyncpp.core.vocab_split import VocabSplit, plan_vocab_split, shard_granule
 from asyncpp.parallel.mesh import Mesh
+from asyncpp.parallel.vocab_parallel import VocabShard, split_for_tp, vocab_shards
 from model_zoo.config import ModelConfig, MoEConfig
 
 HEAD = "output_layer.weight"
@@ -114,10 +120,14 @@ def vocab_split_of(model: nn.Module, *, seq_len: int, micro_batch_size: int, emb
 
 # ---- the rows ------------------------------------------------------------------------------------------------
 def _whole(gpt: nn.Module, mesh: Mesh, name: str, owner: int) -> Tensor:
-    """The whole [vocab, hidden] weight `name` of the stage `owner`, broadcast over megatron's pipeline group."""
+    """The whole [vocab, hidden] weight `name` of the stage `owner` (under TP, megatron's vocabulary-split pieces of
+    it all-gathered over the TP group there first), broadcast over megatron's pipeline group."""
     if mesh.pp_rank == owner:
-        weight = gpt.get_parameter(name)
-        buffer = weight.detach().clone()
+        weight = gpt.get_parameter(name).detach().contiguous()
+        pieces = [torch.empty_like(weight) for _ in range(mesh.dims.tp)]
+        if mesh.dims.tp > 1:  # megatron's output_layer and word embeddings: rows split evenly over TP, in rank order
+            dist.all_gather(pieces, weight, group=mesh.tp_group)
+        buffer = torch.cat(pieces) if mesh.dims.tp > 1 else weight.clone()
     else:
         buffer = torch.empty((gpt.vocab_size, gpt.config.hidden_size), dtype=gpt.config.params_dtype,
                              device=mesh.device)
@@ -125,23 +135,50 @@ def _whole(gpt: nn.Module, mesh: Mesh, name: str, owner: int) -> Tensor:
     return buffer
 
 
+def rows_of_rank(split: VocabSplit, mesh: Mesh) -> VocabShard:
+    """This rank's rows of the vocabulary: its stage's shard, split again over its TP ranks as asyncpp's own
+    pipeline splits it (vocab_parallel.split_for_tp: equal pieces, the shards being multiples of TP)."""
+    start = sum(split.shards[:mesh.pp_rank])
+    return split_for_tp(VocabShard(start, split.shards[mesh.pp_rank]), mesh.dims.tp)[mesh.tp_rank]
+
+
+def rows_layout(split: VocabSplit, tp: int) -> list[tuple[int, int]]:
+    """(start, rows) of every rank's rows in (stage, TP rank) order: the head's statistics group's order."""
+    stages = vocab_shards(split.shards, sum(split.shards))
+    return [(piece.start, piece.rows) for stage in stages for piece in split_for_tp(stage, tp)]
+
+
+def check_spread_tp(tp: int, *, tied: bool, embedding: bool) -> None:
+    """Under TP the spread head is untied and the embedding whole, as asyncpp's own pipeline requires
+    (config/parallel.py _check_vocab_head), for the same reasons."""
+    if tp > 1 and tied:
+        raise NotImplementedError(
+            f"tensor_model_parallel_size={tp} with share_embeddings_and_output_weights=True: a later stage's TP piece "
+            "of the spread head is not the same rows as the first stage's TP piece of the embedding, so their "
+            "gradients would be summed across TP ranks (as in asyncpp's own pipeline, parallel.head=vocab refuses "
+            "tp > 1 with a tied embedding); build the GPTModel with share_embeddings_and_output_weights=False")
+    if tp > 1 and embedding:
+        raise NotImplementedError(
+            f"tensor_model_parallel_size={tp} with the embedding sharded (embedding=True): each stage's embedding "
+            "rows would be split again over TP, which asyncpp's own pipeline does not do either "
+            "(parallel.embedding=vocab with tp > 1); keep the embedding whole (embedding=False)")
+
+
 def spread_rows(model: nn.Module, split: VocabSplit, mesh: Mesh, *, embedding: bool) -> dict[str, nn.Parameter]:
     """This stage's rows of megatron's head (`HEAD`, the last stage's output_layer; a tied model's head rows are the
     first stage's word embeddings) and, with the embedding sharded, of its input embedding (`EMBEDDING`, the first
-    stage's word embeddings), [split.shards[stage], hidden] each, taken from the stage that holds the whole weight
-    by a broadcast over megatron's pipeline group (every stage calls it, once, after building its GPTModel). A tied
-    model's head rows are rows of its embedding: returned as EMBEDDING only (one tensor; without `embedding` they
-    are a copy of those rows of the first stage's whole table, and the first stage's checkpoint saves the table)."""
+    stage's word embeddings), [split.shards[stage], hidden] each (under TP its TP rank's piece: rows_of_rank), taken
+    from the stage that holds the whole weight by a broadcast over megatron's pipeline group (every stage calls it,
+    once, after building its GPTModel). A tied model's head rows are rows of its embedding: returned as EMBEDDING
+    only (one tensor; without `embedding` they are a copy of those rows of the first stage's whole table, and the
+    first stage's checkpoint saves the table)."""
     gpt = _gpt(model)
-    if mesh.dims.tp > 1:
-        raise NotImplementedError(f"tensor_model_parallel_size={mesh.dims.tp}: megatron's output_layer and word "
-                                  "embeddings are already split by vocabulary over TP; spreading them over the "
-                                  "pipeline stages too is not supported (use tensor_model_parallel_size=1)")
+    tied = gpt.share_embeddings_and_output_weights
+    check_spread_tp(mesh.dims.tp, tied=tied, embedding=embedding)
     if len(split.shards) != mesh.num_stages:
         raise ValueError(f"the split has {len(split.shards)} stages' rows, the pipeline {mesh.num_stages} stages")
-    s, last = mesh.pp_rank, mesh.num_stages - 1
-    start, n = sum(split.shards[:s]), split.shards[s]
-    tied = gpt.share_embeddings_and_output_weights
+    last, piece = mesh.num_stages - 1, rows_of_rank(split, mesh)
+    start, n = piece.start, piece.rows
     out = {}
     if tied or embedding:
         table = _whole(gpt, mesh, EMBEDDING, 0)
@@ -174,14 +211,17 @@ class VocabSpreadStage(nn.Module):
         gpt = _gpt(model)
         rows = spread_rows(gpt, split, mesh, embedding=embedding)  # collective: every stage, also the first
         tied = gpt.share_embeddings_and_output_weights
-        self.module, self.start, self.embedding_sharded = model, sum(split.shards[:mesh.pp_rank]), embedding
-        self.vocab_size, self.shard_rows = sum(split.shards), split.shards[mesh.pp_rank]
+        piece = rows_of_rank(split, mesh)  # under TP this TP rank's piece of the stage's rows
+        self.module, self.start, self.embedding_sharded = model, piece.start, embedding
+        self.vocab_size, self.shard_rows = sum(split.shards), piece.rows
         # A tied model whose first stage keeps the whole table: that stage's head rows are rows of the table itself
         # (no copy); every other stage's are a copy, kept equal to the table's by the tied reduction (tied_rows).
         self.rows_of_table = tied and not embedding and mesh.is_first_stage
         if not self.rows_of_table:  # the name keeps Muon off it (optim.build)
             self.output_layer_rows = rows.get(HEAD, rows.get(EMBEDDING))
         self.embedding_rows = rows.get(EMBEDDING) if embedding else None
+        if mesh.dims.tp > 1:  # each TP rank's rows are its own: megatron's attributes make the norm count them all
+            set_tensor_model_parallel_attributes(self.output_layer_rows, True, 0, 1)
         self.frozen = [name for name in (HEAD, EMBEDDING) if name in dict(gpt.named_parameters())
                        and (name == HEAD or embedding)]
         for name in self.frozen:
@@ -317,6 +357,11 @@ def checkpoint_of(model: nn.Module, rows: Mapping[str, Tensor], split: VocabSpli
     """This stage's checkpoint: its GPTModel's state dict (without TE's _extra_state) and its rows (spread_rows's).
     With the embedding not sharded, the first stage saves its whole table, and a tied model's other stages save no
     rows (theirs are copies of the table's)."""
+    if mesh.dims.tp > 1:
+        raise NotImplementedError(f"checkpoint_of at tensor_model_parallel_size={mesh.dims.tp}: it assembles one TP "
+                                  "rank per stage; save with megatron_checkpoint.MegatronCheckpoint, whose checkpoint "
+                                  "holds every TP piece and row at its offset (train.checkpoint.newest_weights reads "
+                                  "it as the unsplit model's state dict)")
     gpt = _gpt(model)
     state = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
     saved = dict(rows)

@@ -22,8 +22,10 @@ stage's a copy, their gradients summed with the table's over every stage (reduct
 pipeline does). A sharded input embedding (VocabSpreadStage(embedding=True); give `input_ids`): every stage's E looks
 its rows up (VocabEmbedding), the first stage's megatron lookup is replaced by their sum (a forward hook on its
 word_embeddings: megatron adds the position embeddings to it as to its own), G takes the rows' gradient. Not built
-here (refused by name): TP/SP, MoE, fp16 loss scaling, synchronous start steps, the 1f1b
-schedule.
+here (refused by name): MoE, fp16 loss scaling, synchronous start steps, the 1f1b schedule.
+TP (and SP): every (stage, TP rank) holds its piece of the stage's rows (megatron_vocab.rows_of_rank), the statistics
+are gathered over every stage and TP rank, and the last stage's head input enters megatron's TP region as its
+output_layer's does (_head_input); untied and with the embedding whole only (megatron_vocab.check_spread_tp).
 Evaluation (forward_only) runs each microbatch through the stages and then the head's pass of it on every stage
 (VocabHead.evaluate), one microbatch at a time.
 """
@@ -38,6 +40,7 @@ from torch import Tensor, nn
 
 from asyncpp.core.vocab_split import VocabSplit, vocab_placement
 from asyncpp.parallel.mesh import Mesh
+from asyncpp.parallel.tp import enter_region
 from asyncpp.parallel.vocab_parallel import VocabShard
 from asyncpp.pipeline.megatron import Pipeline2BW, _unwrap, param_layouts
 from asyncpp.pipeline.megatron_vocab import VocabSpreadStage, _gpt
@@ -59,7 +62,6 @@ def _refusals(model: VocabSpreadStage, mesh: Mesh, kwargs: dict) -> dict[str, ob
             list(kwargs.get("tied", ())) and "a given tied weight",
         "a sharded embedding without input_ids (the tokens of a sample: its E passes read them ahead of the "
         "forward)": model.embedding_sharded and kwargs.get("input_ids") is None,
-        "tensor_model_parallel_size": mesh.dims.tp > 1 and mesh.dims.tp,
         "num_moe_experts": config.num_moe_experts,
         "config.grad_scale_func (fp16 loss scaling)": getattr(config, "grad_scale_func", None),
     }
@@ -175,7 +177,18 @@ class VocabPipeline2BW(Pipeline2BW):
             output, _ = call.forward_step_func(call.data_iterator, call.model)
         finally:
             self._embedding_input = None
-        return output.transpose(0, 1) if self.mesh.is_last_stage else output
+        return self._head_input(output) if self.mesh.is_last_stage else output
+
+    def _head_input(self, output: Tensor) -> Tensor:
+        """The last stage's normed hidden states [s, b, h] (under SP [s/tp, b, h]) as the head's input [b, s, h],
+        entering the TP region as megatron's output_layer (ColumnParallelLinear) and asyncpp's own head (stage.py
+        head_input) enter it: under SP the all-gather of the sequence, whose backward reduce-scatters; else a copy
+        whose backward all-reduces. So the TP ranks' partial input gradients (each the sum over the stages of its
+        rows' part, by the head's reduce) are summed over TP. asyncpp's tp.enter_region, not megatron's mappings:
+        megatron's copy_to backward all-reduces grad.contiguous() and returns grad, so the non-contiguous gradient
+        of this transposed view would come back unreduced (mappings.py _reduce)."""
+        config = _gpt(self.model).config
+        return enter_region(output.transpose(0, 1), self.mesh.tp_group, config.sequence_parallel)
 
     def _report(self, loss: Tensor | float) -> None:
         """Megatron's report of one microbatch's mean loss: {"lm loss": [loss sum, tokens]} (pretrain_gpt's)."""

@@ -328,7 +328,8 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
         if store:  # the last stage
             total = torch.stack([d["lm loss"] for d in store]).double().sum(0)
             valid = float(total[0] / total[1])
-    checkpoint = unsplit_from_checkpoints(case, model, stage, split, mesh) if case.vocab else None
+    # (under TP checkpoint_of does not assemble the TP pieces: MegatronCheckpoint does, test_megatron_checkpoint)
+    checkpoint = unsplit_from_checkpoints(case, model, stage, split, mesh) if case.vocab and case.tp == 1 else None
     muon.close()
     grad_norms = {t: r.grad_norm for t, r in pipeline.records.items()}
     return {
@@ -357,9 +358,9 @@ def spread_head_of(stage: VocabSpreadStage, mesh: Mesh, init: dict[str, Tensor])
         gathered = [None] * mesh.num_stages
         dist.all_gather_object(gathered, rows.clone(), group=mesh.pp_group)
         out[name] = (torch.cat(gathered), False, None)
-    if not stage.embedding_sharded or not tied:
-        gathered = [None] * mesh.num_stages
-        dist.all_gather_object(gathered, stage.head_weight().detach().clone(), group=mesh.pp_group)
+    if not stage.embedding_sharded or not tied:  # every (stage, TP rank)'s rows, in that order (the stats group's)
+        gathered = [None] * dist.get_world_size(mesh.vocab_groups.stats)
+        dist.all_gather_object(gathered, stage.head_weight().detach().clone(), group=mesh.vocab_groups.stats)
         out["embedding.word_embeddings.weight" if tied else "output_layer.weight"] = (torch.cat(gathered), False, None)
     return out if mesh.is_last_stage else {}
 
@@ -387,10 +388,11 @@ def vocab_evidence(stage: VocabSpreadStage, pipeline, init: dict[str, Tensor]) -
     frozen = gpt.output_layer.weight if hasattr(gpt, "output_layer") else None  # the last stage's
     whole = init["embedding.word_embeddings.weight" if gpt.share_embeddings_and_output_weights else "output_layer.weight"]
     start, rows = stage.start, stage.shard_rows
+    mesh = pipeline.mesh  # (under TP the frozen output_layer is this TP rank's piece of the whole)
     return {"rows": tuple(stage.head_weight().shape), "start": start, "passes": head.passes,
             "widths": sorted(head.logits_widths), "rows_of_table": stage.rows_of_table,
             "output_layer_untouched": None if frozen is None else (not frozen.requires_grad and torch.equal(
-                frozen.detach(), whole)),
+                frozen.detach(), shard_of(whole, frozen, mesh.dims.tp, mesh.tp_rank))),
             "rows_moved": not torch.equal(stage.head_weight().detach(), whole[start:start + rows])}
 
 
@@ -457,8 +459,9 @@ class PartialTpWatch:
 
     def __init__(self, pipeline: Pipeline2BW, model: GPTModel):
         reduction = pipeline.engine.update.reduction
-        named = [global_name(model, n) for n, p in model.named_parameters() if p.requires_grad]
-        self.names = [n for n, lay in zip(named, reduction.layouts) if lay.tp_grad_reduce]
+        name_of = {id(p): global_name(model, n) for n, p in model.named_parameters()}  # (a spread head's rows: none)
+        self.names = [name_of.get(id(p), "?") for p, lay in zip(pipeline.engine.versions.params, reduction.layouts)
+                      if lay.tp_grad_reduce]
         self.calls, self.tensors, self.changed = 0, 0, 0
         inner, layouts = reduction._reduce_partial_tp, reduction.layouts
 

@@ -440,8 +440,8 @@ def test_example_sp_and_alltoall_under_torchrun(tmp_path, indexed_prefix, flags)
 
 
 def test_example_refuses_a_vocab_parallel_head_with_tp(capsys):
-    """--vocab-parallel-head with --tp 2 (megatron's output layer is already split over TP) is refused by name, before
-    any process group exists."""
+    """--vocab-parallel-head with --tp 2 and a tied embedding (as asyncpp's own pipeline: tied + TP is refused) is
+    refused by name, before any process group exists."""
     with pytest.raises(SystemExit):
         parse_example_args(["--vocab-parallel-head", "--tp", "2"])
     assert "--vocab-parallel-head needs" in capsys.readouterr().err

@@ -172,6 +172,11 @@ def _layouts() -> dict[str, Layout]:
                example=("--train-iters", "5", "--eval-interval", "2", "--num-layers", "4", "--hidden-size", "32",
                         "--seq-length", "16", "--micro-batch-size", "2", "--num-microbatches", "4", "--pp", "4",
                         "--vocab-parallel-head", "--vocab-parallel-embedding")),
+        # the output layer spread over the stages and each stage's rows over its TP ranks, with SP (the statistics
+        # gathered over every stage and TP rank, the head's input entering the TP region) and a checkpoint of the rows
+        Layout("megatron-core-example-P2-TP2-SP-vocab-head", make_config(parallel={"pp": 2, "tp": 2}),
+               example=(*example, "--tp", "2", "--sequence-parallel", "--vocab-parallel-head",
+                        "--untie-embeddings-and-output-weights", "--save", "{tmp}/ckpt", "--save-interval", "2")),
         # MoE with megatron's alltoall dispatcher over EP=2 (its all-to-alls inside every forward and backward)
         Layout("megatron-core-example-P2-DP2-EP2-alltoall", make_config(parallel={"pp": 2, "dp": 2}),
                example=(*example, "--num-experts", "4", "--expert-model-parallel-size", "2",

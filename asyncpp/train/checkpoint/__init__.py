@@ -42,6 +42,7 @@ from asyncpp.train.checkpoint.restore import (
     data_position,
     latest_intact,
     load,
+    newest_weights,
     resume_point,
 )
 from asyncpp.train.checkpoint.runtime import quiet_single_process_dcp
@@ -82,6 +83,7 @@ __all__ = [
     "latest_intact",
     "list_checkpoints",
     "load",
+    "newest_weights",
     "nonfinite_tensors",
     "prune",
     "quiet_single_process_dcp",

@@ -8,6 +8,9 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import torch
+from torch import Tensor
+
 from asyncpp.config import RunConfig
 from asyncpp.train.checkpoint.files import MANIFEST, checkpoint_root, list_checkpoints, read_manifest, step_of
 from asyncpp.train.checkpoint.rng import restore_rng
@@ -95,6 +98,18 @@ def load(path: str | os.PathLike, state: StageState, ages: Sequence[int]) -> dic
     install_optimizer_state(state, optim)
     restore_rng(manifest)
     return manifest
+
+
+def newest_weights(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The newest weights x_t of a checkpoint (weights/0/<name>) by full-model name, whole tensors in the dtype
+    they were saved in, whatever the layout that wrote them (DCP assembles the pieces by their global offsets).
+    One process, no process group: for an export or an unsplit model's load_state_dict."""
+    meta = torch_dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = "weights/0/"
+    request = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefix)}
+    quiet_single_process_dcp()
+    torch_dcp().load(request, checkpoint_id=str(path), no_dist=True)
+    return {k[len(prefix):]: v for k, v in request.items()}
 
 
 def resume_point(cfg: RunConfig, source, warn=print) -> tuple[Path, int] | None:
