@@ -93,7 +93,8 @@ def default_suite_tests() -> str:
 
 def recipe_gpu_hours(recipe: str) -> str:
     """The recipe's token budget in GPU-hours on an H100 and an H200 by the step-time model: every stage traced at
-    real size on meta tensors (`dry_run_trace=true`, analysis/stagetime.py), tokens / (tokens/s per GPU x GPUs)."""
+    real size on meta tensors (`dry_run_trace=true`, analysis/stagetime.py), tokens / (tokens/s per GPU); the job's
+    wall time is that / GPUs."""
     world = RECIPE_PLANS[recipe][1]
     out = Path("/tmp/asyncpp-docs-numbers") / f"trace-{recipe}"
     # P microbatches per traced step (the step predicted at the recipe's m): the MoE recipes' 64 and 128 take hours.
@@ -104,8 +105,11 @@ def recipe_gpu_hours(recipe: str) -> str:
     parts = []
     for name in ("H100", "H200"):
         run = devices[name]["job"]
-        hours = cfg.train.steps * run["tokens_per_step"] / (run["tokens_per_s_per_gpu"] * world) / 3600
-        parts.append(f"{name} {hours:,.1f} ({run['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {run['mfu']:.1%})")
+        # tokens_per_step is the job's (every replica's), so this is GPU-hours; the job takes them / world of wall time.
+        gpu_hours = cfg.train.steps * run["tokens_per_step"] / run["tokens_per_s_per_gpu"] / 3600
+        wall = f", {gpu_hours / world:,.1f} h on {world} GPUs" if world > 1 else ""
+        parts.append(f"{name} {gpu_hours:,.1f}{wall} ({run['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
+                     f"MFU {run['mfu']:.1%})")
     return "; ".join(parts)
 
 
