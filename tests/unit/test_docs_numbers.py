@@ -6,6 +6,7 @@ slow test recomputes)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +41,25 @@ def test_the_cached_slow_numbers_are_what_the_code_computes_today():
     """The recipes' dry runs and the default suite's collection (minutes on a loaded 2-core machine)."""
     cache = json.loads(dn.CACHE.read_text())
     assert dn.compute(slow=True, cache={}) == dn.compute(slow=False, cache=cache)
+
+
+def test_gpu_hours_are_the_token_budget_over_one_gpus_rate_and_the_wall_time_that_over_the_gpus(monkeypatch):
+    """A job of 8 GPUs at 1,000 tokens/s per GPU, 16,000 tokens per step (every replica's): 95,400 steps are
+    95,400 x 16,000 / 1,000 / 3,600 = 424.0 GPU-hours, 53.0 h on the 8 GPUs (the first version gave the 53.0 as
+    GPU-hours). The trace is faked; the recipe's steps, world size and trace options are the real config's."""
+    seen = {}
+
+    def fake_run_dry(cfg, model_cfg, echo):
+        seen.update(trace=cfg.dry_run_trace, microbatches=cfg.dry_run_trace_microbatches, pp=cfg.parallel.pp,
+                    steps=cfg.train.steps)
+        run = {"tokens_per_step": 16_000, "tokens_per_s_per_gpu": 1_000.0, "mfu": 0.25}
+        out = {"prediction": {"devices": {"H100": {"job": run}, "H200": {"job": {**run, "tokens_per_s_per_gpu": 2_000.0}}}}}
+        (Path(cfg.out_dir) / "dry_run_trace.json").parent.mkdir(parents=True, exist_ok=True)
+        (Path(cfg.out_dir) / "dry_run_trace.json").write_text(json.dumps(out))
+        return []
+
+    monkeypatch.setattr(dn.job, "run_dry", fake_run_dry)
+    text = dn.recipe_gpu_hours("moe_2b")
+    assert seen == {"trace": True, "microbatches": seen["pp"], "pp": 2, "steps": 95_400}  # P microbatches traced
+    assert text == ("H100 424.0, 53.0 h on 8 GPUs (1,000 tokens/s per GPU, MFU 25.0%); "
+                    "H200 212.0, 26.5 h on 8 GPUs (2,000 tokens/s per GPU, MFU 25.0%)")
