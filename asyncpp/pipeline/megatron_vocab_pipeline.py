@@ -16,14 +16,16 @@ What differs from Pipeline2BW's contract, and why:
 - The labels: every stage's forward_step_func must pass `labels=` to the model (pretrain_gpt's get_batch on every
   stage): the rows of every stage need them. They are taken from the model call's keyword, by (step, microbatch).
 - The gradient's 1/m: the head's gradient is that of each microbatch's mean loss, so the engine's reduction scales
-  b_t's summed gradient by 1/m (Megatron's division of each loss by m, applied once).
+  b_t's summed gradient by 1/m (Megatron's division of each loss by m, applied once). A MoE model's router aux
+  losses (megatron's MoEAuxLossAutoScaler) are therefore back-propagated at scale 1 per microbatch, not
+  Pipeline2BW's 1/m: the same 1/m reaches them through the reduction (the simulator's convention too: sum, then
+  divide). Its experts are reduced over the expert-data-parallel group as in Pipeline2BW (param_layouts).
 A tied model keeps its whole table on the first stage: that stage's head rows are the table's own rows, every other
 stage's a copy, their gradients summed with the table's over every stage (reduction.RowsOfTied, as asyncpp's own
 pipeline does). A sharded input embedding (VocabSpreadStage(embedding=True); give `input_ids`): every stage's E looks
 its rows up (VocabEmbedding), the first stage's megatron lookup is replaced by their sum (a forward hook on its
 word_embeddings: megatron adds the position embeddings to it as to its own), G takes the rows' gradient. Not built
-here (refused by name): TP/SP, MoE, fp16 loss scaling, synchronous start steps, the 1f1b
-schedule.
+here (refused by name): TP/SP, fp16 loss scaling, synchronous start steps, the 1f1b schedule.
 Evaluation (forward_only) runs each microbatch through the stages and then the head's pass of it on every stage
 (VocabHead.evaluate), one microbatch at a time.
 """
@@ -39,7 +41,7 @@ from torch import Tensor, nn
 from asyncpp.core.vocab_split import VocabSplit, vocab_placement
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.vocab_parallel import VocabShard
-from asyncpp.pipeline.megatron import Pipeline2BW, _unwrap, param_layouts
+from asyncpp.pipeline.megatron import Pipeline2BW, _scale_moe_aux_loss, _unwrap, param_layouts
 from asyncpp.pipeline.megatron_vocab import VocabSpreadStage, _gpt
 from asyncpp.pipeline.plan import StagePlan, build_stage_runtime
 from asyncpp.pipeline.vocab_embedding import VocabEmbedding
@@ -60,7 +62,6 @@ def _refusals(model: VocabSpreadStage, mesh: Mesh, kwargs: dict) -> dict[str, ob
         "a sharded embedding without input_ids (the tokens of a sample: its E passes read them ahead of the "
         "forward)": model.embedding_sharded and kwargs.get("input_ids") is None,
         "tensor_model_parallel_size": mesh.dims.tp > 1 and mesh.dims.tp,
-        "num_moe_experts": config.num_moe_experts,
         "config.grad_scale_func (fp16 loss scaling)": getattr(config, "grad_scale_func", None),
     }
 
@@ -175,6 +176,7 @@ class VocabPipeline2BW(Pipeline2BW):
             output, _ = call.forward_step_func(call.data_iterator, call.model)
         finally:
             self._embedding_input = None
+        _scale_moe_aux_loss(call.model, 1)  # a MoE model's aux losses: per microbatch, as the head's (docstring)
         return output.transpose(0, 1) if self.mesh.is_last_stage else output
 
     def _report(self, loss: Tensor | float) -> None:

@@ -328,7 +328,8 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
         if store:  # the last stage
             total = torch.stack([d["lm loss"] for d in store]).double().sum(0)
             valid = float(total[0] / total[1])
-    checkpoint = unsplit_from_checkpoints(case, model, stage, split, mesh) if case.vocab else None
+    # (megatron_vocab.assemble_state_dict assembles one EP rank's stages: an EP-split run's experts are not)
+    checkpoint = unsplit_from_checkpoints(case, model, stage, split, mesh) if case.vocab and case.ep == 1 else None
     muon.close()
     grad_norms = {t: r.grad_norm for t, r in pipeline.records.items()}
     return {
