@@ -7,6 +7,8 @@
         --data-path /data/tokens/shard_text_document               # an indexed dataset (python -m data.preprocess)
     torchrun --standalone --nproc_per_node=4 examples/megatron_2bw.py --num-experts 4 \
         --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall                 # PP=2 x DP=2 x EP=2 MoE
+    torchrun --standalone --nproc_per_node=4 examples/megatron_2bw.py --num-experts 4 \
+        --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --vocab-parallel-head  # + the head spread
     torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --save ckpt --save-interval 10 --exit-interval 10
     torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --load ckpt --save ckpt     # resumes at 10
 
@@ -108,9 +110,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.vocab_parallel_embedding and not args.vocab_parallel_head:
         p.error("--vocab-parallel-embedding shards the input embedding by the head's rows: add --vocab-parallel-head")
-    if args.vocab_parallel_head and (args.tp > 1 or args.num_experts is not None or args.pp < 2):
-        p.error(f"--vocab-parallel-head needs --pp >= 2, --tp 1 and no --num-experts (got --pp {args.pp}, --tp "
-                f"{args.tp}, --num-experts {args.num_experts}): megatron's output layer is already split over TP")
+    if args.vocab_parallel_head and (args.tp > 1 or args.pp < 2):
+        p.error(f"--vocab-parallel-head needs --pp >= 2 and --tp 1 (got --pp {args.pp}, --tp {args.tp}): the rows are "
+                "spread over the pipeline stages, and megatron's output layer is already split over TP")
     if args.vocab_parallel_head and (args.save is not None or args.load is not None):
         p.error("--save/--load with --vocab-parallel-head: the checkpoint of a spread head's stages (its rows and "
                 "their optimizer state) is not written by MegatronCheckpoint yet; drop --save/--load, or the flag")

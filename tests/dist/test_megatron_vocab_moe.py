@@ -19,17 +19,21 @@ two-rank case 3 s + 4 s (slow: the default suite's budget; it adds the tied shar
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
+from tests.dist import test_megatron_core
 from tests.dist.harness import run_ranks
 from tests.dist.megatron_core_workers import LAYERS, MOE, Case, pipeline_rank, reference_rank
 from tests.dist.test_megatron_core import (
     check_equals_reference,
+    check_megatron_log,
     check_megatron_ran,
     check_vocab_checkpoint_loads_unsplit,
     check_vocab_head_evaluates,
     check_vocab_head_ran,
+    run_example,
 )
 from tests.dist.test_pipeline_equivalence import relative_error
 
@@ -44,6 +48,7 @@ CASES = {
                  drain_after=3),
 }
 EXPERTS = "mlp.experts.local_experts."
+indexed_prefix = test_megatron_core.indexed_prefix  # the fixture (a small indexed dataset), shared
 
 
 def run_case(case: Case) -> tuple[list[dict], dict]:
@@ -104,3 +109,20 @@ def test_moe_alltoall_ep2_with_the_spread_head_equals_delayed_reference():
         [(s, d, d) for s in range(case.pp) for d in range(case.dp)]
     check_moe_with_the_spread_head(ranks, ref)
     check_experts_sharded(ranks, ref)
+
+
+@pytest.mark.slow  # four processes importing megatron-core under torchrun: about 50 s on this box
+def test_example_moe_alltoall_ep2_with_the_spread_head_under_torchrun(tmp_path, indexed_prefix):
+    """examples/megatron_2bw.py --vocab-parallel-head with --num-experts 4 --expert-model-parallel-size 2
+    --moe-token-dispatcher-type alltoall --pp 2 as a user runs it (tied, megatron's default; PP=2 x DP=2 x EP=2 on
+    indexed data): the output layer spread over the two stages (the last stage's rows reported), megatron's alltoall
+    dispatcher, training and evaluation through the spread head, Megatron's log."""
+    log, stdout = run_example(tmp_path, 4, "--train-iters", "4", "--eval-interval", "2", "--pp", "2",
+                              "--num-layers", "2", "--num-experts", "4", "--expert-model-parallel-size", "2",
+                              "--moe-token-dispatcher-type", "alltoall", "--vocab-parallel-head",
+                              "--data-path", str(indexed_prefix))
+    assert log["dispatchers"] == ["MoEAlltoAllTokenDispatcher"]
+    assert 0 < log["vocab_rows"][0] < log["vocab_size"] and log["vocab_rows"][1] == 64  # the last stage's rows only
+    assert len(log["train"]) == 4 and log["applied_step"] == 3 and all(map(math.isfinite, log["train"]))
+    assert list(log["valid"]) == ["2", "4"] and all(map(math.isfinite, log["valid"].values()))
+    check_megatron_log(stdout, 4, 4 * 4 * 2)  # two data-parallel replicas
