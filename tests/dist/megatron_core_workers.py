@@ -95,6 +95,9 @@ class Case:
     num_microbatches: int = 4
     grad_clip: float = 1.0
     seed: int = 7
+    reversed_sums: bool = False
+    """The reference only: each step's microbatches in reverse order (its gradient summed in another float order,
+    the same mathematics): its distance from the forward-order reference is the case's rounding floor."""
 
     @property
     def corrections(self) -> dict[str, float]:
@@ -212,7 +215,8 @@ def reference_run(case: Case) -> dict:
     stats = []
     for t in range(case.steps):
         at["step"] = t
-        stats.append(sim.step(t, [data.train_microbatch(t * n + j) for j in range(n)]))
+        microbatches = [data.train_microbatch(t * n + j) for j in range(n)]
+        stats.append(sim.step(t, microbatches[::-1] if case.reversed_sums else microbatches))
     out = {"init": init, "losses": [s.loss for s in stats], "grad_norms": [s.grad_norm for s in stats],
            "skipped": [s.skipped for s in stats],
            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
