@@ -51,10 +51,10 @@ from tests.dist.test_pipeline_equivalence import relative_error
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
 
 CASES = {
-    # two ranks, the default tier: MoE (alltoall at EP=1) with the head and the input embedding spread, tied
+    # two ranks (slow): MoE (alltoall at EP=1) with the head and the input embedding spread, tied
     "two": Case("pp2_moe_alltoall_vocab_head_and_embedding_tied", moe=True, dispatcher="alltoall", vocab=True,
                 vocab_embedding=True, tied=True),
-    # four ranks (PP=2 x DP=2, the DP ranks also EP=2), a drain mid-run
+    # four ranks (the default tier): PP=2 x DP=2, the DP ranks also EP=2, a drain mid-run
     "four": Case("pp2_dp2_ep2_moe_alltoall_vocab_head", dp=2, ep=2, moe=True, dispatcher="alltoall", vocab=True,
                  drain_after=3),
     # eight ranks, DP=4 x EP=2: each expert on two DP replicas, reduced over megatron's expert-data-parallel group
