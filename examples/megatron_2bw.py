@@ -7,6 +7,8 @@
         --data-path /data/tokens/shard_text_document               # an indexed dataset (python -m data.preprocess)
     torchrun --standalone --nproc_per_node=4 examples/megatron_2bw.py --num-experts 4 \
         --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall                 # PP=2 x DP=2 x EP=2 MoE
+    torchrun --standalone --nproc_per_node=4 examples/megatron_2bw.py --num-experts 4 \
+        --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --vocab-parallel-head  # + the head spread
     torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --save ckpt --save-interval 10 --exit-interval 10
     torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --load ckpt --save ckpt     # resumes at 10
     torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --vocab-parallel-head --save ckpt  # spread head
@@ -112,9 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.vocab_parallel_embedding and not args.vocab_parallel_head:
         p.error("--vocab-parallel-embedding shards the input embedding by the head's rows: add --vocab-parallel-head")
-    if args.vocab_parallel_head and (args.num_experts is not None or args.pp < 2):
-        p.error(f"--vocab-parallel-head needs --pp >= 2 and no --num-experts (got --pp {args.pp}, --num-experts "
-                f"{args.num_experts})")
+    if args.vocab_parallel_head and args.pp < 2:
+        p.error(f"--vocab-parallel-head needs --pp >= 2 (got --pp {args.pp}): the rows are spread over the stages")
     try:  # under TP: untied, the embedding whole (as asyncpp's own pipeline)
         if args.vocab_parallel_head:
             check_spread_tp(args.tp, tied=not args.untie_embeddings_and_output_weights,

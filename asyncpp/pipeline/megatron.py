@@ -258,6 +258,9 @@ def _refuse_megatron_grad_sync(model: nn.Module) -> None:
                              "DistributedDataParallel): asyncpp's pipeline reduces the gradients, the tied embedding "
                              "and the norm itself inside the schedule and never calls it; set config."
                              f"{name} = None")
+    if getattr(config, "moe_router_enable_expert_bias", False):  # finalize_model_grads.py:476 updates the bias
+        raise ValueError("moe_router_enable_expert_bias=True: megatron updates the routers' expert bias in "
+                         "finalize_model_grads, which a 2BW stream never calls (the bias would stay 0): use aux_loss")
 
 
 def _refuse_low_precision_params(model: nn.Module) -> None:

@@ -16,13 +16,16 @@ What differs from Pipeline2BW's contract, and why:
 - The labels: every stage's forward_step_func must pass `labels=` to the model (pretrain_gpt's get_batch on every
   stage): the rows of every stage need them. They are taken from the model call's keyword, by (step, microbatch).
 - The gradient's 1/m: the head's gradient is that of each microbatch's mean loss, so the engine's reduction scales
-  b_t's summed gradient by 1/m (Megatron's division of each loss by m, applied once).
+  b_t's summed gradient by 1/m (Megatron's division of each loss by m, applied once). A MoE model's router aux
+  losses (megatron's MoEAuxLossAutoScaler) are therefore back-propagated at scale 1 per microbatch, not
+  Pipeline2BW's 1/m: the same 1/m reaches them through the reduction (the simulator's convention too: sum, then
+  divide). Its experts are reduced over the expert-data-parallel group as in Pipeline2BW (param_layouts).
 A tied model keeps its whole table on the first stage: that stage's head rows are the table's own rows, every other
 stage's a copy, their gradients summed with the table's over every stage (reduction.RowsOfTied, as asyncpp's own
 pipeline does). A sharded input embedding (VocabSpreadStage(embedding=True); give `input_ids`): every stage's E looks
 its rows up (VocabEmbedding), the first stage's megatron lookup is replaced by their sum (a forward hook on its
 word_embeddings: megatron adds the position embeddings to it as to its own), G takes the rows' gradient. Not built
-here (refused by name): MoE, fp16 loss scaling, synchronous start steps, the 1f1b schedule.
+here (refused by name): fp16 loss scaling, synchronous start steps, the 1f1b schedule.
 TP (and SP): every (stage, TP rank) holds its piece of the stage's rows (megatron_vocab.rows_of_rank), the statistics
 are gathered over every stage and TP rank, and the last stage's head input enters megatron's TP region as its
 output_layer's does (_head_input); untied and with the embedding whole only (megatron_vocab.check_spread_tp).
@@ -42,7 +45,7 @@ from asyncpp.core.vocab_split import VocabSplit, vocab_placement
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.tp import enter_region
 from asyncpp.parallel.vocab_parallel import VocabShard
-from asyncpp.pipeline.megatron import Pipeline2BW, _unwrap, param_layouts
+from asyncpp.pipeline.megatron import Pipeline2BW, _scale_moe_aux_loss, _unwrap, param_layouts
 from asyncpp.pipeline.megatron_vocab import VocabSpreadStage, _gpt
 from asyncpp.pipeline.plan import StagePlan, build_stage_runtime
 from asyncpp.pipeline.vocab_embedding import VocabEmbedding
@@ -62,7 +65,6 @@ def _refusals(model: VocabSpreadStage, mesh: Mesh, kwargs: dict) -> dict[str, ob
             list(kwargs.get("tied", ())) and "a given tied weight",
         "a sharded embedding without input_ids (the tokens of a sample: its E passes read them ahead of the "
         "forward)": model.embedding_sharded and kwargs.get("input_ids") is None,
-        "num_moe_experts": config.num_moe_experts,
         "config.grad_scale_func (fp16 loss scaling)": getattr(config, "grad_scale_func", None),
     }
 
@@ -177,6 +179,7 @@ class VocabPipeline2BW(Pipeline2BW):
             output, _ = call.forward_step_func(call.data_iterator, call.model)
         finally:
             self._embedding_input = None
+        _scale_moe_aux_loss(call.model, 1)  # a MoE model's aux losses: per microbatch, as the head's (docstring)
         return self._head_input(output) if self.mesh.is_last_stage else output
 
     def _head_input(self, output: Tensor) -> Tensor:

@@ -29,6 +29,7 @@ import contextlib
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from datetime import timedelta
@@ -144,9 +145,11 @@ class StageComm:
         # Receive buffers handed back by the engine once nothing reads them (`release`), reused by the next
         # receive: a stage allocates at most its peak of in-flight receives, once, instead of one buffer per
         # microbatch (a fresh 0.25-256 MB block per receive fragments the host heap, and RSS grows with run
-        # length). `_owned` holds the ids of the buffers this comm made, so nothing else enters the pool.
+        # length). `_owned` maps the id of each buffer this comm made to a weak reference to it, so nothing else
+        # enters the pool: a buffer handed out and never released (an evaluation's) dies and its id is reused by
+        # another object, which the id alone would let in.
         self._free: list[Tensor] = []
-        self._owned: set[int] = set()
+        self._owned: dict[int, weakref.ref] = {}
 
     # ---- waiting ------------------------------------------------------------------------------
     def wait(self, work: dist.Work, what: str) -> None:
@@ -163,7 +166,7 @@ class StageComm:
         if self._free:
             return self._free.pop()
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.mesh.device)
-        self._owned.add(id(buf))
+        self._owned[id(buf)] = weakref.ref(buf)
         return buf
 
     def release(self, received: Tensor) -> None:
@@ -171,7 +174,8 @@ class StageComm:
         its microbatch's backward, an output gradient after the backward it fed). Its `.grad` is dropped
         (a send of it holds its own reference until it completes); tensors this comm did not allocate
         (a host-staged copy, an evaluation's activation) are left alone."""
-        if id(received) not in self._owned:
+        owned = self._owned.get(id(received))
+        if owned is None or owned() is not received:
             return
         received.grad = None
         received.requires_grad_(False)

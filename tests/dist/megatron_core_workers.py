@@ -95,6 +95,9 @@ class Case:
     num_microbatches: int = 4
     grad_clip: float = 1.0
     seed: int = 7
+    reversed_sums: bool = False
+    """The reference only: each step's microbatches in reverse order (its gradient summed in another float order,
+    the same mathematics): its distance from the forward-order reference is the case's rounding floor."""
 
     @property
     def corrections(self) -> dict[str, float]:
@@ -212,7 +215,8 @@ def reference_run(case: Case) -> dict:
     stats = []
     for t in range(case.steps):
         at["step"] = t
-        stats.append(sim.step(t, [data.train_microbatch(t * n + j) for j in range(n)]))
+        microbatches = [data.train_microbatch(t * n + j) for j in range(n)]
+        stats.append(sim.step(t, microbatches[::-1] if case.reversed_sums else microbatches))
     out = {"init": init, "losses": [s.loss for s in stats], "grad_norms": [s.grad_norm for s in stats],
            "skipped": [s.skipped for s in stats],
            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
@@ -328,8 +332,10 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
         if store:  # the last stage
             total = torch.stack([d["lm loss"] for d in store]).double().sum(0)
             valid = float(total[0] / total[1])
-    # (under TP checkpoint_of does not assemble the TP pieces: MegatronCheckpoint does, test_megatron_checkpoint)
-    checkpoint = unsplit_from_checkpoints(case, model, stage, split, mesh) if case.vocab and case.tp == 1 else None
+    # (checkpoint_of assembles one TP and one EP rank per stage: MegatronCheckpoint holds every piece,
+    # test_megatron_checkpoint)
+    checkpoint = (unsplit_from_checkpoints(case, model, stage, split, mesh)
+                  if case.vocab and case.tp == 1 and case.ep == 1 else None)
     muon.close()
     grad_norms = {t: r.grad_norm for t, r in pipeline.records.items()}
     return {

@@ -127,7 +127,8 @@ def four_ranks(references):
     return run_pipeline("four", references)
 
 
-def check_equals_reference(ranks: list[dict], ref: dict) -> None:
+def check_equals_reference(ranks: list[dict], ref: dict, weights_rtol: float = RTOL) -> None:
+    """Losses and grad norms at RTOL, every weight at `weights_rtol` (RTOL unless a case derives its own)."""
     case = Case(**ranks[0]["case"])
     # The step's loss: the mean over the replicas' (equal token counts) of the last stage's per-token mean.
     last = [r["losses"] for r in ranks if r["stage"] == case.pp - 1 and r["tp_rank"] == 0]
@@ -143,7 +144,7 @@ def check_equals_reference(ranks: list[dict], ref: dict) -> None:
             full = ref["params"][name]
             expected = full.chunk(case.tp, dim=dim)[r["tp_rank"]] if sharded else full
             error = relative_error(value, expected)
-            assert error < RTOL, (case.name, r["stage"], name, error)
+            assert error < weights_rtol, (case.name, r["stage"], name, error)
             covered.add(name)
             worst = max(worst, (error, name))
     assert covered == set(ref["params"])

@@ -181,6 +181,12 @@ def _layouts() -> dict[str, Layout]:
         Layout("megatron-core-example-P2-DP2-EP2-alltoall", make_config(parallel={"pp": 2, "dp": 2}),
                example=(*example, "--num-experts", "4", "--expert-model-parallel-size", "2",
                         "--moe-token-dispatcher-type", "alltoall")),
+        # ... with the output layer and the input embedding spread over the stages (VocabPipeline2BW): the EP
+        # all-to-alls inside F/B between the head's and the embedding's all-stage collectives, per-call windows
+        Layout("megatron-core-example-P2-DP2-EP2-alltoall-vocab", make_config(parallel={"pp": 2, "dp": 2}),
+               example=(*example, "--num-experts", "4", "--expert-model-parallel-size", "2",
+                        "--moe-token-dispatcher-type", "alltoall", "--vocab-parallel-head",
+                        "--vocab-parallel-embedding")),
     ]
     out.update({layout.name: layout for layout in extra})
     return out

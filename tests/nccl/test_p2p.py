@@ -122,3 +122,18 @@ def test_init_binds_the_device_on_cuda_only(device, bound, monkeypatch):
     assert ("device_id" in seen) == bound
     if bound:
         assert seen["device_id"] == torch.device("cuda", 0) and seen["backend"] == "nccl"
+
+
+def test_a_dead_receive_buffer_s_id_does_not_let_another_tensor_into_the_pool():
+    """An evaluation's received buffer is never released: it dies, and CPython hands its id to a later object.
+    A tensor of another shape with that id (the spread head's [mb, seq, h] output gradient, which the engine
+    releases as a no-op) must not enter the receive pool: the next receive would fill it, and a GPTModel stage
+    read [mb, seq, h] as [seq, mb, h] (seen: the example's evaluation failed 2 runs in 11 in attention's mask)."""
+    comm = StageComm(fake_mesh(), (32, 4, 8), torch.float32)
+    buf = comm._buffer()  # a receive's buffer, handed out and never released (an evaluation's)
+    dead = id(buf)
+    del buf
+    foreign = next((t for t in (torch.empty(4, 32, 8) for _ in range(1000)) if id(t) == dead), None)
+    assert foreign is not None, "CPython did not reuse the id here: the case is not exercised"
+    comm.release(foreign)
+    assert comm._free == [] and tuple(comm._buffer().shape) == (32, 4, 8)
