@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from asyncpp.core.update import NO_CORRECTIONS, Corrections
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
+from asyncpp.pipeline.megatron_balancing import check_router_bias, megatron_balanced_routers
 from asyncpp.pipeline.plan import StagePlan, UpdateSpec, build_stage_runtime
 from asyncpp.pipeline.update import StepRecord
 from asyncpp.schedules.actions import Action, Op
@@ -384,6 +385,7 @@ class Pipeline2BW:
         _refuse_low_precision_params(model)
         _check_parallel_sizes(model, mesh)
         _check_optimizer_layouts(model, optimizer, mesh)
+        check_router_bias(getattr(_unwrap(model, "set_input_tensor"), "config", None))
         self.engine = self._build_engine(plan, model, optimizer, tied)
         self.next_step = 0
         """k of the next call: the minibatch b_k it consumes."""
@@ -402,7 +404,8 @@ class Pipeline2BW:
 
     def _build_engine(self, plan: StagePlan, model: nn.Module, optimizer, tied: Iterable[nn.Parameter]):
         return build_stage_runtime(plan, None, model, self.mesh, optimizer, self._forward, grad_scale=1.0,
-                                   layouts=param_layouts(model), tied=tied)  # loss already / m (docstring)
+                                   layouts=param_layouts(model), tied=tied,  # loss already / m (docstring)
+                                   routers=megatron_balanced_routers(model))
 
     def _window(self, m: int, step: int, done: set[Action]) -> list[Action]:
         return window_2bw(self.mesh.pp_rank, self.mesh.num_stages, m, step, self._stream_start, done)

@@ -43,6 +43,7 @@ from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.tp import enter_region
 from asyncpp.parallel.vocab_parallel import VocabShard
 from asyncpp.pipeline.megatron import Pipeline2BW, _unwrap, param_layouts
+from asyncpp.pipeline.megatron_balancing import megatron_balanced_routers
 from asyncpp.pipeline.megatron_vocab import VocabSpreadStage, _gpt
 from asyncpp.pipeline.plan import StagePlan, build_stage_runtime
 from asyncpp.pipeline.vocab_embedding import VocabEmbedding
@@ -111,7 +112,8 @@ class VocabPipeline2BW(Pipeline2BW):
         return build_stage_runtime(plan, None, model, self.mesh, optimizer, self._forward, grad_scale=1.0,
                                    layouts=param_layouts(model), head_part=head, tied=model.tied,
                                    tied_rows=model.tied_rows,
-                                   embedding_part=embedding if model.embedding_sharded else None)
+                                   embedding_part=embedding if model.embedding_sharded else None,
+                                   routers=megatron_balanced_routers(model))
 
     # ---- the windows ------------------------------------------------------------------------------------
     def _window(self, m: int, step: int, done: set[Action]) -> list[Action]:
