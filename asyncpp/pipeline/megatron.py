@@ -407,6 +407,10 @@ class Pipeline2BW:
                                    layouts=param_layouts(model), tied=tied,  # loss already / m (docstring)
                                    routers=megatron_balanced_routers(model))
 
+    def _sync_window(self, m: int, step: int) -> list[Action]:
+        """A synchronous step (sync_start_steps): b_step on x_step, flushed."""
+        return build_schedule(self.schedule, self.mesh.pp_rank, self.mesh.num_stages, m, [0], first_step=step)
+
     def _window(self, m: int, step: int, done: set[Action]) -> list[Action]:
         return window_2bw(self.mesh.pp_rank, self.mesh.num_stages, m, step, self._stream_start, done)
 
@@ -537,7 +541,7 @@ class Pipeline2BW:
         elif k < self.sync_start_steps:  # a synchronous step of a 2BW run: b_k on x_k, flushed, as the simulator
             if not self.drained:
                 raise RuntimeError(f"synchronous step {k} after a 2BW stream was opened (sync steps come first)")
-            self._execute(build_schedule(self.schedule, s, P, m, [0], first_step=k))
+            self._execute(self._sync_window(m, k))
         else:
             if not kind_of(self.schedule).serves(P, m):  # the registry's rule, in this API's words
                 raise ValueError(f"schedule='{self.schedule}' needs num_microbatches >= pipeline stages, got "

@@ -38,10 +38,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from asyncpp.core.vocab_split import VocabSplit, vocab_placement
+from asyncpp.core.vocab_split import VocabSplit, vocab_pipeline, vocab_placement
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.tp import enter_region
 from asyncpp.parallel.vocab_parallel import VocabShard
+from asyncpp.pipeline.executor import absolute_steps
 from asyncpp.pipeline.megatron import Pipeline2BW, _unwrap, param_layouts
 from asyncpp.pipeline.megatron_balancing import megatron_balanced_routers
 from asyncpp.pipeline.megatron_vocab import VocabSpreadStage, _gpt
@@ -58,13 +59,11 @@ def _refusals(model: VocabSpreadStage, mesh: Mesh, kwargs: dict) -> dict[str, ob
     config = _gpt(model).config
     return {
         "schedule": kwargs.get("schedule", _KIND) != _KIND and kwargs["schedule"],
-        "sync_start_steps": kwargs.get("sync_start_steps", 0),
         "tied (VocabPipeline2BW takes the VocabSpreadStage's own `tied`: pass none)":
             list(kwargs.get("tied", ())) and "a given tied weight",
         "a sharded embedding without input_ids (the tokens of a sample: its E passes read them ahead of the "
         "forward)": model.embedding_sharded and kwargs.get("input_ids") is None,
         "num_moe_experts": config.num_moe_experts,
-        "config.grad_scale_func (fp16 loss scaling)": getattr(config, "grad_scale_func", None),
     }
 
 
@@ -94,7 +93,7 @@ class VocabPipeline2BW(Pipeline2BW):
         self._labels: dict[tuple[int, int], Tensor] = {}
         self._tokens: dict[tuple[int, int], Tensor] = {}  # (t, j) -> token ids, from its E to its G
         self._pending_labels: Tensor | None = None
-        self._scaled_for: int | None = None
+        self._scaled_for: tuple[int, float] | None = None  # the (m, loss scale) the reduction's scale was set for
         model.register_forward_pre_hook(self._take_labels, with_kwargs=True)
         super().__init__(model, optimizer, mesh, **kwargs)
         self.head = self.engine.part(VocabHead)
@@ -127,10 +126,25 @@ class VocabPipeline2BW(Pipeline2BW):
 
     def _train_step(self, m: int) -> None:
         self._call.data_iterator = _Ahead(self._call.data_iterator)  # E reads a sample before its forward_step
-        if self.drained and m != self._scaled_for:  # the head's gradient is per microbatch mean: b_t's sum / m
-            self.engine.update.rescale(1.0 / m)
-            self._scaled_for = m
+        # The head's gradient is the per-microbatch mean's, times the loss scale: b_t's sum / (m * scale). Set only
+        # while drained (a stream runs at one m and one scale: Pipeline2BW refuses a change inside one).
+        if self.drained and (m, self._loss_scale) != self._scaled_for:
+            self.engine.update.rescale(1.0 / (m * self._loss_scale))
+            self._scaled_for = (m, self._loss_scale)
         super()._train_step(m)
+
+    def _set_loss_scale(self, scale: float) -> float:
+        """config.grad_scale_func's scale (Pipeline2BW._set_loss_scale: one per stream, a change needs a drain): the
+        loss is the head's, so its T passes seed the backward with it (VocabHead.loss_scale) and _train_step divides
+        it out with 1/m; forward_step's loss (not computed here) gets none."""
+        self.head.loss_scale = super()._set_loss_scale(scale)
+        return 1.0
+
+    def _sync_window(self, m: int, step: int) -> list[Action]:
+        """A synchronous step: the head's stream of the one step with delay 0 (b_step on x_step), flushed."""
+        placement = vocab_placement(_KIND, m, self.split)
+        stages = vocab_pipeline(_KIND, m, [0], self.split, placement)
+        return absolute_steps(stages[self.mesh.pp_rank], [0] * (step + 1), step)
 
     def _set_activation_shape(self, seq_length: int, micro_batch_size: int) -> None:
         super()._set_activation_shape(seq_length, micro_batch_size)

@@ -332,7 +332,7 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
         if case.loss_scale is not None:
             scale["now"] = math.inf if k == case.overflow_step else case.loss_scale
             if k == case.steps - 1:  # a stream is open: a new scale is refused before anything runs
-                scale_refusal = changed_scale_refusal(fwd_bwd, model, train_iter, case, scale)
+                scale_refusal = changed_scale_refusal(fwd_bwd, stage, train_iter, case, scale)
         store = fwd_bwd(forward_step_func=forward_step, data_iterator=train_iter, model=[stage],
                         num_microbatches=case.num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH)
         if store:  # the last stage: per-token mean of the step, as Megatron's training_log reduces it
@@ -422,7 +422,7 @@ def vocab_evidence(stage: VocabSpreadStage, pipeline, init: dict[str, Tensor]) -
             "rows_moved": not torch.equal(stage.head_weight().detach(), whole[start:start + rows])}
 
 
-def changed_scale_refusal(fwd_bwd, model: GPTModel, data, case: Case, scale: dict) -> str | None:
+def changed_scale_refusal(fwd_bwd, model: nn.Module, data, case: Case, scale: dict) -> str | None:
     """What forward_backward_func says when config.grad_scale_func's scale changes inside an open 2BW stream."""
     before, scale["now"] = scale["now"], 2 * scale["now"]
     try:
