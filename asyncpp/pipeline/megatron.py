@@ -30,6 +30,8 @@ What differs from Megatron, and why:
 - Sequence parallelism: the norms megatron marks `sequence_parallel` get their partial gradients all-reduced over
   megatron's TP group when their step's reduction starts (param_layouts), as finalize_model_grads does at the end
   of a flushed step; activations travel as [seq/tp, batch, hidden].
+- megatron's aux-loss-free router balancing (moe_router_enable_expert_bias): the routers' expert_bias is versioned
+  and moved by asyncpp's RouterBiasVersions at the 2BW update (megatron_balancing.py), not by finalize_model_grads.
 - Weight versions are switched by the engine (weights.WeightVersions.use) before every forward and
   backward, by re-pointing Parameter storage: the user's model and forward_step_func need no change.
   FP8 weight caches (TE's set_is_first_microbatch) are not refreshed on a switch: not supported.

@@ -16,13 +16,15 @@ What differs from Pipeline2BW's contract, and why:
 - The labels: every stage's forward_step_func must pass `labels=` to the model (pretrain_gpt's get_batch on every
   stage): the rows of every stage need them. They are taken from the model call's keyword, by (step, microbatch).
 - The gradient's 1/m: the head's gradient is that of each microbatch's mean loss, so the engine's reduction scales
-  b_t's summed gradient by 1/m (Megatron's division of each loss by m, applied once).
+  b_t's summed gradient by 1/m (Megatron's division of each loss by m, applied once). fp16 loss scaling
+  (config.grad_scale_func): the T passes seed the backward with the scale (VocabHead.loss_scale) and the reduction
+  scales by 1/(m x scale). A synchronous start step is the head's stream of that one step with delay 0.
 A tied model keeps its whole table on the first stage: that stage's head rows are the table's own rows, every other
 stage's a copy, their gradients summed with the table's over every stage (reduction.RowsOfTied, as asyncpp's own
 pipeline does). A sharded input embedding (VocabSpreadStage(embedding=True); give `input_ids`): every stage's E looks
 its rows up (VocabEmbedding), the first stage's megatron lookup is replaced by their sum (a forward hook on its
 word_embeddings: megatron adds the position embeddings to it as to its own), G takes the rows' gradient. Not built
-here (refused by name): MoE, fp16 loss scaling, synchronous start steps, the 1f1b schedule.
+here (refused by name): MoE, the 1f1b schedule.
 TP (and SP): every (stage, TP rank) holds its piece of the stage's rows (megatron_vocab.rows_of_rank), the statistics
 are gathered over every stage and TP rank, and the last stage's head input enters megatron's TP region as its
 output_layer's does (_head_input); untied and with the embedding whole only (megatron_vocab.check_spread_tp).
