@@ -54,12 +54,16 @@ class MegatronRouterBias:
 
 def megatron_balanced_routers(model: nn.Module) -> dict[str, MegatronRouterBias]:
     """The routers of `model` (a stage's GPTModel, any wrapper) with megatron's expert bias on, by their MoE layer's
-    name (so `<name>.router.weight` is the router's weight, the simulator's convention)."""
+    name in the unsplit model: a stage numbers its layers from 0, their `layer_number` is global (so the stages'
+    names are distinct in a checkpoint, and `<name>.router.weight` is the router's weight in the unsplit model, the
+    simulator's convention)."""
     out = {}
-    for name, m in model.named_modules():
-        if getattr(m, "enable_expert_bias", False) and getattr(m, "expert_bias", None) is not None:
-            out[name.removesuffix(".router").removesuffix("router")] = MegatronRouterBias(
-                m, m.config.moe_router_bias_update_rate)
+    for name, layer in model.named_modules():
+        router = getattr(getattr(layer, "mlp", None), "router", None)
+        if getattr(router, "enable_expert_bias", False) and router.expert_bias is not None:
+            layers = name.rsplit(".", 1)[0]  # "decoder.layers" (behind any wrapper's prefix)
+            out[f"{layers}.{layer.layer_number - 1}.mlp"] = MegatronRouterBias(
+                router, router.config.moe_router_bias_update_rate)
     return out
 
 

@@ -323,11 +323,8 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
     losses, applied, scales, scale_refusal, biases = [], [], [], None, {}
     balancing = pipeline.engine.update.balancing
 
-    def router_name(name: str) -> str:
-        return global_name(model, f"{name}.router.weight").removesuffix(".router.weight")
-
     def keep_biases() -> None:  # every version the stage holds now (a version, once made, never changes)
-        biases.update({v: router_biases(balancing, v, router_name) for v in balancing.versions} if balancing else {})
+        biases.update({v: router_biases(balancing, v, lambda n: n) for v in balancing.versions} if balancing else {})
     for k in range(case.steps):
         if case.loss_scale is not None:
             scale["now"] = math.inf if k == case.overflow_step else case.loss_scale

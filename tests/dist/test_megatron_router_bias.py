@@ -22,8 +22,11 @@ import pytest
 import torch
 
 from asyncpp.pipeline.megatron_balancing import check_router_bias
+from examples.megatron_2bw import parse_args
 from tests.dist.harness import run_ranks
+from tests.dist.megatron_checkpoint_workers import example_rank
 from tests.dist.megatron_core_workers import LAYERS, ROUTER_BIAS, Case, pipeline_rank, reference_rank
+from tests.dist.test_megatron_checkpoint import ARGS, tensors
 from tests.dist.test_megatron_core import check_corrections_acted, check_equals_reference, check_megatron_ran
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
@@ -75,6 +78,7 @@ def pp2():
     return run("pp2")
 
 
+@pytest.mark.slow  # a reference and a two-process run: ~24 s at load 16 on the 2-core box (the default suite is full)
 def test_router_bias_pp2_equals_delayed_reference(pp2):
     refs, runs = pp2
     for c in CASES["pp2"]:
@@ -108,3 +112,41 @@ def test_router_bias_refuses_sequence_and_context_parallelism_by_name():
         check_router_bias(config(sequence_parallel=True, tensor_model_parallel_size=2))
     with pytest.raises(NotImplementedError, match="context_parallel_size=2"):
         check_router_bias(config(context_parallel_size=2))
+
+
+BIAS_ARGS = ["--num-experts", "4", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+             "--moe-router-bias-update-rate", "0.01"]
+
+
+@pytest.mark.slow  # three two-process runs of the example: ~60 s on a loaded 2-core box
+def test_router_bias_checkpoint_resumes_bit_for_bit(tmp_path):
+    """The example with megatron's expert bias, stopped at 3 and resumed, equals the uninterrupted run bit for bit:
+    losses, grad norms and every tensor of the final checkpoint, the bias versions (`balancing/<age>/<router>`,
+    each router under its unsplit layer name, so the two stages' do not collide) among them; the bias moved after
+    the resume."""
+    def run(*argv) -> dict:  # the last stage's log
+        return run_ranks(example_rank, 2, [*ARGS, *BIAS_ARGS, *map(str, argv)], timeout=600.0)[1]
+
+    whole = run("--save", tmp_path / "whole")
+    first = run("--save", tmp_path / "a", "--exit-interval", "3")
+    resumed = run("--load", tmp_path / "a", "--save", tmp_path / "b")
+    assert len(first["train"]) == 3 and resumed["start_iteration"] == 3
+    assert resumed["train"] == whole["train"][3:] and resumed["grad_norm"] == {k: whole["grad_norm"][k] for k in (4, 5, 6)}
+    end, end_resumed, at_stop = (tensors(p) for p in (tmp_path / "whole" / "step_00000006",
+                                                        tmp_path / "b" / "step_00000006", tmp_path / "a" / "step_00000003"))
+    assert set(end) == set(end_resumed)
+    biases = {k for k in end if k.startswith("balancing/")}
+    assert biases == {f"balancing/{age}/decoder.layers.{i}.mlp" for age in (0, 1) for i in (0, 1)}, biases
+    different = [k for k in end if not torch.equal(end[k], end_resumed[k])]
+    assert not different, different[:5]
+    assert all(not torch.equal(end[k], at_stop[k]) for k in biases if k.startswith("balancing/0/"))
+    assert all(end[k].abs().sum() > 0 for k in biases)
+
+
+def test_example_refuses_the_expert_bias_without_sigmoid_or_with_sp(capsys):
+    for extra in (["--num-experts", "4", "--moe-router-enable-expert-bias"],
+                  [*BIAS_ARGS, "--tp", "2", "--sequence-parallel"]):
+        with pytest.raises(SystemExit):
+            parse_args(extra)
+        assert "--moe-router-enable-expert-bias needs --num-experts and --moe-router-score-function sigmoid" in \
+            capsys.readouterr().err
