@@ -75,6 +75,11 @@ def check_router_bias(config) -> None:
         raise NotImplementedError("moe_router_enable_expert_bias=True with sequence_parallel=True: each TP rank "
                                   "routes its own tokens and their counts would have to be summed over TP, which the "
                                   "2BW front-end does not do yet; turn one of them off")
+    recompute = getattr(config, "recompute_granularity", None)
+    if recompute:  # (any granularity: whether a selective one recomputes the router is megatron's to decide)
+        raise NotImplementedError(f"moe_router_enable_expert_bias=True with recompute_granularity={recompute!r}: "
+                                  "megatron's router counts its tokens in a recomputed forward (inside the "
+                                  "backward), which the 2BW step's counts (taken after each forward) would miss")
     if getattr(config, "context_parallel_size", 1) > 1:
         raise NotImplementedError(f"moe_router_enable_expert_bias=True with context_parallel_size="
                                   f"{config.context_parallel_size}: the counts would have to be summed over CP")

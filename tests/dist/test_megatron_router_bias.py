@@ -104,7 +104,8 @@ def config(**kw) -> types.SimpleNamespace:
 
 
 def test_router_bias_refuses_sequence_and_context_parallelism_by_name():
-    """Where megatron sums the counts over ranks that the 2BW reduction does not (TP under SP, CP): refused."""
+    """Where megatron sums the counts over ranks that the 2BW reduction does not (TP under SP, CP), and where its
+    router counts in the backward (activation recompute): refused."""
     check_router_bias(config())
     check_router_bias(config(tensor_model_parallel_size=2))  # every TP rank routes the same tokens: the sign holds
     check_router_bias(config(moe_router_enable_expert_bias=False, sequence_parallel=True, tensor_model_parallel_size=2))
@@ -112,6 +113,8 @@ def test_router_bias_refuses_sequence_and_context_parallelism_by_name():
         check_router_bias(config(sequence_parallel=True, tensor_model_parallel_size=2))
     with pytest.raises(NotImplementedError, match="context_parallel_size=2"):
         check_router_bias(config(context_parallel_size=2))
+    with pytest.raises(NotImplementedError, match="recompute_granularity='full'"):
+        check_router_bias(config(recompute_granularity="full"))
 
 
 BIAS_ARGS = ["--num-experts", "4", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
