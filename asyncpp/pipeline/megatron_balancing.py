@@ -16,7 +16,8 @@ at a point of its own; here they ride the DP gradient all-reduce at the step the
 collective), and the sign rule is applied to the already-summed counts. Summing over TP as megatron does changes
 nothing without sequence parallelism (every TP rank routes the same tokens: the sum is TP x the count, the sign is
 the same); with it each TP rank routes its own tokens and the TP sum is missing here: refused by name
-(check_router_bias), as is context parallelism (megatron sums over CP).
+(check_router_bias), as is context parallelism (megatron sums over CP) and activation recompute (the router would
+count again inside the backward, after the step's counts were taken).
 """
 
 from __future__ import annotations
