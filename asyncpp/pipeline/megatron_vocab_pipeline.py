@@ -114,7 +114,7 @@ class VocabPipeline2BW(Pipeline2BW):
                                    layouts=param_layouts(model), head_part=head, tied=model.tied,
                                    tied_rows=model.tied_rows,
                                    embedding_part=embedding if model.embedding_sharded else None,
-                                   routers=megatron_balanced_routers(model))
+                                   routers=megatron_balanced_routers(_gpt(model)))
 
     # ---- the windows ------------------------------------------------------------------------------------
     def _window(self, m: int, step: int, done: set[Action]) -> list[Action]:
