@@ -15,7 +15,8 @@ megatron's update function is not called: it all-reduces the counts itself, over
 at a point of its own; here they ride the DP gradient all-reduce at the step the 2BW update consumes them (no new
 collective), and the sign rule is applied to the already-summed counts. Summing over TP as megatron does changes
 nothing without sequence parallelism (every TP rank routes the same tokens: the sum is TP x the count, the sign is
-the same); with it each TP rank routes its own tokens and the TP sum is missing here: refused by name
+the same; megatron itself refuses MoE with TP > 1 without SP in training, moe_layer.py:381); with it each TP rank
+routes its own tokens and the TP sum is missing here: refused by name
 (check_router_bias), as is context parallelism (megatron sums over CP) and activation recompute (the router would
 count again inside the backward, after the step's counts were taken).
 """
