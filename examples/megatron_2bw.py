@@ -98,6 +98,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe-router-topk", type=int, default=2)
     p.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather")
     p.add_argument("--expert-model-parallel-size", type=int, default=1)
+    p.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
+    p.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing (needs --moe-router-score-function sigmoid): the bias is versioned "
+                   "and moved at the 2BW update (asyncpp/pipeline/megatron_balancing.py)")
+    p.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
     p.add_argument("--vocab-parallel-head", action="store_true",
                    help="asyncpp: spread the output layer over the stages by the cost model's shards (with "
                    "--tp > 1: untied, split again over each stage's TP ranks)")
@@ -139,6 +144,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(str(e))
     if args.expert_model_parallel_size > 1 and args.num_experts is None:
         p.error(f"--expert-model-parallel-size={args.expert_model_parallel_size} needs --num-experts")
+    if args.moe_router_enable_expert_bias and (args.num_experts is None or args.moe_router_score_function != "sigmoid"
+                                               or args.sequence_parallel):
+        p.error("--moe-router-enable-expert-bias needs --num-experts and --moe-router-score-function sigmoid (megatron "
+                "requires it), and no --sequence-parallel (the token counts would have to be summed over TP: not "
+                f"done yet); got --num-experts {args.num_experts}, --moe-router-score-function "
+                f"{args.moe_router_score_function}, --sequence-parallel {args.sequence_parallel}")
     problem = argument_problem(args)
     if problem is not None:
         p.error(problem)  # exit 2 and the usage line, before any process group or model exists
@@ -190,7 +201,9 @@ def model_provider(args, pre_process: bool, post_process: bool) -> GPTModel:
     moe = {} if args.num_experts is None else {
         "num_moe_experts": args.num_experts, "moe_router_topk": args.moe_router_topk,
         "moe_token_dispatcher_type": args.moe_token_dispatcher_type, "moe_router_load_balancing_type": "aux_loss",
-        "moe_aux_loss_coeff": 0.01}
+        "moe_aux_loss_coeff": 0.01, "moe_router_score_function": args.moe_router_score_function,
+        "moe_router_enable_expert_bias": args.moe_router_enable_expert_bias,
+        "moe_router_bias_update_rate": args.moe_router_bias_update_rate}
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, add_bias_linear=False,

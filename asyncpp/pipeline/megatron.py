@@ -30,6 +30,8 @@ What differs from Megatron, and why:
 - Sequence parallelism: the norms megatron marks `sequence_parallel` get their partial gradients all-reduced over
   megatron's TP group when their step's reduction starts (param_layouts), as finalize_model_grads does at the end
   of a flushed step; activations travel as [seq/tp, batch, hidden].
+- megatron's aux-loss-free router balancing (moe_router_enable_expert_bias): the routers' expert_bias is versioned
+  and moved by asyncpp's RouterBiasVersions at the 2BW update (megatron_balancing.py), not by finalize_model_grads.
 - Weight versions are switched by the engine (weights.WeightVersions.use) before every forward and
   backward, by re-pointing Parameter storage: the user's model and forward_step_func need no change.
   FP8 weight caches (TE's set_is_first_microbatch) are not refreshed on a switch: not supported.
@@ -51,6 +53,7 @@ from torch import Tensor, nn
 from asyncpp.core.update import NO_CORRECTIONS, Corrections
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.sharding import REPLICATED, ParamSharding
+from asyncpp.pipeline.megatron_balancing import check_router_bias, megatron_balanced_routers
 from asyncpp.pipeline.plan import StagePlan, UpdateSpec, build_stage_runtime
 from asyncpp.pipeline.update import StepRecord
 from asyncpp.schedules.actions import Action, Op
@@ -258,9 +261,6 @@ def _refuse_megatron_grad_sync(model: nn.Module) -> None:
                              "DistributedDataParallel): asyncpp's pipeline reduces the gradients, the tied embedding "
                              "and the norm itself inside the schedule and never calls it; set config."
                              f"{name} = None")
-    if getattr(config, "moe_router_enable_expert_bias", False):  # finalize_model_grads.py:476 updates the bias
-        raise ValueError("moe_router_enable_expert_bias=True: megatron updates the routers' expert bias in "
-                         "finalize_model_grads, which a 2BW stream never calls (the bias would stay 0): use aux_loss")
 
 
 def _refuse_low_precision_params(model: nn.Module) -> None:
@@ -387,6 +387,7 @@ class Pipeline2BW:
         _refuse_low_precision_params(model)
         _check_parallel_sizes(model, mesh)
         _check_optimizer_layouts(model, optimizer, mesh)
+        check_router_bias(getattr(_unwrap(model, "set_input_tensor"), "config", None))
         self.engine = self._build_engine(plan, model, optimizer, tied)
         self.next_step = 0
         """k of the next call: the minibatch b_k it consumes."""
@@ -405,7 +406,12 @@ class Pipeline2BW:
 
     def _build_engine(self, plan: StagePlan, model: nn.Module, optimizer, tied: Iterable[nn.Parameter]):
         return build_stage_runtime(plan, None, model, self.mesh, optimizer, self._forward, grad_scale=1.0,
-                                   layouts=param_layouts(model), tied=tied)  # loss already / m (docstring)
+                                   layouts=param_layouts(model), tied=tied,  # loss already / m (docstring)
+                                   routers=megatron_balanced_routers(model))
+
+    def _sync_window(self, m: int, step: int) -> list[Action]:
+        """A synchronous step (sync_start_steps): b_step on x_step, flushed."""
+        return build_schedule(self.schedule, self.mesh.pp_rank, self.mesh.num_stages, m, [0], first_step=step)
 
     def _window(self, m: int, step: int, done: set[Action]) -> list[Action]:
         return window_2bw(self.mesh.pp_rank, self.mesh.num_stages, m, step, self._stream_start, done)
@@ -537,7 +543,7 @@ class Pipeline2BW:
         elif k < self.sync_start_steps:  # a synchronous step of a 2BW run: b_k on x_k, flushed, as the simulator
             if not self.drained:
                 raise RuntimeError(f"synchronous step {k} after a 2BW stream was opened (sync steps come first)")
-            self._execute(build_schedule(self.schedule, s, P, m, [0], first_step=k))
+            self._execute(self._sync_window(m, k))
         else:
             if not kind_of(self.schedule).serves(P, m):  # the registry's rule, in this API's words
                 raise ValueError(f"schedule='{self.schedule}' needs num_microbatches >= pipeline stages, got "

@@ -20,12 +20,15 @@ What differs from Pipeline2BW's contract, and why:
   losses (megatron's MoEAuxLossAutoScaler) are therefore back-propagated at scale 1 per microbatch, not
   Pipeline2BW's 1/m: the same 1/m reaches them through the reduction (the simulator's convention too: sum, then
   divide). Its experts are reduced over the expert-data-parallel group as in Pipeline2BW (param_layouts).
+  fp16 loss scaling (config.grad_scale_func): the T passes seed the backward with the scale (VocabHead.loss_scale),
+  the aux losses are back-propagated at that scale too, and the reduction scales by 1/(m x scale). A synchronous
+  start step is the head's stream of that one step with delay 0.
 A tied model keeps its whole table on the first stage: that stage's head rows are the table's own rows, every other
 stage's a copy, their gradients summed with the table's over every stage (reduction.RowsOfTied, as asyncpp's own
 pipeline does). A sharded input embedding (VocabSpreadStage(embedding=True); give `input_ids`): every stage's E looks
 its rows up (VocabEmbedding), the first stage's megatron lookup is replaced by their sum (a forward hook on its
 word_embeddings: megatron adds the position embeddings to it as to its own), G takes the rows' gradient. Not built
-here (refused by name): fp16 loss scaling, synchronous start steps, the 1f1b schedule.
+here (refused by name): the 1f1b schedule.
 TP (and SP): every (stage, TP rank) holds its piece of the stage's rows (megatron_vocab.rows_of_rank), the statistics
 are gathered over every stage and TP rank, and the last stage's head input enters megatron's TP region as its
 output_layer's does (_head_input); untied and with the embedding whole only (megatron_vocab.check_spread_tp).
@@ -41,11 +44,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from asyncpp.core.vocab_split import VocabSplit, vocab_placement
+from asyncpp.core.vocab_split import VocabSplit, vocab_pipeline, vocab_placement
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.parallel.tp import enter_region
 from asyncpp.parallel.vocab_parallel import VocabShard
+from asyncpp.pipeline.executor import absolute_steps
 from asyncpp.pipeline.megatron import Pipeline2BW, _scale_moe_aux_loss, _unwrap, param_layouts
+from asyncpp.pipeline.megatron_balancing import megatron_balanced_routers
 from asyncpp.pipeline.megatron_vocab import VocabSpreadStage, _gpt
 from asyncpp.pipeline.plan import StagePlan, build_stage_runtime
 from asyncpp.pipeline.vocab_embedding import VocabEmbedding
@@ -57,15 +62,12 @@ _KIND = "2bw"
 
 
 def _refusals(model: VocabSpreadStage, mesh: Mesh, kwargs: dict) -> dict[str, object]:
-    config = _gpt(model).config
     return {
         "schedule": kwargs.get("schedule", _KIND) != _KIND and kwargs["schedule"],
-        "sync_start_steps": kwargs.get("sync_start_steps", 0),
         "tied (VocabPipeline2BW takes the VocabSpreadStage's own `tied`: pass none)":
             list(kwargs.get("tied", ())) and "a given tied weight",
         "a sharded embedding without input_ids (the tokens of a sample: its E passes read them ahead of the "
         "forward)": model.embedding_sharded and kwargs.get("input_ids") is None,
-        "config.grad_scale_func (fp16 loss scaling)": getattr(config, "grad_scale_func", None),
     }
 
 
@@ -95,7 +97,7 @@ class VocabPipeline2BW(Pipeline2BW):
         self._labels: dict[tuple[int, int], Tensor] = {}
         self._tokens: dict[tuple[int, int], Tensor] = {}  # (t, j) -> token ids, from its E to its G
         self._pending_labels: Tensor | None = None
-        self._scaled_for: int | None = None
+        self._scaled_for: tuple[int, float] | None = None  # the (m, loss scale) the reduction's scale was set for
         model.register_forward_pre_hook(self._take_labels, with_kwargs=True)
         super().__init__(model, optimizer, mesh, **kwargs)
         self.head = self.engine.part(VocabHead)
@@ -113,7 +115,8 @@ class VocabPipeline2BW(Pipeline2BW):
         return build_stage_runtime(plan, None, model, self.mesh, optimizer, self._forward, grad_scale=1.0,
                                    layouts=param_layouts(model), head_part=head, tied=model.tied,
                                    tied_rows=model.tied_rows,
-                                   embedding_part=embedding if model.embedding_sharded else None)
+                                   embedding_part=embedding if model.embedding_sharded else None,
+                                   routers=megatron_balanced_routers(_gpt(model)))
 
     # ---- the windows ------------------------------------------------------------------------------------
     def _window(self, m: int, step: int, done: set[Action]) -> list[Action]:
@@ -127,10 +130,25 @@ class VocabPipeline2BW(Pipeline2BW):
 
     def _train_step(self, m: int) -> None:
         self._call.data_iterator = _Ahead(self._call.data_iterator)  # E reads a sample before its forward_step
-        if self.drained and m != self._scaled_for:  # the head's gradient is per microbatch mean: b_t's sum / m
-            self.engine.update.rescale(1.0 / m)
-            self._scaled_for = m
+        # The head's gradient is the per-microbatch mean's, times the loss scale: b_t's sum / (m * scale). Set only
+        # while drained (a stream runs at one m and one scale: Pipeline2BW refuses a change inside one).
+        if self.drained and (m, self._loss_scale) != self._scaled_for:
+            self.engine.update.rescale(1.0 / (m * self._loss_scale))
+            self._scaled_for = (m, self._loss_scale)
         super()._train_step(m)
+
+    def _set_loss_scale(self, scale: float) -> float:
+        """config.grad_scale_func's scale (Pipeline2BW._set_loss_scale: one per stream, a change needs a drain): the
+        loss is the head's, so its T passes seed the backward with it (VocabHead.loss_scale) and _train_step divides
+        it out with 1/m; forward_step's loss (not computed here) gets none."""
+        self.head.loss_scale = super()._set_loss_scale(scale)
+        return 1.0
+
+    def _sync_window(self, m: int, step: int) -> list[Action]:
+        """A synchronous step: the head's stream of the one step with delay 0 (b_step on x_step), flushed."""
+        placement = vocab_placement(_KIND, m, self.split)
+        stages = vocab_pipeline(_KIND, m, [0], self.split, placement)
+        return absolute_steps(stages[self.mesh.pp_rank], [0] * (step + 1), step)
 
     def _set_activation_shape(self, seq_length: int, micro_batch_size: int) -> None:
         super()._set_activation_shape(seq_length, micro_batch_size)
@@ -179,7 +197,8 @@ class VocabPipeline2BW(Pipeline2BW):
             output, _ = call.forward_step_func(call.data_iterator, call.model)
         finally:
             self._embedding_input = None
-        _scale_moe_aux_loss(call.model, 1)  # a MoE model's aux losses: per microbatch, as the head's (docstring)
+        # a MoE model's aux losses: per microbatch and times the loss scale, as the head's loss (docstring)
+        _scale_moe_aux_loss(call.model, 1, self._loss_scale)
         return self._head_input(output) if self.mesh.is_last_stage else output
 
     def _head_input(self, output: Tensor) -> Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -163,6 +164,7 @@ def build_stage_runtime(
     head_part: Callable[[Wait], Part] | None = None,
     embedding_part: Callable[[Wait], Part] | None = None,
     tied_rows: tuple[int, int] | None = None,
+    routers: dict[str, Any] | None = None,
 ) -> StageEngine:
     """The engine of `plan`'s stage: `module` is the stage (pruned and sharded), `spec` its place in the
     model_zoo layout (None: a module of its own, e.g. Megatron's GPTModel stage), `optimizer` built over its
@@ -173,7 +175,8 @@ def build_stage_runtime(
     (parts.py), after its head and embedding. `head_part(wait)`: the stage's head part, built by the caller (the
     Megatron front-end's vocabulary-parallel head over a GPTModel, which has no StageSpec), in place of the plan's,
     and `embedding_part(wait)` its embedding part likewise;
-    `tied_rows` (row0, vocab) its tied tensor's place in the tied weight (else derived from the plan's split)."""
+    `tied_rows` (row0, vocab) its tied tensor's place in the tied weight (else derived from the plan's split);
+    `routers` the stage's bias-balanced routers in core/balancing.py's interface (default: balanced_routers(module))."""
     if plan.stage != mesh.pp_rank or plan.num_stages != mesh.num_stages or (
             spec is not None and (spec.stage, spec.num_stages) != (plan.stage, plan.num_stages)):
         built = f"stage {spec.stage} of {spec.num_stages}, " if spec is not None else ""
@@ -200,7 +203,8 @@ def build_stage_runtime(
                          tied_mask=[id(p) in tied_ids for p in params],
                          layouts=list(layouts) if layouts is not None else [REPLICATED] * len(params),
                          wait=comm.wait, timer=timer,
-                         balancing=RouterBiasVersions(balanced_routers(module), versions.num_buffers),
+                         balancing=RouterBiasVersions(balanced_routers(module) if routers is None else routers,
+                                                              versions.num_buffers),
                          load_stats=RouterLoadStats.of(module, counted=mesh.tp_rank == 0 and mesh.ep_rank == 0),
                          tied_rows=tied_rows)
     entry = embedding if mesh.is_first_stage else UpstreamLink(comm)

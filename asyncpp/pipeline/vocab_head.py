@@ -148,6 +148,9 @@ class VocabHead(Part):
         self.logits_widths: set[int] = set()
         self.held_peak = 0  # the most S->T passes held at once (1 + the placement's slack in the steady state)
         self._eval_hidden: Tensor | None = None  # the last stage's hidden states of the evaluation batch running
+        self.loss_scale = 1.0
+        """fp16 loss scaling: T seeds the backward with the loss's gradient times this (the Megatron front-end's
+        config.grad_scale_func scale; the step's reduction divides it out before the norm)."""
 
     @classmethod
     def memory_items(cls, held: VocabHeld, *, tokens: int, rows: int, hidden: int, num_stages: int,
@@ -279,7 +282,10 @@ class VocabHead(Part):
         p = self._passes.pop((step, microbatch))
         top, total, loss = mean_loss(p.gathered)
         with torch.no_grad():
-            grad = logits_gradient(p.exps, p.stats, p.targets, self.shard, top, total, inplace=True).to(self.dtype)
+            grad = logits_gradient(p.exps, p.stats, p.targets, self.shard, top, total, inplace=True)
+            if self.loss_scale != 1.0:
+                grad.mul_(self.loss_scale)
+            grad = grad.to(self.dtype)
             weight = self.weight()
             d_weight = grad.t() @ p.hidden  # [rows, h]
             # The partial input gradients in fp32 (exact products of the compute dtype's values), summed in fp32

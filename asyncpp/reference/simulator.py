@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -112,6 +113,8 @@ class DelayedUpdateSimulator:
     diagnostics_every=K > 0: at steps t with t % K == 0 the fresh update U_t(g(x_t; b_t)) is computed
     first, through a deep copy of the optimizer (same state, lr and clipping), and not applied; weights,
     optimizer state and RNG are restored, so the trajectory is bit-identical with diagnostics on or off.
+    routers: the model's bias-balanced routers in core/balancing.py's interface (default: balanced_routers(model);
+    a megatron GPTModel's: pipeline/megatron_balancing.megatron_balanced_routers).
     """
 
     def __init__(
@@ -131,10 +134,12 @@ class DelayedUpdateSimulator:
         weight_prediction: bool = False,
         diagnostics_every: int = 0,
         compute_dtype: torch.dtype | None = None,
+        routers: dict[str, Any] | None = None,
     ):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.balancing = RouterBiasVersions(balanced_routers(model), max(delays, default=0) + 1)
+        self.balancing = RouterBiasVersions(balanced_routers(model) if routers is None else routers,
+                                            max(delays, default=0) + 1)
         self.load_stats = RouterLoadStats.of(model)
         index = {n: i for i, (n, p) in enumerate((n, p) for n, p in model.named_parameters() if p.requires_grad)}
         # A router's bias is read at the delay of its own weights (PipeDream: its stage's delay).

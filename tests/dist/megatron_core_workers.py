@@ -44,6 +44,7 @@ from asyncpp.optim import build_optimizer, muon_sharded
 from asyncpp.parallel import megatron_cpu
 from asyncpp.parallel.mesh import Mesh
 from asyncpp.pipeline.megatron import Pipeline2BW, get_forward_backward_func, optimizer_sharding
+from asyncpp.pipeline.megatron_balancing import megatron_balanced_routers
 from asyncpp.pipeline.megatron_checkpoint import global_name
 from asyncpp.pipeline.megatron_vocab import (
     VocabSpreadStage,
@@ -80,6 +81,8 @@ class Case:
     """Every layer's MLP a megatron-core MoELayer: 4 experts, top-2, aux loss, `dispatcher`."""
     dispatcher: str = "allgather"
     """moe_token_dispatcher_type: "allgather" or "alltoall" (MoEAlltoAllTokenDispatcher)."""
+    router_bias: bool = False
+    """With `moe`: megatron's aux-loss-free balancing (ROUTER_BIAS: the router's expert_bias moved every step)."""
     vocab: bool = False
     """The output layer spread over the stages by the cost model's shards (VocabSpreadStage, VocabPipeline2BW)."""
     vocab_embedding: bool = False
@@ -111,10 +114,14 @@ CORRECTIONS = ("ef_lambda", "grad_ef_lambda", "dc_lambda", "weight_prediction")
 # ---- the model and the pretrain_gpt-style step ---------------------------------------------------------
 MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_token_dispatcher_type": "allgather",
        "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.01}
+# DeepSeek-V3's balancing as megatron has it (sigmoid scores, which megatron requires with the bias); the rate is
+# 10x megatron's default so that the bias changes the top-2 choice within the run's 6 steps.
+ROUTER_BIAS = {"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid",
+               "moe_router_bias_update_rate": 1e-2}
 
 
 def transformer_config(pp: int, tp: int, moe: bool, ep: int = 1, dispatcher: str = "allgather",
-                       sp: bool = False) -> TransformerConfig:
+                       sp: bool = False, router_bias: bool = False) -> TransformerConfig:
     """No linear biases: the key part of the qkv bias has an identically zero gradient (softmax is shift
     invariant), so AdamW would turn the rounding noise there into lr-sized steps that differ between any two
     float orders; every other parameter's comparison is well conditioned."""
@@ -123,13 +130,15 @@ def transformer_config(pp: int, tp: int, moe: bool, ep: int = 1, dispatcher: str
                              pipeline_dtype=torch.float32, params_dtype=torch.float32,
                              pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
                              expert_model_parallel_size=ep, sequence_parallel=sp,
-                             **({**MOE, "moe_token_dispatcher_type": dispatcher} if moe else {}))
+                             **({**MOE, "moe_token_dispatcher_type": dispatcher, **(ROUTER_BIAS if router_bias else {})}
+                                if moe else {}))
 
 
 def build_gpt(case: Case, pp: int, pre_process: bool, post_process: bool) -> GPTModel:
     spec = get_gpt_layer_local_spec(num_experts=MOE["num_moe_experts"] if case.moe else None, moe_grouped_gemm=False)
     split = pp > 1  # the reference: one process, every expert, the whole sequence
-    config = transformer_config(pp, case.tp, case.moe, case.ep if split else 1, case.dispatcher, case.sp and split)
+    config = transformer_config(pp, case.tp, case.moe, case.ep if split else 1, case.dispatcher, case.sp and split,
+                                case.router_bias)
     if case.sp:  # the reference too: the same LayerNorm kernel
         spec = megatron_cpu.local_block_spec(config, spec)
     return GPTModel(config, spec, vocab_size=VOCAB,
@@ -210,14 +219,17 @@ def reference_run(case: Case) -> dict:
     sim = DelayedUpdateSimulator(model, opt, [1] * len(params), loss_fn=lm_loss, grad_clip=case.grad_clip,
                                  ef_lambda=case.ef_lambda, grad_ef_lambda=case.grad_ef_lambda,
                                  dc_lambda=case.dc_lambda, weight_prediction=case.weight_prediction,
-                                 sync_step=lambda t: t < case.sync_start_steps)
+                                 sync_step=lambda t: t < case.sync_start_steps,
+                                 routers=megatron_balanced_routers(model))
     data, n = data_for(case), case.num_microbatches * case.dp  # replica by replica, as the pipeline reads them
-    stats = []
+    stats, biases = [], {0: router_biases(sim.balancing, 0, lambda name: name)} if sim.balancing else {}
     for t in range(case.steps):
         at["step"] = t
         microbatches = [data.train_microbatch(t * n + j) for j in range(n)]
         stats.append(sim.step(t, microbatches[::-1] if case.reversed_sums else microbatches))
-    out = {"init": init, "losses": [s.loss for s in stats], "grad_norms": [s.grad_norm for s in stats],
+        if sim.balancing:
+            biases[t + 1] = router_biases(sim.balancing, t + 1, lambda name: name)
+    out = {"init": init, "router_bias": biases, "losses": [s.loss for s in stats], "grad_norms": [s.grad_norm for s in stats],
            "skipped": [s.skipped for s in stats],
            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
     with torch.no_grad():  # the final model's loss on held-out microbatches (what an evaluation drain reports)
@@ -225,6 +237,11 @@ def reference_run(case: Case) -> dict:
     if case.corrections:  # the same run without them: the test shows they changed the trajectory
         out["uncorrected"] = reference_run(replace(case, **dict.fromkeys(CORRECTIONS, 0)))["params"]
     return out
+
+
+def router_biases(balancing, version: int, name_of: Callable[[str], str]) -> dict[str, Tensor]:
+    """The expert bias of weight version `version` per router, by its MoE layer's name in the unsplit model."""
+    return {name_of(n): b.clone() for n, b in zip(balancing.names, balancing.versions[version])}
 
 
 class GradTimes(torch.autograd.Function):
@@ -307,23 +324,29 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
     predicted = PredictedReads(pipeline)
     partial_tp = PartialTpWatch(pipeline, model)
     train_iter = replica_microbatches(case, mesh.dp_rank)
-    losses, applied, scales, scale_refusal = [], [], [], None
+    losses, applied, scales, scale_refusal, biases = [], [], [], None, {}
+    balancing = pipeline.engine.update.balancing
+
+    def keep_biases() -> None:  # every version the stage holds now (a version, once made, never changes)
+        biases.update({v: router_biases(balancing, v, lambda n: n) for v in balancing.versions} if balancing else {})
     for k in range(case.steps):
         if case.loss_scale is not None:
             scale["now"] = math.inf if k == case.overflow_step else case.loss_scale
             if k == case.steps - 1:  # a stream is open: a new scale is refused before anything runs
-                scale_refusal = changed_scale_refusal(fwd_bwd, model, train_iter, case, scale)
+                scale_refusal = changed_scale_refusal(fwd_bwd, stage, train_iter, case, scale)
         store = fwd_bwd(forward_step_func=forward_step, data_iterator=train_iter, model=[stage],
                         num_microbatches=case.num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH)
         if store:  # the last stage: per-token mean of the step, as Megatron's training_log reduces it
             total = torch.stack([d["lm loss"] for d in store]).double().sum(0)
             losses.append(float(total[0] / total[1]))
         applied.append(pipeline.applied_step)
+        keep_biases()
         scales.append(pipeline.engine.update.reduction.grad_scale)
         if case.drain_after is not None and k + 1 == case.drain_after:
             pipeline.drain()
             applied.append(pipeline.applied_step)
     pipeline.drain()
+    keep_biases()
     valid = None
     if case.vocab:  # an evaluation through the drained pipeline (the spread head's forward_only path)
         store = fwd_bwd(forward_step_func=forward_step, data_iterator=iter(eval_microbatches(case)), model=[stage],
@@ -340,7 +363,7 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
     grad_norms = {t: r.grad_norm for t, r in pipeline.records.items()}
     return {
         "case": asdict(case), "stage": mesh.pp_rank, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,
-        "ep_rank": mesh.ep_rank, "losses": losses, "applied": applied, "eval": valid, "checkpoint": checkpoint,
+        "ep_rank": mesh.ep_rank, "losses": losses, "router_bias": biases, "applied": applied, "eval": valid, "checkpoint": checkpoint,
         "grad_norms": grad_norms, "skipped": {t: r.skipped for t, r in pipeline.records.items()},
         "grad_scales": scales, "scale_refusal": scale_refusal, "fp16_refusal": fp16_refusal,
         "params": {**{global_name(model, n): (p.detach().clone(), getattr(p, "tensor_model_parallel", False),
@@ -402,7 +425,7 @@ def vocab_evidence(stage: VocabSpreadStage, pipeline, init: dict[str, Tensor]) -
             "rows_moved": not torch.equal(stage.head_weight().detach(), whole[start:start + rows])}
 
 
-def changed_scale_refusal(fwd_bwd, model: GPTModel, data, case: Case, scale: dict) -> str | None:
+def changed_scale_refusal(fwd_bwd, model: nn.Module, data, case: Case, scale: dict) -> str | None:
     """What forward_backward_func says when config.grad_scale_func's scale changes inside an open 2BW stream."""
     before, scale["now"] = scale["now"], 2 * scale["now"]
     try:

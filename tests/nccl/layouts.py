@@ -187,6 +187,10 @@ def _layouts() -> dict[str, Layout]:
                example=(*example, "--num-experts", "4", "--expert-model-parallel-size", "2",
                         "--moe-token-dispatcher-type", "alltoall", "--vocab-parallel-head",
                         "--vocab-parallel-embedding")),
+        # megatron's router expert bias (its token counts riding the DP gradient all-reduce) and its checkpoint
+        Layout("megatron-core-example-P2-DP2-router-bias", make_config(parallel={"pp": 2, "dp": 2}),
+               example=(*example, "--num-experts", "4", "--moe-router-score-function", "sigmoid",
+                        "--moe-router-enable-expert-bias", "--save", "{tmp}/ckpt", "--save-interval", "2")),
     ]
     out.update({layout.name: layout for layout in extra})
     return out

@@ -106,14 +106,3 @@ def test_megatrons_grad_sync_hooks_on_the_config_are_refused(name):
     setattr(model.config, name, lambda *a, **k: None)
     with pytest.raises(ValueError, match=rf"config has {name} set.*config.{name} = None"):
         _refuse_megatron_grad_sync(model)
-
-
-def test_megatrons_expert_bias_is_refused():
-    """megatron updates the aux-loss-free expert bias only in finalize_model_grads (refused above): under 2BW it
-    would silently stay at its initial 0."""
-    model = Stage()
-    model.config.moe_router_enable_expert_bias = False
-    _refuse_megatron_grad_sync(model)
-    model.config.moe_router_enable_expert_bias = True
-    with pytest.raises(ValueError, match="moe_router_enable_expert_bias=True: .*finalize_model_grads"):
-        _refuse_megatron_grad_sync(model)
