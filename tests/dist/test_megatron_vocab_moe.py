@@ -46,6 +46,7 @@ from tests.dist.test_megatron_core import (
     check_vocab_head_ran,
     run_example,
 )
+from tests.dist.test_megatron_router_bias import check_router_bias_equals_reference
 from tests.dist.test_pipeline_equivalence import relative_error
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
@@ -176,3 +177,15 @@ def test_example_moe_alltoall_ep2_with_the_spread_head_under_torchrun(tmp_path, 
     assert len(log["train"]) == 4 and log["applied_step"] == 3 and all(map(math.isfinite, log["train"]))
     assert list(log["valid"]) == ["2", "4"] and all(map(math.isfinite, log["valid"].values()))
     check_megatron_log(stdout, 4, 4 * 4 * 2)  # two data-parallel replicas
+
+
+@pytest.mark.slow  # two processes: ~10-25 s on the loaded 2-core box
+def test_moe_with_the_spread_head_router_bias_and_loss_scale_equals_delayed_reference():
+    """The three merged at once (this session's m43a/m43b/m43c): MoE with the spread head, megatron's expert bias
+    versioned (every version equal to the simulator's, and moved), and a static fp16 loss scale of 1024, under which
+    the router aux losses must be back-propagated at the same scale as the head's loss (the reduction divides by
+    m x scale: an aux loss left at scale 1 would be 1024 times too small)."""
+    case = Case("pp2_moe_vocab_head_router_bias_loss_scale", moe=True, vocab=True, router_bias=True, loss_scale=1024.0)
+    ranks, ref = run_case(case)
+    check_moe_with_the_spread_head(ranks, ref)
+    check_router_bias_equals_reference(ranks, ref)
