@@ -18,7 +18,8 @@ Names: megatron numbers each stage's layers and each EP rank's experts from 0; h
 embedding's name; both copies hold the same values (one update of one summed gradient), so DCP keeps one.
 A vocabulary-spread stage's rows (VocabSpreadStage: the head's, a sharded embedding's) are pieces of the whole
 output_layer.weight / embedding.word_embeddings.weight at their offsets (spread_rows_of), so whatever the layout
-the newest weights (train/checkpoint.newest_weights) are an unsplit GPTModel's state dict.
+the newest weights (train/checkpoint.newest_weights; megatron_state_dict adds the routers' expert bias) are an
+unsplit GPTModel's state dict.
 """
 
 from __future__ import annotations
@@ -36,7 +37,16 @@ from asyncpp.pipeline.megatron import Pipeline2BW, param_layouts
 from asyncpp.pipeline.megatron_vocab import EMBEDDING, HEAD, VocabSpreadStage, _gpt, rows_layout
 from asyncpp.pipeline.megatron_vocab_pipeline import VocabPipeline2BW
 from asyncpp.pipeline.update import StepRecord
-from asyncpp.train.checkpoint import MANIFEST, StageParts, is_complete, latest_intact, read_manifest, step_of
+from asyncpp.train.checkpoint import (
+    MANIFEST,
+    StageParts,
+    is_complete,
+    latest_intact,
+    newest_weights,
+    read_manifest,
+    saved_under,
+    step_of,
+)
 from asyncpp.train.checkpoint.saver import Saver
 
 
@@ -166,6 +176,15 @@ class MegatronCheckpoint:
         pipe.restore_position(step, None if applied is None else StepRecord(**applied),
                               float(meta.get("loss_scale", 1.0)))
         return manifest
+
+
+def megatron_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
+    """A checkpoint of the front-end as an unsplit GPTModel's state dict, whatever the layout that wrote it: the newest
+    weights, and each router's newest expert bias (megatron's persistent `expert_bias` buffer, which asyncpp keeps
+    versioned as balancing/<age>/<router>, age 0 the newest, each router named by its MoE layer:
+    megatron_balancing.megatron_balanced_routers)."""
+    biases = saved_under(path, "balancing/0/")
+    return {**newest_weights(path), **{f"{layer}.router.expert_bias": b for layer, b in biases.items()}}
 
 
 def checkpoint_dir(path: str | os.PathLike) -> Path:

@@ -10,7 +10,7 @@ import torch
 from megatron.core import parallel_state
 
 from asyncpp.parallel import megatron_cpu
-from asyncpp.train.checkpoint import newest_weights
+from asyncpp.pipeline.megatron_checkpoint import megatron_state_dict
 from examples.megatron_2bw import forward_step, model_provider, parse_args, synthetic_tokens, train
 
 
@@ -29,7 +29,7 @@ def unsplit_rank(rank: int, argv: list[str], path: str) -> dict:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     megatron_cpu.enable(device, seed=args.seed)
     model = model_provider(args, pre_process=True, post_process=True)
-    missing, unexpected = model.load_state_dict(newest_weights(path), strict=True)
+    missing, unexpected = model.load_state_dict(megatron_state_dict(path), strict=True)
     total, tokens = 0.0, 0
     with torch.no_grad():
         valid = synthetic_tokens(args, 1)
@@ -38,4 +38,5 @@ def unsplit_rank(rank: int, argv: list[str], path: str) -> dict:
             total, tokens = total + float(losses.double().sum()), tokens + losses.numel()
     parallel_state.destroy_model_parallel()
     return {"loss": total / tokens, "keys": sorted(k for k in model.state_dict() if not k.endswith("_extra_state")),
+            "expert_bias": {k: v.clone() for k, v in model.state_dict().items() if k.endswith(".expert_bias")},
             "missing": list(missing), "unexpected": list(unexpected)}

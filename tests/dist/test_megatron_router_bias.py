@@ -24,7 +24,7 @@ import torch
 from asyncpp.pipeline.megatron_balancing import check_router_bias
 from examples.megatron_2bw import parse_args
 from tests.dist.harness import run_ranks
-from tests.dist.megatron_checkpoint_workers import example_rank
+from tests.dist.megatron_checkpoint_workers import example_rank, unsplit_rank
 from tests.dist.megatron_core_workers import LAYERS, ROUTER_BIAS, Case, pipeline_rank, reference_rank
 from tests.dist.test_megatron_checkpoint import ARGS, tensors
 from tests.dist.test_megatron_core import check_corrections_acted, check_equals_reference, check_megatron_ran
@@ -144,6 +144,16 @@ def test_router_bias_checkpoint_resumes_bit_for_bit(tmp_path):
     assert not different, different[:5]
     assert all(not torch.equal(end[k], at_stop[k]) for k in biases if k.startswith("balancing/0/"))
     assert all(end[k].abs().sum() > 0 for k in biases)
+    # the checkpoint as an unsplit GPTModel's state dict (megatron_state_dict): every key, strictly, the routers'
+    # expert_bias (a persistent buffer of megatron's) the newest version's, and the model's loss the run's
+    unsplit = run_ranks(unsplit_rank, 1, [*ARGS, *BIAS_ARGS, "--pp", "1"], str(tmp_path / "b" / "step_00000006"),
+                        timeout=300.0)[0]
+    assert unsplit["missing"] == unsplit["unexpected"] == []
+    assert unsplit["expert_bias"].keys() == {f"decoder.layers.{i}.mlp.router.expert_bias" for i in (0, 1)}
+    for i in (0, 1):
+        assert torch.equal(unsplit["expert_bias"][f"decoder.layers.{i}.mlp.router.expert_bias"],
+                           end[f"balancing/0/decoder.layers.{i}.mlp"])
+    assert unsplit["loss"] == pytest.approx(resumed["valid"][6], rel=1e-5, abs=0)  # test_megatron_checkpoint's bound
 
 
 def test_example_refuses_the_expert_bias_without_sigmoid_or_with_sp(capsys):

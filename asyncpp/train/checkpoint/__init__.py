@@ -44,6 +44,7 @@ from asyncpp.train.checkpoint.restore import (
     load,
     newest_weights,
     resume_point,
+    saved_under,
 )
 from asyncpp.train.checkpoint.runtime import quiet_single_process_dcp
 from asyncpp.train.checkpoint.saver import (
@@ -91,5 +92,6 @@ __all__ = [
     "resume_point",
     "resume_target",
     "save",
+    "saved_under",
     "step_of",
 ]

@@ -104,8 +104,13 @@ def newest_weights(path: str | os.PathLike) -> dict[str, Tensor]:
     """The newest weights x_t of a checkpoint (weights/0/<name>) by full-model name, whole tensors in the dtype
     they were saved in, whatever the layout that wrote them (DCP assembles the pieces by their global offsets).
     One process, no process group: for an export or an unsplit model's load_state_dict."""
+    return saved_under(path, "weights/0/")
+
+
+def saved_under(path: str | os.PathLike, prefix: str) -> dict[str, Tensor]:
+    """Every tensor a checkpoint saved under `prefix` (e.g. "balancing/0/": the newest router biases), by the rest of
+    its key, whole, in one process (as newest_weights)."""
     meta = torch_dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    prefix = "weights/0/"
     request = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefix)}
     quiet_single_process_dcp()
     torch_dcp().load(request, checkpoint_id=str(path), no_dist=True)
