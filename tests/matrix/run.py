@@ -59,9 +59,11 @@ BF16_REL, BF16_WEIGHT_REL, BF16_NOISE_FACTOR = 2.0 ** -8, 2.0 ** -7, 4.0
 # pipedream + Muon + ef_lambda=1 + TP=2 + rampup, fp32 twin): the rampup's first steps run one microbatch (32
 # tokens, a gradient of rank <= 32 in 128-wide matrices), whose null space Muon's Newton-Schulz lifts by up to
 # a^5 = 490 and Error Feedback at lambda=1 carries at twice the step; the simulator with its head in the 2 TP blocks
-# lands 6.0e-6 from itself at step 2's gradient norm, the pipeline 1.35e-5 (2.3 N); with AdamW, ef_lambda=0, no
-# rampup or TP=1 the same case's pipeline is within 1e-6 (TP=1: bit for bit). Both noise scales cost one or two
-# more simulator runs: run_case measures them only for an error past the plain bound.
+# lands 6.0e-6 from itself at step 2's gradient norm, the pipeline 1.35e-5 (2.3 N) (the simulator with every
+# nn.Linear evaluated in TP=2's halves: 6.4e-6, and 6.7e-5 on the pipeline's worst weight, layers.3.mlp.down_proj, at
+# 1.28e-4); with AdamW, ef_lambda=0, no rampup or TP=1 the same case's pipeline is within 1e-6 (TP=1: bit for
+# bit). Both noise scales cost one or two more simulator runs: run_case measures them only for an error past the
+# plain bound.
 STOP_REQUESTED_AT = 0
 
 
