@@ -21,14 +21,14 @@ What differs from Pipeline2BW's contract, and why:
   Pipeline2BW's 1/m: the same 1/m reaches them through the reduction (the simulator's convention too: sum, then
   divide). Its experts are reduced over the expert-data-parallel group as in Pipeline2BW (param_layouts).
   fp16 loss scaling (config.grad_scale_func): the T passes seed the backward with the scale (VocabHead.loss_scale),
-  the aux losses are back-propagated at that scale too, and the reduction scales by 1/(m x scale). A synchronous
-  start step is the head's stream of that one step with delay 0.
+  the aux losses are back-propagated at that scale too, and the reduction scales by 1/(m x scale). A flushed step
+  (every call under schedule="1f1b", each synchronous start step under "2bw") is the head's placed stream of that one
+  step with delay 0: b_k on x_k, its update applied in call k (the flushed 1F1B baseline on the same spread model).
 A tied model keeps its whole table on the first stage: that stage's head rows are the table's own rows, every other
 stage's a copy, their gradients summed with the table's over every stage (reduction.RowsOfTied, as asyncpp's own
 pipeline does). A sharded input embedding (VocabSpreadStage(embedding=True); give `input_ids`): every stage's E looks
 its rows up (VocabEmbedding), the first stage's megatron lookup is replaced by their sum (a forward hook on its
-word_embeddings: megatron adds the position embeddings to it as to its own), G takes the rows' gradient. Not built
-here (refused by name): the 1f1b schedule.
+word_embeddings: megatron adds the position embeddings to it as to its own), G takes the rows' gradient.
 TP (and SP): every (stage, TP rank) holds its piece of the stage's rows (megatron_vocab.rows_of_rank), the statistics
 are gathered over every stage and TP rank, and the last stage's head input enters megatron's TP region as its
 output_layer's does (_head_input); untied and with the embedding whole only (megatron_vocab.check_spread_tp).
@@ -58,12 +58,11 @@ from asyncpp.pipeline.vocab_head import VocabHead
 from asyncpp.pipeline.vocab_windows import DONE_CALLS, drain_2bw_vocab, window_2bw_vocab
 from asyncpp.schedules.actions import Action
 
-_KIND = "2bw"
+_KIND = "2bw"  # the delayed stream's (schedule="1f1b" runs flushed steps only: _sync_window)
 
 
 def _refusals(model: VocabSpreadStage, mesh: Mesh, kwargs: dict) -> dict[str, object]:
     return {
-        "schedule": kwargs.get("schedule", _KIND) != _KIND and kwargs["schedule"],
         "tied (VocabPipeline2BW takes the VocabSpreadStage's own `tied`: pass none)":
             list(kwargs.get("tied", ())) and "a given tied weight",
         "a sharded embedding without input_ids (the tokens of a sample: its E passes read them ahead of the "
@@ -145,9 +144,10 @@ class VocabPipeline2BW(Pipeline2BW):
         return 1.0
 
     def _sync_window(self, m: int, step: int) -> list[Action]:
-        """A synchronous step: the head's stream of the one step with delay 0 (b_step on x_step), flushed."""
-        placement = vocab_placement(_KIND, m, self.split)
-        stages = vocab_pipeline(_KIND, m, [0], self.split, placement)
+        """A flushed step (every 1F1B call, a synchronous start step of 2BW): the schedule's placed head stream of the
+        one step with delay 0 (b_step on x_step, its update at the end), the same on every rank."""
+        placement = vocab_placement(self.schedule, m, self.split)
+        stages = vocab_pipeline(self.schedule, m, [0], self.split, placement)
         return absolute_steps(stages[self.mesh.pp_rank], [0] * (step + 1), step)
 
     def _set_activation_shape(self, seq_length: int, micro_batch_size: int) -> None:

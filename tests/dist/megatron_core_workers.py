@@ -62,6 +62,8 @@ VOCAB, SEQ, MICRO_BATCH, HIDDEN, LAYERS, HEADS = 64, 16, 2, 32, 4, 4
 @dataclass(frozen=True)
 class Case:
     name: str
+    schedule: str = "2bw"
+    """get_forward_backward_func's: "2bw", or "1f1b" (every call flushed; the reference's every step synchronous)."""
     pp: int = 2
     """Pipeline stages: megatron splits the LAYERS layers evenly (get_num_layers_to_build)."""
     tp: int = 1
@@ -219,7 +221,7 @@ def reference_run(case: Case) -> dict:
     sim = DelayedUpdateSimulator(model, opt, [1] * len(params), loss_fn=lm_loss, grad_clip=case.grad_clip,
                                  ef_lambda=case.ef_lambda, grad_ef_lambda=case.grad_ef_lambda,
                                  dc_lambda=case.dc_lambda, weight_prediction=case.weight_prediction,
-                                 sync_step=lambda t: t < case.sync_start_steps,
+                                 sync_step=lambda t: case.schedule == "1f1b" or t < case.sync_start_steps,
                                  routers=megatron_balanced_routers(model))
     data, n = data_for(case), case.num_microbatches * case.dp  # replica by replica, as the pipeline reads them
     stats, biases = [], {0: router_biases(sim.balancing, 0, lambda name: name)} if sim.balancing else {}
@@ -312,7 +314,7 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
     muon = MuonWatch(optimizer, model, mesh)
     layout_refusal = unaware_muon_refusal(model, mesh) if case.optimizer == "muon" and case.tp > 1 else None
     fp16_refusal = half_model_refusal(case, mesh, pre, post) if case.loss_scale is not None else None
-    fwd_bwd = get_forward_backward_func("2bw", engine_factory=lambda schedule: engine(
+    fwd_bwd = get_forward_backward_func(case.schedule, engine_factory=lambda schedule: engine(
         stage, optimizer, mesh, schedule=schedule, hidden_size=HIDDEN, grad_clip=case.grad_clip,
         ef_lambda=case.ef_lambda, grad_ef_lambda=case.grad_ef_lambda, dc_lambda=case.dc_lambda,
         weight_prediction=case.weight_prediction, tied=tied, sequence_first=True,
