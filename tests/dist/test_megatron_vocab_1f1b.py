@@ -18,6 +18,7 @@ import dataclasses
 
 import pytest
 
+from examples.megatron_2bw import parse_args as parse_example_args
 from tests.dist.harness import run_ranks
 from tests.dist.megatron_core_workers import Case, pipeline_rank, reference_rank
 from tests.dist.test_megatron_core import (
@@ -64,3 +65,16 @@ def test_spread_head_1f1b_equals_the_undelayed_reference(runs, name):
     check_vocab_head_evaluates(ranks, ref)
     check_vocab_checkpoint_loads_unsplit(ranks, ref)
     check_flushed(ranks)
+
+
+def test_example_refuses_delayed_options_with_1f1b(capsys):
+    """examples/megatron_2bw.py --schedule 1f1b refuses the options that act on delayed updates, by name, before any
+    process group exists (Pipeline2BW would refuse them only once built), and drops 2BW's m >= P rule."""
+    with pytest.raises(SystemExit):
+        parse_example_args(["--schedule", "1f1b", "--ef-lambda", "1", "--weight-prediction"])
+    err = capsys.readouterr().err
+    assert "--ef-lambda, --weight-prediction act on delayed updates; --schedule 1f1b has none" in err
+    assert parse_example_args(["--schedule", "1f1b", "--num-microbatches", "1"]).schedule == "1f1b"
+    with pytest.raises(SystemExit):
+        parse_example_args(["--num-microbatches", "1"])
+    assert "the 2BW schedule needs at least" in capsys.readouterr().err
