@@ -12,6 +12,7 @@
     torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --save ckpt --save-interval 10 --exit-interval 10
     torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --load ckpt --save ckpt     # resumes at 10
     torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --vocab-parallel-head --save ckpt  # spread head
+    torchrun --standalone --nproc_per_node=2 examples/megatron_2bw.py --vocab-parallel-head --schedule 1f1b  # baseline
     torchrun --standalone --nproc_per_node=4 examples/megatron_2bw.py --tp 2 --sequence-parallel \
         --vocab-parallel-head --untie-embeddings-and-output-weights          # spread over stages, then over TP
 
@@ -84,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(or a step_* directory in it)")
     p.add_argument("--exit-interval", type=int, default=None, help="stop after an iteration divisible by N (saved "
                    "first with --save)")
+    p.add_argument("--schedule", choices=("2bw", "1f1b"), default="2bw",
+                   help="asyncpp: 2bw, or the flushed 1f1b baseline (each iteration applies its own update)")
     p.add_argument("--optimizer", choices=("muon", "adamw"), default="muon")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--clip-grad", type=float, default=1.0)
@@ -183,7 +186,12 @@ def argument_problem(args: argparse.Namespace, world_size: int | None = None) ->
         return f"--num-attention-heads={args.num_attention_heads} is not divisible by --tp={args.tp}"
     if args.num_layers % args.pp:
         return f"--num-layers={args.num_layers} is not divisible by --pp={args.pp} (megatron splits layers evenly)"
-    if args.num_microbatches < args.pp:
+    delayed_only = [flag[n] for n in ("ef_lambda", "sync_start_steps", "grad_ef_lambda", "dc_lambda")
+                    if getattr(args, n)] + ["--weight-prediction"] * args.weight_prediction
+    if args.schedule == "1f1b" and delayed_only:
+        return (f"{', '.join(delayed_only)} act on delayed updates; --schedule 1f1b has none: drop them or use "
+                "--schedule 2bw")
+    if args.num_microbatches < args.pp and args.schedule == "2bw":
         return (f"--num-microbatches={args.num_microbatches} is below --pp={args.pp}: the 2BW schedule needs at least "
                 "one microbatch per stage in flight")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -382,7 +390,7 @@ def train(args) -> dict:
     # (a spread head's tied rows are the VocabSpreadStage's own: VocabPipeline2BW takes them from it)
     tied = ([gpt.shared_embedding_or_output_weight()] if gpt.share_embeddings_and_output_weights
             and not args.vocab_parallel_head else [])
-    forward_backward_func = get_forward_backward_func("2bw", engine_factory=lambda schedule: engine(
+    forward_backward_func = get_forward_backward_func(args.schedule, engine_factory=lambda schedule: engine(
         model, optimizer, mesh, schedule=schedule, hidden_size=args.hidden_size, grad_clip=args.clip_grad,
         ef_lambda=args.ef_lambda, grad_ef_lambda=args.grad_ef_lambda, dc_lambda=args.dc_lambda,
         weight_prediction=args.weight_prediction, sync_start_steps=args.sync_start_steps, tied=tied,

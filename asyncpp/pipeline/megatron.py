@@ -117,11 +117,6 @@ def drain_2bw(stage: int, num_stages: int, m: int, last_step: int, stream_start:
     return [a for a in horizon if a not in done]
 
 
-def window_1f1b(stage: int, num_stages: int, m: int, step: int) -> list[Action]:
-    """Flushed 1F1B: call k completes b_k, its reductions and its update."""
-    return build_schedule("1f1b", stage, num_stages, m, [0], first_step=step)
-
-
 # ---- the pipeline object ----------------------------------------------------------------------------
 
 
@@ -410,7 +405,8 @@ class Pipeline2BW:
                                    routers=megatron_balanced_routers(model))
 
     def _sync_window(self, m: int, step: int) -> list[Action]:
-        """A synchronous step (sync_start_steps): b_step on x_step, flushed."""
+        """A flushed step, b_step on x_step: every 1F1B call (call k completes b_k, its reductions and its update)
+        and each synchronous start step of a 2BW run (sync_start_steps)."""
         return build_schedule(self.schedule, self.mesh.pp_rank, self.mesh.num_stages, m, [0], first_step=step)
 
     def _window(self, m: int, step: int, done: set[Action]) -> list[Action]:
@@ -537,11 +533,9 @@ class Pipeline2BW:
         comm.shape = shape
 
     def _train_step(self, m: int) -> None:
-        P, s, k = self.mesh.num_stages, self.mesh.pp_rank, self.next_step
-        if self.schedule == "1f1b":
-            self._execute(window_1f1b(s, P, m, k))
-        elif k < self.sync_start_steps:  # a synchronous step of a 2BW run: b_k on x_k, flushed, as the simulator
-            if not self.drained:
+        P, k = self.mesh.num_stages, self.next_step
+        if self.schedule == "1f1b" or k < self.sync_start_steps:  # flushed: b_k on x_k, as the simulator's sync step
+            if not self.drained:  # (a 1F1B pipeline never opens a stream)
                 raise RuntimeError(f"synchronous step {k} after a 2BW stream was opened (sync steps come first)")
             self._execute(self._sync_window(m, k))
         else:

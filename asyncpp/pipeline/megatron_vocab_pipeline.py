@@ -10,9 +10,11 @@ in the per-call windows of pipeline/vocab_windows.py.
 What differs from Pipeline2BW's contract, and why:
 - The loss is the head's: the mean cross entropy of every token of the microbatch over the whole vocabulary,
   computed by the stages together (VocabHead's T). The last stage's forward ends at the final norm, so the user's
-  loss_func is not called (it would receive hidden states): `loss_mask` is not applied (every token counts, as a
-  mask of ones), and forward_data_store gets, per microbatch, {"lm loss": [loss sum, tokens]} (pretrain_gpt's
-  report) from the head, in call k for b_k.
+  loss_func is not called (it would receive hidden states): pretrain_gpt's `loss_mask` is given as a hook,
+  `loss_mask(sample)` -> [mb, seq] (like input_ids; without it every token counts, a mask of ones), and the loss is
+  then sum(loss * mask) / sum(mask) per microbatch, as pretrain_gpt's loss_func with the front-end's division by
+  num_tokens. forward_data_store gets, per microbatch, {"lm loss": [loss sum, tokens]} (pretrain_gpt's report:
+  tokens = sum(mask)) from the head, in call k for b_k.
 - The labels: every stage's forward_step_func must pass `labels=` to the model (pretrain_gpt's get_batch on every
   stage): the rows of every stage need them. They are taken from the model call's keyword, by (step, microbatch).
 - The gradient's 1/m: the head's gradient is that of each microbatch's mean loss, so the engine's reduction scales
@@ -21,14 +23,14 @@ What differs from Pipeline2BW's contract, and why:
   Pipeline2BW's 1/m: the same 1/m reaches them through the reduction (the simulator's convention too: sum, then
   divide). Its experts are reduced over the expert-data-parallel group as in Pipeline2BW (param_layouts).
   fp16 loss scaling (config.grad_scale_func): the T passes seed the backward with the scale (VocabHead.loss_scale),
-  the aux losses are back-propagated at that scale too, and the reduction scales by 1/(m x scale). A synchronous
-  start step is the head's stream of that one step with delay 0.
+  the aux losses are back-propagated at that scale too, and the reduction scales by 1/(m x scale). A flushed step
+  (every call under schedule="1f1b", each synchronous start step under "2bw") is the head's placed stream of that one
+  step with delay 0: b_k on x_k, its update applied in call k (the flushed 1F1B baseline on the same spread model).
 A tied model keeps its whole table on the first stage: that stage's head rows are the table's own rows, every other
 stage's a copy, their gradients summed with the table's over every stage (reduction.RowsOfTied, as asyncpp's own
 pipeline does). A sharded input embedding (VocabSpreadStage(embedding=True); give `input_ids`): every stage's E looks
 its rows up (VocabEmbedding), the first stage's megatron lookup is replaced by their sum (a forward hook on its
-word_embeddings: megatron adds the position embeddings to it as to its own), G takes the rows' gradient. Not built
-here (refused by name): the 1f1b schedule.
+word_embeddings: megatron adds the position embeddings to it as to its own), G takes the rows' gradient.
 TP (and SP): every (stage, TP rank) holds its piece of the stage's rows (megatron_vocab.rows_of_rank), the statistics
 are gathered over every stage and TP rank, and the last stage's head input enters megatron's TP region as its
 output_layer's does (_head_input); untied and with the embedding whole only (megatron_vocab.check_spread_tp).
@@ -58,12 +60,11 @@ from asyncpp.pipeline.vocab_head import VocabHead
 from asyncpp.pipeline.vocab_windows import DONE_CALLS, drain_2bw_vocab, window_2bw_vocab
 from asyncpp.schedules.actions import Action
 
-_KIND = "2bw"
+_KIND = "2bw"  # the delayed stream's (schedule="1f1b" runs flushed steps only: _sync_window)
 
 
 def _refusals(model: VocabSpreadStage, mesh: Mesh, kwargs: dict) -> dict[str, object]:
     return {
-        "schedule": kwargs.get("schedule", _KIND) != _KIND and kwargs["schedule"],
         "tied (VocabPipeline2BW takes the VocabSpreadStage's own `tied`: pass none)":
             list(kwargs.get("tied", ())) and "a given tied weight",
         "a sharded embedding without input_ids (the tokens of a sample: its E passes read them ahead of the "
@@ -77,10 +78,12 @@ class VocabPipeline2BW(Pipeline2BW):
     DONE_CALLS = DONE_CALLS
 
     def __init__(self, model: VocabSpreadStage, optimizer, mesh: Mesh, *, split: VocabSplit,
-                 input_ids: Callable[[Any], Tensor] | None = None, **kwargs):
+                 input_ids: Callable[[Any], Tensor] | None = None, loss_mask: Callable[[Any], Tensor] | None = None,
+                 **kwargs):
         """input_ids(sample): the token ids [mb, seq] of one item of the data_iterator (needed with the embedding
         sharded: every stage's E pass of microbatch j of the call reads the call's j-th sample, ahead of its
-        forward_step; the sample is then handed to forward_step_func as usual)."""
+        forward_step; the sample is then handed to forward_step_func as usual). loss_mask(sample): its [mb, seq]
+        loss mask (pretrain_gpt's get_batch's), read on every stage after the sample's forward (module docstring)."""
         if not isinstance(model, VocabSpreadStage):
             raise TypeError(f"VocabPipeline2BW takes a VocabSpreadStage (megatron_vocab.py), got {type(model).__name__}")
         for name, value in _refusals(model, mesh, {**kwargs, "input_ids": input_ids}).items():
@@ -90,7 +93,9 @@ class VocabPipeline2BW(Pipeline2BW):
         if mesh.vocab_groups is None:
             raise ValueError("the spread head needs the mesh's vocabulary groups: Mesh.from_megatron(device, "
                              "vocab_head=True) on every rank")
-        self.split, self.input_ids = split, input_ids
+        self.split, self.input_ids, self.loss_mask = split, input_ids, loss_mask
+        self._masks: dict[tuple[int, int], Tensor] = {}  # (t, j) -> its loss mask, from its forward to its S
+        self._mask_tokens: dict[tuple[int, int], float] = {}  # the last stage's sum(mask) per (t, j), for _report
         self._embedding_input: Tensor | None = None  # the first stage's E sum for the forward running now
         if model.embedding_sharded and mesh.is_first_stage:  # megatron's lookup is replaced by the sum of the E's
             _gpt(model).embedding.word_embeddings.register_forward_hook(self._summed_lookup)
@@ -101,6 +106,7 @@ class VocabPipeline2BW(Pipeline2BW):
         model.register_forward_pre_hook(self._take_labels, with_kwargs=True)
         super().__init__(model, optimizer, mesh, **kwargs)
         self.head = self.engine.part(VocabHead)
+        self.head.weights = self._mask_of if loss_mask is not None else None
 
     def _build_engine(self, plan: StagePlan, model: nn.Module, optimizer, tied: Iterable[nn.Parameter]):
         param, row0 = model.head_param()
@@ -145,9 +151,10 @@ class VocabPipeline2BW(Pipeline2BW):
         return 1.0
 
     def _sync_window(self, m: int, step: int) -> list[Action]:
-        """A synchronous step: the head's stream of the one step with delay 0 (b_step on x_step), flushed."""
-        placement = vocab_placement(_KIND, m, self.split)
-        stages = vocab_pipeline(_KIND, m, [0], self.split, placement)
+        """A flushed step (every 1F1B call, a synchronous start step of 2BW): the schedule's placed head stream of the
+        one step with delay 0 (b_step on x_step, its update at the end), the same on every rank."""
+        placement = vocab_placement(self.schedule, m, self.split)
+        stages = vocab_pipeline(self.schedule, m, [0], self.split, placement)
         return absolute_steps(stages[self.mesh.pp_rank], [0] * (step + 1), step)
 
     def _set_activation_shape(self, seq_length: int, micro_batch_size: int) -> None:
@@ -160,6 +167,22 @@ class VocabPipeline2BW(Pipeline2BW):
 
     def _labels_of(self, step: int, microbatch: int) -> Tensor:
         return self._labels.pop((step, microbatch))
+
+    def _mask_of(self, step: int, microbatch: int) -> Tensor:
+        return self._masks.pop((step, microbatch))
+
+    def _take_mask(self, step: int, microbatch: int) -> Tensor | None:
+        """The loss mask of the call's `microbatch`-th sample (the loss_mask hook), kept for its S; the last stage
+        also keeps its token count for the report."""
+        if self.loss_mask is None:
+            return None
+        mask = self.loss_mask(self._call.data_iterator.sample(microbatch)).detach()
+        if mask.shape != self._pending_labels.shape:
+            raise ValueError(f"loss_mask(sample) gave shape {tuple(mask.shape)}, but the microbatch's labels are "
+                             f"{tuple(self._pending_labels.shape)}: return one weight per label ([mb, seq])")
+        if self.mesh.is_last_stage:
+            self._mask_tokens[(step, microbatch)] = float(mask.float().sum())
+        return mask
 
     def _tokens_of(self, step: int, microbatch: int) -> Tensor:
         """(t, j)'s token ids, read by its E (the j-th sample of call t: vocab_windows runs b_t's E's in call t) and
@@ -185,6 +208,9 @@ class VocabPipeline2BW(Pipeline2BW):
             raise ValueError("forward_step_func called the model without labels=: with the output layer spread over "
                              "the stages every stage's rows need each microbatch's labels (pass them on every stage)")
         self._labels[(step, microbatch)] = self._pending_labels.detach()
+        mask = self._take_mask(step, microbatch)
+        if mask is not None:
+            self._masks[(step, microbatch)] = mask
         return out
 
     def _forward_step(self, call, x: Tensor | None) -> Tensor:
@@ -212,9 +238,11 @@ class VocabPipeline2BW(Pipeline2BW):
         config = _gpt(self.model).config
         return enter_region(output.transpose(0, 1), self.mesh.tp_group, config.sequence_parallel)
 
-    def _report(self, loss: Tensor | float) -> None:
-        """Megatron's report of one microbatch's mean loss: {"lm loss": [loss sum, tokens]} (pretrain_gpt's)."""
-        tokens = float(self.head.hidden_shape[0] * self.head.hidden_shape[1])
+    def _report(self, loss: Tensor | float, tokens: float | None = None) -> None:
+        """Megatron's report of one microbatch's mean loss: {"lm loss": [loss sum, tokens]} (pretrain_gpt's; tokens:
+        sum(loss mask), every token without one)."""
+        if tokens is None:
+            tokens = float(self.head.hidden_shape[0] * self.head.hidden_shape[1])
         total = torch.as_tensor(loss, dtype=torch.float64).detach() * tokens
         self._call.store.append({"lm loss": torch.stack([total, torch.tensor(tokens, dtype=torch.float64)])})
 
@@ -222,8 +250,8 @@ class VocabPipeline2BW(Pipeline2BW):
         """The last stage's T losses of this call's b_k (vocab_windows runs them in call k)."""
         if self._call is None or not self.mesh.is_last_stage:
             return
-        for loss in self.engine.take_losses(self.next_step):
-            self._report(loss)
+        for j, loss in enumerate(self.engine.take_losses(self.next_step)):
+            self._report(loss, self._mask_tokens.pop((self.next_step, j), None))
 
     @torch.no_grad()
     def _forward_only(self, m: int) -> None:
@@ -248,9 +276,10 @@ class VocabPipeline2BW(Pipeline2BW):
                 raise ValueError("forward_step_func called the model without labels=: every stage's rows need them")
             if not last:
                 comm.send_forward(out)
-            loss = self.head.evaluate(out if last else None, self._pending_labels)
+            mask = None if self.loss_mask is None else self.loss_mask(data.sample(i)).detach()
+            loss = self.head.evaluate(out if last else None, self._pending_labels, mask)
             if last:
-                self._report(loss)
+                self._report(loss, None if mask is None else float(mask.float().sum()))
         comm.flush()
 
 

@@ -52,6 +52,7 @@ class _Pass:
     targets: Tensor  # [N], full-vocabulary ids
     gathered: Tensor  # [P x 3, N] once the all-gather has completed
     work: object  # the all-gather; None once waited for
+    weights: Tensor | None = None  # [N] fp32, each token's share of the loss (VocabHead.weights); None: 1/N each
 
 
 def shard_statistics_(logits: Tensor, targets: Tensor, shard: VocabShard) -> Tensor:
@@ -88,23 +89,36 @@ def combine_statistics(gathered: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return top, total, targets.sum(dim=0)
 
 
-def mean_loss(gathered: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def mean_loss(gathered: Tensor, weights: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(global max, sum of exponentials, the mean cross entropy over the whole vocabulary) from the gathered
-    statistics: log(sum) + max - target logit, per token, averaged."""
+    statistics: log(sum) + max - target logit, per token, averaged (`weights` [N]: weighted by them instead,
+    token_weights' normalised loss mask)."""
     top, total, target_logit = combine_statistics(gathered)
-    return top, total, (torch.log(total) + top - target_logit).mean()
+    per_token = torch.log(total) + top - target_logit
+    return top, total, per_token.mean() if weights is None else (per_token * weights).sum()
+
+
+def token_weights(loss_mask: Tensor) -> Tensor:
+    """A microbatch's loss mask [N] as each token's share of its loss: mask / sum(mask) in fp32 (pretrain_gpt's
+    sum(loss * mask) / num_tokens; an all-zero mask gives zeros, as the front-end's num_tokens.clamp(min=1))."""
+    mask = loss_mask.reshape(-1).float()
+    return mask / mask.sum().clamp(min=1)
 
 
 def logits_gradient(exps: Tensor, stats: Tensor, targets: Tensor, shard: VocabShard, top: Tensor, total: Tensor,
-                    *, inplace: bool = False) -> Tensor:
+                    *, inplace: bool = False, weights: Tensor | None = None) -> Tensor:
     """d(mean cross entropy)/d(this shard's logits), fp32 [N, rows]: (softmax - onehot) / N, from `exps` and `stats`
     as shard_statistics_ left them (exp(logit - the shard's max) and the shard's [3, N] statistics). `inplace`:
     formed in the exps' own buffer (T's use: they are not needed after it, and a second [N, rows] fp32 buffer would
-    be the largest transient of the head, 3 GiB at moe_2b's P=2)."""
+    be the largest transient of the head, 3 GiB at moe_2b's P=2). `weights` [N]: each token's share of the loss
+    (token_weights) in place of 1/N."""
     n = exps.shape[0]
     # softmax = exp(logit - shard max) * exp(shard max - global max) / sum: the per-token factor, with the 1/N,
     # is one multiplication over [N, rows]. An empty shard's -inf max gives a factor of 0 over no columns.
-    scale = torch.exp(stats[0] - top - torch.log(total) - math.log(n))
+    if weights is None:
+        scale = torch.exp(stats[0] - top - torch.log(total) - math.log(n))
+    else:
+        scale = torch.exp(stats[0] - top - torch.log(total)) * weights
     grad = exps if inplace else exps.clone()
     grad.mul_(scale.unsqueeze(-1))
     if shard.rows == 0:
@@ -113,7 +127,8 @@ def logits_gradient(exps: Tensor, stats: Tensor, targets: Tensor, shard: VocabSh
     # selecting the rows first (nonzero) would size a tensor from the values, a host sync on CUDA.
     inside = (targets >= shard.start) & (targets < shard.end)
     local = (targets - shard.start).clamp(0, shard.rows - 1).unsqueeze(-1)
-    return grad.scatter_add_(1, local, inside.to(grad.dtype).mul_(-1.0 / n).unsqueeze(-1))
+    onehot = inside.to(grad.dtype).mul_(-1.0 / n) if weights is None else inside.to(grad.dtype) * -weights
+    return grad.scatter_add_(1, local, onehot.unsqueeze(-1))
 
 
 class VocabHead(Part):
@@ -151,6 +166,10 @@ class VocabHead(Part):
         self.loss_scale = 1.0
         """fp16 loss scaling: T seeds the backward with the loss's gradient times this (the Megatron front-end's
         config.grad_scale_func scale; the step's reduction divides it out before the norm)."""
+        self.weights: Callable[[int, int], Tensor] | None = None
+        """weights(step, microbatch): the microbatch's loss mask (the Megatron front-end's loss_mask hook), read by
+        its S; the loss and its gradient weight each token by mask / sum(mask) (token_weights). None: every token
+        1/N (asyncpp's own pipeline)."""
 
     @classmethod
     def memory_items(cls, held: VocabHeld, *, tokens: int, rows: int, hidden: int, num_stages: int,
@@ -252,10 +271,11 @@ class VocabHead(Part):
         or received_hidden's); starts their all-gather."""
         flat = hidden.detach().reshape(-1, hidden.shape[-1])
         targets = self.labels(step, microbatch).reshape(-1)
+        weights = None if self.weights is None else token_weights(self.weights(step, microbatch)).to(flat.device)
         exps, stats, gathered, work = self._start_statistics(flat, targets)
         self.passes += 1
         self.logits_widths.add(exps.shape[-1])
-        self._passes[(step, microbatch)] = _Pass(flat, exps, stats, targets, gathered, work)
+        self._passes[(step, microbatch)] = _Pass(flat, exps, stats, targets, gathered, work, weights)
         self.held_peak = max(self.held_peak, len(self._passes))
 
     @torch.no_grad()
@@ -280,9 +300,9 @@ class VocabHead(Part):
         UPDATE_START(t) and starts the reduce of the partial input gradient."""
         self.await_statistics(step, microbatch, what)
         p = self._passes.pop((step, microbatch))
-        top, total, loss = mean_loss(p.gathered)
+        top, total, loss = mean_loss(p.gathered, p.weights)
         with torch.no_grad():
-            grad = logits_gradient(p.exps, p.stats, p.targets, self.shard, top, total, inplace=True)
+            grad = logits_gradient(p.exps, p.stats, p.targets, self.shard, top, total, inplace=True, weights=p.weights)
             if self.loss_scale != 1.0:
                 grad.mul_(self.loss_scale)
             grad = grad.to(self.dtype)
@@ -337,8 +357,9 @@ class VocabHead(Part):
         loss = self.evaluate(hidden, labels)
         return loss if self.mesh.is_last_stage else None
 
-    def evaluate(self, hidden: Tensor | None, targets: Tensor) -> float:
-        """The loss of one validation batch over the whole vocabulary, on every stage (blocking)."""
+    def evaluate(self, hidden: Tensor | None, targets: Tensor, loss_mask: Tensor | None = None) -> float:
+        """The loss of one validation batch over the whole vocabulary, on every stage (blocking); with `loss_mask`,
+        its masked mean (token_weights)."""
         if hidden is None:
             hidden = torch.empty(self.hidden_shape_of(targets), dtype=self.dtype, device=self.mesh.device)
         hidden = hidden.contiguous()
@@ -346,7 +367,8 @@ class VocabHead(Part):
                   "the vocabulary-parallel head's broadcast of a validation batch")
         _, _, gathered, work = self._start_statistics(hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1))
         self.wait(work, "the vocabulary-parallel head's all-gather of a validation batch's statistics")
-        return float(mean_loss(gathered)[2])
+        weights = None if loss_mask is None else token_weights(loss_mask).to(hidden.device)
+        return float(mean_loss(gathered, weights)[2])
 
     def hidden_shape_of(self, targets: Tensor) -> tuple[int, ...]:
         return (*targets.shape, self.hidden_shape[-1])

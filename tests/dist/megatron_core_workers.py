@@ -62,6 +62,8 @@ VOCAB, SEQ, MICRO_BATCH, HIDDEN, LAYERS, HEADS = 64, 16, 2, 32, 4, 4
 @dataclass(frozen=True)
 class Case:
     name: str
+    schedule: str = "2bw"
+    """get_forward_backward_func's: "2bw", or "1f1b" (every call flushed; the reference's every step synchronous)."""
     pp: int = 2
     """Pipeline stages: megatron splits the LAYERS layers evenly (get_num_layers_to_build)."""
     tp: int = 1
@@ -89,6 +91,9 @@ class Case:
     """With `vocab`: the input embedding sharded by the same rows (VocabSpreadStage(embedding=True))."""
     sp: bool = False
     """Sequence parallelism (needs tp > 1): megatron_cpu's SequenceParallelLayerNorm in every norm."""
+    loss_mask: bool = False
+    """pretrain_gpt's loss_mask not all ones (masked_loss_mask: 4 positions of every sample masked, where depends on
+    the sample); with `vocab`, given to VocabPipeline2BW as its loss_mask hook."""
     loss_scale: float | None = None
     """fp16-style loss scaling: config.grad_scale_func multiplies the loss by this (None: no grad_scale_func)."""
     overflow_step: int | None = None
@@ -146,12 +151,23 @@ def build_gpt(case: Case, pp: int, pre_process: bool, post_process: bool) -> GPT
                     share_embeddings_and_output_weights=case.tied)
 
 
-def get_batch(data_iterator):
+def get_batch(data_iterator, masked: bool = False):
     """pretrain_gpt's get_batch (every stage reads the microbatch; each uses what it needs)."""
     sample = next(data_iterator)
     tokens, labels = sample[:, :-1], sample[:, 1:]
     position_ids = torch.arange(tokens.size(1)).expand_as(tokens)
-    return tokens, labels, torch.ones_like(labels, dtype=torch.float), megatron_cpu.causal_mask(tokens.size(1)), position_ids
+    mask = masked_loss_mask(sample) if masked else torch.ones_like(labels, dtype=torch.float)
+    return tokens, labels, mask, megatron_cpu.causal_mask(tokens.size(1)), position_ids
+
+
+def masked_loss_mask(sample: Tensor) -> Tensor:
+    """[mb, seq]: 0 at 4 consecutive positions of each sample, starting where its first token says (as a prompt's
+    tokens are masked out), 1 elsewhere: the same count per microbatch, so the reported per-token mean over the step
+    equals the mean of the microbatches' masked means (the reference's)."""
+    mb, seq = sample.shape[0], sample.shape[1] - 1
+    start = sample[:, :1] % (seq - 4)
+    pos = torch.arange(seq).expand(mb, seq)
+    return ((pos < start) | (pos >= start + 4)).float()
 
 
 def loss_func(loss_mask: Tensor, output_tensor: Tensor):
@@ -163,8 +179,8 @@ def loss_func(loss_mask: Tensor, output_tensor: Tensor):
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])}
 
 
-def forward_step(data_iterator, model: GPTModel):
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+def forward_step(data_iterator, model: GPTModel, masked: bool = False):
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, masked)
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
     return output_tensor, functools.partial(loss_func, loss_mask)
 
@@ -211,7 +227,7 @@ def reference_run(case: Case) -> dict:
     at = {"step": 0}
 
     def lm_loss(model: GPTModel, sample: Tensor) -> Tensor:
-        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(iter([sample]))
+        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(iter([sample]), case.loss_mask)
         loss = (model(tokens, position_ids, attention_mask, labels=labels) * loss_mask).sum() / loss_mask.sum()
         return GradTimes.apply(loss, math.inf) if at["step"] == case.overflow_step else loss
 
@@ -219,7 +235,7 @@ def reference_run(case: Case) -> dict:
     sim = DelayedUpdateSimulator(model, opt, [1] * len(params), loss_fn=lm_loss, grad_clip=case.grad_clip,
                                  ef_lambda=case.ef_lambda, grad_ef_lambda=case.grad_ef_lambda,
                                  dc_lambda=case.dc_lambda, weight_prediction=case.weight_prediction,
-                                 sync_step=lambda t: t < case.sync_start_steps,
+                                 sync_step=lambda t: case.schedule == "1f1b" or t < case.sync_start_steps,
                                  routers=megatron_balanced_routers(model))
     data, n = data_for(case), case.num_microbatches * case.dp  # replica by replica, as the pipeline reads them
     stats, biases = [], {0: router_biases(sim.balancing, 0, lambda name: name)} if sim.balancing else {}
@@ -304,15 +320,17 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
     split = vocab_split_of(model, seq_len=SEQ, micro_batch_size=MICRO_BATCH,
                            embedding=case.vocab_embedding) if case.vocab else None
     stage = VocabSpreadStage(model, mesh, split, embedding=case.vocab_embedding) if case.vocab else model
-    engine = (functools.partial(VocabPipeline2BW, split=split, input_ids=lambda sample: sample[:, :-1])
+    engine = (functools.partial(VocabPipeline2BW, split=split, input_ids=lambda sample: sample[:, :-1],
+                                loss_mask=masked_loss_mask if case.loss_mask else None)
               if case.vocab else Pipeline2BW)
+    step = functools.partial(forward_step, masked=case.loss_mask)
     # Megatron's TP layout for Muon (param_layouts): a sharded matrix is gathered and orthogonalised whole.
     optimizer = build_optimizer(stage, name=case.optimizer, lr=0.01, sharding=optimizer_sharding(stage),
                                 tp_group=mesh.tp_group)
     muon = MuonWatch(optimizer, model, mesh)
     layout_refusal = unaware_muon_refusal(model, mesh) if case.optimizer == "muon" and case.tp > 1 else None
     fp16_refusal = half_model_refusal(case, mesh, pre, post) if case.loss_scale is not None else None
-    fwd_bwd = get_forward_backward_func("2bw", engine_factory=lambda schedule: engine(
+    fwd_bwd = get_forward_backward_func(case.schedule, engine_factory=lambda schedule: engine(
         stage, optimizer, mesh, schedule=schedule, hidden_size=HIDDEN, grad_clip=case.grad_clip,
         ef_lambda=case.ef_lambda, grad_ef_lambda=case.grad_ef_lambda, dc_lambda=case.dc_lambda,
         weight_prediction=case.weight_prediction, tied=tied, sequence_first=True,
@@ -325,6 +343,7 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
     partial_tp = PartialTpWatch(pipeline, model)
     train_iter = replica_microbatches(case, mesh.dp_rank)
     losses, applied, scales, scale_refusal, biases = [], [], [], None, {}
+    tokens = []  # the last stage: each microbatch's reported token count (pretrain_gpt's sum(loss_mask))
     balancing = pipeline.engine.update.balancing
 
     def keep_biases() -> None:  # every version the stage holds now (a version, once made, never changes)
@@ -334,11 +353,12 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
             scale["now"] = math.inf if k == case.overflow_step else case.loss_scale
             if k == case.steps - 1:  # a stream is open: a new scale is refused before anything runs
                 scale_refusal = changed_scale_refusal(fwd_bwd, stage, train_iter, case, scale)
-        store = fwd_bwd(forward_step_func=forward_step, data_iterator=train_iter, model=[stage],
+        store = fwd_bwd(forward_step_func=step, data_iterator=train_iter, model=[stage],
                         num_microbatches=case.num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH)
         if store:  # the last stage: per-token mean of the step, as Megatron's training_log reduces it
             total = torch.stack([d["lm loss"] for d in store]).double().sum(0)
             losses.append(float(total[0] / total[1]))
+            tokens += [float(d["lm loss"][1]) for d in store]
         applied.append(pipeline.applied_step)
         keep_biases()
         scales.append(pipeline.engine.update.reduction.grad_scale)
@@ -349,7 +369,7 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
     keep_biases()
     valid = None
     if case.vocab:  # an evaluation through the drained pipeline (the spread head's forward_only path)
-        store = fwd_bwd(forward_step_func=forward_step, data_iterator=iter(eval_microbatches(case)), model=[stage],
+        store = fwd_bwd(forward_step_func=step, data_iterator=iter(eval_microbatches(case)), model=[stage],
                         num_microbatches=case.num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
                         forward_only=True)
         if store:  # the last stage
@@ -363,6 +383,7 @@ def pipeline_run(case: Case, mesh: Mesh, init: dict[str, Tensor]) -> dict:
     grad_norms = {t: r.grad_norm for t, r in pipeline.records.items()}
     return {
         "case": asdict(case), "stage": mesh.pp_rank, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank,
+        "mask_tokens": tokens or None,
         "ep_rank": mesh.ep_rank, "losses": losses, "router_bias": biases, "applied": applied, "eval": valid, "checkpoint": checkpoint,
         "grad_norms": grad_norms, "skipped": {t: r.skipped for t, r in pipeline.records.items()},
         "grad_scales": scales, "scale_refusal": scale_refusal, "fp16_refusal": fp16_refusal,

@@ -172,6 +172,11 @@ def _layouts() -> dict[str, Layout]:
                example=("--train-iters", "5", "--eval-interval", "2", "--num-layers", "4", "--hidden-size", "32",
                         "--seq-length", "16", "--micro-batch-size", "2", "--num-microbatches", "4", "--pp", "4",
                         "--vocab-parallel-head", "--vocab-parallel-embedding")),
+        # ... under the flushed 1F1B baseline (every call the head's placed stream of its one step, update included)
+        Layout("megatron-core-example-P4-vocab-embedding-1f1b", make_config(parallel={"pp": 4}),
+               example=("--train-iters", "5", "--eval-interval", "2", "--num-layers", "4", "--hidden-size", "32",
+                        "--seq-length", "16", "--micro-batch-size", "2", "--num-microbatches", "4", "--pp", "4",
+                        "--vocab-parallel-head", "--vocab-parallel-embedding", "--schedule", "1f1b")),
         # the output layer spread over the stages and each stage's rows over its TP ranks, with SP (the statistics
         # gathered over every stage and TP rank, the head's input entering the TP region) and a checkpoint of the rows
         Layout("megatron-core-example-P2-TP2-SP-vocab-head", make_config(parallel={"pp": 2, "tp": 2}),
