@@ -134,6 +134,9 @@ class StageTimer:
         self._origin_mark, self.origin_s = self.clock.origin()
         self._done: list[TimelineEvent] = []
         self._busy_s = 0.0  # sum of the resolved busy events' durations, in resolution order (busy())
+        # The latest end of a resolved event: not the last-resolved one's, as events are added out of end order (an
+        # UPDATE's idle wait is added after its U, and ends where U starts).
+        self._latest_s = 0.0
         # (action, start mark, end mark, kind) not resolved yet, in the order they were added.
         self._pending: deque[tuple[Action, Mark, Mark, str]] = deque()
 
@@ -170,7 +173,7 @@ class StageTimer:
         """Forget every event recorded so far, pending ones too (without waiting for them)."""
         self._done.clear()
         self._pending.clear()
-        self._busy_s = 0.0
+        self._busy_s = self._latest_s = 0.0
 
     def elapsed(self) -> float:
         """Seconds from the origin to now on this clock: on CUDA, until the work queued so far is done."""
@@ -185,7 +188,7 @@ class StageTimer:
         CUDA only the events the device has already reached count, so reading it every few steps syncs
         nothing. Their ratio is the stage's busy share so far (up to that event)."""
         self._resolve(block=False)
-        return self._busy_s, (self._done[-1].end if self._done else 0.0)
+        return self._busy_s, self._latest_s
 
     def mean_durations(self) -> dict[str, float]:
         """Mean duration of each kind of event (F, B, U0, U, idle): per-op costs for the cost model. An update
@@ -228,6 +231,7 @@ class StageTimer:
             if kind == "idle" and t1 - t0 < MIN_IDLE_S:
                 continue
             self._done.append(TimelineEvent(self.stage, str(action), t0, t1, kind, action.step, action.microbatch))
+            self._latest_s = max(self._latest_s, t1)
             if kind not in NOT_BUSY:
                 self._busy_s += t1 - t0
 

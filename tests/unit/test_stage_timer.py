@@ -197,6 +197,29 @@ def test_snapshot_counts_only_what_the_device_reached_and_never_waits() -> None:
     assert timer.busy() == 2.0
 
 
+def test_snapshot_spans_to_the_latest_end_whatever_order_the_events_came_in() -> None:
+    """engine._update adds U (its apply) and then the idle wait before it, which ends where U starts: the snapshot's
+    elapsed is the latest end, so busy never exceeds it (it did: the log line's bubble went negative, -0.088, in a
+    fresh-clone run of tests/dist/test_batch_rampup.py, when the wait was longer than MIN_IDLE_S)."""
+    timer, dev = fake_timer()
+    timer.restart()
+    s = timer.now()
+    dev.now = 1.0
+    timer.add(F0, s, timer.now())  # F: 0 -> 1
+    wait_start = timer.now()
+    dev.now = 1.5
+    start = timer.now()
+    dev.now = 3.0
+    timer.add(U0, start, timer.now())  # U: 1.5 -> 3
+    timer.add(U0, wait_start, start, kind="idle")  # the wait: 1 -> 1.5, added last
+    dev.reached = 3.0
+    busy, elapsed = timer.snapshot()
+    assert (busy, elapsed) == (2.5, 3.0) and busy <= elapsed
+    assert timer.events[-1].kind == "idle" and timer.events[-1].end == 1.5  # the last-added event ends earlier
+    timer.clear()
+    assert timer.snapshot() == (0.0, 0.0)
+
+
 def test_the_pipeline_bubble_of_every_ranks_rows() -> None:
     from asyncpp.pipeline.bubble import bubble_of
 
