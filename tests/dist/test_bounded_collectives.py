@@ -21,6 +21,7 @@ from asyncpp.parallel import collectives, experts
 from asyncpp.parallel.collectives import CollectiveTimeout
 from asyncpp.pipeline.build import build_rank_stage
 from asyncpp.pipeline.compose import pipeline_executor
+from asyncpp.train.run_identity import EXIT_CRASHED, read_exit
 from tests.dist.harness import run_ranks
 from tests.dist.workers import data_for, make_config, pipeline_rank, rank_layout
 
@@ -134,7 +135,7 @@ def test_pretrain_under_torchrun_exits_with_the_crash_code_and_the_message(tmp_p
     """The whole path a user sees: pretrain.py under torchrun, rank 1 silent inside the expert all-to-all for
     longer than train.timeout_s. Rank 0 prints the CollectiveTimeout naming its stage, the group and the
     operation and exits 1, docs/launch.md's crash code (retried by the launchers), not SIGABRT (-6) from a gloo
-    thread left pending at exit, and nothing is recorded as a deliberate exit."""
+    thread left pending at exit, and the exit record is a crash's (EXIT_CRASHED), not a deliberate exit's."""
     from tests.dist.test_torchrun import ROOT
 
     wrapper = tmp_path / "silent_peer.py"
@@ -155,5 +156,9 @@ def test_pretrain_under_torchrun_exits_with_the_crash_code_and_the_message(tmp_p
     codes = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", out)
     assert ("0", "1") in codes, (codes, out[-3000:])
     assert "terminate called" not in out, out[-3000:]
-    assert not exit_file.exists()  # a crash: the launchers retry it (docs/launch.md)
+    # The exit record is the first failing rank's crash (EXIT_CRASHED, since issue 44), not a deliberate code: the
+    # launchers retry it (docs/launch.md). (This line asserted no record at all, from before crashes were recorded.)
+    recorded = read_exit(exit_file)
+    assert recorded is not None and recorded[0] == EXIT_CRASHED, recorded
+    assert recorded[1].startswith("rank 0 failed at step 0") and "CollectiveTimeout" in recorded[1], recorded
     assert time.monotonic() - started < TIMEOUT_S + 20 + 60  # failed at the timeout, not torch's 30 min
