@@ -88,11 +88,14 @@ def _snapshot(root: Path) -> dict[str, str]:
 
 APPENDED = ("metrics.jsonl", "pretrain.log")
 """A run that continues its history appends to these: what was there must stay, as a prefix."""
+REWRITTEN = ("memory_plan.txt",)
+"""Written anew by every start (job.MEMORY_PLAN_FILE: the memory plan of the layout running now, issue 47's quiet
+console), so a resume at another microbatch shape replaces it: a report of the present, not work."""
 
 
 def _lost(before: dict[str, str], root: Path, appended: dict[str, bytes] | None = None) -> list[str]:
     after = _snapshot(root)
-    changed = [name for name, digest in before.items() if after.get(name) != digest]
+    changed = [name for name, digest in before.items() if after.get(name) != digest and name not in REWRITTEN]
     appended = appended or {}
     return [n for n in changed if n not in appended or not (root / n).read_bytes().startswith(appended[n])]
 
