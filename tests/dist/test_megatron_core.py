@@ -104,12 +104,21 @@ def references():
     return of
 
 
+def run_cases(cases: list[Case], refs: dict | None = None, timeout_per_case: float = 120.0
+              ) -> tuple[dict, dict[str, list[dict]]]:
+    """The cases' single-process references (`refs` if given) and the pipeline's run of them, one job at their common
+    world size: (references by case name, {case name: every rank's report})."""
+    dicts = [dataclasses.asdict(c) for c in cases]
+    if refs is None:
+        refs = run_ranks(reference_rank, 1, dicts)[0]
+    (world,) = {c.pp * c.tp * c.dp for c in cases}
+    per_rank = run_ranks(pipeline_rank, world, dicts, refs, timeout=timeout_per_case * len(cases))
+    return refs, {c.name: [r[i] for r in per_rank] for i, c in enumerate(cases)}
+
+
 def run_pipeline(group: str, references) -> dict[str, list[dict]]:
-    cases = CASES[group]
     # ~20 s per case of four processes on an idle 2-core box (below); the bound leaves room for a loaded box
-    per_rank = run_ranks(pipeline_rank, world_of(group), [dataclasses.asdict(c) for c in cases], references(group),
-                         timeout=120.0 * len(cases))
-    return {c.name: [r[i] for r in per_rank] for i, c in enumerate(cases)}
+    return run_cases(CASES[group], references(group))[1]
 
 
 @pytest.fixture(scope="module")

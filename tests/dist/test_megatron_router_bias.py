@@ -15,7 +15,6 @@ of a whole rate.
 
 from __future__ import annotations
 
-import dataclasses
 import types
 
 import pytest
@@ -25,9 +24,9 @@ from asyncpp.pipeline.megatron_balancing import check_router_bias
 from examples.megatron_2bw import parse_args
 from tests.dist.harness import run_ranks
 from tests.dist.megatron_checkpoint_workers import example_rank, unsplit_rank
-from tests.dist.megatron_core_workers import LAYERS, ROUTER_BIAS, Case, pipeline_rank, reference_rank
+from tests.dist.megatron_core_workers import LAYERS, ROUTER_BIAS, Case
 from tests.dist.test_megatron_checkpoint import ARGS, tensors
-from tests.dist.test_megatron_core import check_corrections_acted, check_equals_reference, check_megatron_ran
+from tests.dist.test_megatron_core import check_corrections_acted, check_equals_reference, check_megatron_ran, run_cases
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
 
@@ -40,11 +39,7 @@ CASES = {
 
 
 def run(group: str) -> tuple[dict, dict[str, list[dict]]]:
-    cases = [dataclasses.asdict(c) for c in CASES[group]]
-    refs = run_ranks(reference_rank, 1, cases)[0]
-    (world,) = {c.pp * c.tp * c.dp for c in CASES[group]}
-    per_rank = run_ranks(pipeline_rank, world, cases, refs, timeout=120.0 * len(cases))
-    return refs, {c.name: [r[i] for r in per_rank] for i, c in enumerate(CASES[group])}
+    return run_cases(CASES[group])
 
 
 def check_router_bias_equals_reference(ranks: list[dict], ref: dict) -> None:

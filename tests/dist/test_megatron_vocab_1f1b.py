@@ -14,19 +14,17 @@ and keep two).
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from examples.megatron_2bw import parse_args as parse_example_args
-from tests.dist.harness import run_ranks
-from tests.dist.megatron_core_workers import Case, pipeline_rank, reference_rank
+from tests.dist.megatron_core_workers import Case
 from tests.dist.test_megatron_core import (
     check_equals_reference,
     check_megatron_ran,
     check_vocab_checkpoint_loads_unsplit,
     check_vocab_head_evaluates,
     check_vocab_head_ran,
+    run_cases,
 )
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
@@ -37,10 +35,7 @@ CASES = [Case("vocab_head_1f1b", schedule="1f1b", vocab=True, drain_after=3),
 
 @pytest.fixture(scope="module")
 def runs():
-    cases = [dataclasses.asdict(c) for c in CASES]
-    refs = run_ranks(reference_rank, 1, cases)[0]
-    per_rank = run_ranks(pipeline_rank, 2, cases, refs, timeout=120.0 * len(cases))
-    return refs, {c.name: [r[i] for r in per_rank] for i, c in enumerate(CASES)}
+    return run_cases(CASES)
 
 
 def check_flushed(ranks: list[dict]) -> None:

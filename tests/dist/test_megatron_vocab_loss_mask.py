@@ -23,7 +23,7 @@ import dataclasses
 import pytest
 
 from tests.dist.harness import run_ranks
-from tests.dist.megatron_core_workers import MICRO_BATCH, SEQ, Case, pipeline_rank, reference_rank
+from tests.dist.megatron_core_workers import MICRO_BATCH, SEQ, Case, reference_rank
 from tests.dist.test_megatron_core import (
     ACTED,
     RTOL,
@@ -32,6 +32,7 @@ from tests.dist.test_megatron_core import (
     check_vocab_checkpoint_loads_unsplit,
     check_vocab_head_evaluates,
     check_vocab_head_ran,
+    run_cases,
 )
 from tests.dist.test_pipeline_equivalence import relative_error
 
@@ -46,9 +47,7 @@ TWINS = [dataclasses.replace(c, name=c.name + suffix, **change) for c in CASES
 
 @pytest.fixture(scope="module")
 def runs():
-    refs = run_ranks(reference_rank, 1, [dataclasses.asdict(c) for c in CASES + TWINS])[0]
-    per_rank = run_ranks(pipeline_rank, 2, [dataclasses.asdict(c) for c in CASES], refs, timeout=120.0 * len(CASES))
-    return refs, {c.name: [r[i] for r in per_rank] for i, c in enumerate(CASES)}
+    return run_cases(CASES, run_ranks(reference_rank, 1, [dataclasses.asdict(c) for c in CASES + TWINS])[0])
 
 
 @pytest.mark.slow  # one reference process (six runs) and one two-process run of two cases: ~40 s on this box

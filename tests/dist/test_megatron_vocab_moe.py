@@ -35,7 +35,7 @@ import torch
 
 from tests.dist import test_megatron_core
 from tests.dist.harness import run_ranks
-from tests.dist.megatron_core_workers import LAYERS, MOE, Case, pipeline_rank, reference_rank
+from tests.dist.megatron_core_workers import LAYERS, MOE, Case, reference_rank
 from tests.dist.test_megatron_core import (
     RTOL,
     check_equals_reference,
@@ -44,6 +44,7 @@ from tests.dist.test_megatron_core import (
     check_vocab_checkpoint_loads_unsplit,
     check_vocab_head_evaluates,
     check_vocab_head_ran,
+    run_cases,
     run_example,
 )
 from tests.dist.test_megatron_router_bias import check_router_bias_equals_reference
@@ -69,10 +70,8 @@ indexed_prefix = test_megatron_core.indexed_prefix  # the fixture (a small index
 
 def run_case(case: Case) -> tuple[list[dict], dict]:
     """The case's ranks (what each reported) and its single-process reference."""
-    ref = run_ranks(reference_rank, 1, [dataclasses.asdict(case)])[0][case.name]
-    per_rank = run_ranks(pipeline_rank, case.pp * case.tp * case.dp, [dataclasses.asdict(case)], {case.name: ref},
-                         timeout=240.0)
-    return [r[0] for r in per_rank], ref
+    refs, runs = run_cases([case], timeout_per_case=240.0)
+    return runs[case.name], refs[case.name]
 
 
 def check_experts_sharded(ranks: list[dict], ref: dict) -> None:

@@ -12,19 +12,18 @@ unscaling are exact).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 
-from tests.dist.harness import run_ranks
-from tests.dist.megatron_core_workers import Case, pipeline_rank, reference_rank
+from tests.dist.megatron_core_workers import Case
 from tests.dist.test_megatron_core import (
     check_corrections_acted,
     check_equals_reference,
     check_megatron_ran,
     check_vocab_head_evaluates,
     check_vocab_head_ran,
+    run_cases,
 )
 
 pytestmark = [pytest.mark.dist, pytest.mark.equivalence]
@@ -36,10 +35,7 @@ CASES = [Case("vocab_head_loss_scale_overflow", vocab=True, loss_scale=1024.0, o
 
 @pytest.fixture(scope="module")
 def runs():
-    cases = [dataclasses.asdict(c) for c in CASES]
-    refs = run_ranks(reference_rank, 1, cases)[0]
-    per_rank = run_ranks(pipeline_rank, 2, cases, refs, timeout=120.0 * len(cases))
-    return refs, {c.name: [r[i] for r in per_rank] for i, c in enumerate(CASES)}
+    return run_cases(CASES)
 
 
 def check_vocab_loss_scaling(ranks: list[dict], ref: dict) -> None:

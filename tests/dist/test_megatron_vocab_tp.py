@@ -14,15 +14,13 @@ Tied + TP and a sharded embedding + TP are refused, as asyncpp's own pipeline re
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 
 from asyncpp.pipeline.megatron_vocab import check_spread_tp
-from tests.dist.harness import run_ranks
-from tests.dist.megatron_core_workers import VOCAB, Case, pipeline_rank, reference_rank
-from tests.dist.test_megatron_core import (  # indexed_prefix: the fixture (a data.preprocess output)
+from tests.dist.megatron_core_workers import VOCAB, Case
+from tests.dist.test_megatron_core import (
     RTOL,
     check_corrections_acted,
     check_equals_reference,
@@ -30,6 +28,7 @@ from tests.dist.test_megatron_core import (  # indexed_prefix: the fixture (a da
     check_megatron_ran,
     check_sequence_parallel_reduced,
     indexed_prefix,  # noqa: F401
+    run_cases,  # indexed_prefix: the fixture (a data.preprocess output)
     run_example,
 )
 
@@ -41,10 +40,7 @@ CASES = [Case("tp2_sp_vocab_head", tp=2, sp=True, vocab=True, drain_after=3),
 
 @pytest.fixture(scope="module")
 def runs():
-    cases = [dataclasses.asdict(c) for c in CASES]
-    references = run_ranks(reference_rank, 1, cases)[0]
-    per_rank = run_ranks(pipeline_rank, 4, cases, references, timeout=240.0 * len(CASES))
-    return references, {c.name: [r[i] for r in per_rank] for i, c in enumerate(CASES)}
+    return run_cases(CASES, timeout_per_case=240.0)
 
 
 def check_rows_per_tp_rank(ranks: list[dict], ref: dict) -> None:
