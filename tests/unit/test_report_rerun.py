@@ -266,3 +266,37 @@ def test_while_the_tune_grid_runs_the_other_cells_are_pending(study_dir, tmp_pat
     assert "**adamw** (winner pending: the grid has not ended)" in markdown
     assert "this projection covers the grid alone" in markdown
     assert "pending (its runs wait for the tune grid)" in markdown  # the momentum finding
+
+
+def test_a_main_row_with_more_seeds_is_decided_on_them(study_dir, tmp_path):
+    """A `main_more_seeds` cell repeats a main row at more seeds (its first seeds are main's runs, shared): that
+    row's findings pair all of its seeds, and say which cell decided them."""
+    import shutil
+
+    out = tmp_path / "more"
+    shutil.copytree(study_dir, out)
+    manifest = json.loads((out / study.MANIFEST).read_text())
+    runs = {r["name"]: r for r in manifest["runs"]}
+    extra = {"sync": (5.45, 5.5), "2bw": (6.0, 6.1), "2bw_ef": (5.6, 5.7)}  # seeds 4 and 5
+    missing = runs["adamw__2bw_ef__seed3"]
+    write_run(out, missing["name"], missing["config"], 5.65, [{"returncode": 0, "cpu_s": CPU_S, "host": "hostA"}])
+    for column, finals in extra.items():
+        for seed in (1, 2, 3):
+            runs[f"adamw-lr{WINNER}__sync__seed1" if (column, seed) == ("sync", 1) else f"adamw__{column}__seed{seed}"][
+                "cells"].append({"cell": "main_more_seeds", "row": "adamw", "column": column, "seed": seed, "x": None})
+        for seed, final in zip((4, 5), finals):
+            cfg, name = arm("main", "adamw", column, seed), f"adamw__{column}__seed{seed}"
+            runs[name] = {"name": name, "overrides": [f"seed={seed}"], "config": cfg,
+                          "cells": [{"cell": "main_more_seeds", "row": "adamw", "column": column, "seed": seed,
+                                     "x": None}]}
+            write_run(out, name, cfg, final, [{"returncode": 0, "cpu_s": CPU_S, "host": "hostA"}])
+    manifest["runs"] = list(runs.values())
+    manifest["cells"].append({"name": "main_more_seeds", "title": "Main, more seeds", "x": None, "rows": ["adamw"],
+                              "columns": ["sync", "2bw", "2bw_ef"], "seeds": [1, 2, 3, 4, 5]})
+    (out / study.MANIFEST).write_text(json.dumps(manifest))
+    found = {f.key: f for f in report_findings.findings(report.load_study([out]))}
+    assert "main/adamw/ef" not in found and "main/adamw/gap" not in found
+    ef = found["main_more_seeds/adamw/ef"]
+    assert ef.verdict.test.startswith("paired t(4)"), ef.verdict.test  # 5 paired seeds, not main's 3
+    assert "(`main_more_seeds`)" in ef.ours and ef.verdict.word == "agrees"
+    assert found["main_more_seeds/adamw/gap"].verdict.test.startswith("paired t(4)")
