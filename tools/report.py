@@ -39,7 +39,7 @@ from tools.report_data import (
     stat,
     table,
 )
-from tools.report_findings import Finding, findings
+from tools.report_findings import Finding, findings, reading
 from tools.report_stats import MARGIN_FRACTION
 from tools.study import PlanError, config_diff
 
@@ -300,6 +300,8 @@ def _cell_sections(study: Study, plot_dir: Path) -> tuple[list[str], list[tuple[
             figures += figs
         else:
             doc += [cell_table(study, name), ""]
+        if text := reading(name):
+            doc += [text, ""]
     return doc, figures
 
 

@@ -47,6 +47,17 @@ MOMENTUM_REFERENCE = 0.95
 EXPLANATIONS: dict[str, str] = {}
 """Finding key -> why this study disagrees with the paper there, written after reading the data."""
 
+READINGS: dict[str, str] = {}
+"""Cell name -> what its table and figure say, written after reading the data (the AdamW explanation lives in
+its cells' readings). Shown under the cell's section; a cell in NEEDS_READING without one shows its empty slot."""
+NEEDS_READING = ("adamw_lr", "ef_lambda", "grad_ef_long")
+
+
+def reading(cell: str) -> str:
+    if cell in READINGS:
+        return f"**Reading.** {READINGS[cell]}"
+    return f"*to write: READINGS[{cell!r}] in tools/report_findings.py*" if cell in NEEDS_READING else ""
+
 
 @dataclass(frozen=True)
 class Finding:

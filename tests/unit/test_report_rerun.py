@@ -300,3 +300,17 @@ def test_a_main_row_with_more_seeds_is_decided_on_them(study_dir, tmp_path):
     assert ef.verdict.test.startswith("paired t(4)"), ef.verdict.test  # 5 paired seeds, not main's 3
     assert "(`main_more_seeds`)" in ef.ours and ef.verdict.word == "agrees"
     assert found["main_more_seeds/adamw/gap"].verdict.test.startswith("paired t(4)")
+
+
+def test_a_cells_reading_is_shown_under_its_section_and_a_missing_one_by_name(study_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(report_findings.READINGS, "adamw_lr", "the gap grows with the learning rate")
+    doc = tmp_path / "reproduction.md"
+    assert report.main([str(study_dir), "--out", str(doc)]) == 0
+    markdown = doc.read_text()
+    section = markdown[markdown.index("(`adamw_lr`)"):]
+    section = section[:section.index("\n## ")]
+    assert "**Reading.** the gap grows with the learning rate" in section
+    long = markdown[markdown.index("(`grad_ef_long`)"):]
+    assert "*to write: READINGS['grad_ef_long'] in tools/report_findings.py*" in long[:long.index("\n## ")]
+    momentum = markdown[markdown.index("(`momentum`)"):]
+    assert "READINGS" not in momentum[:momentum.index("\n## ")]  # not every cell needs one
