@@ -1,0 +1,66 @@
+"""tools.study_checks: which runs stand for the study, how they are shortened, and that each check can fail."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tools import study, study_checks
+from tools.study_checks import records, representatives, shortened
+
+
+def run(name: str, *overrides: str) -> dict:
+    return {"name": name, "overrides": [*overrides, "seed=1"]}
+
+
+def test_one_run_per_mechanism_and_per_optimizer():
+    runs = [run("a", "optimizer.lr=1", "optimizer=adamw", "schedule=sync"),
+            run("b", "optimizer.lr=2", "optimizer=adamw", "schedule=sync"),  # same mechanism, same optimizer
+            run("c", "optimizer=muon", "schedule=sync"),  # a new optimizer
+            run("d", "optimizer=muon", "schedule=2bw", "staleness.ef_lambda=1.0"),  # a new mechanism
+            run("e", "optimizer=adamw", "schedule=2bw", "staleness.ef_lambda=1.0"),
+            run("f", "optimizer=muon", "schedule=pipedream", "parallel.pp=2"),
+            run("g", "optimizer=muon", "optimizer.momentum=0.9", "schedule=sync")]
+    assert representatives(runs) == ["a", "c", "d", "f", "g"]
+
+
+def test_shortened_keeps_the_mechanism_and_fits_the_schedule_in_the_run():
+    out = shortened(["train.steps=200", "train.eval_every=40", "checkpoint.every=50",
+                     "optimizer.schedule.warmup_steps=20", "optimizer=muon", "staleness.sync_start_steps=20",
+                     "seed=3"], 12)
+    assert out == ["optimizer=muon", "staleness.sync_start_steps=4", "seed=3", "train.steps=12",
+                   "train.eval_every=6", "checkpoint.every=6", "optimizer.schedule.warmup_steps=2"]
+
+
+def test_records_keep_the_last_record_of_a_step(tmp_path):
+    lines = [{"step": 0, "loss": 2.0, "step_time_s": 1}, {"step": 1, "loss": 1.5},
+             {"step": 1, "loss": 1.4, "val_loss": 1.6}]  # step 1 written again after a resume
+    (tmp_path / "m.jsonl").write_text("\n".join(json.dumps(r) for r in lines))
+    assert records(tmp_path / "m.jsonl") == {0: {"loss": 2.0}, 1: {"loss": 1.4, "val_loss": 1.6}}
+
+
+@pytest.mark.slow  # two pretrain.py runs of a 3-step smoke study (~30 s)
+def test_resumed_finds_a_run_whose_records_differ_from_a_fresh_one(tmp_path, capsys):
+    from tests.unit.test_study import SMOKE
+
+    plan_file, out = tmp_path / "smoke.yaml", tmp_path / "study"
+    plan_file.write_text(SMOKE.replace("      2bw: [schedule=2bw]\n", ""))
+    assert study.main(["run", "--plan", str(plan_file), "--out", str(out), "--jobs", "1"]) == 0
+    name = "muon__sync__seed1"
+    status = json.loads((out / name / study.STATUS).read_text())
+    status["attempts"] = [{"returncode": 143}, *status["attempts"]]  # as if stopped once and resumed
+    (out / name / study.STATUS).write_text(json.dumps(status))
+    threads = str(max(1, os.cpu_count() or 1))  # the study's --jobs 1
+    argv = ["resumed", "--study", str(out), "--threads", threads, "--scratch", str(tmp_path / "scratch")]
+    assert study_checks.main(argv) == 0
+    assert f"{name} (attempts exited [143, 0]): same bits as an uninterrupted run over 3 steps" in capsys.readouterr().out
+
+    metrics = out / name / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    last = json.loads(lines[-1])
+    lines[-1] = json.dumps({**last, "loss": last["loss"] + 1e-7})  # one bit of one step off
+    metrics.write_text("\n".join(lines) + "\n")
+    assert study_checks.main([*argv[:-1], str(tmp_path / "scratch2")]) == 1
+    assert "DIFFERENT from an uninterrupted run" in capsys.readouterr().out

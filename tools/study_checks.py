@@ -1,0 +1,172 @@
+"""Checks that tie a study's runs to the code its report speaks for (issue 46: "each run on a commit whose
+equivalence tests pass unchanged on the final code"; "check that every run really resumes bit-exactly").
+
+    python -m tools.study_checks same-code --study /root/asyncpp-study --tree /work/wt/study --against .
+    python -m tools.study_checks resumed --study /root/asyncpp-study --tree /work/wt/study
+    python -m tools.study_checks equivalence --commit 13a0011
+
+- same-code: short runs (--steps, default 12) of the study's own run configs, one per mechanism and one per
+  optimizer, in the study's tree and in another; every step's loss, grad norm and validation loss must be the
+  same bits. A study that ran on an older commit is then a study of the newer code for these configs.
+- resumed: each run of the study that took more than one attempt (stopped at a checkpoint, then resumed) is run
+  again from scratch in the study's tree; its records must equal the study's, step by step.
+- equivalence: the equivalence-marked test files of an older commit, copied over this tree's tests in a
+  throwaway worktree, run (those files only) by pytest (`-m "equivalence and not slow and not gpu"`). Files that no longer import
+  (helpers moved since) are collection errors; the summary and each failure's first error line are printed for
+  a person to read: a numeric assertion that fails is a changed result, an AttributeError is a moved API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tools.study import MANIFEST, REPO, STATUS
+
+KEYS = ("loss", "grad_norm", "val_loss")
+"""What a run's metrics.jsonl records that the comparison reads (timings differ between any two runs)."""
+STEP_DEPENDENT = ("train.steps=", "train.eval_every=", "checkpoint.every=", "optimizer.schedule.warmup_steps=")
+MECHANISM = ("schedule=", "staleness.", "parallel.", "optimizer.momentum=")
+
+
+def records(metrics: Path) -> dict[int, dict]:
+    """step -> the last record of that step (a resumed run rewrites the steps after its checkpoint)."""
+    out = {}
+    for line in metrics.read_text().splitlines():
+        r = json.loads(line)
+        out[r["step"]] = {k: r[k] for k in KEYS if k in r}
+    return out
+
+
+def representatives(runs: list[dict]) -> list[str]:
+    """The first run of each mechanism (schedule, staleness, layout, momentum overrides) and of each optimizer."""
+    seen, names = set(), []
+    for run in runs:
+        mech = tuple(sorted(o for o in run["overrides"] if o.startswith(MECHANISM)))
+        opt = next((o for o in run["overrides"] if o.startswith("optimizer=")), "")
+        if ("m", mech) not in seen or ("o", opt) not in seen:
+            seen |= {("m", mech), ("o", opt)}
+            names.append(run["name"])
+    return names
+
+
+def shortened(overrides: list[str], steps: int) -> list[str]:
+    """A run's overrides at `steps` steps: evaluation and checkpoint halfway and at the end, a 2-step warmup, and a
+    synchronous start scaled to a third of the run (the config refuses one longer than the run)."""
+    kept = [o for o in overrides if not o.startswith(STEP_DEPENDENT)]
+    kept = [f"staleness.sync_start_steps={max(1, steps // 3)}" if o.startswith("staleness.sync_start_steps=") else o
+            for o in kept]
+    return [*kept, f"train.steps={steps}", f"train.eval_every={steps // 2}", f"checkpoint.every={steps // 2}",
+            "optimizer.schedule.warmup_steps=2"]
+
+
+def train(tree: Path, experiment: str, overrides: list[str], out: Path, threads: int) -> dict[int, dict]:
+    """pretrain.py of `tree` with the study's threads per run (another count picks other kernels), at low
+    priority; its per-step records."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
+    cmd = ["nice", "-n", "19", sys.executable, str(tree / "pretrain.py"), f"+experiment={experiment}", *overrides,
+           f"out_dir={out}"]
+    proc = subprocess.run(cmd, check=False, cwd=tree, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+    return records(out / "metrics.jsonl")
+
+
+def same_code(study: Path, tree: Path, against: Path, steps: int, names: list[str], scratch: Path,
+              threads: int) -> int:
+    manifest = json.loads((study / MANIFEST).read_text())
+    runs = {r["name"]: r for r in manifest["runs"]}
+    differ = 0
+    for name in names or representatives(manifest["runs"]):
+        overrides = shortened(runs[name]["overrides"], steps)
+        a = train(tree, manifest["experiment"], overrides, scratch / name / "a", threads)
+        b = train(against, manifest["experiment"], overrides, scratch / name / "b", threads)
+        same = a == b and len(a) == steps
+        differ += not same
+        print(f"{name}: {'same bits' if same else 'DIFFERENT'} over {len(a)} steps; last {a[max(a)]}", flush=True)
+    print(f"same-code: {differ} of the runs differ between {tree} and {against}")
+    return int(differ > 0)
+
+
+def resumed(study: Path, tree: Path, names: list[str], scratch: Path, threads: int) -> int:
+    manifest = json.loads((study / MANIFEST).read_text())
+    runs = {r["name"]: r for r in manifest["runs"]}
+    picked = names or [n for n in runs if (study / n / STATUS).is_file()
+                       and len(json.loads((study / n / STATUS).read_text()).get("attempts", [])) > 1]
+    differ = 0
+    for name in picked:
+        codes = [a.get("returncode") for a in json.loads((study / name / STATUS).read_text())["attempts"]]
+        fresh = train(tree, manifest["experiment"], runs[name]["overrides"], scratch / name, threads)
+        same = fresh == records(study / name / "metrics.jsonl")
+        differ += not same
+        print(f"{name} (attempts exited {codes}): {'same bits as' if same else 'DIFFERENT from'} an uninterrupted run "
+              f"over {len(fresh)} steps", flush=True)
+    print(f"resumed: {len(picked)} resumed runs, {differ} differ from their uninterrupted rerun")
+    return int(differ > 0)
+
+
+def equivalence_files(commit: str) -> list[str]:
+    """The test files at `commit` that hold equivalence-marked tests."""
+    listed = subprocess.run(["git", "grep", "-l", "mark.equivalence", commit, "--", "tests/**/test_*.py"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout.split()
+    return [f.split(":", 1)[1] for f in listed]
+
+
+def equivalence(commit: str, keep: bool) -> int:
+    work = Path(tempfile.mkdtemp(prefix="eqcheck-")) / "tree"
+    subprocess.run(["git", "worktree", "add", "--detach", str(work), "HEAD"], cwd=REPO, check=True,
+                   capture_output=True)
+    try:
+        (work / ".venv").symlink_to(REPO / ".venv")
+        files = equivalence_files(commit)
+        subprocess.run(["git", "checkout", commit, "--", *files], cwd=work, check=True)
+        print(f"{len(files)} test files of {commit} over the tests of HEAD ({work})", flush=True)
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
+                               "equivalence and not slow and not gpu", "--continue-on-collection-errors", *files],
+                              check=False, cwd=work, env={**os.environ, "PYTHONPATH": str(work)},
+                              capture_output=True, text=True)
+        lines = proc.stdout.splitlines()
+        for i, line in enumerate(lines):  # each failure's first error line: a changed number or a moved API
+            if line.startswith("E ") and (i == 0 or not lines[i - 1].startswith("E ")):
+                print("  " + line.strip()[:240])
+        print("\n".join(line for line in lines if line.startswith(("FAILED", "ERROR")) or " passed" in line))
+        return proc.returncode
+    finally:
+        if not keep:
+            subprocess.run(["git", "worktree", "remove", "--force", str(work)], check=False, cwd=REPO,
+                           capture_output=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.study_checks", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="check", required=True)
+    for name in ("same-code", "resumed"):
+        s = sub.add_parser(name)
+        s.add_argument("--study", type=Path, required=True, help="the study directory (its study.json)")
+        s.add_argument("--tree", type=Path, default=REPO, help="the repository the study ran from")
+        s.add_argument("--scratch", type=Path, default=None, help="where the check's runs go (default: a temp dir)")
+        s.add_argument("--threads", type=int, default=1, help="threads per run as the study gave them: cpu_count // "
+                       "its --jobs (1 for --jobs 2 on 2 cores)")
+        s.add_argument("runs", nargs="*", help="run names (default: see the module's docstring)")
+    sub.choices["same-code"].add_argument("--against", type=Path, default=REPO, help="the other repository")
+    sub.choices["same-code"].add_argument("--steps", type=int, default=12)
+    e = sub.add_parser("equivalence")
+    e.add_argument("--commit", required=True)
+    e.add_argument("--keep", action="store_true", help="keep the worktree")
+    args = p.parse_args(argv)
+    if args.check == "equivalence":
+        return equivalence(args.commit, args.keep)
+    scratch = args.scratch or Path(tempfile.mkdtemp(prefix="study-check-"))
+    if args.check == "same-code":
+        return same_code(args.study, args.tree.resolve(), args.against.resolve(), args.steps, args.runs, scratch,
+                         args.threads)
+    return resumed(args.study, args.tree.resolve(), args.runs, scratch, args.threads)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
