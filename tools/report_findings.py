@@ -85,6 +85,23 @@ def judge(key: str, paper: str, figure: str, ours: str, arms: list[Stat], diffs:
     return Finding(key, paper, figure, ours, decide(diffs, expected, margin))
 
 
+MORE_SEEDS = "_more_seeds"
+"""`<cell>_more_seeds` repeats some of <cell>'s rows at more seeds (added when a finding was undecided at the
+planned seeds; its first seeds are <cell>'s runs, shared): where it has a row, that row's findings are decided on
+it."""
+
+
+def deciding(study: Study, cell: str, row: str) -> str:
+    """The cell whose runs decide the findings of (cell, row)."""
+    more = cell + MORE_SEEDS
+    return more if row in study.cells.get(more, {}).get("rows", []) else cell
+
+
+def _where(cell: str, nominal: str) -> str:
+    """" (`cell`)" when a finding is decided on another cell than the one it belongs to."""
+    return f" (`{cell}`)" if cell != nominal else ""
+
+
 def row_gap(study: Study, cell: str, row: str) -> float:
     """Mean over paired seeds of (plain 2BW − sync) in (cell, row); NaN without both columns."""
     sync_col, base = reference(study, cell, row, is_sync), reference(study, cell, row, is_plain_2bw)
@@ -121,13 +138,8 @@ def findings(study: Study) -> list[Finding]:
     return out
 
 
-MORE_SEEDS = "main_more_seeds"
-"""The cell that repeats main-table rows at more seeds (its seeds include main's, so those runs are shared):
-where it has a row, that row's findings are decided on it."""
-
-
 def _main(study: Study, opt: str) -> list[Finding]:
-    cell = MORE_SEEDS if opt in study.cells.get(MORE_SEEDS, {}).get("rows", []) else "main"
+    cell = deciding(study, "main", opt)
     s, a, e = (stat(study, cell, opt, c) for c in MAIN_COLUMNS)
     paper = PAPER_360M.get(opt)
     gap = paired(a, s)
@@ -138,7 +150,7 @@ def _main(study: Study, opt: str) -> list[Finding]:
     else:
         gap_fig, ef_fig, gap_margin = "—", "EF closes most of the gap for most optimizers", None
     closed = closes(study, cell, opt, "2bw_ef", "sync", "2bw")
-    where = f" (`{cell}`)" if cell != "main" else ""
+    where = _where(cell, "main")
     return [judge(f"{cell}/{opt}/gap", f"{opt}: one-step delay raises the loss", gap_fig,
                   f"gap {fmt_diff(gap)}{where}", [s, a], paired_diffs(a, s), +1, gap_margin),
             judge(f"{cell}/{opt}/ef", f"{opt}: EF lowers the delayed loss", ef_fig,
@@ -172,20 +184,22 @@ def _gap_ordering(study: Study) -> list[Finding]:
 def _best_lambda(study: Study, row: str) -> Finding:
     """The claim is where the optimum lies, so the best arm at λ ≥ 1 is paired with the best at λ < 1 (picking
     each group's best before the test slightly favours deciding: a selection effect, kept for so few arms)."""
-    cols = [c for c in study.cells["ef_lambda"]["columns"] if study.xs.get(("ef_lambda", row, c)) is not None]
-    stats = {c: stat(study, "ef_lambda", row, c) for c in cols}
-    arms = [stat(study, "ef_lambda", row, c) for c in study.cells["ef_lambda"]["columns"]]  # sync too: the margin
-    lam = {c: study.xs[("ef_lambda", row, c)] for c in cols}
+    cell = deciding(study, "ef_lambda", row)
+    cols = [c for c in study.cells[cell]["columns"] if study.xs.get((cell, row, c)) is not None]
+    stats = {c: stat(study, cell, row, c) for c in cols}
+    arms = [stat(study, cell, row, c) for c in study.cells[cell]["columns"]]  # sync too: the margin
+    lam = {c: study.xs[(cell, row, c)] for c in cols}
     high, low = [c for c in cols if lam[c] >= 1], [c for c in cols if lam[c] < 1]
-    key, paper, fig = f"ef_lambda/{row}", f"{row}: the best EF λ is ≥ 1", "Fig. 15: best somewhat above 1"
+    key, paper, fig = f"{cell}/{row}", f"{row}: the best EF λ is ≥ 1", "Fig. 15: best somewhat above 1"
     if not (high and low) or any(not s.values for s in stats.values()):
         return judge(key, paper, fig, "some λ not finished", arms, [], +1, None)
     best_high, best_low = (min(group, key=lambda c: stats[c].mean) for group in (high, low))
     best = min(cols, key=lambda c: stats[c].mean)
     diff = paired(stats[best_low], stats[best_high])  # > 0: the best λ ≥ 1 is lower
-    ours = f"best λ = {lam[best]:g} ({stats[best].mean:.4f}); λ={lam[best_low]:g} − λ={lam[best_high]:g} {fmt_diff(diff)}"
+    ours = (f"best λ = {lam[best]:g} ({stats[best].mean:.4f}); λ={lam[best_low]:g} − λ={lam[best_high]:g} "
+            f"{fmt_diff(diff)}{_where(cell, 'ef_lambda')}")
     return judge(key, paper, fig, ours, arms, paired_diffs(stats[best_low], stats[best_high]), +1,
-                 _quarter(row_gap(study, "ef_lambda", row)))
+                 _quarter(row_gap(study, cell, row)))
 
 
 def _treatments(study: Study, cell: str, row: str, claim: str, fig: str, expected: int) -> list[Finding]:
@@ -212,13 +226,14 @@ def _treatments(study: Study, cell: str, row: str, claim: str, fig: str, expecte
 
 
 def _sync_start(study: Study, row: str) -> Finding:
-    starts = columns_where(study, "sync_start", row, lambda c: c["staleness"]["sync_start_steps"] > 0)
-    efs = columns_where(study, "sync_start", row, lambda c: c["staleness"]["ef_lambda"] > 0)
-    arms = [stat(study, "sync_start", row, c) for c in study.cells["sync_start"]["columns"]]
-    e, s = (stat(study, "sync_start", row, cols[0]) if cols else Stat() for cols in (efs, starts))
-    return judge(f"sync_start/{row}", f"{row}: EF beats a synchronous start", "Fig. 2",
-                 f"EF − sync start {fmt_diff(paired(e, s))}", arms, paired_diffs(e, s), -1,
-                 _quarter(row_gap(study, "sync_start", row)))
+    cell = deciding(study, "sync_start", row)
+    starts = columns_where(study, cell, row, lambda c: c["staleness"]["sync_start_steps"] > 0)
+    efs = columns_where(study, cell, row, lambda c: c["staleness"]["ef_lambda"] > 0)
+    arms = [stat(study, cell, row, c) for c in study.cells[cell]["columns"]]
+    e, s = (stat(study, cell, row, cols[0]) if cols else Stat() for cols in (efs, starts))
+    return judge(f"{cell}/{row}", f"{row}: EF beats a synchronous start", "Fig. 2",
+                 f"EF − sync start {fmt_diff(paired(e, s))}{_where(cell, 'sync_start')}", arms, paired_diffs(e, s), -1,
+                 _quarter(row_gap(study, cell, row)))
 
 
 def _pipedream(study: Study, row: str) -> Finding:

@@ -243,6 +243,23 @@ def test_best_lambda_verdict_needs_a_resolved_difference(finals, verdict):
     assert found.paper.startswith("muon: the best EF λ is ≥ 1")
 
 
+def test_best_lambda_is_decided_on_the_rows_more_seeds_cell():
+    """ef_lambda's row undecided at 3 seeds; ef_lambda_more_seeds repeats it at 8 (the first 3 shared): the finding
+    pairs the 8 and names the cell it was decided on."""
+    three = {0.5: (3.40, 3.10, 3.30), 1.5: (3.20, 3.25, 3.15)}
+    eight = {0.5: (3.40, 3.10, 3.30, 3.45, 3.48, 3.50, 3.47, 3.52), 1.5: (3.20, 3.25, 3.15, 3.20, 3.21, 3.19, 3.22, 3.2)}
+    study = lambda_study(three)
+    assert report_findings._best_lambda(study, "muon").verdict.word == "undecided"
+    more = lambda_study(eight)
+    for (_, row, col), runs in more.results.items():
+        study.results[("ef_lambda_more_seeds", row, col)] = runs
+        study.xs[("ef_lambda_more_seeds", row, col)] = more.xs[("ef_lambda", row, col)]
+    study.cells["ef_lambda_more_seeds"] = dict(more.cells["ef_lambda"])
+    found = report_findings._best_lambda(study, "muon")
+    assert found.key == "ef_lambda_more_seeds/muon" and found.ours.endswith("(`ef_lambda_more_seeds`)")
+    assert found.verdict.word == "agrees" and found.verdict.test.startswith("paired t(7)"), found
+
+
 def test_best_lambda_with_an_unfinished_arm_is_pending():
     found = report_findings._best_lambda(lambda_study({0.5: (3.4, 3.5), 1.5: (3.3, None)}), "muon")
     assert found.verdict.text() == "pending (3 of 4 runs)"
