@@ -300,6 +300,8 @@ def _cell_sections(study: Study, plot_dir: Path) -> tuple[list[str], list[tuple[
             figures += figs
         else:
             doc += [cell_table(study, name), ""]
+        if name in report_cells.STEP_DIAGNOSED:
+            doc += report_cells.step_table(study, name)
         if text := reading(name):
             doc += [text, ""]
     return doc, figures

@@ -154,3 +154,26 @@ def grad_ef_long(study: Study, plot_dir: Path) -> tuple[list[str], list[tuple[st
     text = [table(["row", "column", "final val loss", "Δ vs sync", "Δ vs 2BW", "per seed"], rows), ""]
     return text, [("Gradient-level EF over the longer horizon: loss curves per arm (mean over seeds; band: min to max)",
                    path)]
+
+
+STEP_DIAGNOSED = ("grad_ef", "grad_ef_long", "dc_asgd")
+"""Cells whose corrections change the gradient itself: their section also shows what that did to each step."""
+
+
+def step_table(study: Study, name: str) -> list[str]:
+    """Per arm, over each run's second half, mean over the finished seeds: the grad norm (after the correction,
+    before clipping), the share of steps clipped to train.grad_clip, and the update's norm."""
+    rows = []
+    for row in study.cells[name]["rows"]:
+        for column in study.cells[name]["columns"]:
+            late = [r.late for _, r in study.results.get((name, row, column), []) if r.status == "done" and r.late]
+            if not late:
+                rows.append([row, column, "—", "—", "—", "0"])
+                continue
+            mean = {k: statistics.fmean(x[k] for x in late) for k in ("grad_norm", "clipped", "update_norm")}
+            rows.append([row, column, f"{mean['grad_norm']:.3f}", f"{mean['clipped']:.0%}",
+                         f"{mean['update_norm']:.4f}", str(len(late))])
+    return [("What the correction did to the step, over each run's second half (mean over seeds): the gradient's "
+             "norm as the optimizer received it (after the correction, before clipping), the share of steps whose "
+             "norm exceeded train.grad_clip (clipped to it), and the update's norm ‖x_{t+1} − x_t‖."), "",
+            table(["row", "column", "grad norm", "steps clipped", "update norm", "seeds"], rows), ""]

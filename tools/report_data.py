@@ -36,6 +36,19 @@ class RunResult:
     train_curve: tuple[list[int], list[float]] = ((), ())
     """(step, training loss) at every step (NaN where the loss was not finite)."""
     step_time_s: float = math.nan
+    late: dict[str, float] = field(default_factory=dict)
+    """Over the run's second half (finite steps): mean grad_norm and update_norm, and the fraction of steps whose
+    grad norm (taken after any gradient correction, before clipping) exceeded train.grad_clip: what a gradient
+    correction does to the step, where its final loss alone cannot say."""
+
+
+def late_stats(records: list, grad_clip: float) -> dict[str, float]:
+    half = [r for r in records[len(records) // 2:] if math.isfinite(r.grad_norm) and math.isfinite(r.update_norm)]
+    if not half:
+        return {}
+    return {"grad_norm": statistics.fmean(r.grad_norm for r in half),
+            "update_norm": statistics.fmean(r.update_norm for r in half),
+            "clipped": sum(r.grad_norm > grad_clip for r in half) / len(half) if grad_clip > 0 else 0.0}
 
 
 @dataclass
@@ -92,6 +105,7 @@ def load_run(out: Path, planned: dict) -> RunResult:
     evals = [(r.step + 1, r.val_loss) for r in records if r.val_loss is not None]  # step+1: after the update
     result.curve = ([s for s, _ in evals], [v for _, v in evals])
     result.train_curve = ([r.step + 1 for r in records], [r.loss for r in records])
+    result.late = late_stats(records, float(planned["config"].get("train", {}).get("grad_clip", 0.0) or 0.0))
     unstable = any(not math.isfinite(r.loss) or r.skipped for r in records)
     if status == "done":
         summary = json.loads((d / "summary.json").read_text())

@@ -314,3 +314,27 @@ def test_a_cells_reading_is_shown_under_its_section_and_a_missing_one_by_name(st
     assert "*to write: READINGS['grad_ef_long'] in tools/report_findings.py*" in long[:long.index("\n## ")]
     momentum = markdown[markdown.index("(`momentum`)"):]
     assert "READINGS" not in momentum[:momentum.index("\n## ")]  # not every cell needs one
+
+
+def test_late_stats_read_the_second_half_and_count_clipped_steps():
+    from types import SimpleNamespace
+
+    from tools.report_data import late_stats
+
+    recs = [SimpleNamespace(grad_norm=g, update_norm=u) for g, u in
+            [(9.0, 9.0), (9.0, 9.0), (0.5, 0.2), (1.5, 0.4), (float("nan"), 1.0), (2.5, 0.6)]]
+    # the second half is the last 3; its nan step is skipped; the first half (9.0, 0.5) is not read
+    assert late_stats(recs, 1.0) == {"grad_norm": 2.0, "update_norm": 0.5, "clipped": 1.0}
+    recs[3].grad_norm = 0.9
+    assert late_stats(recs, 1.0)["clipped"] == 0.5
+    assert late_stats(recs, 0.0)["clipped"] == 0.0  # no clipping configured
+    assert late_stats([], 1.0) == {}
+
+
+def test_gradient_correcting_cells_show_what_the_correction_did_to_the_step(rendered):
+    section = rendered[rendered.index("(`grad_ef_long`)"):]
+    section = section[:section.index("\n## ")]
+    assert "| row | column | grad norm | steps clipped | update norm | seeds |" in section
+    assert "| adamw | grad_ef1_long | — | — | — | 0 |" in section  # the synthetic runs log no norms
+    momentum = rendered[rendered.index("(`momentum`)"):]
+    assert "steps clipped" not in momentum[:momentum.index("\n## ")]
