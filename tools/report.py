@@ -288,7 +288,9 @@ def _cell_sections(study: Study, plot_dir: Path) -> tuple[list[str], list[tuple[
         figures += figs
     if "main" in study.cells:
         doc += ["## " + study.cells["main"]["title"], "", main_table(study), "",
-                "Gap closed by EF = (async − async+EF) / (async − sync).", ""]
+                "Gap closed by EF = (async − async+EF) / (async − sync).", "", *report_cells.step_table(study, "main")]
+        if text := reading("main"):
+            doc += [text, ""]
     own = {"adamw_lr": report_cells.adamw_lr, "grad_ef_long": report_cells.grad_ef_long}
     for name, cell in study.cells.items():
         if name == "main" or name in grids:

@@ -156,8 +156,10 @@ def grad_ef_long(study: Study, plot_dir: Path) -> tuple[list[str], list[tuple[st
                    path)]
 
 
-STEP_DIAGNOSED = ("grad_ef", "grad_ef_long", "dc_asgd")
-"""Cells whose corrections change the gradient itself: their section also shows what that did to each step."""
+STEP_DIAGNOSED = ("main", "main_more_seeds", "ef_lambda", "ef_lambda_more_seeds", "grad_ef", "grad_ef_long",
+                  "dc_asgd")
+"""Cells of corrections (of the update or of the gradient): their section also shows what each arm did to the
+step, where a final loss alone cannot say why a correction helped or hurt."""
 
 
 def step_table(study: Study, name: str) -> list[str]:
@@ -173,7 +175,8 @@ def step_table(study: Study, name: str) -> list[str]:
             mean = {k: statistics.fmean(x[k] for x in late) for k in ("grad_norm", "clipped", "update_norm")}
             rows.append([row, column, f"{mean['grad_norm']:.3f}", f"{mean['clipped']:.0%}",
                          f"{mean['update_norm']:.4f}", str(len(late))])
-    return [("What the correction did to the step, over each run's second half (mean over seeds): the gradient's "
-             "norm as the optimizer received it (after the correction, before clipping), the share of steps whose "
-             "norm exceeded train.grad_clip (clipped to it), and the update's norm ‖x_{t+1} − x_t‖."), "",
+    return [("What each arm did to the step, over each run's second half (mean over seeds): the gradient's norm "
+             "as the optimizer received it (after any gradient correction, before clipping), the share of steps "
+             "whose norm exceeded train.grad_clip (clipped to it), and the update's norm ‖x_{t+1} − x_t‖ (after "
+             "any update correction)."), "",
             table(["row", "column", "grad norm", "steps clipped", "update norm", "seeds"], rows), ""]

@@ -331,10 +331,12 @@ def test_late_stats_read_the_second_half_and_count_clipped_steps():
     assert late_stats([], 1.0) == {}
 
 
-def test_gradient_correcting_cells_show_what_the_correction_did_to_the_step(rendered):
+def test_correction_cells_show_what_each_arm_did_to_the_step(rendered):
     section = rendered[rendered.index("(`grad_ef_long`)"):]
     section = section[:section.index("\n## ")]
     assert "| row | column | grad norm | steps clipped | update norm | seeds |" in section
     assert "| adamw | grad_ef1_long | — | — | — | 0 |" in section  # the synthetic runs log no norms
     momentum = rendered[rendered.index("(`momentum`)"):]
     assert "steps clipped" not in momentum[:momentum.index("\n## ")]
+    main = rendered[rendered.index("## Main\n"):]
+    assert "| adamw | 2bw_ef | — | — | — | 0 |" in main[:main.index("\n## ")]  # EF corrects the update: shown too
