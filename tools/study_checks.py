@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -110,6 +111,19 @@ def resumed(study: Path, tree: Path, names: list[str], scratch: Path, threads: i
     return int(differ > 0)
 
 
+def failure_causes(lines: list[str]) -> list[str]:
+    """The distinct error lines of pytest's failure reports ("E   SomeError: ..."), a worker's re-raised ones
+    included, without the harness's wrappers ("RuntimeError: rank 1:"): a changed number (AssertionError) or a
+    moved API (ImportError, AttributeError, TypeError) at a glance."""
+    causes = []
+    for line in lines:
+        text = line[1:].strip() if line.startswith("E ") else ""
+        wrapper = re.fullmatch(r"RuntimeError: rank \d+:", text)
+        if re.match(r"\w+(Error|Exception)\b", text) and not wrapper and text[:240] not in causes:
+            causes.append(text[:240])
+    return causes
+
+
 def equivalence_files(commit: str) -> list[str]:
     """The test files at `commit` that hold equivalence-marked tests."""
     listed = subprocess.run(["git", "grep", "-l", "mark.equivalence", commit, "--", "tests/**/test_*.py"], cwd=REPO,
@@ -131,9 +145,8 @@ def equivalence(commit: str, keep: bool) -> int:
                               check=False, cwd=work, env={**os.environ, "PYTHONPATH": str(work)},
                               capture_output=True, text=True)
         lines = proc.stdout.splitlines()
-        for i, line in enumerate(lines):  # each failure's first error line: a changed number or a moved API
-            if line.startswith("E ") and (i == 0 or not lines[i - 1].startswith("E ")):
-                print("  " + line.strip()[:240])
+        for cause in failure_causes(lines):
+            print("  " + cause)
         print("\n".join(line for line in lines if line.startswith(("FAILED", "ERROR")) or " passed" in line))
         return proc.returncode
     finally:

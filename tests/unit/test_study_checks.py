@@ -64,3 +64,15 @@ def test_resumed_finds_a_run_whose_records_differ_from_a_fresh_one(tmp_path, cap
     metrics.write_text("\n".join(lines) + "\n")
     assert study_checks.main([*argv[:-1], str(tmp_path / "scratch2")]) == 1
     assert "DIFFERENT from an uninterrupted run" in capsys.readouterr().out
+
+
+def test_failure_causes_are_the_distinct_error_lines_without_the_harness_wrappers():
+    lines = ["____ test_a ____", "E           RuntimeError: rank 1:", "E           Traceback (most recent call last):",
+             "E           AttributeError: type object 'PipelineExecutor' has no attribute '_forward'",
+             "E           RuntimeError: rank 0:", "E           AttributeError: type object 'PipelineExecutor' has no "
+             "attribute '_forward'", "E   RuntimeError: ranks [0, 1] died without reporting",
+             "E       AssertionError: assert 0.5 == 0.25", "tests/x.py:3: AssertionError"]
+    assert study_checks.failure_causes(lines) == [
+        "AttributeError: type object 'PipelineExecutor' has no attribute '_forward'",
+        "RuntimeError: ranks [0, 1] died without reporting",  # a cause of its own, not a wrapper
+        "AssertionError: assert 0.5 == 0.25"]
