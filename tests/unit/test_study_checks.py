@@ -69,8 +69,9 @@ def test_resumed_finds_a_run_whose_records_differ_from_a_fresh_one(tmp_path, cap
 def test_failure_causes_are_the_distinct_error_lines_without_the_harness_wrappers():
     lines = ["____ test_a ____", "E           RuntimeError: rank 1:", "E           Traceback (most recent call last):",
              "E           AttributeError: type object 'PipelineExecutor' has no attribute '_forward'",
-             "E           RuntimeError: rank 0:", "E           AttributeError: type object 'PipelineExecutor' has no "
-             "attribute '_forward'", "E   RuntimeError: ranks [0, 1] died without reporting",
+             "E           RuntimeError: rank 0:",
+             "E           AttributeError: type object 'PipelineExecutor' has no attribute '_forward'",
+             "E   RuntimeError: ranks [0, 1] died without reporting",
              "E       AssertionError: assert 0.5 == 0.25", "tests/x.py:3: AssertionError"]
     assert study_checks.failure_causes(lines) == [
         "AttributeError: type object 'PipelineExecutor' has no attribute '_forward'",
