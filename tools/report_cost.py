@@ -79,7 +79,9 @@ def cost_section(study: Study) -> list[str]:
         (f"Budget arithmetic: the {len(done)} finished runs took {cpu_done:.0f} CPU-s for {steps_done} steps, "
          f"**{rate:.3f} CPU-s per step** (fixed costs and evaluations included); the plan's {len(costs)} runs are "
          f"{planned_steps} steps, so the whole study is {planned_steps} × {rate:.3f} = "
-         f"**{planned_steps * rate / 3600:.2f} CPU-hours** against the budget of {BUDGET_CPU_HOURS:g}."
+         f"**{planned_steps * rate / 3600:.2f} CPU-hours** against the budget of {BUDGET_CPU_HOURS:g}"
+         + (f": **{planned_steps * rate / 3600 / BUDGET_CPU_HOURS - 1:.0%} over it**."
+            if planned_steps * rate / 3600 > BUDGET_CPU_HOURS else ".")
          if done else "Budget arithmetic: no finished run has recorded its CPU time yet."),
         *([("**The tune grid has not ended, so the other cells have no runs planned yet: this projection covers the "
             "grid alone.**")] if waits_for_tune(study) else []),

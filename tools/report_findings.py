@@ -58,8 +58,9 @@ EXPLANATIONS: dict[str, str] = {
 """Finding key -> why this study disagrees with the paper there, written after reading the data."""
 
 READINGS: dict[str, str] = {}
-"""Cell name -> what its table and figure say, written after reading the data (the AdamW explanation lives in
-its cells' readings). Shown under the cell's section; a cell in NEEDS_READING without one shows its empty slot."""
+"""Cell name (or "cost", the cost section) -> what its table and figure say, written after reading the data (the
+AdamW explanation lives in its cells' readings). Shown under the section; a cell in NEEDS_READING without one
+shows its empty slot."""
 NEEDS_READING = ("adamw_lr", "ef_lambda", "grad_ef_long")
 
 

@@ -5,6 +5,7 @@ from each run's attempts, and pending cells. Expected values are computed here, 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -340,3 +341,16 @@ def test_correction_cells_show_what_each_arm_did_to_the_step(rendered):
     assert "steps clipped" not in momentum[:momentum.index("\n## ")]
     main = rendered[rendered.index("## Main\n"):]
     assert "| adamw | 2bw_ef | — | — | — | 0 |" in main[:main.index("\n## ")]  # EF corrects the update: shown too
+
+
+def test_the_cost_section_says_by_how_much_the_projection_is_over_the_budget(study_dir, monkeypatch):
+    from tools import report_cost
+
+    loaded = report.load_study([study_dir])
+    text = "\n".join(report_cost.cost_section(loaded))
+    assert "% over it**" not in text  # a few synthetic runs are far under 8 CPU-hours
+    projected = float(text.split("CPU-hours** against")[0].rsplit("**", 1)[1])
+    monkeypatch.setattr(report_cost, "BUDGET_CPU_HOURS", projected / 2)
+    over = re.search(rf"against the budget of {projected / 2:g}: \*\*(\d+)% over it\*\*\.",
+                     "\n".join(report_cost.cost_section(loaded)))
+    assert over and 98 <= int(over.group(1)) <= 102  # twice the budget (the projection is printed rounded)
