@@ -172,7 +172,9 @@ def _setup(study: Study) -> list[str]:
             f"{n} lr {o['lr']:g} wd {o['weight_decay']:g} betas {tuple(o['betas'])} momentum {o['momentum']:g}"
             for n, o in sorted(opts.items())),
         "- seeds per cell (chosen from the paired SD the old study measured: with n seeds a paired t-test at 95% "
-        "detects |mean| / SD ≥ t(n−1)/√n; the plan file gives the table): "
+        "detects |mean| / SD ≥ t(n−1)/√n; the plan file gives the table; a `<cell>_more_seeds` cell was added "
+        "where a finding was undecided at its planned seeds, at the count this study's paired SD implies, its "
+        "first seeds being the earlier runs; the plan file gives each one's figures): "
         + ", ".join(f"`{c['name']}` {len(c.get('seeds') or m['seeds'])}" for c in m["cells"]),
         "- what differs between the columns of a row (same seed), read from every run's config.json: "
         + (", ".join(f"`{k}`" for k in arm_differences(study)) or "nothing"),
