@@ -137,9 +137,11 @@ def findings(study: Study) -> list[Finding]:
     for name in ("grad_ef", "grad_ef_long"):
         for row in cells.get(name, {}).get("rows", []):
             if name == "grad_ef_long" or row not in long_rows:  # the longer horizon decides where it ran
-                out += _treatments(study, name, row, "gradient-level EF diverges", "Fig. 19: diverges", +1)
+                out += _treatments(study, deciding(study, name, row), row, "gradient-level EF diverges",
+                                   "Fig. 19: diverges", +1)
     for row in cells.get("dc_asgd", {}).get("rows", []):
-        out += _treatments(study, "dc_asgd", row, "no DC-ASGD coefficient beats plain delay", "Fig. 14", 0)
+        out += _treatments(study, deciding(study, "dc_asgd", row), row, "no DC-ASGD coefficient beats plain delay",
+                           "Fig. 14", 0)
     for row in cells.get("sync_start", {}).get("rows", []):
         out.append(_sync_start(study, row))
     for row in cells.get("pipedream", {}).get("rows", []):

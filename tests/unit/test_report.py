@@ -295,6 +295,18 @@ def test_a_no_gain_claim_needs_an_equivalence_margin_or_a_resolved_difference(fi
         assert "seeds; the paired SD" in got.verdict.reason
 
 
+def test_a_treatment_row_is_decided_on_its_more_seeds_cell():
+    """findings() hands a gradient correction's row to its `<cell>_more_seeds` cell where that cell holds it."""
+    study = dc_study({"sync": SYNC[:1], "2bw": DELAYED[:1], "dc100": (3.95,)})
+    more = dc_study({"sync": SYNC, "2bw": DELAYED, "dc100": (3.80, 3.91, 4.00)})
+    for (_, row, col), runs in more.results.items():
+        study.results[("dc_asgd_more_seeds", row, col)] = runs
+    study.cells["dc_asgd_more_seeds"] = dict(more.cells["dc_asgd"])
+    found = {f.key: f for f in report_findings.findings(study)}
+    assert "dc_asgd/muon/dc100" not in found
+    assert found["dc_asgd_more_seeds/muon/dc100"].verdict.word == "disagrees"  # 3 seeds: better on every one
+
+
 def test_pending_and_interrupted_runs_are_counted_together_as_missing():
     s = report_data.Stat(planned=3, statuses={"interrupted": 1, "pending": 2})
     assert report_data.fmt_stat(s) == "**3 missing** (0/3)"
