@@ -325,7 +325,7 @@ def render(study: Study, out: Path, argv: list[str]) -> str:
     found = findings(study)
     doc += sections + ["## Findings: the paper against this study", "", RULE, "", findings_table(found), "",
                        tally(found), "", "## What it cost, where it ran, on which commits", "", *cost_section(study), "",
-                       *([reading("cost"), ""] if reading("cost") else []),
+                       *([cost_reading, ""] if (cost_reading := reading("cost")) else []),
                        "## What a CPU-scale study can and cannot say about the 360M and 10B results", "",
                        *scale_section(study), "", "## Figures", ""]
     doc += [f"**{caption}**\n\n![{path.stem}]({plot_dir.name}/{path.name})\n" for caption, path in figures + cell_figures]
