@@ -22,7 +22,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from tools import plots, report_cells
-from tools.report_cost import cost_section, scale_section
+from tools.report_cost import checks_section, cost_section, scale_section
 from tools.report_data import (
     MAIN_COLUMNS,
     Study,
@@ -326,6 +326,7 @@ def render(study: Study, out: Path, argv: list[str]) -> str:
     doc += sections + ["## Findings: the paper against this study", "", RULE, "", findings_table(found), "",
                        tally(found), "", "## What it cost, where it ran, on which commits", "", *cost_section(study), "",
                        *([cost_reading, ""] if (cost_reading := reading("cost")) else []),
+                       "### Checks that tie the runs to the final code", "", *checks_section(plot_dir / "checks.json"),
                        "## What a CPU-scale study can and cannot say about the 360M and 10B results", "",
                        *scale_section(study), "", "## Figures", ""]
     doc += [f"**{caption}**\n\n![{path.stem}]({plot_dir.name}/{path.name})\n" for caption, path in figures + cell_figures]

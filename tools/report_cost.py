@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tools.report_cells import waits_for_tune
 from tools.report_data import Study, table
@@ -99,6 +100,30 @@ def cost_section(study: Study) -> list[str]:
               [[inv["time"], f"`{inv.get('commit') or 'unknown'}`", inv.get("host", "—"), f"`{inv['command']}`"]
                for m in study.manifests for inv in m["invocations"]]),
     ]
+    return lines
+
+
+CHECKS = {
+    "same-code": "short runs of the study's run configs, one per mechanism and per optimizer, in the study's tree "
+                 "and in the final code: the same bits step by step means these runs are runs of the final code",
+    "resumed": "every run that was stopped at a checkpoint and resumed, rerun uninterrupted: the same bits step by "
+               "step",
+    "equivalence": "the equivalence tests of the study's commit, unchanged, run on the final code",
+}
+"""What each of tools.study_checks' checks shows, in the order the report prints them."""
+
+
+def checks_section(path: Path) -> list[str]:
+    """The checks tools.study_checks recorded (--record) in the report's figure folder, printed as they ran."""
+    entries = json.loads(path.read_text()) if path.is_file() else {}
+    if not entries:
+        return [(f"*No check recorded: `python -m tools.study_checks {{{','.join(CHECKS)}}} ... --record {path}` "
+                 "keeps each one here.*")]
+    lines = []
+    for name in [c for c in CHECKS if c in entries] + sorted(set(entries) - set(CHECKS)):
+        e = entries[name]
+        lines += [f"**{name}** ({CHECKS.get(name, 'a check')}), {e['when']} UTC, exit {e['exit']}:", "",
+                  "```", f"$ {e['command']}", *e["lines"], "```", ""]
     return lines
 
 

@@ -14,6 +14,10 @@ equivalence tests pass unchanged on the final code"; "check that every run reall
   throwaway worktree, run (those files only) by pytest (`-m "equivalence and not slow and not gpu"`). Files that no longer import
   (helpers moved since) are collection errors; the summary and each failure's first error line are printed for
   a person to read: a numeric assertion that fails is a changed result, an AttributeError is a moved API.
+
+`--record docs/reproduction/checks.json` keeps a check's command, time, commit and printed lines in that file (one
+entry per check, the latest run replacing the earlier one); `tools.report` prints the file under the commits its
+runs ran on, when it sits in the report's figure folder.
 """
 
 from __future__ import annotations
@@ -25,12 +29,22 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from tools.study import MANIFEST, REPO, STATUS
 
 KEYS = ("loss", "grad_norm", "val_loss")
 """What a run's metrics.jsonl records that the comparison reads (timings differ between any two runs)."""
+SAID: list[str] = []
+"""What this invocation printed, for --record (a check is one process; nothing else appends here)."""
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+    SAID.append(line)
+
+
 STEP_DEPENDENT = ("train.steps=", "train.eval_every=", "checkpoint.every=", "optimizer.schedule.warmup_steps=")
 MECHANISM = ("schedule=", "staleness.", "parallel.", "optimizer.momentum=")
 
@@ -89,8 +103,9 @@ def same_code(study: Path, tree: Path, against: Path, steps: int, names: list[st
         b = train(against, manifest["experiment"], overrides, scratch / name / "b", threads)
         same = a == b and len(a) == steps
         differ += not same
-        print(f"{name}: {'same bits' if same else 'DIFFERENT'} over {len(a)} steps; last {a[max(a)]}", flush=True)
-    print(f"same-code: {differ} of the runs differ between {tree} and {against}")
+        say(f"{name}: {'same bits' if same else 'DIFFERENT'} over {len(a)} steps; last {a[max(a)]}")
+    say(f"same-code: {differ} of the runs differ between {tree} ({commit_of(tree)}) and {against} "
+        f"({commit_of(against)})")
     return int(differ > 0)
 
 
@@ -105,9 +120,9 @@ def resumed(study: Path, tree: Path, names: list[str], scratch: Path, threads: i
         fresh = train(tree, manifest["experiment"], runs[name]["overrides"], scratch / name, threads)
         same = fresh == records(study / name / "metrics.jsonl")
         differ += not same
-        print(f"{name} (attempts exited {codes}): {'same bits as' if same else 'DIFFERENT from'} an uninterrupted run "
-              f"over {len(fresh)} steps", flush=True)
-    print(f"resumed: {len(picked)} resumed runs, {differ} differ from their uninterrupted rerun")
+        say(f"{name} (attempts exited {codes}): {'same bits as' if same else 'DIFFERENT from'} an uninterrupted run "
+            f"over {len(fresh)} steps")
+    say(f"resumed: {len(picked)} resumed runs, {differ} differ from their uninterrupted rerun")
     return int(differ > 0)
 
 
@@ -139,15 +154,18 @@ def equivalence(commit: str, keep: bool) -> int:
         (work / ".venv").symlink_to(REPO / ".venv")
         files = equivalence_files(commit)
         subprocess.run(["git", "checkout", commit, "--", *files], cwd=work, check=True)
-        print(f"{len(files)} test files of {commit} over the tests of HEAD ({work})", flush=True)
+        say(f"{len(files)} test files of {commit_of(REPO, commit)} over the tests of {commit_of(REPO)}")
+        print(f"(in {work})", flush=True)
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
                                "equivalence and not slow and not gpu", "--continue-on-collection-errors", *files],
                               check=False, cwd=work, env={**os.environ, "PYTHONPATH": str(work)},
                               capture_output=True, text=True)
         lines = proc.stdout.splitlines()
         for cause in failure_causes(lines):
-            print("  " + cause)
-        print("\n".join(line for line in lines if line.startswith(("FAILED", "ERROR")) or " passed" in line))
+            say("  " + cause)
+        for line in lines:
+            if line.startswith(("FAILED", "ERROR")) or " passed" in line:
+                say(line)
         return proc.returncode
     finally:
         if not keep:
@@ -155,7 +173,22 @@ def equivalence(commit: str, keep: bool) -> int:
                            capture_output=True)
 
 
+def commit_of(tree: Path, rev: str = "HEAD") -> str:
+    return subprocess.run(["git", "rev-parse", rev], cwd=tree, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def record(path: Path, check: str, argv: list[str], code: int) -> None:
+    """This check's entry in the report's checks file; the file's other checks are kept."""
+    entries = json.loads(path.read_text()) if path.is_file() else {}
+    entries[check] = {"command": "python -m tools.study_checks " + " ".join(argv), "exit": code,
+                      "when": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()), "lines": SAID}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(entries, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m tools.study_checks", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="check", required=True)
     for name in ("same-code", "resumed"):
@@ -171,14 +204,22 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("equivalence")
     e.add_argument("--commit", required=True)
     e.add_argument("--keep", action="store_true", help="keep the worktree")
+    for s in sub.choices.values():
+        s.add_argument("--record", type=Path, default=None, help="keep this check's output for the report, e.g. "
+                       "docs/reproduction/checks.json")
     args = p.parse_args(argv)
+    SAID.clear()
     if args.check == "equivalence":
-        return equivalence(args.commit, args.keep)
-    scratch = args.scratch or Path(tempfile.mkdtemp(prefix="study-check-"))
-    if args.check == "same-code":
-        return same_code(args.study, args.tree.resolve(), args.against.resolve(), args.steps, args.runs, scratch,
-                         args.threads)
-    return resumed(args.study, args.tree.resolve(), args.runs, scratch, args.threads)
+        code = equivalence(args.commit, args.keep)
+    elif args.check == "same-code":
+        code = same_code(args.study, args.tree.resolve(), args.against.resolve(), args.steps, args.runs,
+                         args.scratch or Path(tempfile.mkdtemp(prefix="study-check-")), args.threads)
+    else:
+        code = resumed(args.study, args.tree.resolve(), args.runs,
+                       args.scratch or Path(tempfile.mkdtemp(prefix="study-check-")), args.threads)
+    if args.record:
+        record(args.record, args.check, argv, code)
+    return code
 
 
 if __name__ == "__main__":

@@ -77,3 +77,20 @@ def test_failure_causes_are_the_distinct_error_lines_without_the_harness_wrapper
         "AttributeError: type object 'PipelineExecutor' has no attribute '_forward'",
         "RuntimeError: ranks [0, 1] died without reporting",  # a cause of its own, not a wrapper
         "AssertionError: assert 0.5 == 0.25"]
+
+
+def test_a_recorded_check_is_printed_by_the_report_as_it_ran(tmp_path, monkeypatch):
+    from tools import report_cost
+
+    checks = tmp_path / "reproduction" / "checks.json"
+    assert "No check recorded" in "\n".join(report_cost.checks_section(checks))
+    monkeypatch.setattr(study_checks, "resumed", lambda *a: (study_checks.say("r1 (attempts exited [143, 0]): same"), 0)[1])
+    assert study_checks.main(["resumed", "--study", "s", "--record", str(checks)]) == 0
+    monkeypatch.setattr(study_checks, "equivalence", lambda *a: (study_checks.say("3 failed, 171 passed"), 1)[1])
+    assert study_checks.main(["equivalence", "--commit", "abc", "--record", str(checks)]) == 1
+    assert study_checks.main(["resumed", "--study", "s2", "--record", str(checks)]) == 0  # replaces the first
+
+    text = "\n".join(report_cost.checks_section(checks))
+    assert text.count("**resumed**") == 1 and "--study s2 --record" in text and "--study s --record" not in text
+    assert text.index("**resumed**") < text.index("**equivalence**")  # the report's order, not the file's
+    assert "exit 1" in text and "3 failed, 171 passed" in text and "r1 (attempts exited [143, 0]): same" in text
