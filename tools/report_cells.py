@@ -104,11 +104,42 @@ def adamw_lr(study: Study, plot_dir: Path) -> tuple[list[str], list[tuple[str, P
         gap_pts.append((lr, gap[0], gap[1]))
         ef_pts.append((lr, ef_gap[0], ef_gap[1]))
     text = [table(["lr", "from", "sync", "2BW", "2BW + EF", "gap 2BW − sync", "gap 2BW+EF − sync", "gap closed by EF"],
-                  rows), ""]
+                  rows), "", *_training_loss_table(study, arms)]
     path = plots.gap_vs_x({"2BW − sync": gap_pts, "2BW + EF − sync": ef_pts}, {}, plot_dir / "adamw_gap_vs_lr.png",
                           "AdamW: the delay's gap and EF's against the learning rate", "optimizer.lr",
                           "final val loss − sync (paired)", log_x=True)
-    return text, [("AdamW: gap to sync of 2BW and of 2BW + EF against the learning rate (mean ± SD over seeds)", path)]
+    panels = {f"lr {lr:g}: training loss ({SMOOTH_STEPS}-step mean)": {c: _smoothed_runs(study, cell, row, c)
+                                                                       for c in MAIN_COLUMNS}
+              for lr, cell, row in arms}
+    curves = plots.curves_panels(panels, plot_dir / "adamw_train_loss_vs_lr.png",
+                                 "AdamW: training loss per learning rate", "loss")
+    caption = ("AdamW: training loss of sync, 2BW and 2BW + EF at each learning rate (mean over seeds; band: min to "
+               "max)")
+    return text, [("AdamW: gap to sync of 2BW and of 2BW + EF against the learning rate (mean ± SD over seeds)", path),
+                  (caption, curves)]
+
+
+TRAINING_LOSS_STEPS = (20, 60, 100, 140, 200)
+"""Where the AdamW table reads the training loss: the end of warmup, then every 40 steps (when the delayed run
+stalls, and for how long, is what explains its gap)."""
+
+
+def _smoothed_runs(study: Study, cell: str, row: str, column: str) -> list[plots.Curve]:
+    return [smoothed(r.train_curve) for _, r in study.results.get((cell, row, column), [])
+            if r.status == "done" and len(r.train_curve[0]) >= SMOOTH_STEPS]
+
+
+def _training_loss_table(study: Study, arms: list[tuple[float, str, str]]) -> list[str]:
+    """Per learning rate and arm: the smoothed training loss (mean over seeds) at TRAINING_LOSS_STEPS."""
+    rows = []
+    for lr, cell, row in arms:
+        for column in MAIN_COLUMNS:
+            steps, mean, _, _ = plots.mean_curve(_smoothed_runs(study, cell, row, column))
+            at = dict(zip(steps, mean))
+            rows.append([f"{lr:g}", column, *(f"{at[s]:.2f}" if s in at else "—" for s in TRAINING_LOSS_STEPS)])
+    return [(f"Training loss ({SMOOTH_STEPS}-step trailing mean, mean over seeds) at chosen steps: where each arm "
+             "stalls, and for how long."), "",
+            table(["lr", "column", *(f"step {s}" for s in TRAINING_LOSS_STEPS)], rows), ""]
 
 
 def smoothed(curve: tuple, window: int = SMOOTH_STEPS) -> plots.Curve:

@@ -70,7 +70,8 @@ def write_run(out: Path, name: str, cfg: dict, final: float | str, attempts: lis
     steps, diverged = cfg["train"]["steps"], final == "nan"
     lines = []
     for step in range(steps):
-        record = {"step": step, "loss": "nan" if diverged and step >= DIVERGE_AT else 5.0,
+        record = {"step": step, "loss": "nan" if diverged and step >= DIVERGE_AT else
+                  5.0 if diverged else final + (steps - step - 1) / 200,  # falls to the final val loss
                   "skipped": diverged and step >= DIVERGE_AT}
         if (step + 1) % 10 == 0 and not (diverged and step >= DIVERGE_AT):
             # diverged runs: the val loss falls, then rises before the loss goes non-finite
@@ -149,6 +150,17 @@ def test_the_rerun_figures_are_drawn(report_path, rendered):
         assert f"![{name}](reproduction/{name}.png)" in rendered
     # their cells' generic sweep plots are not drawn besides them
     assert not (report_path.parent / "reproduction" / "gap_vs_adamw_lr.png").exists()
+
+
+def test_adamw_lr_reads_the_training_loss_where_each_arm_stalls(report_path, rendered):
+    rows = rows_after(rendered, "Training loss (10-step trailing mean", "0.00")
+    # lr 0.004's 2BW: finals 6.5, 6.6, 6.7; the loss at step s (1-based) is final + (30 - s) / 200, so steps 11-20
+    # average to final + 0.0725; a 30-step run has no step 60 onwards
+    assert ["0.004", "2bw", "6.67", "—", "—", "—", "—"] in rows
+    assert ["0.001", "sync", "5.82", "—", "—", "—", "—"] in rows
+    assert len(rows) == 3 * 3  # every lr (the adamw_lr rows, the main row's lr among them) x sync, 2BW, 2BW + EF
+    png = report_path.parent / "reproduction" / "adamw_train_loss_vs_lr.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "](reproduction/adamw_train_loss_vs_lr.png)" in rendered
 
 
 def rows_after(markdown: str, heading: str, first: str) -> list[list[str]]:
