@@ -444,7 +444,8 @@ def execute(experiment: str, run: dict, out: Path, threads: int) -> int:
         _, wait_status, usage = os.wait4(proc.pid, 0)  # the child's own CPU time: the study's CPU-hours
         proc.returncode = os.waitstatus_to_exitcode(wait_status)
         _CHILDREN.discard(proc)
-    _write_status(run_dir, proc.returncode, time.time() - started, shlex.join(cmd), usage.ru_utime + usage.ru_stime)
+    _write_status(run_dir, proc.returncode, time.time() - started, shlex.join(cmd), usage.ru_utime + usage.ru_stime,
+                  threads)
     return proc.returncode
 
 
@@ -477,18 +478,21 @@ def execute_inprocess(experiment: str, run: dict, out: Path, threads: int) -> in
     except Exception:  # noqa: BLE001 -- a failed run is recorded and reported, like a failed process
         (run_dir / "train.log").write_text(traceback.format_exc())
         rc = 1
-    _write_status(run_dir, rc, time.time() - started, "in-process: " + " ".join(run["overrides"]))
+    _write_status(run_dir, rc, time.time() - started, "in-process: " + " ".join(run["overrides"]), threads=threads)
     return rc
 
 
-def _write_status(run_dir: Path, rc: int, seconds: float, cmd: str, cpu_s: float | None = None) -> None:
+def _write_status(run_dir: Path, rc: int, seconds: float, cmd: str, cpu_s: float | None = None,
+                  threads: int | None = None) -> None:
     """The outcome of one attempt; `cpu_s` is the process's user+system CPU time (summed over attempts by the
-    report: each attempt's file replaces the last, so it is appended to the run's attempts list too)."""
+    report: each attempt's file replaces the last, so it is appended to the run's attempts list too). `threads`
+    (OMP_NUM_THREADS) picks the CPU kernels, so a bit-exact rerun of the run needs the same count."""
     old = _read_json(run_dir / STATUS) or {}
     now = {"returncode": rc, "seconds": round(seconds, 1), "cpu_s": None if cpu_s is None else round(cpu_s, 1),
            "command": cmd, "finished": datetime.datetime.now().isoformat(timespec="seconds"),
-           "host": os.uname().nodename}
-    attempts = [*old.get("attempts", []), {k: now[k] for k in ("returncode", "seconds", "cpu_s", "finished", "host")}]
+           "host": os.uname().nodename, "threads": threads}
+    attempts = [*old.get("attempts", []),
+                {k: now[k] for k in ("returncode", "seconds", "cpu_s", "finished", "host", "threads")}]
     (run_dir / STATUS).write_text(json.dumps({**now, "attempts": attempts}))
 
 

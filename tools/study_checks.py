@@ -109,7 +109,16 @@ def same_code(study: Path, tree: Path, against: Path, steps: int, names: list[st
     return int(differ > 0)
 
 
-def resumed(study: Path, tree: Path, names: list[str], scratch: Path, threads: int) -> int:
+def threads_of(status: Path, given: int | None) -> int:
+    """The threads the run's last attempt had (recorded by tools.study since session 12), else `given`, else 1
+    (the rerun study's --jobs 2 on 2 cores, which ran before the count was recorded)."""
+    if given is not None:
+        return given
+    attempts = json.loads(status.read_text()).get("attempts", []) if status.is_file() else []
+    return next((a["threads"] for a in reversed(attempts) if a.get("threads")), 1)
+
+
+def resumed(study: Path, tree: Path, names: list[str], scratch: Path, threads: int | None) -> int:
     manifest = json.loads((study / MANIFEST).read_text())
     runs = {r["name"]: r for r in manifest["runs"]}
     picked = names or [n for n in runs if (study / n / STATUS).is_file()
@@ -117,7 +126,8 @@ def resumed(study: Path, tree: Path, names: list[str], scratch: Path, threads: i
     differ = 0
     for name in picked:
         codes = [a.get("returncode") for a in json.loads((study / name / STATUS).read_text())["attempts"]]
-        fresh = train(tree, manifest["experiment"], runs[name]["overrides"], scratch / name, threads)
+        fresh = train(tree, manifest["experiment"], runs[name]["overrides"], scratch / name,
+                      threads_of(study / name / STATUS, threads))
         same = fresh == records(study / name / "metrics.jsonl")
         differ += not same
         say(f"{name} (attempts exited {codes}): {'same bits as' if same else 'DIFFERENT from'} an uninterrupted run "
@@ -196,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--study", type=Path, required=True, help="the study directory (its study.json)")
         s.add_argument("--tree", type=Path, default=REPO, help="the repository the study ran from")
         s.add_argument("--scratch", type=Path, default=None, help="where the check's runs go (default: a temp dir)")
-        s.add_argument("--threads", type=int, default=1, help="threads per run as the study gave them: cpu_count // "
+        s.add_argument("--threads", type=int, default=None, help="threads per run (default: as each run's status "
+                       "records them, else 1); as the study gave them: cpu_count // "
                        "its --jobs (1 for --jobs 2 on 2 cores)")
         s.add_argument("runs", nargs="*", help="run names (default: see the module's docstring)")
     sub.choices["same-code"].add_argument("--against", type=Path, default=REPO, help="the other repository")
@@ -213,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         code = equivalence(args.commit, args.keep)
     elif args.check == "same-code":
         code = same_code(args.study, args.tree.resolve(), args.against.resolve(), args.steps, args.runs,
-                         args.scratch or Path(tempfile.mkdtemp(prefix="study-check-")), args.threads)
+                         args.scratch or Path(tempfile.mkdtemp(prefix="study-check-")), args.threads or 1)
     else:
         code = resumed(args.study, args.tree.resolve(), args.runs,
                        args.scratch or Path(tempfile.mkdtemp(prefix="study-check-")), args.threads)

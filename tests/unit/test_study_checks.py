@@ -94,3 +94,15 @@ def test_a_recorded_check_is_printed_by_the_report_as_it_ran(tmp_path, monkeypat
     assert text.count("**resumed**") == 1 and "--study s2 --record" in text and "--study s --record" not in text
     assert text.index("**resumed**") < text.index("**equivalence**")  # the report's order, not the file's
     assert "exit 1" in text and "3 failed, 171 passed" in text and "r1 (attempts exited [143, 0]): same" in text
+
+
+def test_a_rerun_takes_the_threads_the_study_recorded(tmp_path):
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    study._write_status(run_dir, 143, 1.0, "cmd", 2.0, threads=4)
+    study._write_status(run_dir, 0, 1.0, "cmd", 2.0, threads=2)  # resumed under another --jobs
+    assert [a["threads"] for a in json.loads((run_dir / study.STATUS).read_text())["attempts"]] == [4, 2]
+    assert study_checks.threads_of(run_dir / study.STATUS, None) == 2  # the attempt that finished it
+    assert study_checks.threads_of(run_dir / study.STATUS, 3) == 3  # --threads wins
+    (run_dir / study.STATUS).write_text(json.dumps({"attempts": [{"returncode": 0}]}))  # before it was recorded
+    assert study_checks.threads_of(run_dir / study.STATUS, None) == 1
