@@ -72,7 +72,7 @@ READINGS: dict[str, str] = {
         "the delay costs AdamW 0.28; these 200 steps lie inside the phase where the loss falls from 7 to 5.5 and "
         "the delay stalls AdamW. The gap here, and EF's share of it, are figures of that early phase."),
 }
-"""Cell name (or "cost", the cost section) -> what its table and figure say, written after reading the data (the
+"""Cell name (or "cost" and "checks", the sections on cost and on the code) -> what its table and figure say, written after reading the data (the
 AdamW explanation lives in its cells' readings). Shown under the section; a cell in NEEDS_READING without one
 shows its empty slot."""
 NEEDS_READING = ("adamw_lr", "ef_lambda", "grad_ef_long")
