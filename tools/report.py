@@ -326,7 +326,7 @@ def render(study: Study, out: Path, argv: list[str]) -> str:
     doc += sections + ["## Findings: the paper against this study", "", RULE, "", findings_table(found), "",
                        tally(found), "", "## What it cost, where it ran, on which commits", "", *cost_section(study), "",
                        *([cost_reading, ""] if (cost_reading := reading("cost")) else []),
-                       "### Checks that tie the runs to the final code", "", *checks_section(plot_dir / "checks.json"),
+                       "### Checks that tie the runs to the final code", "", *checks_section(plot_dir / "checks.json"), "",
                        *([checks_reading, ""] if (checks_reading := reading("checks")) else []),
                        "## What a CPU-scale study can and cannot say about the 360M and 10B results", "",
                        *scale_section(study), "", "## Figures", ""]
