@@ -287,6 +287,9 @@ def test_rerun_plan_tunes_every_arm_and_orders_grid_and_main_first():
     assert {cells[("adamw_lr", r, "2bw", 1)].config["optimizer"]["lr"] for r in ("adamw-lr0.001", "adamw-lr0.004")} \
         == {0.001, 0.004}
     assert cells[("grad_ef_long", "adamw", "grad_ef0.5_long", 3)].config["train"]["steps"] == 2 * plan.steps
+    # every run's directory can be a hydra override (a list-valued row, optimizer.betas, included)
+    assert all(re.fullmatch(r"[\w.-]+", r.name) for r in runs)
+    assert ("momentum_adamw_part", "muon-momentum0.98-betas_0.98_0.95", "sync", 1) in cells
     # the main table's 5 seeds finish before any ablation run starts
     first = [r.cells[0]["cell"] for r in runs]
     assert set(first[:first.index("sync_start")]) == {"lr_grid", "main"} and "main" not in first[first.index("sync_start"):]
