@@ -199,8 +199,11 @@ def fill(text: str, steps: int, tuned: str | None = None) -> str:
 
 
 def row_slug(row: dict[str, str]) -> str:
-    """{"optimizer": "muon", "optimizer.momentum": "0.9"} -> "muon-momentum0.9" (a directory name part)."""
-    return "-".join(v if k == "optimizer" else f"{k.rsplit('.', 1)[-1]}{v}" for k, v in row.items())
+    """{"optimizer": "muon", "optimizer.momentum": "0.9"} -> "muon-momentum0.9" (a directory name part; a list
+    value's brackets and commas, which a hydra override cannot carry in a path, become "_":
+    "optimizer.betas": "[0.98,0.95]" -> "betas_0.98_0.95")."""
+    parts = (v if k == "optimizer" else f"{k.rsplit('.', 1)[-1]}{v}" for k, v in row.items())
+    return "-".join(re.sub(r"[^\w.]+", "_", p).strip("_") for p in parts)
 
 
 def override_value(overrides: list[str], key: str) -> str | None:
