@@ -121,9 +121,9 @@ def checks_section(path: Path) -> list[str]:
                  "keeps each one here.*")]
     lines = []
     for name in [c for c in CHECKS if c in entries] + sorted(set(entries) - set(CHECKS)):
-        e = entries[name]
-        lines += [f"**{name}** ({CHECKS.get(name, 'a check')}), {e['when']} UTC, exit {e['exit']}:", "",
-                  "```", f"$ {e['command']}", *e["lines"], "```", ""]
+        lines += [f"**{name}**: {CHECKS.get(name, 'a check')}.", ""]
+        for e in entries[name]:
+            lines += [f"{e['when']} UTC, exit {e['exit']}:", "", "```", f"$ {e['command']}", *e["lines"], "```", ""]
     return lines
 
 

@@ -188,11 +188,13 @@ def commit_of(tree: Path, rev: str = "HEAD") -> str:
                           check=True).stdout.strip()
 
 
-def record(path: Path, check: str, argv: list[str], code: int) -> None:
-    """This check's entry in the report's checks file; the file's other checks are kept."""
+def record(path: Path, check: str, argv: list[str], code: int, add: bool) -> None:
+    """This invocation under its check in the report's checks file, replacing the check's earlier ones (or added
+    to them: `add`, for runs that ended after the last check); the file's other checks are kept."""
     entries = json.loads(path.read_text()) if path.is_file() else {}
-    entries[check] = {"command": "python -m tools.study_checks " + " ".join(argv), "exit": code,
-                      "when": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()), "lines": SAID}
+    run = {"command": "python -m tools.study_checks " + " ".join(argv), "exit": code,
+           "when": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()), "lines": SAID}
+    entries[check] = [*entries.get(check, []), run] if add else [run]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(entries, indent=1) + "\n")
 
@@ -218,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in sub.choices.values():
         s.add_argument("--record", type=Path, default=None, help="keep this check's output for the report, e.g. "
                        "docs/reproduction/checks.json")
+        s.add_argument("--add", action="store_true", help="with --record: add to the check's recorded output (the "
+                       "runs named here ended after it) instead of replacing it")
     args = p.parse_args(argv)
     SAID.clear()
     if args.check == "equivalence":
@@ -229,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         code = resumed(args.study, args.tree.resolve(), args.runs,
                        args.scratch or Path(tempfile.mkdtemp(prefix="study-check-")), args.threads)
     if args.record:
-        record(args.record, args.check, argv, code)
+        record(args.record, args.check, argv, code, args.add)
     return code
 
 

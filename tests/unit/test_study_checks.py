@@ -89,9 +89,11 @@ def test_a_recorded_check_is_printed_by_the_report_as_it_ran(tmp_path, monkeypat
     monkeypatch.setattr(study_checks, "equivalence", lambda *a: (study_checks.say("3 failed, 171 passed"), 1)[1])
     assert study_checks.main(["equivalence", "--commit", "abc", "--record", str(checks)]) == 1
     assert study_checks.main(["resumed", "--study", "s2", "--record", str(checks)]) == 0  # replaces the first
+    assert study_checks.main(["resumed", "--study", "s3", "--record", str(checks), "--add"]) == 0  # added to it
 
     text = "\n".join(report_cost.checks_section(checks))
-    assert text.count("**resumed**") == 1 and "--study s2 --record" in text and "--study s --record" not in text
+    assert text.count("**resumed**") == 1 and "--study s --record" not in text
+    assert text.index("--study s2 --record") < text.index("--study s3 --record")
     assert text.index("**resumed**") < text.index("**equivalence**")  # the report's order, not the file's
     assert "exit 1" in text and "3 failed, 171 passed" in text and "r1 (attempts exited [143, 0]): same" in text
 
