@@ -96,6 +96,27 @@ def gap_curves(study: Study, cell: str, row: str, column: str, ref: str) -> list
     return out
 
 
+GAP_OVER_STEPS = ("momentum", "momentum_adamw_part")
+"""Cells whose section also shows the 2BW gap at every evaluation: the momentum trend is a question of when the
+gap closes, which the final loss alone does not show."""
+
+
+def gap_steps_table(study: Study, name: str) -> list[str]:
+    """Per row, the paired gap of plain 2BW to sync (mean ± SD over seeds) at each evaluation step."""
+    rows, steps = [], []
+    for row in study.cells[name]["rows"]:
+        sync_col, async_col = reference(study, name, row, is_sync), reference(study, name, row, is_plain_2bw)
+        curves = gap_curves(study, name, row, async_col, sync_col) if sync_col and async_col else []
+        at = [dict(zip(*c)) for c in curves]
+        common = sorted(set.intersection(*(set(a) for a in at))) if at else []
+        steps = steps or common
+        rows.append([row, str(len(at)), *(f"{statistics.fmean(g):+.3f} ± {statistics.stdev(g):.3f}" if len(g) > 1
+                                          else f"{g[0]:+.3f}" if g else "—"
+                                          for g in ([a[s] for a in at if s in a] for s in steps))])
+    return [("The gap 2BW − sync at each evaluation (validation loss, paired by seed, mean ± SD): when it "
+             "opens and how fast it closes."), "",
+            table(["row", "seeds", *(f"step {s}" for s in steps)], rows), ""]
+
 
 def sweep_points(study: Study, name: str) -> tuple[dict[str, list[plots.Point]], dict[str, tuple[float, float]]]:
     """Gap to sync against the cell's x: a series per row when x varies over columns (lambda, P), a series
@@ -304,6 +325,8 @@ def _cell_sections(study: Study, plot_dir: Path) -> tuple[list[str], list[tuple[
             figures += figs
         else:
             doc += [cell_table(study, name), ""]
+        if name in GAP_OVER_STEPS:
+            doc += gap_steps_table(study, name)
         if name in report_cells.STEP_DIAGNOSED:
             doc += report_cells.step_table(study, name)
         if text := reading(name):

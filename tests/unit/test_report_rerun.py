@@ -163,6 +163,14 @@ def test_adamw_lr_reads_the_training_loss_where_each_arm_stalls(report_path, ren
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "](reproduction/adamw_train_loss_vs_lr.png)" in rendered
 
 
+def test_momentum_shows_the_gap_at_every_evaluation(rendered):
+    rows = rows_after(rendered, "The gap 2BW − sync at each evaluation", "muon-momentum")
+    # every run's val loss falls to its final by the same amount, so each seed's gap is the same at every
+    # evaluation (steps 10, 20, 30): 0.20, 0.22, 0.21 at μ = 0.9
+    assert rows[0] == ["muon-momentum0.9", "3", *["+0.210 ± 0.010"] * 3]
+    assert len(rows) == 3 and "| row | seeds | step 10 | step 20 | step 30 |" in rendered
+
+
 def rows_after(markdown: str, heading: str, first: str) -> list[list[str]]:
     section = markdown[markdown.index(heading):]
     return [[c.strip() for c in ln.strip("|").split("|")] for ln in section.splitlines() if ln.startswith(f"| {first}")]
