@@ -71,6 +71,19 @@ READINGS: dict[str, str] = {
         "is the regime difference: the paper measures its 360M runs at 2.6 nats, long after such a phase, where "
         "the delay costs AdamW 0.28; these 200 steps lie inside the phase where the loss falls from 7 to 5.5 and "
         "the delay stalls AdamW. The gap here, and EF's share of it, are figures of that early phase."),
+    # Written in session 12, from the plan file's arithmetic and the table above.
+    "cost": (
+        "The budget is not met, for two reasons. (1) The plan was sized at 0.50 CPU-s per step plus 10.6 CPU-s "
+        "per run, both measured inside one process at 5 and 25 steps: about 116 CPU-s for a 200-step run. Each "
+        "run of the study is its own pretrain.py process, with its interpreter start-up, config composition, an "
+        "evaluation every 40 steps and a checkpoint every 50. Two such processes share the two cores at nice 19, "
+        "beside the session's other work. The rate above is what they took, start-up included. At that rate the "
+        "222 runs first planned (54,000 steps) come to about 10.5 CPU-hours, not 7.5. (2) The plan grew by 75 "
+        "runs, 20 of them 400 steps long, because four findings were still undecided at their planned seeds and "
+        "the momentum finding's explanation needed a test (the plan file gives each cell's reason). Deciding every "
+        "finding came before the budget, and no cell was cut after its data had been seen: stopping a cell on "
+        "its own data biases its test. A study sized at the measured rate fits about 41,000 steps into 8 "
+        "CPU-hours (8 × 3600 / 0.70), 205 runs of 200 steps."),
 }
 """Cell name (or "cost" and "checks", the sections on cost and on the code) -> what its table and figure say, written after reading the data (the
 AdamW explanation lives in its cells' readings). Shown under the section; a cell in NEEDS_READING without one
