@@ -84,6 +84,18 @@ READINGS: dict[str, str] = {
         "finding came before the budget, and no cell was cut after its data had been seen: stopping a cell on "
         "its own data biases its test. A study sized at the measured rate fits about 41,000 steps into 8 "
         "CPU-hours (8 × 3600 / 0.70), 205 runs of 200 steps."),
+    # Written in session 12 from the checks above.
+    "checks": (
+        "Every run's code is 13a0011's: the study's later commits change only the plan file and, in 5dbed87, the "
+        "study driver's naming of a run directory. The same-code check is the direct evidence that the final "
+        "code computes these runs: a 12-step run of each mechanism's and each optimizer's config, with an "
+        "evaluation, a checkpoint and a synchronous start inside it, gives the same bits at every step in the "
+        "study's tree and in the final code. The equivalence tests of 13a0011, unchanged, pass on the final code "
+        "except five, and none of the five fails on a number: each reaches an API that has moved or was removed "
+        "since (the fault test's hook on PipelineExecutor._forward, now StageForward.__call__; the Megatron log "
+        "line's padding, changed with the console; the vocabulary-parallel loss on one rank, which now refuses and "
+        "names core.loss.cross_entropy; the removed test-only head's broadcast_hidden; compute_dtype_of, moved "
+        "to asyncpp.core.masters). Their current versions are in the final code's default suite and pass."),
 }
 """Cell name (or "cost" and "checks", the sections on cost and on the code) -> what its table and figure say, written after reading the data (the
 AdamW explanation lives in its cells' readings). Shown under the section; a cell in NEEDS_READING without one
