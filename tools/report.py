@@ -96,26 +96,26 @@ def gap_curves(study: Study, cell: str, row: str, column: str, ref: str) -> list
     return out
 
 
-GAP_OVER_STEPS = ("momentum", "momentum_adamw_part")
-"""Cells whose section also shows the 2BW gap at every evaluation: the momentum trend is a question of when the
-gap closes, which the final loss alone does not show."""
+GAP_OVER_STEPS = ("momentum", "momentum_adamw_part", "dc_asgd")
+"""Cells whose section also shows each arm's gap to sync at every evaluation: the momentum trend is a question of
+when the gap closes, and DC-ASGD's correction of when it acts, which the final loss alone does not show."""
 
 
 def gap_steps_table(study: Study, name: str) -> list[str]:
-    """Per row, the paired gap of plain 2BW to sync (mean ± SD over seeds) at each evaluation step."""
+    """Per row and arm (every column but sync), the paired gap to sync (mean ± SD over seeds) at each evaluation."""
     rows, steps = [], []
     for row in study.cells[name]["rows"]:
-        sync_col, async_col = reference(study, name, row, is_sync), reference(study, name, row, is_plain_2bw)
-        curves = gap_curves(study, name, row, async_col, sync_col) if sync_col and async_col else []
-        at = [dict(zip(*c)) for c in curves]
-        common = sorted(set.intersection(*(set(a) for a in at))) if at else []
-        steps = steps or common
-        rows.append([row, str(len(at)), *(f"{statistics.fmean(g):+.3f} ± {statistics.stdev(g):.3f}" if len(g) > 1
-                                          else f"{g[0]:+.3f}" if g else "—"
-                                          for g in ([a[s] for a in at if s in a] for s in steps))])
-    return [("The gap 2BW − sync at each evaluation (validation loss, paired by seed, mean ± SD): when it "
+        sync_col = reference(study, name, row, is_sync)
+        for column in [c for c in study.cells[name]["columns"] if sync_col and c != sync_col]:
+            at = [dict(zip(*c)) for c in gap_curves(study, name, row, column, sync_col)]
+            steps = steps or (sorted(set.intersection(*(set(a) for a in at))) if at else [])
+            rows.append([row, column, str(len(at)),
+                         *(f"{statistics.fmean(g):+.3f} ± {statistics.stdev(g):.3f}" if len(g) > 1
+                           else f"{g[0]:+.3f}" if g else "—"
+                           for g in ([a[s] for a in at if s in a] for s in steps))])
+    return [("Each arm's gap to sync at every evaluation (validation loss, paired by seed, mean ± SD): when it "
              "opens and how fast it closes."), "",
-            table(["row", "seeds", *(f"step {s}" for s in steps)], rows), ""]
+            table(["row", "column", "seeds", *(f"step {s}" for s in steps)], rows), ""]
 
 
 def sweep_points(study: Study, name: str) -> tuple[dict[str, list[plots.Point]], dict[str, tuple[float, float]]]:

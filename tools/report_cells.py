@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tools import plots
 from tools.report_data import (
+    EARLY_FRACTION,
     MAIN_COLUMNS,
     RunResult,
     Stat,
@@ -201,13 +202,16 @@ def step_table(study: Study, name: str) -> list[str]:
         for column in study.cells[name]["columns"]:
             late = [r.late for _, r in study.results.get((name, row, column), []) if r.status == "done" and r.late]
             if not late:
-                rows.append([row, column, "—", "—", "—", "0"])
+                rows.append([row, column, "—", "—", "—", "—", "0"])
                 continue
-            mean = {k: statistics.fmean(x[k] for x in late) for k in ("grad_norm", "clipped", "update_norm")}
-            rows.append([row, column, f"{mean['grad_norm']:.3f}", f"{mean['clipped']:.0%}",
-                         f"{mean['update_norm']:.4f}", str(len(late))])
+            mean = {k: statistics.fmean(x[k] for x in late)
+                    for k in ("early_grad_norm", "grad_norm", "clipped", "update_norm")}
+            rows.append([row, column, f"{mean['early_grad_norm']:.3f}", f"{mean['grad_norm']:.3f}",
+                         f"{mean['clipped']:.0%}", f"{mean['update_norm']:.4f}", str(len(late))])
     return [("What each arm did to the step, over each run's second half (mean over seeds): the gradient's norm "
              "as the optimizer received it (after any gradient correction, before clipping), the share of steps "
              "whose norm exceeded train.grad_clip (clipped to it), and the update's norm ‖x_{t+1} − x_t‖ (after "
-             "any update correction)."), "",
-            table(["row", "column", "grad norm", "steps clipped", "update norm", "seeds"], rows), ""]
+             f"any update correction); and the gradient's norm over the first {EARLY_FRACTION:.0%} of the steps, "
+             "where a correction that grows with the gradient acts most."), "",
+            table(["row", "column", f"grad norm, first {EARLY_FRACTION:.0%}", "grad norm", "steps clipped",
+                   "update norm", "seeds"], rows), ""]

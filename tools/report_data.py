@@ -39,16 +39,24 @@ class RunResult:
     late: dict[str, float] = field(default_factory=dict)
     """Over the run's second half (finite steps): mean grad_norm and update_norm, and the fraction of steps whose
     grad norm (taken after any gradient correction, before clipping) exceeded train.grad_clip: what a gradient
-    correction does to the step, where its final loss alone cannot say."""
+    correction does to the step, where its final loss alone cannot say; and early_grad_norm, the mean grad_norm
+    over the first EARLY_FRACTION of the steps."""
+
+
+EARLY_FRACTION = 0.2
+"""The run's first steps (warmup and just after) whose mean grad norm the step table shows beside the second
+half's: a correction that scales with the gradient (DC-ASGD's g⊙g) acts there, and has faded by the end."""
 
 
 def late_stats(records: list, grad_clip: float) -> dict[str, float]:
     half = [r for r in records[len(records) // 2:] if math.isfinite(r.grad_norm) and math.isfinite(r.update_norm)]
+    early = [r.grad_norm for r in records[:max(1, round(len(records) * EARLY_FRACTION))] if math.isfinite(r.grad_norm)]
     if not half:
         return {}
     return {"grad_norm": statistics.fmean(r.grad_norm for r in half),
             "update_norm": statistics.fmean(r.update_norm for r in half),
-            "clipped": sum(r.grad_norm > grad_clip for r in half) / len(half) if grad_clip > 0 else 0.0}
+            "clipped": sum(r.grad_norm > grad_clip for r in half) / len(half) if grad_clip > 0 else 0.0,
+            "early_grad_norm": statistics.fmean(early) if early else math.nan}
 
 
 @dataclass

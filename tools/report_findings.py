@@ -54,6 +54,17 @@ EXPLANATIONS: dict[str, str] = {
         "0.835): the correction's noise is bounded, not fed back. The paper's divergence (Fig. 19: a 135M model "
         "over a far longer run, its optimizer not given) is not reached in 200 steps with both bounds in place; "
         "the longer AdamW runs (`grad_ef_long`) test the horizon."),
+    # Written at 3 of 3 seeds of the dc_asgd cell (session 12); the figures are its two tables'.
+    "dc_asgd/muon/dc10000": (
+        "here DC-ASGD's correction acts in the early phase, a large share of a 200-step run. The "
+        "correction λ g⊙g⊙(x_t − x_{t−1}) grows with the square of the gradient. Over the first 20% of the steps "
+        "(warmup and the loss spike after it) the corrected gradient's norm at λ = 10⁴ averages 34, against 3.5 "
+        "for plain 2BW, so early on the step follows the correction more than the gradient. In the second half it "
+        "is no larger than plain 2BW's (0.566 against 0.562). The advantage is there by step 40 (gap to sync 0.613 "
+        "against 0.652) and is then held, not grown (0.040 at step 200). At λ = 10³ the correction stays small "
+        "early (3.58 against 3.50) and there is no significant effect. The paper's Fig. 14 measures SmolLM2-135M "
+        "after a far longer run, in which those first steps are a far smaller share, and does not give its λ grid "
+        "(λ = 10⁴ may lie outside it); whether the advantage outlasts a longer run, these 200 steps cannot say."),
 }
 """Finding key -> why this study disagrees with the paper there, written after reading the data."""
 

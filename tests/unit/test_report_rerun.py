@@ -164,11 +164,11 @@ def test_adamw_lr_reads_the_training_loss_where_each_arm_stalls(report_path, ren
 
 
 def test_momentum_shows_the_gap_at_every_evaluation(rendered):
-    rows = rows_after(rendered, "The gap 2BW − sync at each evaluation", "muon-momentum")
+    rows = rows_after(rendered, "Each arm's gap to sync at every evaluation", "muon-momentum")
     # every run's val loss falls to its final by the same amount, so each seed's gap is the same at every
     # evaluation (steps 10, 20, 30): 0.20, 0.22, 0.21 at μ = 0.9
-    assert rows[0] == ["muon-momentum0.9", "3", *["+0.210 ± 0.010"] * 3]
-    assert len(rows) == 3 and "| row | seeds | step 10 | step 20 | step 30 |" in rendered
+    assert rows[0] == ["muon-momentum0.9", "2bw", "3", *["+0.210 ± 0.010"] * 3]
+    assert len(rows) == 3 and "| row | column | seeds | step 10 | step 20 | step 30 |" in rendered
 
 
 def rows_after(markdown: str, heading: str, first: str) -> list[list[str]]:
@@ -344,8 +344,9 @@ def test_late_stats_read_the_second_half_and_count_clipped_steps():
 
     recs = [SimpleNamespace(grad_norm=g, update_norm=u) for g, u in
             [(9.0, 9.0), (9.0, 9.0), (0.5, 0.2), (1.5, 0.4), (float("nan"), 1.0), (2.5, 0.6)]]
-    # the second half is the last 3; its nan step is skipped; the first half (9.0, 0.5) is not read
-    assert late_stats(recs, 1.0) == {"grad_norm": 2.0, "update_norm": 0.5, "clipped": 1.0}
+    # the second half is the last 3; its nan step is skipped; the first half (9.0, 0.5) is not read, except its
+    # first 20% (round(1.2) = 1 step) for the early grad norm
+    assert late_stats(recs, 1.0) == {"grad_norm": 2.0, "update_norm": 0.5, "clipped": 1.0, "early_grad_norm": 9.0}
     recs[3].grad_norm = 0.9
     assert late_stats(recs, 1.0)["clipped"] == 0.5
     assert late_stats(recs, 0.0)["clipped"] == 0.0  # no clipping configured
@@ -355,12 +356,12 @@ def test_late_stats_read_the_second_half_and_count_clipped_steps():
 def test_correction_cells_show_what_each_arm_did_to_the_step(rendered):
     section = rendered[rendered.index("(`grad_ef_long`)"):]
     section = section[:section.index("\n## ")]
-    assert "| row | column | grad norm | steps clipped | update norm | seeds |" in section
-    assert "| adamw | grad_ef1_long | — | — | — | 0 |" in section  # the synthetic runs log no norms
+    assert "| row | column | grad norm, first 20% | grad norm | steps clipped | update norm | seeds |" in section
+    assert "| adamw | grad_ef1_long | — | — | — | — | 0 |" in section  # the synthetic runs log no norms
     momentum = rendered[rendered.index("(`momentum`)"):]
     assert "steps clipped" not in momentum[:momentum.index("\n## ")]
     main = rendered[rendered.index("## Main\n"):]
-    assert "| adamw | 2bw_ef | — | — | — | 0 |" in main[:main.index("\n## ")]  # EF corrects the update: shown too
+    assert "| adamw | 2bw_ef | — | — | — | — | 0 |" in main[:main.index("\n## ")]  # EF corrects the update: shown too
 
 
 def test_the_cost_section_says_by_how_much_the_projection_is_over_the_budget(study_dir, monkeypatch):
