@@ -54,6 +54,20 @@ EXPLANATIONS: dict[str, str] = {
         "0.835): the correction's noise is bounded, not fed back. The paper's divergence (Fig. 19: a 135M model "
         "over a far longer run, its optimizer not given) is not reached in 200 steps with both bounds in place; "
         "the longer AdamW runs (`grad_ef_long`) test the horizon."),
+    # Written once momentum (5 seeds) and momentum_adamw_part (5 seeds) had ended (session 12); the figures are
+    # their tables and their gap-over-steps tables.
+    "momentum/muon": (
+        "here a 200-step run is too short for high momentum to pay off, so the delay's one step is not diluted by "
+        "it. Higher momentum costs the synchronous run itself (final loss 4.700, 4.785, 4.872 at μ = 0.9, 0.95, "
+        "0.98): its buffer averages about 1/(1 − μ) steps, 50 at 0.98, a quarter of the run, while the loss is "
+        "still falling fast. The delay adds one more step of lag, and early on it costs more the higher μ is (gap "
+        "at step 40: +0.478, +0.616, +0.673); the higher-μ gaps then close faster, and by step 200 the three meet "
+        "(+0.256, +0.260, +0.258). The paper measures the end of far longer runs, where the averaging window is a "
+        "small part of training. A structural cause was tested and ruled out: tiny_dense's tied embedding, 57% of "
+        "its parameters, is trained by Muon's AdamW part with β1 = 0.9 at every μ. Moving β1 with μ "
+        "(`momentum_adamw_part`) does not bring the paper's trend out. It makes the opposite order stronger: the "
+        "gap at 0.98 is +0.321 against +0.256 at 0.9, and larger at every evaluation. More momentum anywhere means "
+        "more lag, and at this horizon more lag makes the delay cost more."),
     # Written at 3 of 3 seeds of the dc_asgd cell (session 12); the figures are its two tables'.
     "dc_asgd/muon/dc10000": (
         "here DC-ASGD's correction acts in the early phase, a large share of a 200-step run. The "
