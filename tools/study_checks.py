@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tools.study import MANIFEST, REPO, STATUS
@@ -118,20 +119,24 @@ def threads_of(status: Path, given: int | None) -> int:
     return next((a["threads"] for a in reversed(attempts) if a.get("threads")), 1)
 
 
-def resumed(study: Path, tree: Path, names: list[str], scratch: Path, threads: int | None) -> int:
+def resumed(study: Path, tree: Path, names: list[str], scratch: Path, threads: int | None, jobs: int = 1) -> int:
     manifest = json.loads((study / MANIFEST).read_text())
     runs = {r["name"]: r for r in manifest["runs"]}
     picked = names or [n for n in runs if (study / n / STATUS).is_file()
                        and len(json.loads((study / n / STATUS).read_text()).get("attempts", [])) > 1]
+
+    def rerun(name: str) -> dict[int, dict]:
+        return train(tree, manifest["experiment"], runs[name]["overrides"], scratch / name,
+                     threads_of(study / name / STATUS, threads))
+
     differ = 0
-    for name in picked:
-        codes = [a.get("returncode") for a in json.loads((study / name / STATUS).read_text())["attempts"]]
-        fresh = train(tree, manifest["experiment"], runs[name]["overrides"], scratch / name,
-                      threads_of(study / name / STATUS, threads))
-        same = fresh == records(study / name / "metrics.jsonl")
-        differ += not same
-        say(f"{name} (attempts exited {codes}): {'same bits as' if same else 'DIFFERENT from'} an uninterrupted run "
-            f"over {len(fresh)} steps")
+    with ThreadPoolExecutor(max_workers=jobs) as pool:  # each rerun is its own process; printed in order
+        for name, fresh in zip(picked, pool.map(rerun, picked)):
+            codes = [a.get("returncode") for a in json.loads((study / name / STATUS).read_text())["attempts"]]
+            same = fresh == records(study / name / "metrics.jsonl")
+            differ += not same
+            say(f"{name} (attempts exited {codes}): {'same bits as' if same else 'DIFFERENT from'} an uninterrupted "
+                f"run over {len(fresh)} steps")
     say(f"resumed: {len(picked)} resumed runs, {differ} differ from their uninterrupted rerun")
     return int(differ > 0)
 
@@ -212,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                        "records them, else 1); as the study gave them: cpu_count // "
                        "its --jobs (1 for --jobs 2 on 2 cores)")
         s.add_argument("runs", nargs="*", help="run names (default: see the module's docstring)")
+    sub.choices["resumed"].add_argument("--jobs", type=int, default=1, help="reruns at a time (each with its "
+                                        "recorded threads)")
     sub.choices["same-code"].add_argument("--against", type=Path, default=REPO, help="the other repository")
     sub.choices["same-code"].add_argument("--steps", type=int, default=12)
     e = sub.add_parser("equivalence")
@@ -231,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                          args.scratch or Path(tempfile.mkdtemp(prefix="study-check-")), args.threads or 1)
     else:
         code = resumed(args.study, args.tree.resolve(), args.runs,
-                       args.scratch or Path(tempfile.mkdtemp(prefix="study-check-")), args.threads)
+                       args.scratch or Path(tempfile.mkdtemp(prefix="study-check-")), args.threads, args.jobs)
     if args.record:
         record(args.record, args.check, argv, code, args.add)
     return code
