@@ -54,6 +54,17 @@ EXPLANATIONS: dict[str, str] = {
         "0.835): the correction's noise is bounded, not fed back. The paper's divergence (Fig. 19: a 135M model "
         "over a far longer run, its optimizer not given) is not reached in 200 steps with both bounds in place; "
         "the longer AdamW runs (`grad_ef_long`) test the horizon."),
+    # Drafted at 7 of 10 seeds of main_more_seeds (session 12), shown only if the finding ends "disagrees"; the
+    # figures are the cell's step table's.
+    "main_more_seeds/lion/ef": (
+        "here EF amplifies Lion's noisiest coordinates instead of correcting a drift. Lion's update is lr·sign(c) "
+        "per coordinate, so u_t − u_{t−1} is zero where the sign holds and ±2·lr where it flips; EF at λ = 1, "
+        "2u_t − u_{t−1}, triples the step of exactly the coordinates that flip, those whose momentum sits near "
+        "zero, where the delayed gradient's sign is least reliable. EF raises Lion's update norm by 35% (second "
+        "half: 0.3965 → 0.5339; for the other optimizers +7% to +21%), so about 10% of the coordinates flip each "
+        "step (√(1 + 8q) = 1.35 gives q ≈ 0.10). A method whose update differences are sign flips has no smooth "
+        "drift for EF to extrapolate. The paper states EF's gain \"for most optimizers\" (Fig. 2) without "
+        "giving Lion's row."),
     # Written once momentum (5 seeds) and momentum_adamw_part (5 seeds) had ended (session 12); the figures are
     # their tables and their gap-over-steps tables.
     "momentum/muon": (
