@@ -65,6 +65,16 @@ EXPLANATIONS: dict[str, str] = {
         "step (√(1 + 8q) = 1.35 gives q ≈ 0.10). A method whose update differences are sign flips has no smooth "
         "drift for EF to extrapolate. The paper states EF's gain \"for most optimizers\" (Fig. 2) without "
         "giving Lion's row."),
+    # Drafted at 8 of 10 seeds of sync_start_more_seeds (session 12), shown only if the finding ends "disagrees";
+    # the figures are that cell's table and adamw_lr's.
+    "sync_start_more_seeds/adamw": (
+        "here neither a synchronous start nor EF reaches the place where AdamW's gap is built, so the two cannot "
+        "differ by much. The gap opens in a stall after warmup (`adamw_lr`: at lr 0.004, from step 60 to 200, "
+        "2BW falls 0.43 against sync's 1.02). The synchronous start covers the first 20 steps, the warmup, and "
+        "ends where the stall begins: it closes 2% of the gap (−0.018 ± 0.094, n.s.). EF shortens the stall a "
+        "little and closes 10% (−0.112 ± 0.127). EF − sync start is negative, as in the paper, but smaller than "
+        "the margin fixed in advance (a quarter of AdamW's gap): that gap is 1.07, and a quarter of it is more "
+        "than EF's whole effect here. For Muon, whose gap is 0.26, EF beats the synchronous start clearly."),
     # Written once momentum (5 seeds) and momentum_adamw_part (5 seeds) had ended (session 12); the figures are
     # their tables and their gap-over-steps tables.
     "momentum/muon": (
