@@ -117,6 +117,15 @@ READINGS: dict[str, str] = {
         "is the regime difference: the paper measures its 360M runs at 2.6 nats, long after such a phase, where "
         "the delay costs AdamW 0.28; these 200 steps lie inside the phase where the loss falls from 7 to 5.5 and "
         "the delay stalls AdamW. The gap here, and EF's share of it, are figures of that early phase."),
+    # Written once ef_lambda had ended (5 of 5 seeds, session 12); the figures are its table and step table.
+    "ef_lambda": (
+        "For both optimizers the loss falls from λ = 0 to λ = 2 and rises again at 3 (AdamW 6.645, 6.626, 6.468, "
+        "6.378, 6.481; Muon 5.045, 4.956, 4.926, 4.921, 4.939), as in the paper's Fig. 15 (best somewhat above 1). "
+        "The correction adds λ(u_t − u_{t−1}) to each update, and the step table shows its price: the update's "
+        "norm grows with λ (AdamW 0.324 to 0.518, Muon 0.835 to 1.642 from λ = 0 to 3), while the gradient's "
+        "norm barely moves. Up to λ = 2 the extrapolation gains more than the larger step costs; at 3 it no "
+        "longer does. For AdamW even the best λ closes only 25% of the gap, and the seed spread is as large as "
+        "the differences between λs: its best-λ finding is decided on the 10 seeds of `ef_lambda_more_seeds`."),
     # Written in session 12, from the plan file's arithmetic and the table above.
     "cost": (
         "The budget is not met, for two reasons. (1) The plan was sized at 0.50 CPU-s per step plus 10.6 CPU-s "
