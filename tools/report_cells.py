@@ -189,7 +189,7 @@ def grad_ef_long(study: Study, plot_dir: Path) -> tuple[list[str], list[tuple[st
 
 
 STEP_DIAGNOSED = ("main", "main_more_seeds", "ef_lambda", "ef_lambda_more_seeds", "grad_ef", "grad_ef_long",
-                  "dc_asgd")
+                  "grad_ef_long_more_seeds", "dc_asgd")
 """Cells of corrections (of the update or of the gradient): their section also shows what each arm did to the
 step, where a final loss alone cannot say why a correction helped or hurt."""
 

@@ -75,6 +75,20 @@ EXPLANATIONS: dict[str, str] = {
         "little and closes 10% (−0.112 ± 0.127). EF − sync start is negative, as in the paper, but smaller than "
         "the margin fixed in advance (a quarter of AdamW's gap): that gap is 1.07, and a quarter of it is more "
         "than EF's whole effect here. For Muon, whose gap is 0.26, EF beats the synchronous start clearly."),
+    # Drafted at 3 of 8 seeds of grad_ef_long_more_seeds (session 12), shown for each λ whose finding ends
+    # "disagrees"; the figures are that cell's step table and grad_ef_long's per-seed column and curves.
+    **dict.fromkeys(("grad_ef_long_more_seeds/adamw/grad_ef1_long", "grad_ef_long_more_seeds/adamw/grad_ef0.5_long"), (
+        "here the corrected gradient is bounded before it can feed back, and for AdamW the bounded correction "
+        "helps. Over 400 steps no run diverged: every run's validation loss is lowest at its last evaluation. At "
+        "λ = 1 the corrected gradient g_t + (g_t − g_{t−1}) exceeds train.grad_clip = 1 on every step of the "
+        "second half (norm 1.298 against 0.423 for plain 2BW), so clipping scales it back, and Adam's second "
+        "moment, fed these larger gradients, shrinks the step: the update's norm is 0.262 against 0.446. At "
+        "λ = 0.5 the gradient is clipped on 2% of the steps and the update is 0.346. The paper's divergence "
+        "(Fig. 19: SmolLM2-135M over a far longer run, its optimizer not given) needs the correction's noise to "
+        "grow the step, and with clipping and Adam's normalization it cannot here. What is left is the "
+        "extrapolation: the corrected gradient leans toward where the gradient is going, and the delayed AdamW "
+        "run, which stalls after warmup (`adamw_lr`), descends faster through the stall with it (the training "
+        "loss of `grad_ef_long`).")),
     # Written once momentum (5 seeds) and momentum_adamw_part (5 seeds) had ended (session 12); the figures are
     # their tables and their gap-over-steps tables.
     "momentum/muon": (

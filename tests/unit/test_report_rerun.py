@@ -217,7 +217,7 @@ def test_momentum_trend_is_decided_by_the_equivalence_margin(rendered):
     margin = 0.25 * gap095
     assert f"TOST ±{margin:.4f}" in finding[3]
     assert finding[4] == f"disagrees, because the effect is absent here: within ±{margin:.4f} (TOST, 90%)"
-    assert finding[5] == "*to write: EXPLANATIONS['momentum/muon'] in tools/report_findings.py*"
+    assert finding[5] == report_findings.EXPLANATIONS["momentum/muon"]  # a disagreement shows its explanation
 
 
 def test_pending_cells_are_named_and_get_no_verdict(rendered):
