@@ -54,27 +54,27 @@ EXPLANATIONS: dict[str, str] = {
         "0.835): the correction's noise is bounded, not fed back. The paper's divergence (Fig. 19: a 135M model "
         "over a far longer run, its optimizer not given) is not reached in 200 steps with both bounds in place; "
         "the longer AdamW runs (`grad_ef_long`) test the horizon."),
-    # Drafted at 7 of 10 seeds of main_more_seeds (session 12), shown only if the finding ends "disagrees"; the
-    # figures are the cell's step table's.
+    # Written at 10 of 10 seeds of main_more_seeds (session 12); the figures are the cell's step table's.
     "main_more_seeds/lion/ef": (
-        "here EF amplifies Lion's noisiest coordinates instead of correcting a drift. Lion's update is lr·sign(c) "
+        "here EF raises Lion's loss because it amplifies Lion's noisiest coordinates instead of correcting a "
+        "drift. Lion's update is lr·sign(c) "
         "per coordinate, so u_t − u_{t−1} is zero where the sign holds and ±2·lr where it flips; EF at λ = 1, "
         "2u_t − u_{t−1}, triples the step of exactly the coordinates that flip, those whose momentum sits near "
-        "zero, where the delayed gradient's sign is least reliable. EF raises Lion's update norm by 35% (second "
-        "half: 0.3965 → 0.5339; for the other optimizers +7% to +21%), so about 10% of the coordinates flip each "
-        "step (√(1 + 8q) = 1.35 gives q ≈ 0.10). A method whose update differences are sign flips has no smooth "
+        "zero, where the delayed gradient's sign is least reliable. EF raises Lion's update norm by 34% (second "
+        "half: 0.3965 → 0.5317; for the other optimizers +7% to +21%, the main table's step table), so about 10% "
+        "of the coordinates flip each step (√(1 + 8q) = 1.34 gives q ≈ 0.10). A method whose update differences are sign flips has no smooth "
         "drift for EF to extrapolate. The paper states EF's gain \"for most optimizers\" (Fig. 2) without "
         "giving Lion's row."),
-    # Drafted at 8 of 10 seeds of sync_start_more_seeds (session 12), shown only if the finding ends "disagrees";
-    # the figures are that cell's table and adamw_lr's.
+    # Written at 10 of 10 seeds of sync_start_more_seeds (session 12); the figures are that cell's table and
+    # adamw_lr's.
     "sync_start_more_seeds/adamw": (
         "here neither a synchronous start nor EF reaches the place where AdamW's gap is built, so the two cannot "
         "differ by much. The gap opens in a stall after warmup (`adamw_lr`: at lr 0.004, from step 60 to 200, "
         "2BW falls 0.43 against sync's 1.02). The synchronous start covers the first 20 steps, the warmup, and "
-        "ends where the stall begins: it closes 2% of the gap (−0.018 ± 0.094, n.s.). EF shortens the stall a "
-        "little and closes 10% (−0.112 ± 0.127). EF − sync start is negative, as in the paper, but smaller than "
-        "the margin fixed in advance (a quarter of AdamW's gap): that gap is 1.07, and a quarter of it is more "
-        "than EF's whole effect here. For Muon, whose gap is 0.26, EF beats the synchronous start clearly."),
+        "ends where the stall begins: it closes 1% of the gap (−0.016 ± 0.086, n.s.). EF shortens the stall a "
+        "little and closes 10% (−0.111 ± 0.114). EF − sync start is negative, as in the paper, but smaller than "
+        "the margin fixed in advance (a quarter of AdamW's gap): that gap is 1.10, and a quarter of it (0.274) is "
+        "more than EF's whole effect here. For Muon, whose gap is 0.26, EF beats the synchronous start clearly."),
     # Drafted at 3 of 8 seeds of grad_ef_long_more_seeds (session 12), shown for each λ whose finding ends
     # "disagrees"; the figures are that cell's step table and grad_ef_long's per-seed column and curves.
     **dict.fromkeys(("grad_ef_long_more_seeds/adamw/grad_ef1_long", "grad_ef_long_more_seeds/adamw/grad_ef0.5_long"), (
