@@ -119,11 +119,20 @@ def threads_of(status: Path, given: int | None) -> int:
     return next((a["threads"] for a in reversed(attempts) if a.get("threads")), 1)
 
 
+def was_resumed(run_dir: Path) -> bool:
+    """The run went on from a checkpoint: its train.log says so (the trainer's "resumed at step N"), which also
+    finds a run whose process was killed before it could record its attempt; or more than one attempt is recorded."""
+    log = run_dir / "train.log"
+    if log.is_file() and "resumed at step" in log.read_text(errors="replace"):
+        return True
+    status = run_dir / STATUS
+    return status.is_file() and len(json.loads(status.read_text()).get("attempts", [])) > 1
+
+
 def resumed(study: Path, tree: Path, names: list[str], scratch: Path, threads: int | None, jobs: int = 1) -> int:
     manifest = json.loads((study / MANIFEST).read_text())
     runs = {r["name"]: r for r in manifest["runs"]}
-    picked = names or [n for n in runs if (study / n / STATUS).is_file()
-                       and len(json.loads((study / n / STATUS).read_text()).get("attempts", [])) > 1]
+    picked = names or [n for n in runs if was_resumed(study / n)]
 
     def rerun(name: str) -> dict[int, dict]:
         return train(tree, manifest["experiment"], runs[name]["overrides"], scratch / name,

@@ -108,3 +108,16 @@ def test_a_rerun_takes_the_threads_the_study_recorded(tmp_path):
     assert study_checks.threads_of(run_dir / study.STATUS, 3) == 3  # --threads wins
     (run_dir / study.STATUS).write_text(json.dumps({"attempts": [{"returncode": 0}]}))  # before it was recorded
     assert study_checks.threads_of(run_dir / study.STATUS, None) == 1
+
+
+def test_a_run_killed_before_it_recorded_its_attempt_still_counts_as_resumed(tmp_path):
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    study._write_status(run_dir, 0, 1.0, "cmd", 2.0)  # one recorded attempt: the one killed left no record
+    assert not study_checks.was_resumed(run_dir)
+    (run_dir / "train.log").write_text("$ pretrain.py ...\n$ pretrain.py ...\n[t] resumed at step 50\n")
+    assert study_checks.was_resumed(run_dir)
+    (run_dir / "train.log").write_text("$ pretrain.py ...\n$ pretrain.py ...\n")  # restarted from scratch
+    assert not study_checks.was_resumed(run_dir)
+    study._write_status(run_dir, 0, 1.0, "cmd", 2.0)
+    assert study_checks.was_resumed(run_dir)  # two recorded attempts
