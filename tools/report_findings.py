@@ -163,8 +163,8 @@ READINGS: dict[str, str] = {
         "except five, and none of the five fails on a number: each reaches an API that has moved or was removed "
         "since (the fault test's hook on PipelineExecutor._forward, now StageForward.__call__; the Megatron log "
         "line's padding, changed with the console; the vocabulary-parallel loss on one rank, which now refuses and "
-        "names core.loss.cross_entropy; the removed test-only head's broadcast_hidden; compute_dtype_of, moved "
-        "to asyncpp.core.masters). Their current versions are in the final code's default suite and pass."),
+        "names core.loss.cross_entropy; the removed test-only head's helper module, tests/dist/vocab_workers; "
+        "compute_dtype_of, moved to asyncpp.core.masters). Their current versions are in the final code's default suite and pass."),
 }
 """Cell name (or "cost" and "checks", the sections on cost and on the code) -> what its table and figure say, written after reading the data (the
 AdamW explanation lives in its cells' readings). Shown under the section; a cell in NEEDS_READING without one
