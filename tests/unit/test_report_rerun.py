@@ -325,6 +325,7 @@ def test_a_main_row_with_more_seeds_is_decided_on_them(study_dir, tmp_path):
 
 def test_a_cells_reading_is_shown_under_its_section_and_a_missing_one_by_name(study_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(report_findings.READINGS, "adamw_lr", "the gap grows with the learning rate")
+    monkeypatch.delitem(report_findings.READINGS, "grad_ef_long")  # a cell that needs one and has none
     doc = tmp_path / "reproduction.md"
     assert report.main([str(study_dir), "--out", str(doc)]) == 0
     markdown = doc.read_text()
