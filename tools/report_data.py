@@ -50,9 +50,9 @@ half's: a correction that scales with the gradient (DC-ASGD's g⊙g) acts there,
 
 def late_stats(records: list, grad_clip: float) -> dict[str, float]:
     half = [r for r in records[len(records) // 2:] if math.isfinite(r.grad_norm) and math.isfinite(r.update_norm)]
-    early = [r.grad_norm for r in records[:max(1, round(len(records) * EARLY_FRACTION))] if math.isfinite(r.grad_norm)]
     if not half:
         return {}
+    early = [r.grad_norm for r in records[:max(1, round(len(records) * EARLY_FRACTION))] if math.isfinite(r.grad_norm)]
     return {"grad_norm": statistics.fmean(r.grad_norm for r in half),
             "update_norm": statistics.fmean(r.update_norm for r in half),
             "clipped": sum(r.grad_norm > grad_clip for r in half) / len(half) if grad_clip > 0 else 0.0,

@@ -44,6 +44,21 @@ PAPER_360M = {"muon": (2.578, 2.590, 2.583), "adamw": (2.612, 2.890, 2.640), "so
 MOMENTUM_REFERENCE = 0.95
 """Muon's momentum whose 2BW gap sets the momentum trend's margin (the paper's and the optimizer's default)."""
 
+# Written at 8 of 8 seeds of grad_ef_long_more_seeds (session 12), for both λ; the figures are that cell's
+# step table, every run's validation curve (lowest at its last evaluation) and grad_ef_long's curves.
+ADAMW_GRAD_EF_LONG = (
+    "here the corrected gradient is bounded before it can feed back, and for AdamW the bounded correction helps. "
+    "Over 400 steps no run diverged: each of the 32 runs has its lowest validation loss at its last evaluation. At λ "
+    "= 1 the corrected gradient g_t + (g_t − g_{t−1}) exceeds train.grad_clip = 1 on every step of the second half "
+    "but 1% (norm 1.277 against 0.425 for plain 2BW), so clipping scales it back, and Adam's second moment, fed "
+    "these larger gradients, shrinks the step: the update's norm is 0.264 against 0.448. At λ = 0.5 the gradient is "
+    "clipped on 3% of the steps and the update is 0.353. The paper's divergence (Fig. 19: SmolLM2-135M over a far "
+    "longer run, its optimizer not given) needs the correction's noise to grow the step, and with clipping and "
+    "Adam's normalization it cannot here. What is left is the extrapolation: the corrected gradient leans toward "
+    "where the gradient is going, and the delayed AdamW run, which stalls after warmup (`adamw_lr`), descends faster "
+    "through the stall with it (the training loss of `grad_ef_long`).")
+"""Why AdamW's gradient-level EF does not diverge over 400 steps: one text for λ = 0.5 and λ = 1."""
+
 EXPLANATIONS: dict[str, str] = {
     # Written at 5 of 5 seeds of the grad_ef cell (session 11); the figures are the cell's step table's.
     "grad_ef/muon/grad_ef1": (
@@ -56,15 +71,14 @@ EXPLANATIONS: dict[str, str] = {
         "the longer AdamW runs (`grad_ef_long`) test the horizon."),
     # Written at 10 of 10 seeds of main_more_seeds (session 12); the figures are the cell's step table's.
     "main_more_seeds/lion/ef": (
-        "here EF raises Lion's loss because it amplifies Lion's noisiest coordinates instead of correcting a "
-        "drift. Lion's update is lr·sign(c) "
-        "per coordinate, so u_t − u_{t−1} is zero where the sign holds and ±2·lr where it flips; EF at λ = 1, "
-        "2u_t − u_{t−1}, triples the step of exactly the coordinates that flip, those whose momentum sits near "
-        "zero, where the delayed gradient's sign is least reliable. EF raises Lion's update norm by 34% (second "
-        "half: 0.3965 → 0.5317; for the other optimizers +7% to +21%, the main table's step table), so about 10% "
-        "of the coordinates flip each step (√(1 + 8q) = 1.34 gives q ≈ 0.10). A method whose update differences are sign flips has no smooth "
-        "drift for EF to extrapolate. The paper states EF's gain \"for most optimizers\" (Fig. 2) without "
-        "giving Lion's row."),
+        "here EF raises Lion's loss because it amplifies Lion's noisiest coordinates instead of correcting a drift. "
+        "Lion's update is lr·sign(c) per coordinate, so u_t − u_{t−1} is zero where the sign holds and ±2·lr where "
+        "it flips; EF at λ = 1, 2u_t − u_{t−1}, triples the step of exactly the coordinates that flip, those whose "
+        "momentum sits near zero, where the delayed gradient's sign is least reliable. EF raises Lion's update norm "
+        "by 34% (second half: 0.3965 → 0.5317; for the other optimizers +7% to +21%, the main table's step table), "
+        "so about 10% of the coordinates flip each step (√(1 + 8q) = 1.34 gives q ≈ 0.10). A method whose update "
+        "differences are sign flips has no smooth drift for EF to extrapolate. The paper states EF's gain \"for most "
+        "optimizers\" (Fig. 2) without giving Lion's row."),
     # Written at 10 of 10 seeds of sync_start_more_seeds (session 12); the figures are that cell's table and
     # adamw_lr's.
     "sync_start_more_seeds/adamw": (
@@ -75,21 +89,8 @@ EXPLANATIONS: dict[str, str] = {
         "little and closes 10% (−0.111 ± 0.114). EF − sync start is negative, as in the paper, but smaller than "
         "the margin fixed in advance (a quarter of AdamW's gap): that gap is 1.10, and a quarter of it (0.274) is "
         "more than EF's whole effect here. For Muon, whose gap is 0.26, EF beats the synchronous start clearly."),
-    # Written at 8 of 8 seeds of grad_ef_long_more_seeds (session 12), for both λ; the figures are that cell's
-    # step table, every run's validation curve (lowest at its last evaluation) and grad_ef_long's curves.
-    **dict.fromkeys(("grad_ef_long_more_seeds/adamw/grad_ef1_long", "grad_ef_long_more_seeds/adamw/grad_ef0.5_long"), (
-        "here the corrected gradient is bounded before it can feed back, and for AdamW the bounded correction "
-        "helps. Over 400 steps no run diverged: each of the 32 runs has its lowest validation loss at its last "
-        "evaluation. At "
-        "λ = 1 the corrected gradient g_t + (g_t − g_{t−1}) exceeds train.grad_clip = 1 on every step of the "
-        "second half but 1% (norm 1.277 against 0.425 for plain 2BW), so clipping scales it back, and Adam's second "
-        "moment, fed these larger gradients, shrinks the step: the update's norm is 0.264 against 0.448. At "
-        "λ = 0.5 the gradient is clipped on 3% of the steps and the update is 0.353. The paper's divergence "
-        "(Fig. 19: SmolLM2-135M over a far longer run, its optimizer not given) needs the correction's noise to "
-        "grow the step, and with clipping and Adam's normalization it cannot here. What is left is the "
-        "extrapolation: the corrected gradient leans toward where the gradient is going, and the delayed AdamW "
-        "run, which stalls after warmup (`adamw_lr`), descends faster through the stall with it (the training "
-        "loss of `grad_ef_long`).")),
+    "grad_ef_long_more_seeds/adamw/grad_ef1_long": ADAMW_GRAD_EF_LONG,
+    "grad_ef_long_more_seeds/adamw/grad_ef0.5_long": ADAMW_GRAD_EF_LONG,
     # Written once momentum (5 seeds) and momentum_adamw_part (5 seeds) had ended (session 12); the figures are
     # their tables and their gap-over-steps tables.
     "momentum/muon": (
@@ -106,15 +107,15 @@ EXPLANATIONS: dict[str, str] = {
         "more lag, and at this horizon more lag makes the delay cost more."),
     # Written at 3 of 3 seeds of the dc_asgd cell (session 12); the figures are its two tables'.
     "dc_asgd/muon/dc10000": (
-        "here DC-ASGD's correction acts in the early phase, a large share of a 200-step run. The "
-        "correction λ g⊙g⊙(x_t − x_{t−1}) grows with the square of the gradient. Over the first 20% of the steps "
-        "(warmup and the loss spike after it) the corrected gradient's norm at λ = 10⁴ averages 34, against 3.5 "
-        "for plain 2BW, so early on the step follows the correction more than the gradient. In the second half it "
-        "is no larger than plain 2BW's (0.566 against 0.562). The advantage is there by step 40 (gap to sync 0.613 "
-        "against 0.652) and is then held, not grown (0.040 at step 200). At λ = 10³ the correction stays small "
-        "early (3.58 against 3.50) and there is no significant effect. The paper's Fig. 14 measures SmolLM2-135M "
-        "after a far longer run, in which those first steps are a far smaller share, and does not give its λ grid "
-        "(λ = 10⁴ may lie outside it); whether the advantage outlasts a longer run, these 200 steps cannot say."),
+        "here DC-ASGD's correction acts in the early phase, a large share of a 200-step run. The correction λ "
+        "g⊙g⊙(x_t − x_{t−1}) grows with the square of the gradient. Over the first 20% of the steps (warmup and the "
+        "loss spike after it) the corrected gradient's norm at λ = 10⁴ averages 34, against 3.5 for plain 2BW, so "
+        "early on the step follows the correction more than the gradient. In the second half it is no larger than "
+        "plain 2BW's (0.566 against 0.562). The advantage is there by step 40 (gap to sync 0.613 against 0.652) and "
+        "is then held, not grown (0.040 at step 200). At λ = 10³ the correction stays small early (3.58 against "
+        "3.50) and there is no significant effect. The paper's Fig. 14 measures SmolLM2-135M after a far longer run, "
+        "in which those first steps are a far smaller share, and does not give its λ grid (λ = 10⁴ may lie outside "
+        "it); whether the advantage outlasts a longer run, these 200 steps cannot say."),
 }
 """Finding key -> why this study disagrees with the paper there, written after reading the data."""
 
@@ -169,19 +170,19 @@ READINGS: dict[str, str] = {
     # Written in session 12 from the checks above.
     "checks": (
         "Every run's code is 13a0011's: the study's later commits change only the plan file and, in 5dbed87, the "
-        "study driver's naming of a run directory. The same-code check is the direct evidence that the final "
-        "code computes these runs: a 12-step run of each mechanism's and each optimizer's config, with an "
-        "evaluation, a checkpoint and a synchronous start inside it, gives the same bits at every step in the "
-        "study's tree and in the final code. The equivalence tests of 13a0011, unchanged, pass on the final code "
-        "except five, and none of the five fails on a number: each reaches an API that has moved or was removed "
-        "since (the fault test's hook on PipelineExecutor._forward, now StageForward.__call__; the Megatron log "
-        "line's padding, changed with the console; the vocabulary-parallel loss on one rank, which now refuses and "
-        "names core.loss.cross_entropy; the removed test-only head's helper module, tests/dist/vocab_workers; "
-        "compute_dtype_of, moved to asyncpp.core.masters). Their current versions are in the final code's default suite and pass."),
+        "study driver's naming of a run directory. The same-code check is the direct evidence that the final code "
+        "computes these runs: a 12-step run of each mechanism's and each optimizer's config, with an evaluation, a "
+        "checkpoint and a synchronous start inside it, gives the same bits at every step in the study's tree and in "
+        "the final code. The equivalence tests of 13a0011, unchanged, pass on the final code except five, and none "
+        "of the five fails on a number: each reaches an API that has moved or was removed since (the fault test's "
+        "hook on PipelineExecutor._forward, now StageForward.__call__; the Megatron log line's padding, changed with "
+        "the console; the vocabulary-parallel loss on one rank, which now refuses and names core.loss.cross_entropy; "
+        "the removed test-only head's helper module, tests/dist/vocab_workers; compute_dtype_of, moved to "
+        "asyncpp.core.masters). Their current versions are in the final code's default suite and pass."),
 }
-"""Cell name (or "cost" and "checks", the sections on cost and on the code) -> what its table and figure say, written after reading the data (the
-AdamW explanation lives in its cells' readings). Shown under the section; a cell in NEEDS_READING without one
-shows its empty slot."""
+"""Cell name (or "cost" and "checks", the sections on cost and on the code) -> what its table and figure say,
+written after reading the data (the AdamW explanation lives in its cells' readings). Shown under the section; a
+cell in NEEDS_READING without one shows its empty slot."""
 NEEDS_READING = ("adamw_lr", "ef_lambda", "grad_ef_long")
 
 

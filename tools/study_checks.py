@@ -15,9 +15,10 @@ equivalence tests pass unchanged on the final code"; "check that every run reall
   (helpers moved since) are collection errors; the summary and each failure's first error line are printed for
   a person to read: a numeric assertion that fails is a changed result, an AttributeError is a moved API.
 
-`--record docs/reproduction/checks.json` keeps a check's command, time, commit and printed lines in that file (one
-entry per check, the latest run replacing the earlier one); `tools.report` prints the file under the commits its
-runs ran on, when it sits in the report's figure folder.
+`--record docs/reproduction/checks.json` keeps a check's command, time, exit code and printed lines in that file,
+under the check's name: a new invocation replaces the check's earlier ones, or with `--add` joins them (runs that
+ended after the check). `tools.report` prints the file under the commits its runs ran on, when it sits in the
+report's figure folder.
 """
 
 from __future__ import annotations
